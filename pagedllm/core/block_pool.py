@@ -1,0 +1,88 @@
+"""The pool of physical KV blocks: reference counts, a null block and an LRU free queue."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    """One physical block of ``block_size`` token slots in every layer's K/V tensors."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    """Chained hash of a full block's tokens (prefix caching); None while not cached."""
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order: the least recently freed first (O(1) push, pop, remove)."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.block_id in self._queue
+
+    def popleft(self) -> KVCacheBlock:
+        return self._queue.popitem(last=False)[1]
+
+    def append(self, block: KVCacheBlock) -> None:
+        assert block.block_id not in self._queue, f"block {block.block_id} freed twice"
+        self._queue[block.block_id] = block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        del self._queue[block.block_id]
+
+    def block_ids(self) -> list[int]:
+        """Free block ids in eviction order."""
+        return list(self._queue)
+
+
+class BlockPool:
+    """All KV blocks. Block 0 is the null block: never handed out, used to pad block tables."""
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks >= 2, "need the null block and at least one usable block"
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+
+    @property
+    def num_blocks(self) -> int:
+        """All blocks, the null block included."""
+        return len(self.blocks)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return len(self.blocks) - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` free blocks (least recently freed first), each with ref_cnt 1."""
+        assert num_blocks <= len(self.free_queue), "caller checks num_free_blocks first"
+        taken = [self.free_queue.popleft() for _ in range(num_blocks)]
+        for block in taken:
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            block.block_hash = None
+        return taken
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks nobody holds go to the free queue's end."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"block {block.block_id} freed more often than taken"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def usage(self) -> float:
+        """Fraction of usable blocks currently held by requests (0.0 - 1.0)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks

@@ -1,0 +1,232 @@
+"""Iteration-level scheduler: the batch is decided again at every step.
+
+Running requests first (each gets the tokens it still lacks, up to the step's token budget),
+then waiting ones in FCFS order. When the pool runs dry the newest running request is
+preempted by recompute; a step that preempted admits nobody.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.errors import ValidationError
+from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedllm.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start, and the state after the last step."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_chunked_prefills: int = 0
+    """Times a prompt was scheduled only in part because of the token budget."""
+    max_num_running: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    max_kv_cache_usage: float = 0.0
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call decided so far, and its remaining budget."""
+
+    token_budget: int
+    output: SchedulerOutput
+    preempted: bool = False
+
+
+class Scheduler:
+    """Owns the request queues and the KV cache manager; decides each step's batch."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int) -> None:
+        self.config = scheduler_config
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self._seen_by_workers: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request) -> None:
+        """Queue a request; refuse one that could never fit in the pool."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        max_len = request.num_prompt_tokens + request.max_tokens
+        needed = self.kv_cache_manager.num_blocks_needed(max_len)
+        usable = self.kv_cache_manager.block_pool.num_usable_blocks
+        if needed > usable:
+            raise ValidationError(
+                f"request needs up to {needed} KV blocks ({request.num_prompt_tokens} prompt + "
+                f"{request.max_tokens} max_tokens) but the pool has only {usable}",
+                param="max_tokens", value=request.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string): their blocks are freed at once."""
+        assert status.is_finished
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+        self._refresh_gauges()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch: running requests, then (unless one was preempted) waiting ones."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, output=SchedulerOutput())
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        plan.output.finished_req_ids = self._finished_since_last_step
+        self._finished_since_last_step = set()
+        self._update_after_schedule(plan.output)
+        return plan.output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            assert num_new > 0, "a running request always lacks at least its newest token"
+            new_blocks = self._allocate_or_preempt(request, num_new, plan)
+            if new_blocks is None:  # the request preempted itself
+                break
+            self._add_to_batch(request, num_new, new_blocks, plan)
+            index += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list | None:
+        """Allocate slots, preempting the newest running requests until it fits (or is itself preempted)."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            self._add_to_batch(request, num_new, new_blocks, plan)
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Recompute preemption: free the blocks, forget the K/V, back to the queue's front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        plan.preempted = True
+        plan.output.preempted_req_ids.add(request.request_id)
+        self.stats.num_preemptions += 1
+
+    def _add_to_batch(self, request: Request, num_new: int, new_blocks: list, plan: _StepPlan) -> None:
+        out = plan.output
+        req_id = request.request_id
+        if req_id not in self._seen_by_workers:
+            self._seen_by_workers.add(req_id)
+            out.scheduled_new_reqs.append(NewRequestData(
+                req_id, request.prompt_token_ids, request.sampling_params,
+                self.kv_cache_manager.get_block_ids(req_id), request.num_computed_tokens))
+        else:
+            resumed = request.num_preemptions > 0 and request.num_computed_tokens == 0
+            block_ids = (self.kv_cache_manager.get_block_ids(req_id) if resumed
+                         else [b.block_id for b in new_blocks])
+            out.scheduled_cached_reqs.append(
+                CachedRequestData(req_id, block_ids, request.num_computed_tokens, resumed))
+        out.num_scheduled_tokens[req_id] = num_new
+        plan.token_budget -= num_new
+        if request.num_computed_tokens + num_new < request.num_tokens:
+            self.stats.num_chunked_prefills += 1
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        for req_id, num_new in out.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            self.stats.num_prompt_tokens_computed += max(
+                0, min(request.num_prompt_tokens, request.num_computed_tokens + num_new) - request.num_computed_tokens)
+            request.num_computed_tokens += num_new
+        self.stats.num_steps += 1 if out.num_scheduled_tokens else 0
+        self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
+        self._refresh_gauges()
+
+    # ------------------------------------------------------------------------- update
+    def update_from_output(self, out: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        results: list[EngineCoreOutput] = []
+        for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                               runner_output.logprobs):
+            request = self.requests.get(req_id)
+            if request is None or not token_ids:  # aborted meanwhile, or a prompt chunk
+                continue
+            new_tokens: list[int] = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_tokens.append(token_id)
+                self.stats.num_generated_tokens += 1
+                if self._check_stop(request, token_id):
+                    break
+            results.append(EngineCoreOutput(req_id, new_tokens, [] if logprobs is None else [logprobs],
+                                            request.status.finish_reason, request.stop_reason))
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request)
+        self._refresh_gauges()
+        return results
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        min_reached = request.num_output_tokens >= params.min_tokens
+        if min_reached and not params.ignore_eos and token_id == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif min_reached and token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+        elif (request.num_output_tokens >= request.max_tokens
+              or request.num_tokens >= self.config.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return request.is_finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._seen_by_workers:
+            self._seen_by_workers.discard(request.request_id)
+            self._finished_since_last_step.add(request.request_id)
+
+    def _refresh_gauges(self) -> None:
+        stats = self.stats
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.kv_cache_usage = self.kv_cache_manager.usage()
+        stats.max_kv_cache_usage = max(stats.max_kv_cache_usage, stats.kv_cache_usage)

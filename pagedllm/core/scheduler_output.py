@@ -1,0 +1,51 @@
+"""The plain, picklable data the scheduler hands to workers each step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen: everything needed to build its state."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers know: its new blocks and how far it is computed.
+
+    ``resumed`` (after a preemption) means ``new_block_ids`` replace the whole table.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch. Requests are in scheduling order; all tokens are flattened."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """Request id -> tokens computed for it this step."""
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished since the last step: workers drop their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens

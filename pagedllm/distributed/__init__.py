@@ -1,0 +1,1 @@
+"""Tensor-parallel groups and collectives (identity at tp=1)."""

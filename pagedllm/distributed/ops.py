@@ -1,0 +1,25 @@
+"""Collectives used by tensor-parallel layers; each returns its input unchanged at tp=1."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.distributed.parallel_state import get_tp_world_size
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the tensor-parallel ranks."""
+    if get_tp_world_size() == 1:
+        return x
+    dist.all_reduce(x)
+    return x
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``."""
+    world = get_tp_world_size()
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)

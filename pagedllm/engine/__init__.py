@@ -1,0 +1,1 @@
+"""The engine: request processing, the step loop, detokenization."""

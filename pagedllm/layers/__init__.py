@@ -1,0 +1,1 @@
+"""Model building blocks: tensor-parallel-ready linear and embedding layers, norms, rotary, sampler."""

@@ -1,0 +1,46 @@
+"""Vocabulary-parallel token embedding and LM head (each rank holds a slice of the vocabulary)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.ops import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from pagedllm.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (token ids) are split across ranks; the lookups are summed."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
+        self.num_embeddings = num_embeddings
+        self.rows_per_partition = divide(num_embeddings, self.tp_size)
+        self.vocab_start = self.tp_rank * self.rows_per_partition
+        self.weight = nn.Parameter(torch.empty(self.rows_per_partition, embedding_dim, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's rows of the full embedding matrix."""
+        assert loaded.shape[0] == self.num_embeddings, (loaded.shape, self.num_embeddings)
+        param.data.copy_(loaded.narrow(0, self.vocab_start, self.rows_per_partition))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_partition)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)  # other ranks hold these rows
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary; each rank computes its slice of the logits."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(tokens, hidden) -> (tokens, vocab) logits in float32."""
+        logits = F.linear(hidden_states, self.weight)
+        return tensor_model_parallel_all_gather(logits, dim=-1).float()

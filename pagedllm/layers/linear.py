@@ -1,0 +1,108 @@
+"""Linear layers that split their weight across tensor-parallel ranks.
+
+Column-parallel layers split the output features (no communication); row-parallel layers
+split the input features and sum the partial products with an all-reduce. Packed layers
+(QKV, gate_up) load each checkpoint shard into its slice through ``weight_loader``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.ops import tensor_model_parallel_all_reduce
+from pagedllm.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size
+
+
+def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by rows (output features) across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
+        self.input_size = input_size
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self.weight = _param(self.output_size_per_partition, input_size, dtype=dtype)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(self.output_size_per_partition, dtype=dtype) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's rows of a full checkpoint tensor."""
+        rows = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (e.g. gate_up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's rows of checkpoint shard ``shard_id`` (an index into output_sizes)."""
+        assert isinstance(shard_id, int)
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections packed in one matmul; heads are split across ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, dtype: torch.dtype | None = None) -> None:
+        tp_size = get_tp_world_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size)
+        self.num_kv_heads = divide(num_kv_heads, tp_size)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's heads of checkpoint shard "q", "k" or "v"."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, q+k+v) -> q (tokens, q_size), k and v (tokens, kv_size)."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return qkv.split([q_size, kv_size, kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by columns (input features); partial sums all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.weight = _param(output_size, self.input_size_per_partition, dtype=dtype)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(output_size, dtype=dtype) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self._bias_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's columns of a full checkpoint tensor."""
+        cols = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * cols, cols))
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # bias once, after the sum

@@ -1,0 +1,27 @@
+"""RMSNorm with the residual add fused in (computed as transformers' LlamaRMSNorm does)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, in float32 and cast back; optionally adds the residual first."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,63 @@
+"""Rotary position embedding (neox / rotate-half layout, as HF Llama), with rope scaling."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.errors import ValidationError
+
+
+def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,) for the rope type in ``scaling``."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValidationError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)",
+                          param="rope_scaling", value=scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by factor, short kept, the band between smoothed."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embedding to q and k at given positions from a precomputed cos/sin cache."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 scaling: dict[str, Any] | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = _inv_freq(head_dim, base, scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (max_pos, head_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, head_dim)
+        # Cached in the run dtype: transformers casts cos/sin to the activations' dtype too.
+        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (tokens, heads, head_dim), k (tokens, kv_heads, head_dim) -> rotated copies."""
+        cos = self.cos_cache[positions].unsqueeze(1)  # (tokens, 1, head_dim)
+        sin = self.sin_cache[positions].unsqueeze(1)  # (tokens, 1, head_dim)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

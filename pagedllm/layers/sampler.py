@@ -1,0 +1,146 @@
+"""The sampler: penalties, min_tokens, temperature, min_p, top_k, top_p, then one draw per row.
+
+Random rows are drawn by an exponential race (argmax of p / q with q ~ Exp(1)), which equals
+sampling from p; a seeded request draws its q from its own generator, so its tokens do not
+depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.outputs import TokenLogprobs
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one step (rows = requests that sample)."""
+
+    temperature: torch.Tensor
+    """(rows,) float32; 1.0 on greedy rows (their scaled logits are not used)."""
+    greedy: torch.Tensor
+    """(rows,) bool."""
+    all_greedy: bool
+    top_k: torch.Tensor | None = None
+    """(rows,) int64, vocab size where disabled; None when no row uses it."""
+    top_p: torch.Tensor | None = None
+    """(rows,) float32, 1.0 where disabled."""
+    min_p: torch.Tensor | None = None
+    """(rows,) float32, 0.0 where disabled."""
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    """Row -> the request's own generator (requests with a seed)."""
+    default_generator: torch.Generator | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    output_token_ids: list[list[int]] | None = None
+    """Per row, tokens generated so far (only when a penalty is used)."""
+    prompt_token_ids: list[list[int]] | None = None
+    """Per row, prompt tokens (only when a repetition penalty is used)."""
+    blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    """Row -> tokens it may not sample yet (EOS / stop ids before min_tokens)."""
+    max_num_logprobs: int | None = None
+    """Largest top-N asked for by any row; None when no row wants logprobs."""
+    wants_logprobs: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor
+    """(rows,) int64."""
+    logprobs: list[TokenLogprobs | None]
+
+
+def token_counts(token_ids: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """(rows, vocab) int64: how often each token occurs in each row's list."""
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.int64)
+    width = max((len(t) for t in token_ids), default=0)
+    if width:
+        padded = torch.full((len(token_ids), width), vocab_size, dtype=torch.int64)  # pad -> spare column
+        for row, ids in enumerate(token_ids):
+            padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """vLLM's definitions: repetition (prompt or output tokens), then frequency, then presence."""
+    vocab = logits.shape[1]
+    if md.repetition_penalty is not None:
+        seen = token_counts([p + o for p, o in zip(md.prompt_token_ids, md.output_token_ids)], vocab) > 0
+        penalty = md.repetition_penalty.unsqueeze(1).expand_as(logits)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    if md.frequency_penalty is not None or md.presence_penalty is not None:
+        counts = token_counts(md.output_token_ids, vocab).to(logits.dtype)
+        if md.frequency_penalty is not None:
+            logits = logits - md.frequency_penalty.unsqueeze(1) * counts
+        if md.presence_penalty is not None:
+            logits = logits - md.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (-inf) tokens outside the top k, then outside the smallest set of mass >= top_p."""
+    if top_k is not None:
+        k_max = int(top_k.max())
+        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k - 1).clamp(max=k_max - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1)  # ascending
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the top token's."""
+    probs = logits.softmax(-1)
+    threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class Sampler(nn.Module):
+    """Logits (rows, vocab) float32 -> one token per row, and logprobs where asked."""
+
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        # logprobs are of the model's raw distribution (before penalties and temperature), as vLLM's default
+        raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
+        logits = apply_penalties(logits, md)
+        for row, token_ids in md.blocked_token_ids.items():
+            logits[row, token_ids] = float("-inf")
+        sampled = logits.argmax(dim=-1)
+        if not md.all_greedy:
+            sampled = torch.where(md.greedy, sampled, self._random_sample(logits, md))
+        logprobs = self._gather_logprobs(raw_logprobs, sampled, md) if raw_logprobs is not None else []
+        return SamplerOutput(sampled, logprobs or [None] * logits.shape[0])
+
+    @staticmethod
+    def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        logits = logits / md.temperature.unsqueeze(1)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = logits.softmax(-1)
+        q = torch.empty_like(probs).exponential_(generator=md.default_generator)
+        for row, generator in md.generators.items():
+            q[row].exponential_(generator=generator)
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, md: SamplingMetadata) -> list[TokenLogprobs | None]:
+        chosen = raw.gather(1, sampled.unsqueeze(1))  # (rows, 1)
+        ranks = (raw > chosen).sum(dim=1) + 1
+        top = raw.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs else None
+        chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+        top_ids = top.indices.tolist() if top is not None else None
+        top_vals = top.values.tolist() if top is not None else None
+        out: list[TokenLogprobs | None] = []
+        for row, wants in enumerate(md.wants_logprobs):
+            out.append(TokenLogprobs(chosen_l[row], ranks_l[row], top_ids[row] if top_ids else [],
+                                     top_vals[row] if top_vals else []) if wants else None)
+        return out

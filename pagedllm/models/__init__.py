@@ -1,0 +1,1 @@
+"""Model definitions, their typed config, registry and weight loaders."""

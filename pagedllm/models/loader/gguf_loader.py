@@ -1,0 +1,119 @@
+"""GGUF files: config from the metadata, tensors dequantized with the `gguf` package.
+
+llama.cpp stores Q and K projections of the "llama" architecture with rows permuted for its
+interleaved rotary layout; they are permuted back to HF's rotate-half layout here.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.errors import ValidationError
+from pagedllm.models.config import ArchConfig
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: str):
+    """The parsed file (memory-mapped); cached because parsing the vocabulary takes seconds."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _metadata(reader) -> dict[str, Any]:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[1] in ("tokens", "scores", "token_type", "merges"):
+            continue  # large arrays the tokenizer reads itself
+        out[key] = field.contents()
+    return out
+
+
+def load_arch_config(path: str) -> ArchConfig:
+    reader = _reader(path)
+    meta = _metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValidationError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}",
+                              param="model", value=arch)
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    num_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    scaling = None
+    if get("rope.scaling.type") not in (None, "none"):
+        scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")}
+    tensor_names = {t.name for t in reader.tensors}
+    return ArchConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=get("attention.head_count_kv", num_heads),
+        head_dim=get("attention.key_length", hidden // num_heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias=False,
+        sliding_window=None,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")  # suffix: weight / bias
+    parts = base.split(".")
+    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    return None
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation: rows stored (heads, dim/2, 2) go back to (heads, 2, dim/2)."""
+    rows = w.shape[0]
+    per_head = w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])  # (heads, half, 2, ...)
+    return per_head.swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_weights(path: str, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file."""
+    from gguf.quants import dequantize
+
+    reader = _reader(path)
+    permuted = config.architecture == "LlamaForCausalLM"
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        # GGUF stores dims fastest-first: reverse them to get torch's (out, in) order.
+        weight = dequantize(tensor.data, tensor.tensor_type).reshape(list(reversed(tensor.shape.tolist())))
+        if permuted and name.endswith("q_proj.weight"):
+            weight = _unpermute(weight, config.num_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            weight = _unpermute(weight, config.num_kv_heads)
+        yield name, torch.from_numpy(np.array(weight, dtype=np.float32))  # a writable copy (the file is memory-mapped)

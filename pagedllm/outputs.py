@@ -1,0 +1,79 @@
+"""Plain-data outputs: what the worker returns per step and what users get per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token at one position (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: Per generated position: token id -> Logprob (the sampled token and the top-N).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities for one sampled position, as plain lists (crosses the worker seam)."""
+
+    sampled_logprob: float
+    sampled_rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one model step produced: per scheduled request, the sampled tokens (maybe none)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class EngineCoreOutput:
+    """The scheduler's per-request news after a step: new tokens, and the finish if any."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's fields)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The outputs of one request so far (vLLM's fields)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

@@ -1,0 +1,93 @@
+"""Request: one sequence the scheduler tracks, from arrival to finish (pure Python)."""
+from __future__ import annotations
+
+import enum
+import time
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is. Values above PREEMPTED are finished states."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI / vLLM finish_reason string of a finished state."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """A sequence: its tokens, how many of them have K/V in the cache, and its state.
+
+    There are no prefill/decode phases: the request needs compute while
+    ``num_computed_tokens < num_tokens``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        max_tokens: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        assert prompt_token_ids, "validated before a Request is made"
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.max_tokens = max_tokens
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,104 @@
+"""SamplingParams: how to pick tokens and when to stop, with vLLM's names and defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from pagedllm.errors import ValidationError
+
+#: Temperatures below this are greedy (as in vLLM).
+SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request (field names and defaults as vLLM's)."""
+
+    n: int = 1
+    """Number of output sequences to return for the prompt."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token that already appeared in the output."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it appeared in the output."""
+    repetition_penalty: float = 1.0
+    """Divides positive / multiplies negative logits of tokens seen in prompt or output."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's."""
+    seed: int | None = None
+    """Per-request random seed: the same output whatever else is in the batch."""
+    stop: str | list[str] | None = None
+    """Strings that end generation; not included in the text unless asked."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation (kept in token_ids)."""
+    ignore_eos: bool = False
+    """Keep generating after the EOS token."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to max_model_len."""
+    min_tokens: int = 0
+    """Generate at least this many tokens before EOS / stop_token_ids / stop strings count."""
+    logprobs: int | None = None
+    """Return this many top log-probabilities per generated token (plus the sampled one)."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string in the text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._verify()
+
+    def _verify(self) -> None:
+        bad = ValidationError.bad_value
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(name, value, "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", self.temperature, ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the sampled token is the argmax."""
+        return self.temperature < SAMPLING_EPS
+
+    def child(self, index: int) -> "SamplingParams":
+        """Parameters of sample ``index`` of an n>1 request: one sequence, seed offset by index."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Public field names (for CLIs and servers)."""
+        return [f.name for f in fields(cls) if not f.name.startswith("_")]

@@ -1,0 +1,1 @@
+"""Per-device workers: model, KV tensors, and the model runner that executes each step."""

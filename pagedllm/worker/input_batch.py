@@ -1,0 +1,126 @@
+"""Per-request state kept by a worker across steps, and the flat batch built from it each step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedllm.layers.sampler import SamplingMetadata
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What a worker remembers about a request between steps (kept across preemption)."""
+
+    req_id: str
+    token_ids: list[int]
+    """Prompt + tokens sampled so far."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class StepInputs:
+    """One step's flat, unpadded model inputs (decode requests first)."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    """(num_tokens,) int64."""
+    positions: torch.Tensor
+    """(num_tokens,) int64."""
+    query_start_loc: torch.Tensor
+    """(num_reqs + 1,) int32."""
+    seq_lens: torch.Tensor
+    """(num_reqs,) int32."""
+    block_tables: torch.Tensor
+    """(num_reqs, max_blocks) int32, padded with the null block 0."""
+    slot_mapping: torch.Tensor
+    """(num_tokens,) int64."""
+    num_decodes: int
+    sample_rows: list[int]
+    """Indices into req_ids of the requests that sample a token this step."""
+    logits_indices: torch.Tensor
+    """(len(sample_rows),) int64: the token row whose hidden state gives each sample."""
+
+
+def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int) -> StepInputs:
+    """Flatten the scheduled tokens of ``states`` (already in batch order) into model inputs."""
+    n = len(states)
+    query_lens = np.asarray(num_scheduled, dtype=np.int64)
+    starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
+    seq_lens = starts + query_lens
+    query_start_loc = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    # position of every token: its request's start + its offset inside the request's chunk
+    req_of_token = np.repeat(np.arange(n), query_lens)
+    positions = starts[req_of_token] + np.arange(query_start_loc[-1]) - query_start_loc[req_of_token]
+    input_ids = np.concatenate([np.asarray(s.token_ids[c:c + q], dtype=np.int64)
+                                for s, c, q in zip(states, starts.tolist(), query_lens.tolist())])
+    max_blocks = max(len(s.block_ids) for s in states)
+    block_tables = np.zeros((n, max_blocks), dtype=np.int64)
+    for row, s in enumerate(states):
+        block_tables[row, : len(s.block_ids)] = s.block_ids
+    slot_mapping = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    sample_rows = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
+    num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
+    return StepInputs(
+        req_ids=[s.req_id for s in states],
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
+        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+        block_tables=torch.from_numpy(block_tables.astype(np.int32)),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        num_decodes=num_decodes,
+        sample_rows=sample_rows,
+        logits_indices=torch.from_numpy(query_start_loc[1:][sample_rows] - 1),
+    )
+
+
+def build_sampling_metadata(states: list[CachedRequestState], default_generator: torch.Generator,
+                            eos_token_id: int | None) -> SamplingMetadata:
+    """Sampling settings of the rows that sample (``states`` in row order)."""
+    params = [s.sampling_params for s in states]
+    greedy = [p.greedy for p in params]
+    md = SamplingMetadata(
+        temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32),
+        greedy=torch.tensor(greedy, dtype=torch.bool),
+        all_greedy=all(greedy),
+        default_generator=default_generator,
+    )
+    if not md.all_greedy:
+        if any(p.top_k > 0 for p in params):
+            md.top_k = torch.tensor([p.top_k if p.top_k > 0 else 1 << 30 for p in params], dtype=torch.int64)
+        if any(p.top_p < 1.0 for p in params):
+            md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        if any(p.min_p > 0.0 for p in params):
+            md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        md.generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
+    if any(p.presence_penalty for p in params):
+        md.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+    if any(p.frequency_penalty for p in params):
+        md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        md.prompt_token_ids = [s.token_ids[: s.num_prompt_tokens] for s in states]
+    if md.presence_penalty is not None or md.frequency_penalty is not None or md.repetition_penalty is not None:
+        md.output_token_ids = [s.output_token_ids for s in states]
+    for row, s in enumerate(states):
+        p = s.sampling_params
+        if len(s.output_token_ids) < p.min_tokens:
+            blocked = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
+            if blocked:
+                md.blocked_token_ids[row] = blocked
+    if any(p.logprobs is not None for p in params):
+        md.max_num_logprobs = max(p.logprobs or 0 for p in params)
+        md.wants_logprobs = [p.logprobs is not None for p in params]
+    return md
