@@ -93,6 +93,10 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def has_finished_to_report(self) -> bool:
+        """Finished requests the workers have not been told about yet."""
+        return bool(self._finished_since_last_step)
+
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: running requests, then (unless one was preempted) waiting ones."""

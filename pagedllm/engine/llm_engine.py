@@ -113,6 +113,8 @@ class LLMEngine:
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if not self.scheduler.has_unfinished_requests() and self.scheduler.has_finished_to_report():
+            self.executor.execute_model(self.scheduler.schedule())  # idle now: workers drop finished states
         return outputs
 
     def get_stats(self) -> EngineStats:

@@ -85,8 +85,9 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (-inf) tokens outside the top k, then outside the smallest set of mass >= top_p."""
     if top_k is not None:
+        top_k = top_k.clamp(max=logits.shape[1])  # "disabled" rows carry a k beyond the vocabulary
         k_max = int(top_k.max())
-        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k - 1).clamp(max=k_max - 1).unsqueeze(1))
+        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
         sorted_logits, order = logits.sort(dim=-1)  # ascending

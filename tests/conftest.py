@@ -1,0 +1,84 @@
+"""Shared fixtures: the default model, its tokenizer, and tiny random models saved with transformers."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+#: Tiny architectures the model tests cover; each is saved by transformers and loaded by us.
+TINY_VARIANTS: dict[str, dict[str, Any]] = {
+    "llama-gqa-untied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "llama-mha-tied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3-rope-scaling": dict(arch="llama", num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0,
+                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama-linear-rope": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2,
+                              rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama-attention-bias": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, attention_bias=True),
+    "qwen2-qkv-bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+}
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    from pagedllm.models.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model: str) -> Any:
+    from pagedllm.models.loader import load_tokenizer
+
+    return load_tokenizer(default_model)
+
+
+def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: Any = None, seed: int = 0) -> Path:
+    """Save a tiny random model of ``variant`` (weights scaled up so logits are not all ~0)."""
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    spec = dict(TINY_VARIANTS[variant])
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "mistral": (MistralConfig, MistralForCausalLM)}[spec.pop("arch")]
+    config = config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
+                        bos_token_id=1, eos_token_id=2, **spec)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # biases and norms start at 0 / 1: randomise them so they are tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """variant -> folder with a tiny random model (vocab 512, no tokenizer)."""
+    cache: dict[str, Path] = {}
+
+    def make(variant: str) -> Path:
+        if variant not in cache:
+            cache[variant] = save_tiny_model(tmp_path_factory.mktemp(variant), variant)
+        return cache[variant]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """A tiny random Llama with the default model's tokenizer: fast engine tests with real text."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llm"), "llama-gqa-untied",
+                           vocab_size=len(tokenizer), tokenizer=tokenizer)

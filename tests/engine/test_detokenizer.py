@@ -1,0 +1,66 @@
+"""Incremental detokenization (UTF-8 safe) and stop strings cut exactly, also across tokens."""
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.sampling_params import SamplingParams
+
+
+def _feed(tokenizer: Any, text: str, params: SamplingParams) -> tuple[IncrementalDetokenizer, str | None, list[str]]:
+    prompt = tokenizer.encode("Say:")
+    detok = IncrementalDetokenizer(tokenizer, prompt, params)
+    deltas, stop = [], None
+    for token_id in tokenizer.encode(text):
+        before = detok.output_text
+        stop = detok.update([token_id], stopped_by_token=False)
+        deltas.append(detok.output_text[len(before):])
+        if stop is not None:
+            break
+    return detok, stop, deltas
+
+
+def test_multibyte_characters_are_never_split(tokenizer: Any) -> None:
+    text = "温度は摂氏25度です 🌍🚀 naïve café"
+    detok, stop, deltas = _feed(tokenizer, text, SamplingParams())
+    assert stop is None
+    assert detok.output_text == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert any(d == "" for d in deltas), "some tokens hold partial characters and must wait"
+
+
+def test_stop_string_inside_one_token(tokenizer: Any) -> None:
+    detok, stop, _ = _feed(tokenizer, "Hello world. Goodbye world.", SamplingParams(stop=["Goodbye"]))
+    assert stop == "Goodbye" and detok.output_text == "Hello world. "
+
+
+def test_stop_string_split_across_tokens(tokenizer: Any) -> None:
+    text = "The answer is forty-two, definitely."
+    stop_str = "ty-tw"  # spans several tokens
+    ids = tokenizer.encode(text)
+    assert not any(stop_str in tokenizer.decode([i]) for i in ids)
+    detok, stop, _ = _feed(tokenizer, text, SamplingParams(stop=[stop_str]))
+    assert stop == stop_str and detok.output_text == "The answer is for"
+    detok, stop, _ = _feed(tokenizer, text, SamplingParams(stop=[stop_str], include_stop_str_in_output=True))
+    assert detok.output_text == "The answer is forty-tw"
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer: Any) -> None:
+    detok, stop, _ = _feed(tokenizer, "one two three four", SamplingParams(stop=["four", "two"]))
+    assert stop == "two" and detok.output_text == "one "
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer: Any) -> None:
+    text = "stop here, then more, stop again"
+    n_first = len(tokenizer.encode("stop here"))
+    detok, stop, _ = _feed(tokenizer, text, SamplingParams(stop=["stop"], min_tokens=n_first + 1))
+    assert stop == "stop" and detok.output_text == "stop here, then more, "
+
+
+def test_stream_text_holds_back_a_possible_stop_prefix(tokenizer: Any) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(stop=["END"]))
+    for token_id in tokenizer.encode("abc EN"):
+        detok.update([token_id], False)
+    assert detok.output_text == "abc EN"
+    assert detok.text_for_stream(finished=False) == "abc "
+    assert detok.text_for_stream(finished=True) == "abc EN"

@@ -1,0 +1,116 @@
+"""The offline API end to end on a tiny random model with a real tokenizer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llm_dir: Path) -> LLM:
+    return LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=256, block_size=16)
+
+
+def test_outputs_in_input_order_with_vllm_fields(llm: LLM) -> None:
+    prompts = ["first prompt", {"prompt_token_ids": [10, 20, 30]}, "third one here"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["first prompt", None, "third one here"]
+    assert outs[1].prompt_token_ids == [10, 20, 30]
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and c.index == 0 and len(c.token_ids) == 5 and c.finish_reason == "length"
+        assert c.cumulative_logprob is None and c.logprobs is None and c.stop_reason is None
+        full = llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+        assert c.text == full.rstrip("\ufffd")  # an unfinished multi-byte character at the end is held back
+
+
+def test_default_max_tokens_is_16(llm: LLM) -> None:
+    out = llm.generate("hello", SamplingParams(ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 16
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    alone = llm.generate("a seeded prompt", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(["other", "a seeded prompt", "more other text"], [noise, seeded, noise], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    unseeded = llm.generate(["a seeded prompt"] * 2, noise, use_tqdm=False)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_n_samples(llm: LLM) -> None:
+    out = llm.generate("sample me", SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    again = llm.generate("sample me", SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_logprobs(llm: LLM) -> None:
+    c = llm.generate("log probs", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True),
+                     use_tqdm=False)[0].outputs[0]
+    assert len(c.logprobs) == 4
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        assert token_id in entry and entry[token_id].rank == 1  # greedy picks the top token
+        assert len(entry) == 3 and sorted(e.rank for e in entry.values()) == [1, 2, 3]
+        assert all(e.decoded_token is not None for e in entry.values())
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+
+
+def test_stop_token_ids_and_stop_strings(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    base = llm.generate("stop test", greedy, use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[3]
+    c = llm.generate("stop test", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                 stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    first = base.token_ids.index(stop_id)
+    assert c.token_ids == base.token_ids[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_id
+    stop_str = base.text[len(base.text) // 2: len(base.text) // 2 + 3]
+    if stop_str.strip():
+        c = llm.generate("stop test", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop=stop_str),
+                         use_tqdm=False)[0].outputs[0]
+        assert c.text == base.text[: base.text.index(stop_str)] and c.stop_reason == stop_str
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_min_tokens_defers_stop_token_ids(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    base = llm.generate("eos test", greedy, use_tqdm=False)[0].outputs[0]
+    c = llm.generate("eos test", SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6,
+                                                stop_token_ids=base.token_ids[:1]), use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) == 6 and base.token_ids[0] not in c.token_ids  # masked until min_tokens
+
+
+def test_abort_frees_everything(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("x", "abort me", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("y", "keep me", SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort_request("x")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["y"]
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.check_integrity() and kv.num_free_blocks == kv.block_pool.num_usable_blocks
+    assert not engine.executor.worker.model_runner.requests  # the worker dropped both states
+
+
+def test_chat_applies_the_template(llm: LLM) -> None:
+    convs = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "bye"}]]
+    outs = llm.chat(convs, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(outs) == 2 and outs[0].prompt.startswith("<|im_start|>") and outs[0].prompt.endswith("assistant\n")
+    assert outs[0].prompt_token_ids[0] == llm.get_tokenizer().convert_tokens_to_ids("<|im_start|>")
+
+
+def test_engine_statistics(llm: LLM) -> None:
+    llm.generate(["a"] * 5, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats.num_steps > 0 and stats.max_num_running >= 5 and stats.num_kv_blocks == 256
+    assert 0 < stats.max_kv_cache_usage <= 1 and stats.kv_cache_usage == 0

@@ -1,0 +1,110 @@
+"""Bad input raises ValidationError naming the parameter and value; nothing leaks afterwards."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams, ValidationError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llm_dir: Path) -> LLM:
+    return LLM(str(tiny_llm_dir), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=4)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.1), "min_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_sampling_params_refused(kwargs: dict, param: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        SamplingParams(**kwargs)
+    value = next(iter(kwargs.values())) if len(kwargs) == 1 else kwargs[param]
+    assert err.value.param == param and param in str(err.value) and repr(value) in str(err.value)
+
+
+def _assert_clean(llm: LLM) -> None:
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests() and not engine.output_processor.requests
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.check_integrity() and kv.num_free_blocks == kv.block_pool.num_usable_blocks
+
+
+def test_empty_prompt(llm: LLM) -> None:
+    with pytest.raises(ValidationError, match="prompt") as err:
+        llm.generate("", use_tqdm=False)
+    assert err.value.param == "prompt"
+    _assert_clean(llm)
+
+
+def test_token_ids_outside_vocabulary(llm: LLM) -> None:
+    vocab = llm.llm_engine.processor.vocab_size
+    with pytest.raises(ValidationError, match=str(vocab)) as err:
+        llm.generate({"prompt_token_ids": [5, vocab]}, use_tqdm=False)
+    assert err.value.param == "prompt_token_ids" and err.value.value == vocab
+    with pytest.raises(ValidationError):
+        llm.generate({"prompt_token_ids": [5, -1]}, use_tqdm=False)
+    _assert_clean(llm)
+
+
+def test_prompt_too_long_names_both_lengths(llm: LLM) -> None:
+    with pytest.raises(ValidationError) as err:
+        llm.generate({"prompt_token_ids": [5] * 70}, use_tqdm=False)
+    assert "70" in str(err.value) and "64" in str(err.value)
+    with pytest.raises(ValidationError) as err:
+        llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10), use_tqdm=False)
+    assert err.value.param == "max_tokens" and "70" in str(err.value) and "64" in str(err.value)
+    _assert_clean(llm)
+
+
+def test_refused_request_in_a_batch_leaves_nothing_behind(llm: LLM) -> None:
+    """The good prompts queued before the bad one are withdrawn too; then the engine still works."""
+    with pytest.raises(ValidationError):
+        llm.generate(["hello", "world", ""], use_tqdm=False)
+    _assert_clean(llm)
+    out = llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    _assert_clean(llm)
+
+
+def test_request_larger_than_the_pool(tiny_llm_dir: Path) -> None:
+    small = LLM(str(tiny_llm_dir), dtype="float32", max_model_len=64, num_kv_blocks=5, block_size=4)
+    with pytest.raises(ValidationError, match="pool") as err:
+        small.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=20), use_tqdm=False)
+    assert err.value.param == "max_tokens"
+    _assert_clean(small)
+
+
+def test_logprobs_beyond_the_limit(llm: LLM) -> None:
+    with pytest.raises(ValidationError) as err:
+        llm.generate("hi", SamplingParams(logprobs=21), use_tqdm=False)
+    assert err.value.param == "logprobs"
+
+
+def test_unknown_llm_option(tiny_llm_dir: Path) -> None:
+    with pytest.raises(ValidationError) as err:
+        LLM(str(tiny_llm_dir), max_num_seq=8)
+    assert err.value.param == "max_num_seq" and "max_num_seq" in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(dtype="float64"), "dtype"), (dict(block_size=0), "block_size"), (dict(kv_cache_memory="lots"), "kv_cache_memory"),
+    (dict(max_model_len=100000), "max_model_len"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size"), (dict(model="/nonexistent/model"), "model"),
+])
+def test_bad_engine_options(tiny_llm_dir: Path, kwargs: dict, param: str) -> None:
+    kwargs.setdefault("model", str(tiny_llm_dir))
+    with pytest.raises(ValidationError) as err:
+        LLM(**kwargs)
+    assert err.value.param == param
