@@ -1,0 +1,95 @@
+"""KVCacheManager: exact block ids as requests grow, all-or-nothing allocation, free order."""
+import pytest
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, num_prompt_tokens: int) -> Request:
+    """A request with ``num_prompt_tokens`` dummy prompt tokens."""
+    return Request(request_id, list(range(1, num_prompt_tokens + 1)), SamplingParams(), eos_token_id=0, max_tokens=16)
+
+
+def grow(manager: KVCacheManager, request: Request, num_new_tokens: int) -> list[int] | None:
+    """Allocate slots for ``num_new_tokens`` and mark them computed; the new block ids, or None."""
+    blocks = manager.allocate_slots(request, num_new_tokens)
+    if blocks is None:
+        return None
+    request.num_computed_tokens += num_new_tokens
+    return [b.block_id for b in blocks]
+
+
+def test_blocks_are_taken_only_when_a_block_fills() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    req = make_request("a", 5)
+    assert grow(manager, req, 5) == [1, 2]
+    assert grow(manager, req, 3) == []  # 8 tokens: still 2 blocks
+    assert grow(manager, req, 1) == [3]  # 9th token opens block 3
+    assert manager.get_block_ids("a") == [1, 2, 3]
+    assert manager.num_free_blocks == 4
+    assert manager.check_integrity()
+
+
+def test_two_requests_interleave_block_ids() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = make_request("a", 4), make_request("b", 6)
+    assert grow(manager, a, 4) == [1]
+    assert grow(manager, b, 6) == [2, 3]
+    assert grow(manager, a, 1) == [4]
+    assert manager.get_block_ids("a") == [1, 4]
+    assert manager.get_block_ids("b") == [2, 3]
+    assert manager.check_integrity()
+
+
+def test_allocation_fails_whole_and_changes_nothing() -> None:
+    manager = KVCacheManager(num_blocks=5, block_size=4)  # 4 usable blocks
+    a, b = make_request("a", 8), make_request("b", 12)
+    assert grow(manager, a, 8) == [1, 2]
+    assert manager.allocate_slots(b, 12) is None  # needs 3, only 2 free
+    assert manager.get_block_ids("b") == [] and "b" not in manager.req_to_blocks
+    assert manager.block_pool.free_queue.block_ids() == [3, 4]
+    assert manager.allocate_slots(a, 9) is None  # 17 tokens need 5 blocks, a holds 2 and 2 are free
+    assert manager.get_block_ids("a") == [1, 2]
+    assert manager.block_pool.free_queue.block_ids() == [3, 4]
+    assert manager.check_integrity()
+    assert grow(manager, a, 8) == [3, 4]  # exactly the free blocks: fits
+    assert manager.num_free_blocks == 0 and manager.usage() == 1.0
+
+
+def test_free_returns_the_tail_first_to_the_queue_end() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = make_request("a", 12), make_request("b", 4)
+    assert grow(manager, a, 12) == [1, 2, 3]
+    assert grow(manager, b, 4) == [4]
+    manager.free(a)
+    assert manager.block_pool.free_queue.block_ids() == [5, 6, 7, 3, 2, 1]
+    assert manager.get_block_ids("a") == []
+    manager.free(b)
+    assert manager.block_pool.free_queue.block_ids() == [5, 6, 7, 3, 2, 1, 4]
+    assert manager.check_integrity()
+    # The next request reuses the least recently freed blocks first.
+    c = make_request("c", 16)
+    assert grow(manager, c, 16) == [5, 6, 7, 3]
+
+
+def test_check_integrity_catches_a_corrupted_ref_cnt() -> None:
+    manager = KVCacheManager(num_blocks=6, block_size=4)
+    req = make_request("a", 8)
+    grow(manager, req, 8)
+    assert manager.check_integrity()
+    manager.block_pool.blocks[2].ref_cnt = 2  # a reference nobody holds
+    with pytest.raises(AssertionError, match="block 2"):
+        manager.check_integrity()
+    manager.block_pool.blocks[2].ref_cnt = 1
+    assert manager.check_integrity()
+    manager.block_pool.blocks[4].ref_cnt = 1  # held by nobody, yet still in the free queue
+    with pytest.raises(AssertionError, match="block 4"):
+        manager.check_integrity()
+
+
+def test_check_integrity_catches_a_handed_out_null_block() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=4)
+    manager.req_to_blocks["a"] = [manager.block_pool.null_block]
+    with pytest.raises(AssertionError, match="null block"):
+        manager.check_integrity()

@@ -1,0 +1,239 @@
+"""Scheduler driven by a fake model runner: exact queues, token counts and block ids per step."""
+import pytest
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
+from pagedllm.errors import ValidationError
+from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 0
+TOKEN = 7  # what the fake model samples unless told otherwise
+
+
+def make_scheduler(num_kv_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8,
+                   max_num_batched_tokens: int = 64, max_model_len: int = 1024) -> Scheduler:
+    """A scheduler over a small pool."""
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     max_model_len=max_model_len),
+                     CacheConfig(block_size=block_size), num_kv_blocks=num_kv_blocks)
+
+
+def add(scheduler: Scheduler, request_id: str, num_prompt_tokens: int, max_tokens: int = 16,
+        **params: object) -> Request:
+    """Queue a request with prompt tokens 1..n (never EOS)."""
+    request = Request(request_id, list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens, **params),
+                      EOS, max_tokens)
+    scheduler.add_request(request)
+    return request
+
+
+def fake_run(scheduler: Scheduler, out: SchedulerOutput, tokens: dict[str, int] | None = None) -> ModelRunnerOutput:
+    """One token for each scheduled request that caught up with its tokens, nothing for a prompt chunk."""
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        req = scheduler.requests[req_id]
+        done = req.num_computed_tokens == req.num_tokens
+        sampled.append([(tokens or {}).get(req_id, TOKEN)] if done else [])
+    return ModelRunnerOutput(req_ids, sampled, logprobs=[None] * len(req_ids))
+
+
+def step(scheduler: Scheduler, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]]:
+    """schedule -> fake model -> update; the schedule and the per-request news."""
+    out = scheduler.schedule()
+    news = scheduler.update_from_output(out, fake_run(scheduler, out, tokens))
+    assert scheduler.kv_cache_manager.check_integrity()
+    return out, {n.request_id: n for n in news}
+
+
+def queues(scheduler: Scheduler) -> tuple[list[str], list[str]]:
+    """(running ids, waiting ids) in order."""
+    return [r.request_id for r in scheduler.running], [r.request_id for r in scheduler.waiting]
+
+
+def blocks(scheduler: Scheduler, request_id: str) -> list[int]:
+    """The request's block table as physical block ids."""
+    return scheduler.kv_cache_manager.get_block_ids(request_id)
+
+
+def test_fcfs_admission_and_block_growth() -> None:
+    s = make_scheduler()
+    add(s, "a", 5), add(s, "b", 3), add(s, "c", 9)
+    assert queues(s) == ([], ["a", "b", "c"])
+    out, news = step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 5), ("b", 3), ("c", 9)]
+    assert [(n.req_id, n.block_ids, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [
+        ("a", [1, 2], 0), ("b", [3], 0), ("c", [4, 5, 6], 0)]
+    assert queues(s) == (["a", "b", "c"], [])
+    assert {k: n.new_token_ids for k, n in news.items()} == {"a": [TOKEN], "b": [TOKEN], "c": [TOKEN]}
+
+    add(s, "d", 4)  # arrives while the others decode: running ones are scheduled first
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("c", 1), ("d", 4)]
+    assert out.scheduled_cached_reqs == [CachedRequestData("a", [], 5), CachedRequestData("b", [], 3),
+                                         CachedRequestData("c", [], 9)]
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["d"] and blocks(s, "d") == [7]
+
+    out, _ = step(s)  # b (5th token) and d (5th token) open a second block; a and c do not
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert [(c.req_id, c.new_block_ids) for c in out.scheduled_cached_reqs] == [
+        ("a", []), ("b", [8]), ("c", []), ("d", [9])]
+    assert [blocks(s, r) for r in "abcd"] == [[1, 2], [3, 8], [4, 5, 6], [7, 9]]
+    assert s.stats.num_preemptions == 0 and s.stats.num_chunked_prefills == 0
+
+
+def test_waiting_head_blocks_later_arrivals() -> None:
+    s = make_scheduler(num_kv_blocks=5)  # 4 usable blocks
+    add(s, "a", 8, max_tokens=4)
+    step(s)
+    add(s, "b", 12, max_tokens=4)  # needs 3 blocks, 2 are free
+    add(s, "c", 1, max_tokens=4)  # would fit, but arrived later
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert queues(s) == (["a"], ["b", "c"])
+
+
+def test_chunked_prefill_under_the_token_budget() -> None:
+    s = make_scheduler(max_num_batched_tokens=8)
+    add(s, "a", 20)
+    out, news = step(s)
+    assert out.num_scheduled_tokens == {"a": 8} and blocks(s, "a") == [1, 2] and news == {}
+    assert s.stats.num_chunked_prefills == 1
+    out, news = step(s)
+    assert out.scheduled_cached_reqs == [CachedRequestData("a", [3, 4], 8)] and news == {}
+    assert s.stats.num_chunked_prefills == 2
+    add(s, "b", 6)
+    out, news = step(s)  # a's last 4 prompt tokens first, then b gets what is left of the budget
+    assert list(out.num_scheduled_tokens.items()) == [("a", 4), ("b", 4)]
+    assert blocks(s, "a") == [1, 2, 3, 4, 5] and blocks(s, "b") == [6]
+    assert list(news) == ["a"] and s.stats.num_chunked_prefills == 3
+    out, news = step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 2)]
+    assert list(news) == ["a", "b"] and s.stats.num_chunked_prefills == 3
+
+
+def test_max_num_seqs_limits_running_requests() -> None:
+    s = make_scheduler(max_num_seqs=2)
+    add(s, "a", 3, max_tokens=1), add(s, "b", 3), add(s, "c", 3)
+    out, news = step(s)
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
+    assert news["a"].finish_reason == "length"  # a's one token was its last
+    assert queues(s) == (["b"], ["c"]) and blocks(s, "a") == []
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("b", 1), ("c", 3)]
+    assert out.finished_req_ids == {"a"}
+    assert queues(s) == (["b", "c"], []) and s.stats.max_num_running == 2
+
+
+def test_preemption_takes_the_newest_running_request() -> None:
+    s = make_scheduler(num_kv_blocks=4)  # 3 usable blocks
+    a, b, c = (add(s, r, n, max_tokens=8) for r, n in (("a", 4), ("b", 1), ("c", 1)))
+    step(s)
+    assert [blocks(s, r) for r in "abc"] == [[1], [2], [3]]
+    add(s, "d", 1, max_tokens=8)
+    out, _ = step(s)  # a needs a second block: c (newest) is preempted and its block goes to a
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1} and out.preempted_req_ids == {"c"}
+    assert queues(s) == (["a", "b"], ["c", "d"])
+    assert blocks(s, "a") == [1, 3] and blocks(s, "c") == []
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.num_tokens == 2
+    assert s.stats.num_preemptions == 1 and a.num_computed_tokens == 5 and b.num_computed_tokens == 2
+
+
+def test_preempted_request_resumes_with_its_full_block_table() -> None:
+    s = make_scheduler(num_kv_blocks=5, max_num_batched_tokens=5)  # 4 usable blocks
+    add(s, "a", 4, max_tokens=4)
+    b = add(s, "b", 8, max_tokens=8)
+    expected = [({"a": 4, "b": 1}, {"a": [1], "b": [2]}),
+                ({"a": 1, "b": 4}, {"a": [1, 3], "b": [2, 4]}),
+                ({"a": 1, "b": 3}, {"a": [1, 3], "b": [2, 4]})]
+    for scheduled, tables in expected:
+        out, _ = step(s)
+        assert out.num_scheduled_tokens == scheduled and out.preempted_req_ids == set()
+        assert {r: blocks(s, r) for r in "ab"} == tables
+    assert s.kv_cache_manager.num_free_blocks == 0 and b.num_tokens == 9
+
+    out, news = step(s)  # b's 9th token needs a third block: b preempts itself
+    assert out.num_scheduled_tokens == {"a": 1} and out.preempted_req_ids == {"b"}
+    assert s.stats.num_preemptions == 1 and b.num_computed_tokens == 0
+    # 4 tokens of budget and 2 free blocks are left, yet nobody is admitted in a preempting step.
+    assert "b" not in out.num_scheduled_tokens and queues(s) == ([], ["b"])
+    assert news["a"].finish_reason == "length"
+    assert s.kv_cache_manager.block_pool.free_queue.block_ids() == [4, 2, 3, 1]
+
+    out, news = step(s)
+    assert out.finished_req_ids == {"a"} and out.scheduled_new_reqs == []
+    assert out.num_scheduled_tokens == {"b": 5}
+    assert out.scheduled_cached_reqs == [CachedRequestData("b", [4, 2], 0, resumed=True)]
+    assert queues(s) == (["b"], []) and b.status == RequestStatus.RUNNING and news == {}
+    out, news = step(s)
+    assert out.scheduled_cached_reqs == [CachedRequestData("b", [3], 5, resumed=False)]
+    assert news["b"].new_token_ids == [TOKEN] and b.output_token_ids == [TOKEN, TOKEN]
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    s = make_scheduler(num_kv_blocks=8)
+    add(s, "a", 8), add(s, "b", 4)
+    out = s.schedule()
+    runner_output = fake_run(s, out)
+    add(s, "c", 4)
+    s.finish_requests(["a", "c"], RequestStatus.FINISHED_ABORTED)  # a between schedule and update
+    assert blocks(s, "a") == [] and s.kv_cache_manager.block_pool.free_queue.block_ids() == [4, 5, 6, 7, 2, 1]
+    assert queues(s) == (["b"], []) and set(s.requests) == {"b"}
+    news = s.update_from_output(out, runner_output)
+    assert [n.request_id for n in news] == ["b"]
+    out, _ = step(s)
+    assert out.finished_req_ids == {"a"}  # c was never sent to the workers
+    assert out.num_scheduled_tokens == {"b": 1}
+    assert s.kv_cache_manager.check_integrity()
+
+
+def test_stop_on_eos_and_stop_token_ids() -> None:
+    s = make_scheduler()
+    a, b = add(s, "a", 3), add(s, "b", 3, stop_token_ids=[42])
+    _, news = step(s, {"a": EOS, "b": 42})
+    assert (news["a"].new_token_ids, news["a"].finish_reason, news["a"].stop_reason) == ([EOS], "stop", None)
+    assert (news["b"].new_token_ids, news["b"].finish_reason, news["b"].stop_reason) == ([42], "stop", 42)
+    assert a.status == b.status == RequestStatus.FINISHED_STOPPED
+    assert s.requests == {} and queues(s) == ([], [])
+    assert s.kv_cache_manager.num_free_blocks == 31
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens() -> None:
+    s = make_scheduler()
+    add(s, "a", 3, min_tokens=2), add(s, "b", 3, min_tokens=2, stop_token_ids=[42])
+    _, news = step(s, {"a": EOS, "b": 42})
+    assert news["a"].finish_reason is None and news["b"].finish_reason is None
+    _, news = step(s, {"a": EOS, "b": 42})
+    assert news["a"].finish_reason == "stop" and (news["b"].finish_reason, news["b"].stop_reason) == ("stop", 42)
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    s = make_scheduler()
+    req = add(s, "a", 3, max_tokens=3, ignore_eos=True)
+    reasons = [step(s, {"a": EOS})[1]["a"].finish_reason for _ in range(3)]
+    assert reasons == [None, None, "length"] and req.output_token_ids == [EOS] * 3
+
+
+def test_max_tokens_and_max_model_len_give_length() -> None:
+    s = make_scheduler(max_model_len=6)
+    add(s, "a", 2, max_tokens=2), add(s, "b", 4, max_tokens=16)
+    _, news = step(s)
+    assert news["a"].finish_reason is None and news["b"].finish_reason is None
+    _, news = step(s)
+    assert news["a"].finish_reason == "length"  # 2 = max_tokens
+    assert news["b"].finish_reason == "length"  # 6 tokens = max_model_len
+    assert not s.has_unfinished_requests() and s.kv_cache_manager.num_free_blocks == 31
+
+
+def test_request_larger_than_the_pool_is_refused() -> None:
+    s = make_scheduler(num_kv_blocks=5)  # 4 usable blocks of 4 tokens
+    with pytest.raises(ValidationError, match="max_tokens") as info:
+        add(s, "big", 10, max_tokens=7)  # 17 tokens need 5 blocks
+    assert info.value.param == "max_tokens" and info.value.value == 7
+    assert s.requests == {} and queues(s) == ([], [])
+    assert s.schedule().is_empty
+    add(s, "fits", 10, max_tokens=6)  # 16 tokens: exactly the pool
+    assert queues(s) == ([], ["fits"])

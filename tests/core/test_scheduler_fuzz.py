@@ -1,0 +1,170 @@
+"""Seeded fuzz of schedule -> fake model -> update with a small pool, checking invariants every step."""
+import random
+
+import pytest
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.errors import ValidationError
+from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 0
+NUM_KV_BLOCKS = 64
+MAX_NUM_SEQS = 8
+MAX_NUM_BATCHED_TOKENS = 48
+NUM_STEPS = 5000
+
+
+class Fuzzer:
+    """Drives one scheduler with random arrivals, aborts and EOS, and checks it after each step."""
+
+    def __init__(self, seed: int, block_size: int) -> None:
+        self.rng = random.Random(seed)
+        self.block_size = block_size
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                            max_model_len=4096),
+            CacheConfig(block_size=block_size), num_kv_blocks=NUM_KV_BLOCKS)
+        self.next_id = 0
+        self.seen_by_workers: set[str] = set()
+        self.worker_tables: dict[str, list[int]] = {}
+        """Block tables as a worker rebuilds them from the scheduler outputs alone."""
+        self.num_finished = 0
+        self.all_requests: dict[str, Request] = {}
+
+    def arrive(self) -> None:
+        """Add a random request; one that cannot fit the pool must be refused, and only that one."""
+        rng = self.rng
+        prompt_len, max_tokens = rng.randint(1, 200), rng.randint(1, 100)
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=rng.choice([0, 0, 0, min(3, max_tokens)]))
+        req = Request(f"r{self.next_id}", [rng.randint(1, 999) for _ in range(prompt_len)], params, EOS, max_tokens)
+        self.next_id += 1
+        self.all_requests[req.request_id] = req
+        fits = cdiv(prompt_len + max_tokens, self.block_size) <= NUM_KV_BLOCKS - 1
+        if fits:
+            self.scheduler.add_request(req)
+        else:
+            with pytest.raises(ValidationError):
+                self.scheduler.add_request(req)
+            assert req.request_id not in self.scheduler.requests
+
+    def abort_one(self) -> None:
+        """Abort a random unfinished request (running or waiting)."""
+        if self.scheduler.requests:
+            req_id = self.rng.choice(sorted(self.scheduler.requests))
+            self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+            assert self.scheduler.kv_cache_manager.get_block_ids(req_id) == []
+
+    def fake_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """A token (EOS with 5% chance) for each request that caught up; none for a prompt chunk."""
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            req = self.scheduler.requests[req_id]
+            done = req.num_computed_tokens == req.num_tokens
+            sampled.append([EOS if self.rng.random() < 0.05 else self.rng.randint(1, 999)] if done else [])
+        return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+
+    def step(self, arrivals: bool) -> None:
+        """One engine step with random events around it, then the invariant checks."""
+        rng = self.rng
+        if arrivals:
+            for _ in range(rng.choice([0, 0, 0, 0, 0, 1, 1, 2])):
+                if len(self.scheduler.waiting) < 2 * MAX_NUM_SEQS:  # keep the load bounded, not endless
+                    self.arrive()
+            if rng.random() < 0.03:
+                self.abort_one()
+        out = self.scheduler.schedule()
+        self.check_schedule(out)
+        runner_output = self.fake_model(out)
+        if arrivals and rng.random() < 0.02:
+            self.abort_one()  # between schedule and update: its token is dropped
+        for news in self.scheduler.update_from_output(out, runner_output):
+            self.check_news(news.request_id, news.finish_reason)
+        self.check_state()
+
+    def check_schedule(self, out: SchedulerOutput) -> None:
+        """The step's batch respects the budget, the queues, and what the workers know."""
+        s = self.scheduler
+        assert 0 <= out.total_num_scheduled_tokens <= MAX_NUM_BATCHED_TOKENS
+        assert all(n > 0 for n in out.num_scheduled_tokens.values())
+        assert out.finished_req_ids <= self.seen_by_workers and not out.finished_req_ids & set(s.requests)
+        self.seen_by_workers -= out.finished_req_ids
+        assert not (out.preempted_req_ids and out.scheduled_new_reqs), "admission in a preempting step"
+        new_ids = {r.req_id for r in out.scheduled_new_reqs}
+        cached_ids = {r.req_id for r in out.scheduled_cached_reqs}
+        assert not new_ids & self.seen_by_workers and cached_ids <= self.seen_by_workers
+        self.seen_by_workers |= new_ids
+        assert new_ids | cached_ids == set(out.num_scheduled_tokens)
+        for req_id in out.finished_req_ids:
+            del self.worker_tables[req_id]
+        for new in out.scheduled_new_reqs:
+            self.worker_tables[new.req_id] = list(new.block_ids)
+        for cached in out.scheduled_cached_reqs:
+            old = [] if cached.resumed else self.worker_tables[cached.req_id]
+            self.worker_tables[cached.req_id] = old + cached.new_block_ids
+        for data in out.scheduled_new_reqs + out.scheduled_cached_reqs:
+            req = s.requests[data.req_id]
+            assert self.worker_tables[data.req_id] == s.kv_cache_manager.get_block_ids(data.req_id)
+            assert data.num_computed_tokens + out.num_scheduled_tokens[data.req_id] == req.num_computed_tokens
+        assert all(s.requests[r].status == RequestStatus.RUNNING for r in out.num_scheduled_tokens)
+        assert all(s.requests[r].status == RequestStatus.PREEMPTED for r in out.preempted_req_ids)
+
+    def check_news(self, req_id: str, finish_reason: str | None) -> None:
+        """A finished request ended for a reason its tokens justify, and left no trace."""
+        req = self.all_requests[req_id]
+        assert req.num_output_tokens <= req.max_tokens
+        if finish_reason is None:
+            return
+        assert req_id not in self.scheduler.requests and self.scheduler.kv_cache_manager.get_block_ids(req_id) == []
+        if finish_reason == "length":
+            assert req.num_output_tokens == req.max_tokens
+        else:
+            assert finish_reason == "stop" and req.output_token_ids[-1] == EOS
+            assert req.num_output_tokens >= req.sampling_params.min_tokens
+        self.num_finished += 1
+
+    def check_state(self) -> None:
+        """Pool accounting, queue membership and block tables after a step."""
+        s = self.scheduler
+        kv = s.kv_cache_manager
+        assert kv.check_integrity()
+        tables = kv.req_to_blocks
+        used = {b for blocks in tables.values() for b in blocks}
+        assert len(used) == sum(len(blocks) for blocks in tables.values()), "a block in two tables"
+        assert kv.num_free_blocks + len(used) == kv.block_pool.num_usable_blocks
+        assert len(s.running) <= MAX_NUM_SEQS
+        assert sorted(r.request_id for r in s.running + list(s.waiting)) == sorted(s.requests)
+        assert set(tables) <= {r.request_id for r in s.running}
+        for req in s.running:  # exactly the blocks its computed tokens need
+            assert req.status == RequestStatus.RUNNING and req.num_computed_tokens < req.num_tokens
+            assert len(kv.get_block_ids(req.request_id)) == cdiv(req.num_computed_tokens, self.block_size)
+        for req in s.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert req.num_computed_tokens == 0 and kv.get_block_ids(req.request_id) == []
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_scheduler_fuzz(block_size: int) -> None:
+    fuzz = Fuzzer(seed=1234 + block_size, block_size=block_size)
+    for _ in range(NUM_STEPS):
+        fuzz.step(arrivals=True)
+    s = fuzz.scheduler
+    assert s.stats.num_preemptions > 0 and s.stats.num_chunked_prefills > 0
+    assert s.stats.max_kv_cache_usage == 1.0 and fuzz.num_finished > 200
+    if block_size == 16:  # with 4-token blocks the pool, not max_num_seqs, is the limit
+        assert s.stats.max_num_running == MAX_NUM_SEQS
+
+    for _ in range(50_000):  # drain: every request must finish
+        if not s.has_unfinished_requests():
+            break
+        fuzz.step(arrivals=False)
+    assert not s.has_unfinished_requests(), f"did not drain: {s.running} {list(s.waiting)}"
+    kv = s.kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_usable_blocks and kv.req_to_blocks == {}
+    assert s.requests == {} and not s.running and not s.waiting
+    assert s.schedule().finished_req_ids == fuzz.seen_by_workers == set(fuzz.worker_tables)  # the last finishes
