@@ -1,8 +1,9 @@
 """Paged attention in plain torch ops: the CPU backend and the reference for every other one.
 
-Decode tokens (one query each) are batched: their K/V are gathered through the block table
-into a padded (requests, max_len) view and attended with a length mask in one call. Prompt
-chunks are attended one request at a time, causally over the cached prefix plus the chunk.
+Decode tokens (one query each) are batched: their K/V blocks are gathered through the block
+tables into a padded (requests, max_blocks * block_size) view and attended with a length
+mask in one call. Prompt chunks are attended one request at a time, causally over the cached
+prefix plus the chunk.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from pagedllm.attention.base import AttentionBackend, CommonAttentionMetadata
 
 @dataclass
 class PrefillChunk:
-    """One request's prompt chunk: its query rows and the cache slots of its whole context."""
+    """One request's prompt chunk: its query rows and, with a cached prefix, its context blocks."""
 
     start: int
     end: int
-    context_slots: torch.Tensor | None
-    """(seq_len,) slots of every key, or None when the chunk is the whole context (no prefix)."""
+    seq_len: int
+    context_blocks: torch.Tensor | None
+    """(blocks,) physical blocks of the whole context, or None when the chunk is the whole context."""
     mask: torch.Tensor | None
     """(query_len, seq_len) bool, True where attention is allowed; None means plain causal."""
 
@@ -30,10 +32,10 @@ class PrefillChunk:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_slots: torch.Tensor | None
-    """(num_decodes, max_len) cache slot of every key position (padding: slot 0)."""
+    decode_blocks: torch.Tensor | None
+    """(num_decodes * max_blocks,) int64 block ids of the decode requests, row by row (padding: 0)."""
     decode_mask: torch.Tensor | None
-    """(num_decodes, 1, 1, max_len) bool: True for real keys."""
+    """(num_decodes, 1, 1, max_blocks * block_size) bool: True for real keys."""
     prefills: list[PrefillChunk]
 
 
@@ -42,14 +44,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         nd, bs = common.num_decodes, common.block_size
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if nd:
             seq_lens = common.seq_lens[:nd].long()
-            max_len = int(seq_lens.max())
-            tables = common.block_tables[:nd, : -(-max_len // bs)].long()
-            # (nd, blocks, 1) * bs + (bs,) -> (nd, blocks * bs): every slot of each table, in order
-            decode_slots = (tables.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)[:, :max_len]
-            decode_mask = (torch.arange(max_len) < seq_lens.unsqueeze(1)).view(nd, 1, 1, max_len)
+            max_blocks = -(-int(seq_lens.max()) // bs)
+            decode_blocks = common.block_tables[:nd, :max_blocks].long().flatten()
+            decode_mask = (torch.arange(max_blocks * bs) < seq_lens.unsqueeze(1)).view(nd, 1, 1, max_blocks * bs)
         prefills = []
         qsl = common.query_start_loc.tolist()
         seq_lens_list = common.seq_lens.tolist()
@@ -57,38 +57,48 @@ class TorchAttentionBackend(AttentionBackend):
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens_list[i]
             query_len = end - start
             if query_len == seq_len:
-                prefills.append(PrefillChunk(start, end, None, None))
+                prefills.append(PrefillChunk(start, end, seq_len, None, None))
                 continue
-            table = common.block_tables[i, : -(-seq_len // bs)].long()
-            slots = (table.unsqueeze(-1) * bs + torch.arange(bs)).flatten()[:seq_len]  # (seq_len,)
+            blocks = common.block_tables[i, : -(-seq_len // bs)].long()
             # query row r sits at position seq_len - query_len + r and sees keys up to it
             mask = torch.ones(query_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - query_len)
-            prefills.append(PrefillChunk(start, end, slots, mask))
-        return TorchAttentionMetadata(common.slot_mapping, nd, decode_slots, decode_mask, prefills)
+            prefills.append(PrefillChunk(start, end, seq_len, blocks, mask))
+        return TorchAttentionMetadata(common.slot_mapping, nd, decode_blocks, decode_mask, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (num_blocks * block_size, kv_heads, head_dim)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        key_cache.index_copy_(0, metadata.slot_mapping, k)
-        value_cache.index_copy_(0, metadata.slot_mapping, v)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, kv_heads, head_dim)
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         if nd:
-            keys = key_cache[metadata.decode_slots].transpose(1, 2)  # (nd, kv_heads, max_len, head_dim)
-            values = value_cache[metadata.decode_slots].transpose(1, 2)
-            out[:nd] = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), keys, values, attn_mask=metadata.decode_mask, scale=scale,
-                enable_gqa=True).squeeze(2)  # (nd, heads, 1, head_dim) -> (nd, heads, head_dim)
+            out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale)
         for chunk in metadata.prefills:
             s, e = chunk.start, chunk.end
-            if chunk.context_slots is None:  # no cached prefix: the chunk's own K/V are the context
+            if chunk.context_blocks is None:  # no cached prefix: the chunk's own K/V are the context
                 keys, values = k[s:e], v[s:e]
             else:
-                keys, values = key_cache[chunk.context_slots], value_cache[chunk.context_slots]
+                keys = key_cache.index_select(0, chunk.context_blocks).flatten(0, 1)[: chunk.seq_len]  # (seq_len, kv_heads, head_dim)
+                values = value_cache.index_select(0, chunk.context_blocks).flatten(0, 1)[: chunk.seq_len]
             out[s:e] = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # (heads, len, head_dim)
                 attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True,
             ).transpose(0, 1)  # (query_len, heads, head_dim)
         return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        nd, num_heads, head_dim = q.shape
+        num_kv_heads = key_cache.shape[2]
+        max_len = metadata.decode_mask.shape[-1]
+        # whole blocks in one index_select: 16x larger rows gather several times faster than per slot
+        keys = key_cache.index_select(0, metadata.decode_blocks).view(nd, max_len, num_kv_heads, head_dim)
+        values = value_cache.index_select(0, metadata.decode_blocks).view(nd, max_len, num_kv_heads, head_dim)
+        # the query heads that share a KV head become that head's query rows: GQA without repeating K/V
+        grouped = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (nd, kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=metadata.decode_mask, scale=scale)
+        return out.view(nd, num_heads, head_dim)  # (nd, heads, head_dim)
