@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedllm.errors import ValidationError
@@ -130,10 +130,15 @@ class EngineConfig:
     """All subsystem configs of one engine."""
 
     model: ModelConfig
+    """The model, its dtype and length limit."""
     cache: CacheConfig
+    """The KV block pool."""
     scheduler: SchedulerConfig
+    """Per-step limits."""
     parallel: ParallelConfig
+    """Tensor parallelism."""
     device: DeviceConfig
+    """The device."""
 
 
 @dataclass
@@ -174,7 +179,3 @@ class EngineArgs:
                 value=kwargs[unknown[0]])
         return cls(**kwargs)
 
-    @classmethod
-    def option_defaults(cls) -> dict[str, Any]:
-        """Option name -> default (for building CLI parsers)."""
-        return {f.name: (None if f.default is MISSING else f.default) for f in fields(cls)}

@@ -125,7 +125,11 @@ class LlamaForCausalLM(nn.Module):
                     break
             assert target in params, f"checkpoint tensor {name} has no parameter in the model"
             param = params[target]
-            param.weight_loader(param, tensor, shard) if hasattr(param, "weight_loader") else param.data.copy_(tensor)
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard)
+            else:
+                param.data.copy_(tensor)
             unfilled.discard(target)
         if self.config.tie_word_embeddings:
             unfilled.discard("lm_head.weight")

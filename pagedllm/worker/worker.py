@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from tqdm.auto import tqdm
 
 from pagedllm.attention.base import get_attention_backend
 from pagedllm.config import EngineConfig, available_memory_bytes
@@ -30,7 +31,8 @@ class Worker:
         self.arch = arch
         self.dtype = getattr(torch, config.model.dtype)
         model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)
-        model.load_weights(iter_weights(config.model.model, arch))
+        model.load_weights(tqdm(iter_weights(config.model.model, arch), desc="Loading weights", unit=" tensors",
+                                leave=False, dynamic_ncols=True))
         model.eval()
         self.model_runner = ModelRunner(model, get_attention_backend("torch"), config.cache.block_size,
                                         config.model.seed, eos_token_id)

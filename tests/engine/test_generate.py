@@ -114,3 +114,10 @@ def test_engine_statistics(llm: LLM) -> None:
     stats = llm.get_stats()
     assert stats.num_steps > 0 and stats.max_num_running >= 5 and stats.num_kv_blocks == 256
     assert 0 < stats.max_kv_cache_usage <= 1 and stats.kv_cache_usage == 0
+
+
+def test_kv_cache_memory_sizes_the_pool(tiny_llm_dir: Path) -> None:
+    """Blocks = bytes // (2 * layers * block_size * kv_heads * head_dim * dtype size)."""
+    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="1MiB", block_size=16)
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # tiny model: 2 layers, 2 KV heads of 16 dims, float32
+    assert llm.get_stats().num_kv_blocks == (1 << 20) // per_block
