@@ -65,7 +65,7 @@ def main() -> None:
         for engine in args.engines:
             probe = gemm_probe()
             result = run(engine, args)
-            rows.append({"round": round_, "engine": engine, "gemm_tflops": probe, **result})
+            rows.append({**result, "round": round_, "engine": engine, "gemm_tflops": probe})
             print(f"round {round_} {engine:>13}: {result['tokens_per_second']:8.1f} total tok/s "
                   f"{result['output_tokens_per_second']:8.1f} output tok/s  (GEMM probe {probe:.2f} TFLOP/s)",
                   flush=True)
