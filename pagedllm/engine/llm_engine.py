@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, parse_memory)
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.executor.uniproc import UniProcExecutor
@@ -43,9 +44,12 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         logger.warning("sliding-window attention is not implemented: max_model_len capped at the window (%d)",
                        arch.sliding_window)
         limit = arch.sliding_window
-    max_model_len = args.max_model_len or limit
-    if max_model_len > limit:
-        raise ValidationError.bad_value("max_model_len", max_model_len, f"<= the model's context length {limit}")
+    max_model_len = limit if args.max_model_len is None else args.max_model_len
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+        raise ValidationError.bad_value("max_model_len", max_model_len,
+                                        f"an integer in [1, the model's context length {limit}]")
+    if isinstance(args.seed, bool) or not isinstance(args.seed, int):
+        raise ValidationError.bad_value("seed", args.seed, "an integer")
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     config = EngineConfig(
         model=ModelConfig(path, dtype, max_model_len, args.seed),
@@ -60,7 +64,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
 class LLMEngine:
     """Owns the processor, scheduler, executor and output processor; one ``step()`` is one batch."""
 
-    def __init__(self, config: EngineConfig, arch: ArchConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, tokenizer: Any, log_stats: bool = False) -> None:
         self.config = config
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else arch.eos_token_id
@@ -69,12 +73,14 @@ class LLMEngine:
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, log_stats)
+        self._seq_counter = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
+        """Build an engine; ``log_stats`` gathers per-step timing (take it with take_iteration_stats)."""
         config, arch = create_engine_config(args)
-        return cls(config, arch, load_tokenizer(config.model.model))
+        return cls(config, arch, load_tokenizer(config.model.model), log_stats)
 
     # ----------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -84,14 +90,18 @@ class LLMEngine:
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
         params = params if params is not None else SamplingParams()
         text, prompt_ids = self.processor.tokenize_prompt(prompt)
-        requests = self.processor.make_requests(request_id, prompt_ids, params, arrival_time or time.monotonic())
+        arrival_time = arrival_time or time.monotonic()
+        # scheduler-side ids are the engine's own: users' ids can never collide with them
+        seq_ids = [f"{next(self._seq_counter)}:{request_id}" for _ in range(params.n)]
+        requests = self.processor.make_requests(seq_ids, prompt_ids, params, arrival_time)
         for i, request in enumerate(requests):
             try:
                 self.scheduler.add_request(request)
             except ValidationError:
                 self.scheduler.finish_requests([r.request_id for r in requests[:i]], RequestStatus.FINISHED_ABORTED)
                 raise
-        self.output_processor.add_request(request_id, text, prompt_ids, params, [r.request_id for r in requests])
+        self.output_processor.add_request(request_id, text, prompt_ids, params, [r.request_id for r in requests],
+                                          arrival_time)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their blocks."""
@@ -101,6 +111,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Requests to run, or finished ones the workers must still be told about."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_to_report()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.requests)
@@ -116,6 +130,10 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests() and self.scheduler.has_finished_to_report():
             self.executor.execute_model(self.scheduler.schedule())  # idle now: workers drop finished states
         return outputs
+
+    def take_iteration_stats(self) -> IterationStats:
+        """Timing facts since the last call: times to first token, inter-token latencies, finished requests."""
+        return self.output_processor.take_iteration_stats()
 
     def get_stats(self) -> EngineStats:
         """Counters (steps, preemptions, chunked prefills, max running) and KV usage now and at peak."""

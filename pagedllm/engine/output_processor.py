@@ -1,12 +1,38 @@
-"""Turns the scheduler's per-sequence news into RequestOutputs (n samples per request)."""
+"""Turns the scheduler's per-sequence news into RequestOutputs (n samples per request).
+
+Also gathers each step's timing facts (time to first token, inter-token latencies, finished
+requests) for metrics, whatever kind of outputs the caller asked for.
+"""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput, TokenLogprobs
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import (CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics, RequestOutput,
+                              TokenLogprobs)
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished sequence, for request-level metrics."""
+
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one step produced, for metrics (all times in seconds)."""
+
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
 @dataclass
@@ -20,10 +46,31 @@ class SequenceState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    last_token_time: float | None = None
+    sent_text: int = 0
+    """DELTA outputs: characters / tokens already handed out, and whether the finish was."""
+    sent_tokens: int = 0
+    sent_finish: bool = False
 
-    def completion(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.detokenizer.output_text, list(self.token_ids),
-                                self.cumulative_logprob, self.logprobs, self.finish_reason, self.stop_reason)
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def completion(self, kind: RequestOutputKind) -> CompletionOutput | None:
+        """The sequence as a CompletionOutput; for DELTA only what is new (None if nothing is)."""
+        text = self.detokenizer.text_for_stream(self.finished)  # never shows what a stop string may cut
+        if kind != RequestOutputKind.DELTA:
+            return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
+                                    None if self.logprobs is None else list(self.logprobs),
+                                    self.finish_reason, self.stop_reason)
+        if len(text) == self.sent_text and len(self.token_ids) == self.sent_tokens and self.finished == self.sent_finish:
+            return None
+        delta = CompletionOutput(self.index, text[self.sent_text:], self.token_ids[self.sent_tokens:],
+                                 self.cumulative_logprob,
+                                 None if self.logprobs is None else self.logprobs[self.sent_tokens:],
+                                 self.finish_reason, self.stop_reason)
+        self.sent_text, self.sent_tokens, self.sent_finish = len(text), len(self.token_ids), self.finished
+        return delta
 
 
 @dataclass
@@ -35,26 +82,38 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     sequences: dict[str, SequenceState]
+    metrics: RequestMetrics
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences.values())
+        return all(s.finished for s in self.sequences.values())
 
-    def output(self) -> RequestOutput:
-        completions = [s.completion() for s in sorted(self.sequences.values(), key=lambda s: s.index)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished)
+    def output(self) -> RequestOutput | None:
+        """This step's RequestOutput in the request's output kind (None: nothing to report)."""
+        kind = self.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        ordered = sorted(self.sequences.values(), key=lambda s: s.index)
+        completions = [c for c in (s.completion(kind) for s in ordered) if c is not None]
+        if not completions:
+            return None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
+                             metrics=self.metrics)
 
 
 class OutputProcessor:
     """Detokenizes new tokens, applies stop strings and assembles outputs."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, log_stats: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.log_stats = log_stats
+        """Gather IterationStats (someone must take them, or they pile up)."""
         self.requests: dict[str, RequestState] = {}
         self.seq_to_request: dict[str, str] = {}
+        self.iteration_stats = IterationStats()
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, seq_ids: list[str]) -> None:
+                    params: SamplingParams, seq_ids: list[str], arrival_time: float) -> None:
         sequences = {}
         for index, seq_id in enumerate(seq_ids):
             seq = SequenceState(index, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params))
@@ -62,24 +121,44 @@ class OutputProcessor:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
             sequences[seq_id] = seq
             self.seq_to_request[seq_id] = request_id
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, sequences)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, sequences,
+                                                 RequestMetrics(arrival_time))
 
     def seq_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
         return list(state.sequences) if state else []
 
     def abort(self, request_id: str) -> None:
-        state = self.requests.pop(request_id, None)
-        for seq_id in (state.sequences if state else []):
+        """Forget an unfinished request; its unfinished sequences count as finished by "abort"."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        now = time.monotonic()
+        for seq in state.sequences.values():
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self._record_finished(state, seq, now)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        state = self.requests.pop(request_id)
+        for seq_id in state.sequences:
             del self.seq_to_request[seq_id]
+
+    def take_iteration_stats(self) -> IterationStats:
+        """The timing facts gathered since the last call (the caller reports them once)."""
+        stats, self.iteration_stats = self.iteration_stats, IterationStats()
+        return stats
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """(RequestOutputs of the requests that changed, sequence ids ended by a stop string)."""
+        now = time.monotonic()
         changed: dict[str, RequestState] = {}
         stopped_by_string: list[str] = []
         for out in outputs:
             state = self.requests[self.seq_to_request[out.request_id]]
             seq = state.sequences[out.request_id]
+            self._record_timing(state, seq, out, now)
             seq.token_ids.extend(out.new_token_ids)
             if seq.logprobs is not None:
                 self._add_logprobs(seq, out.new_token_ids, out.new_logprobs, state.params.logprobs)
@@ -90,13 +169,41 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = "stop", stop
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            if seq.finished:
+                self._record_finished(state, seq, now)
             changed[state.request_id] = state
         results = []
         for request_id, state in changed.items():
-            results.append(state.output())
             if state.finished:
-                self.abort(request_id)
+                state.metrics.finished_time = now
+                self._forget(request_id)
+            result = state.output()
+            if result is not None:
+                results.append(result)
         return results, stopped_by_string
+
+    def _record_timing(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput, now: float) -> None:
+        metrics = state.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = out.first_scheduled_time
+        if not out.new_token_ids:
+            return
+        previous, seq.last_token_time = seq.last_token_time, now
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        if self.log_stats and previous is None:
+            self.iteration_stats.time_to_first_tokens.append(now - metrics.arrival_time)
+        elif self.log_stats:
+            self.iteration_stats.inter_token_latencies.append(now - previous)
+
+    def _record_finished(self, state: RequestState, seq: SequenceState, now: float) -> None:
+        if not self.log_stats:
+            return
+        first = state.metrics.first_scheduled_time
+        self.iteration_stats.finished.append(FinishedRequestStats(
+            seq.finish_reason, now - state.metrics.arrival_time,
+            None if first is None else first - state.metrics.arrival_time,
+            len(state.prompt_token_ids), len(seq.token_ids)))
 
     def _add_logprobs(self, seq: SequenceState, token_ids: list[int], logprobs: list[TokenLogprobs | None],
                       top_n: int) -> None:

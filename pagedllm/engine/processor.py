@@ -66,12 +66,13 @@ class Processor:
         if bad:
             raise ValidationError.bad_value("stop_token_ids", bad[0], f"a token id below {self.vocab_size}")
 
-    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    def make_requests(self, seq_ids: list[str], prompt_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None) -> list[Request]:
-        """One Request per sample (n of them); child ids are ``"{index}_{request_id}"`` when n > 1."""
+        """One Request per sample (``params.n`` of them, one per id in ``seq_ids``)."""
         self.check_params(params)
         max_tokens = self.check_length(len(prompt_ids), params)
+        assert len(seq_ids) == params.n
         if params.n == 1:
-            return [Request(request_id, prompt_ids, params, self.eos_token_id, max_tokens, arrival_time)]
-        return [Request(f"{i}_{request_id}", prompt_ids, params.child(i), self.eos_token_id, max_tokens, arrival_time)
-                for i in range(params.n)]
+            return [Request(seq_ids[0], prompt_ids, params, self.eos_token_id, max_tokens, arrival_time)]
+        return [Request(seq_id, prompt_ids, params.child(i), self.eos_token_id, max_tokens, arrival_time)
+                for i, seq_id in enumerate(seq_ids)]

@@ -1,6 +1,7 @@
 """The offline API: ``LLM(...).generate(prompts, sampling_params)`` and ``.chat(messages)``."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +13,7 @@ from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -41,11 +42,15 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (strings or {"prompt_token_ids": [...]}); outputs in input order."""
+        if not isinstance(prompts, (str, dict, list, tuple)):
+            raise ValidationError.bad_value("prompts", prompts, "a prompt or a list of prompts")
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
+            if not all(isinstance(p, SamplingParams) for p in params_list):
+                raise ValidationError.bad_value("sampling_params", sampling_params, "SamplingParams or a list of them")
             if len(params_list) != len(prompt_list):
                 raise ValidationError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts",
@@ -77,7 +82,8 @@ class LLM:
         ids = [str(next(self._counter)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                engine.add_request(request_id, prompt, p)
+                # one output per request, when it finishes: no per-step output objects
+                engine.add_request(request_id, prompt, dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
         except ValidationError:
             engine.abort_request(ids)  # nothing of this call stays queued
             raise

@@ -20,6 +20,8 @@ def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> tor
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "freq_factors":  # GGUF's rope_freqs tensor: one divisor per frequency
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     raise ValidationError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)",
                           param="rope_scaling", value=scaling)
 

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.attention.base import get_attention_backend
 from pagedllm.config import EngineConfig, available_memory_bytes
+from pagedllm.errors import ValidationError
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import iter_weights
@@ -54,7 +55,9 @@ class Worker:
             most = (sched.max_num_seqs * -(-sched.max_model_len // cache.block_size) + 1) * self.kv_block_bytes()
             budget = min(budget, most)
         num_blocks = budget // self.kv_block_bytes()
-        assert num_blocks >= 2, f"KV memory {budget} bytes holds fewer than 2 blocks"
+        if num_blocks < 2:
+            raise ValidationError.bad_value("kv_cache_memory", budget,
+                                            f"at least 2 KV blocks ({2 * self.kv_block_bytes()} bytes)")
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cache.block_size,
                     num_blocks * self.kv_block_bytes() / 1024**3)
         return num_blocks

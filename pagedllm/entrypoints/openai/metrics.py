@@ -1,0 +1,66 @@
+"""Prometheus metrics with vLLM's names under the ``pagedllm:`` prefix."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine.output_processor import IterationStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ServerMetrics:
+    """Updated by the engine thread after every step; scraped at ``GET /metrics``."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r, m = self.registry, model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagedllm:{name}", doc, labels, registry=r).labels(m)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagedllm:{name}", doc, labels, registry=r).labels(m)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"pagedllm:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(m)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (recomputation included).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        success = Counter("pagedllm:request_success", "Finished sequences by finish reason.",
+                          labels + ["finished_reason"], registry=r)
+        self.success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a sequence.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self._last = EngineStats()
+
+    def on_step(self, stats: EngineStats, iteration: IterationStats) -> None:
+        """Engine-thread callback: gauges set, counters advanced by the change since the last call."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.prompt_tokens.inc(stats.num_prompt_tokens_computed - self._last.num_prompt_tokens_computed)
+        self.generation_tokens.inc(stats.num_generated_tokens - self._last.num_generated_tokens)
+        self.preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
+        self._last = stats
+        for value in iteration.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.observe(value)
+        for finished in iteration.finished:
+            self.success[finished.finish_reason].inc()
+            self.e2e.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self.queue_time.observe(finished.queue_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,150 @@
+"""Request handling shared by the completion and chat endpoints: validation, sampling params,
+fan-out of several prompts, streaming and abort on disconnect."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedllm.engine.processor import PromptType
+from pagedllm.errors import ValidationError
+from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+
+
+class ModelNotFoundError(Exception):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"the model {model!r} does not exist on this server")
+        self.model = model
+
+
+class OpenAIServing:
+    """What both endpoints need from the engine."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.config.model.max_model_len
+        self.served_model_names = served_model_names
+
+    def check_model(self, model: str | None) -> str:
+        """The model name to answer with; a name we do not serve raises ModelNotFoundError."""
+        if model is None or model == "":
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise ModelNotFoundError(model)
+        return model
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        stream: bool) -> SamplingParams:
+        """SamplingParams from the request's fields (SamplingParams names any out-of-range field)."""
+        if req.logit_bias:
+            raise ValidationError("logit_bias is not supported", param="logit_bias", value=req.logit_bias)
+        return SamplingParams(
+            n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+
+    async def add_all(self, request_id: str, prompts: list[PromptType], params: SamplingParams) -> list[RequestStream]:
+        """Queue every prompt; if one is refused, withdraw the others and raise its ValidationError."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def top_entries(entry: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
+        """The top-N (by rank) of one position's logprobs."""
+        return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n),
+                      key=lambda item: item[1].rank)[:top_n]
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; closing this aborts them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:  # EngineDeadError: hand it to the consumer
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The finished output of every stream, in prompt order."""
+    results: list[RequestOutput | None] = [None] * len(streams)
+    async for index, out in merge_streams(streams):
+        if out.finished:
+            results[index] = out
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+async def unless_disconnected(work: Awaitable[T], raw: Request) -> T | None:
+    """Run ``work``; if the client disconnects first, cancel it (its streams abort) and return None."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

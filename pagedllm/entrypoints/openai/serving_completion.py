@@ -1,0 +1,106 @@
+"""POST /v1/completions."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.engine.processor import PromptType
+from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                                  CompletionResponse, UsageInfo, random_id)
+from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, final_outputs, merge_streams, sse,
+                                                 unless_disconnected)
+from pagedllm.errors import ValidationError
+from pagedllm.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        model = self.check_model(req.model)
+        if req.suffix is not None:
+            raise ValidationError("suffix is not supported", param="suffix", value=req.suffix)
+        if req.best_of is not None and req.best_of != req.n:
+            raise ValidationError("best_of other than n is not supported", param="best_of", value=req.best_of)
+        prompts = self._prompts(req.prompt)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, req.stream)
+        request_id = random_id("cmpl")
+        streams = await self.add_all(request_id, prompts, params)
+        echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
+        if req.stream:
+            return StreamingResponse(self._stream(request_id, model, req, streams, echoes),
+                                     media_type="text/event-stream")
+        outputs = await unless_disconnected(final_outputs(streams), raw)
+        if outputs is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        choices = [self._choice(i * req.n + c.index, c, echoes[i], req.logprobs)
+                   for i, out in enumerate(outputs) for c in out.outputs]
+        usage = self._usage(outputs)
+        return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump())
+
+    @staticmethod
+    def _prompts(prompt: str | list) -> list[PromptType]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValidationError("prompt must not be empty", param="prompt", value=prompt)
+        if isinstance(prompt[0], int):
+            return [{"prompt_token_ids": prompt}]
+        if isinstance(prompt[0], str):
+            return list(prompt)
+        return [{"prompt_token_ids": ids} for ids in prompt]
+
+    def _prompt_text(self, prompt: PromptType) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt["prompt_token_ids"])
+
+    def _choice(self, index: int, c: CompletionOutput, echo: str, logprobs: int | None) -> CompletionChoice:
+        lp = None if c.logprobs is None else self._logprobs(c, len(echo), logprobs or 0)
+        return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason)
+
+    def _logprobs(self, c: CompletionOutput, offset: int, top_n: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+            sampled = entry[token_id]
+            text = sampled.decoded_token or ""
+            out.tokens.append(text)
+            out.token_logprobs.append(sampled.logprob)
+            out.text_offset.append(offset)
+            top = {lp.decoded_token: lp.logprob for _, lp in self.top_entries(entry, top_n)}
+            top.setdefault(text, sampled.logprob)
+            out.top_logprobs.append(top)
+            offset += len(text)
+        return out
+
+    @staticmethod
+    def _usage(outputs: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def _stream(self, request_id: str, model: str, req: CompletionRequest, streams: list,
+                      echoes: list[str]) -> AsyncIterator[str]:
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}
+        async for i, out in merge_streams(streams):
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                index = i * req.n + c.index
+                echo = echoes[i] if index not in echoed else ""
+                echoed.add(index)
+                completion_tokens += len(c.token_ids)
+                lp = None
+                if c.logprobs is not None:
+                    lp = self._logprobs(c, offsets.get(index, len(echo)), req.logprobs or 0)
+                    offsets[index] = offsets.get(index, len(echo)) + sum(len(t) for t in lp.tokens)
+                choice = CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
+                                          stop_reason=c.stop_reason)
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+        if req.stream_options and req.stream_options.include_usage:
+            total_prompt = sum(prompt_tokens.values())
+            usage = UsageInfo(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
+                              total_tokens=total_prompt + completion_tokens)
+            yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
+        yield SSE_DONE
