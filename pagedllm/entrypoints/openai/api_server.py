@@ -1,0 +1,213 @@
+"""The OpenAI-compatible server: FastAPI app, error bodies, API keys, metrics, graceful shutdown."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import pagedllm
+from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+                                                  TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.serving import ModelNotFoundError
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.errors import ValidationError
+
+logger = logging.getLogger("pagedllm.server")
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   type_: str = "invalid_request_error") -> JSONResponse:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+class APIKeyMiddleware:
+    """401 on /v1/* without a valid ``Authorization: Bearer <key>`` (constant-time comparison)."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            response = error_response(401, "invalid or missing API key", code="invalid_api_key")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        token = header[7:] if header[:7].lower() == b"bearer " else b""
+        matches = [hmac.compare_digest(token, key) for key in self.keys]  # compare with every key: no early exit
+        return any(matches)
+
+
+def _field_name(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    if not parts or parts[0].isdigit():  # a JSON syntax error reports a character position
+        return None
+    name = parts[0]
+    for p in parts[1:]:
+        if p.isdigit():
+            name += f"[{p}]"
+        elif p in ("str", "list[int]", "list[str]", "list[list[int]]", "list[ContentPart]", "int", "float"):
+            break  # pydantic names the union member it tried; the field is what the user sees
+        else:
+            name += f".{p}"
+    return name
+
+
+def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names: list[str],
+              api_keys: list[str]) -> FastAPI:
+    """The FastAPI application around a (not yet started) async engine."""
+    completion = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names)
+    config = engine.engine.config
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown()  # in-flight requests that outlived the graceful period are aborted
+
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = _field_name(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"request body is not valid JSON: {first.get('msg')}")
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(ValidationError)
+    async def on_validation(_: Request, exc: ValidationError) -> JSONResponse:
+        return error_response(400, exc.message, param=exc.param)
+
+    @app.exception_handler(ModelNotFoundError)
+    async def on_model_not_found(_: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return error_response(404, str(exc), param="model", code="model_not_found")
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"the engine is not running: {exc}", type_="server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), code=str(exc.status_code))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return Response(status_code=200)
+        return error_response(503, "the engine loop is not running", type_="server_error")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        """Engine statistics (steps, preemptions, max running, KV usage): pagedllm's own extra."""
+        return vars(engine.get_stats())
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [ModelCard(id=name, root=config.model.model, max_model_len=config.model.max_model_len)
+                 for name in served_model_names]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await completion.create(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        completion.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ValidationError("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            _, ids = chat.apply_chat_template(req.messages, req.add_generation_prompt)
+        else:
+            ids = completion.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=config.model.max_model_len, tokens=ids).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        completion.check_model(req.model)
+        vocab = engine.engine.processor.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValidationError(f"tokens contains {bad[0]}, outside the vocabulary [0, {vocab})", param="tokens",
+                                  value=bad[0])
+        return DetokenizeResponse(prompt=completion.tokenizer.decode(req.tokens)).model_dump()
+
+    return app
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="accepted API key (repeatable); also read from PAGEDLLM_API_KEY")
+    parser.add_argument("--served-model-name", action="append", default=None,
+                        help="model name(s) clients use (default: the model argument)")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
+    parser.add_argument("--uvicorn-log-level", default="info")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's graceful shutdown on SIGINT/SIGTERM, then exit status 0.
+
+    uvicorn re-raises the captured signal after shutting down (the process then dies "of"
+    SIGTERM); a server that shut down cleanly on request should exit 0 instead.
+    """
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    """Load the engine, then serve until SIGINT/SIGTERM; returns the exit status."""
+    if ns.model_tag is not None:
+        engine_args.model = ns.model_tag
+    names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
+    keys = ns.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
+    metrics = ServerMetrics(names[0])
+    engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step)
+    app = build_app(engine, metrics, names, keys)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                            timeout_graceful_shutdown=ns.shutdown_timeout)
+    _Server(config).run()
+    return 0

@@ -1,0 +1,124 @@
+"""The official `openai` client against our server: completions, chat, streaming, n, logprobs, stop, seed."""
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_usage_counts_are_the_tokenizers(client: openai.OpenAI, tokenizer: Any) -> None:
+    prompt = "The quick brown fox jumps over"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.object == "text_completion" and len(out.choices) == 1
+    assert out.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert out.usage.completion_tokens == 7 and out.usage.total_tokens == out.usage.prompt_tokens + 7
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+
+
+def test_chat_usage_counts_are_the_tokenizers(client: openai.OpenAI, tokenizer: Any) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage.completion_tokens == 5 and out.usage.total_tokens == out.usage.prompt_tokens + 5
+
+
+@pytest.mark.parametrize("prompt", ["Streaming must join up exactly", "東京の天気は"])
+def test_streamed_completion_joins_to_the_greedy_text(client: openai.OpenAI, prompt: str) -> None:
+    args = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**args).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"] and chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+
+
+def test_streamed_chat_joins_to_the_greedy_text(client: openai.OpenAI) -> None:
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=20,
+                temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**args).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_samples_and_seed(client: openai.OpenAI) -> None:
+    args = dict(model=MODEL, prompt="Pick a word:", max_tokens=8, temperature=1.0, n=2, seed=11)
+    first = client.completions.create(**args)
+    again = client.completions.create(**args)
+    assert sorted(c.index for c in first.choices) == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.choices[0].text != first.choices[1].text
+    streamed = list(client.completions.create(stream=True, **args))
+    for index in (0, 1):
+        joined = "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == index)
+        assert joined == first.choices[index].text
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="Log", max_tokens=4, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) <= 2 and max(top.values()) == pytest.approx(value)  # greedy = top-1
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                         temperature=0, logprobs=True, top_logprobs=3,
+                                         extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+
+
+def test_stop_string(client: openai.OpenAI) -> None:
+    base = client.completions.create(model=MODEL, prompt="Stop here", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[len(base) // 2: len(base) // 2 + 2]
+    assert stop.strip(), base
+    out = client.completions.create(model=MODEL, prompt="Stop here", max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert out.text == base[: base.index(stop)] and out.finish_reason == "stop"
+    streamed = list(client.completions.create(model=MODEL, prompt="Stop here", max_tokens=16, temperature=0,
+                                              stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == out.text
+
+
+def test_prompt_forms_and_echo(server, client: openai.OpenAI, tokenizer: Any) -> None:
+    ids = tokenizer.encode("Token ids in")
+    out = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=3, temperature=0, echo=True)
+    assert [c.index for c in out.choices] == [0, 1] and out.choices[0].text == out.choices[1].text
+    assert out.choices[0].text.startswith("Token ids in") and out.usage.prompt_tokens == 2 * len(ids)
+    out = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2)
+    assert len(out.choices) == 2
+
+
+def test_tokenize_detokenize_version(server, tokenizer: Any) -> None:
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert r["tokens"] == tokenizer.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert httpx.get(f"{server.url}/version").json()["version"]
