@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "LLM": "pagedllm.entrypoints.llm",
     "SamplingParams": "pagedllm.sampling_params",
+    "BeamSearchParams": "pagedllm.sampling_params",
+    "BeamSearchOutput": "pagedllm.outputs",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",

@@ -77,8 +77,16 @@ class CacheConfig:
     """Bytes for the KV pool; None picks a default from free memory."""
     num_kv_blocks: int | None = None
     """Exact number of KV blocks (overrides kv_cache_memory; for tests and experiments)."""
+    enable_prefix_caching: bool = True
+    """Reuse the K/V of full blocks whose token prefix was seen before."""
+    swap_space: float = 4.0
+    """GiB of host memory for blocks of requests preempted by swapping."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValidationError.bad_value("enable_prefix_caching", self.enable_prefix_caching, "true or false")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValidationError.bad_value("swap_space", self.swap_space, "a number of GiB >= 0")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValidationError.bad_value("block_size", self.block_size, "a positive integer")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
@@ -95,8 +103,12 @@ class SchedulerConfig:
     """Token budget of one step (prompt chunks + decode tokens)."""
     max_model_len: int = 8192
     """Most tokens in one sequence (copied from ModelConfig)."""
+    preemption_mode: str = "recompute"
+    """How a preempted request gives its blocks back: "recompute" (drop the K/V) or "swap" (to host)."""
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValidationError.bad_value("preemption_mode", self.preemption_mode, "'recompute' or 'swap'")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValidationError.bad_value("max_num_seqs", self.max_num_seqs, "a positive integer")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
@@ -164,6 +176,12 @@ class EngineArgs:
     """Most requests running in one step."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step."""
+    enable_prefix_caching: bool = True
+    """Reuse K/V of full blocks whose token prefix was computed before."""
+    preemption_mode: str = "recompute"
+    """"recompute" or "swap" (preempted requests' blocks go to host memory and come back)."""
+    swap_space: float = 4.0
+    """GiB of host memory for swapped-out blocks (used with preemption_mode="swap")."""
     seed: int = 0
     """Seed of the engine's random generator."""
     tensor_parallel_size: int = 1

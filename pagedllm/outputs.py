@@ -47,6 +47,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     """time.monotonic() when the request was first scheduled (for queue-time metrics)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose K/V came from the prefix cache."""
 
     @property
     def finished(self) -> bool:
@@ -91,3 +93,22 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam: the whole sequence (prompt included, as vLLM returns it)."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float
+    """cum_logprob / generated_length ** length_penalty: what beams are ranked by."""
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

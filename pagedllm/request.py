@@ -51,6 +51,7 @@ class Request:
         eos_token_id: int | None,
         max_tokens: int,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         assert prompt_token_ids, "validated before a Request is made"
         self.request_id = request_id
@@ -65,6 +66,12 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        self.cache_salt = cache_salt
+        """Mixed into the first block's hash: only requests with the same salt share cached blocks."""
+        self.block_hashes: list[int] = []
+        """Chained hashes of the full blocks of all_token_ids (filled by the KV cache manager)."""
+        self.num_cached_tokens = -1
+        """Prompt tokens found in the prefix cache at first scheduling (-1 before)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -137,3 +137,32 @@ class SamplingParams:
     def field_names(cls) -> list[str]:
         """Public field names (for CLIs and servers)."""
         return [f.name for f in fields(cls) if not f.name.startswith("_")]
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (vLLM's names): keep the ``beam_width`` best sequences at every step."""
+
+    beam_width: int
+    """Beams kept at every step, and sequences returned."""
+    max_tokens: int
+    """Most tokens generated per beam."""
+    ignore_eos: bool = False
+    """Keep beams going after EOS (only max_tokens ends them)."""
+    temperature: float = 0.0
+    """Only 0 (deterministic beam search) is supported."""
+    length_penalty: float = 1.0
+    """A finished beam scores cum_logprob / generated_length ** length_penalty."""
+
+    def __post_init__(self) -> None:
+        bad = ValidationError.bad_value
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise bad("beam_width", self.beam_width, "an integer >= 1")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if self.temperature != 0.0:
+            raise bad("temperature", self.temperature, "0 (sampling beam search is not supported)")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
+            raise bad("length_penalty", self.length_penalty, "a number")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "true or false")

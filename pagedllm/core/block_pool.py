@@ -1,4 +1,9 @@
-"""The pool of physical KV blocks: reference counts, a null block and an LRU free queue."""
+"""The pool of physical KV blocks: reference counts, a null block, an LRU free queue and the
+prefix cache (full blocks keyed by the chained hash of their tokens).
+
+A freed block keeps its hash while it waits in the free queue: until it is taken for new
+tokens (evicted, least recently freed first) a request with the same prefix can revive it.
+"""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -51,6 +56,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached_blocks: dict[int, KVCacheBlock] = {}
+        """Block hash -> the block holding those tokens (held or free)."""
 
     @property
     def num_blocks(self) -> int:
@@ -72,8 +79,32 @@ class BlockPool:
         for block in taken:
             assert block.ref_cnt == 0
             block.ref_cnt = 1
-            block.block_hash = None
+            self._evict(block)
         return taken
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        """Forget a block's cached tokens (it is about to hold others)."""
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        """Record that ``block`` holds the full block of tokens named by ``block_hash``."""
+        assert block.block_hash is None or block.block_hash == block_hash
+        if block_hash not in self.cached_blocks:  # an identical block may be cached already: keep that one
+            self.cached_blocks[block_hash] = block
+            block.block_hash = block_hash
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference to each block (reviving cached free blocks out of the free queue)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks nobody holds go to the free queue's end."""

@@ -1,7 +1,16 @@
-"""Maps requests to the physical blocks that hold their K/V (their block tables)."""
+"""Maps requests to the physical blocks that hold their K/V (their block tables).
+
+Blocks are taken on demand and returned the moment a request finishes. Full blocks are
+hashed (prefix caching) so a later request with the same prefix reuses them; forked
+sequences (parallel samples, beams) share their parent's blocks by reference count, and the
+partly filled last block is copied on write.
+"""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter
+from collections.abc import Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.request import Request
@@ -12,13 +21,36 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Allocates blocks on demand as requests grow and frees them the moment they finish."""
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], salt: str | None = None) -> int:
+    """Chained hash of one full block: the parent block's hash, the tokens, and a salt if any."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update((parent_hash or 0).to_bytes(16, "little"))
+    digest.update(array("q", token_ids).tobytes())
+    if salt:
+        digest.update(salt.encode())
+    return int.from_bytes(digest.digest(), "little")
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class KVCacheManager:
+    """Block tables of all requests, over one BlockPool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
+        self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        """Free blocks of the host (swap) pool; taken from the end."""
+        self.num_host_blocks = num_host_blocks
+        self.req_to_host_blocks: dict[str, list[int]] = {}
+        """Swapped-out requests -> the host blocks holding their K/V, in table order."""
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        """Request id -> how many of its leading blocks are already in the prefix cache."""
+        self.pending_copies: list[tuple[int, int]] = []
+        """(source, destination) block ids to copy before the next forward (copy-on-write)."""
+        self.replaced_tables: set[str] = set()
+        """Requests whose block table changed in place (copy-on-write): workers need the whole table."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -31,25 +63,138 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+    # -------------------------------------------------------------------- prefix cache
+    def block_hashes(self, request: Request) -> list[int]:
+        """Hashes of the request's full blocks, extended lazily as its tokens grow."""
+        hashes, bs = request.block_hashes, self.block_size
+        while len(hashes) < request.num_tokens // bs:
+            start = len(hashes) * bs
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+                                            request.all_token_ids[start:start + bs],
+                                            None if hashes else request.cache_salt))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks of the request's longest cached prefix, and how many tokens they hold.
+
+        At least one token is always left to compute (it yields the logits to sample from).
+        """
+        if not self.enable_caching:
+            return [], 0
+        hits: list[KVCacheBlock] = []
+        for block_hash in self.block_hashes(request)[: (request.num_tokens - 1) // self.block_size]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        done = self.num_cached_blocks.get(request.request_id, 0)
+        full = min(num_tokens, request.num_tokens) // self.block_size
+        hashes = self.block_hashes(request)
+        for i in range(done, full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = max(done, full)
+
+    # -------------------------------------------------------------------- allocation
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
-        Returns the newly taken blocks (maybe none), or None when the pool has too few free
-        blocks; then nothing changes and the caller may preempt and retry.
+        ``computed_blocks`` are prefix-cache hits for a request that holds no blocks yet (its
+        computed tokens then start after them). Returns the newly taken blocks (maybe none),
+        or None when the pool has too few free blocks; then nothing changes.
         """
         assert num_new_tokens > 0
         held = self.req_to_blocks.get(request.request_id, [])
-        needed = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - len(held)
-        if needed > self.block_pool.num_free_blocks:
+        assert not (held and computed_blocks), "cache hits only for a request without blocks"
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # cached but free: they leave the free queue
+        copy = 1 if self._writes_into_shared_block(held, num_computed) else 0
+        if max(needed, 0) + revived + copy > self.block_pool.num_free_blocks:
             return None
+        self.block_pool.touch(computed_blocks)
+        blocks = held + list(computed_blocks)
+        if copy:
+            self._copy_on_write(request, blocks)
         new_blocks = self.block_pool.get_new_blocks(max(needed, 0))
-        self.req_to_blocks[request.request_id] = held + new_blocks
+        blocks += new_blocks
+        self.req_to_blocks[request.request_id] = blocks
+        if computed_blocks:
+            self.num_cached_blocks[request.request_id] = len(computed_blocks)
+        self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def _writes_into_shared_block(self, held: list[KVCacheBlock], num_computed: int) -> bool:
+        """The next token lands in a partly filled last block that other sequences also hold."""
+        return bool(held) and num_computed % self.block_size != 0 and held[-1].ref_cnt > 1
+
+    def _copy_on_write(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        shared = blocks[-1]
+        private = self.block_pool.get_new_blocks(1)[0]
+        self.pending_copies.append((shared.block_id, private.block_id))
+        self.block_pool.free_blocks([shared])  # one holder fewer; the others keep it
+        blocks[-1] = private
+        self.replaced_tables.add(request.request_id)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's blocks by reference (it continues from the same K/V)."""
+        blocks = self.req_to_blocks[parent.request_id]
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes[: len(child.all_token_ids) // self.block_size])
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; the tail goes first so it is evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.replaced_tables.discard(request.request_id)
         self.block_pool.free_blocks(reversed(blocks))
+
+    # -------------------------------------------------------------------- swap
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's K/V to host blocks: (device, host) pairs to copy, or None if the host pool is full.
+
+        Its device blocks are released (blocks shared with others stay theirs).
+        """
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if len(blocks) > len(self.host_free):
+            return None
+        host = [self.host_free.pop() for _ in blocks]
+        self.req_to_host_blocks[request.request_id] = host
+        mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
+        self.free(request)
+        return mapping
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back with room for ``num_new_tokens`` more tokens.
+
+        Returns (host, device) pairs to copy, or None (nothing changes) if the device pool is short.
+        """
+        host = self.req_to_host_blocks[request.request_id]
+        total = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
+        if max(total, len(host)) > self.block_pool.num_free_blocks:
+            return None
+        blocks = self.block_pool.get_new_blocks(len(host))
+        del self.req_to_host_blocks[request.request_id]
+        self.host_free.extend(reversed(host))
+        self.req_to_blocks[request.request_id] = blocks
+        self.replaced_tables.add(request.request_id)
+        return [(h, b.block_id) for h, b in zip(host, blocks)]
+
+    def free_host(self, request: Request) -> None:
+        """Drop a swapped-out request's host blocks (it was aborted while swapped out)."""
+        self.host_free.extend(reversed(self.req_to_host_blocks.pop(request.request_id, [])))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write work for the workers since the last call."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
@@ -59,7 +204,7 @@ class KVCacheManager:
 
         Every reference in a block table is counted in ref_cnt; the free queue holds exactly
         the blocks with ref_cnt 0; the null block is in no table and not in the free queue;
-        free + used == usable.
+        the prefix cache maps each hash to a block carrying that hash; free + used == usable.
         """
         pool = self.block_pool
         refs = Counter(b.block_id for blocks in self.req_to_blocks.values() for b in blocks)
@@ -70,6 +215,11 @@ class KVCacheManager:
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs.get(block.block_id, 0)} references")
             assert (block.ref_cnt == 0) == (block in pool.free_queue), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block in pool.free_queue}")
+        for block_hash, block in pool.cached_blocks.items():
+            assert block.block_hash == block_hash, f"block {block.block_id} cached under a hash it does not carry"
         used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
         assert used + pool.num_free_blocks == pool.num_usable_blocks
+        host_used = [h for blocks in self.req_to_host_blocks.values() for h in blocks]
+        assert len(set(host_used)) == len(host_used) and not set(host_used) & set(self.host_free)
+        assert len(host_used) + len(self.host_free) == self.num_host_blocks, "host blocks leaked"
         return True

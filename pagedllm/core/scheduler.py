@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.scheduler_output import CachedRequestData, ForkedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
@@ -34,6 +34,14 @@ class SchedulerStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     max_kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    """Tokens of newly scheduled requests looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found (their K/V reused, not computed)."""
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
+    num_forks: int = 0
+    """Sequences started from another's blocks (parallel samples, beams)."""
 
 
 @dataclass
@@ -44,24 +52,50 @@ class _StepPlan:
     output: SchedulerOutput
     now: float
     preempted: bool = False
+    forking_leaders: list[Request] = field(default_factory=list)
+    """Leaders whose prompt completes this step: their pending samples fork off after scheduling."""
 
 
 class Scheduler:
     """Owns the request queues and the KV cache manager; decides each step's batch."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int,
+                 num_host_blocks: int = 0) -> None:
         self.config = scheduler_config
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size)
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching, num_host_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.pending_forks: dict[str, list[Request]] = {}
+        """Leader id -> the other samples of an n>1 request, forked once the leader's prompt is computed."""
+        self._leader_of: dict[str, str] = {}
+        self._swapped: set[str] = set()
+        self._needs_full_table: set[str] = set()
         self._finished_since_last_step: set[str] = set()
         self._seen_by_workers: set[str] = set()
         self.stats = SchedulerStats()
 
     # ----------------------------------------------------------------- requests in and out
-    def add_request(self, request: Request) -> None:
-        """Queue a request; refuse one that could never fit in the pool."""
+    def add_request(self, request: Request, samples: list[Request] | None = None) -> None:
+        """Queue a request; refuse one that could never fit in the pool.
+
+        ``samples``: the other samples of the same prompt (n > 1). They are not scheduled on their
+        own: when the leader's prompt is computed they fork from it, sharing its blocks.
+        """
+        self._check_fits(request)
+        if samples and 1 + len(samples) > self.config.max_num_seqs:
+            raise ValidationError(f"n={1 + len(samples)} samples can never run together: max_num_seqs is "
+                                  f"{self.config.max_num_seqs}", param="n", value=1 + len(samples))
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        if samples:
+            self.pending_forks[request.request_id] = samples
+            for sample in samples:
+                self.requests[sample.request_id] = sample
+                self._leader_of[sample.request_id] = request.request_id
+
+    def _check_fits(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         max_len = request.num_prompt_tokens + request.max_tokens
         needed = self.kv_cache_manager.num_blocks_needed(max_len)
@@ -71,8 +105,19 @@ class Scheduler:
                 f"request needs up to {needed} KV blocks ({request.num_prompt_tokens} prompt + "
                 f"{request.max_tokens} max_tokens) but the pool has only {usable}",
                 param="max_tokens", value=request.max_tokens)
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
+
+    def fork_request(self, parent_id: str, child: Request) -> None:
+        """Start ``child`` (same tokens as the running parent but maybe its last) on the parent's blocks."""
+        parent = self.requests[parent_id]
+        assert parent.status == RequestStatus.RUNNING and child.request_id not in self.requests
+        assert child.all_token_ids[:-1] == parent.all_token_ids[:-1]
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv_cache_manager.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        child.first_scheduled_time = parent.first_scheduled_time
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        self.stats.num_forks += 1
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, stop string): their blocks are freed at once."""
@@ -83,6 +128,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request_id in self._leader_of:
+                self.pending_forks[self._leader_of.pop(request_id)].remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -106,6 +153,8 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
+        self._fork_samples(plan)
+        plan.output.blocks_to_copy = self.kv_cache_manager.take_copies()
         plan.output.finished_req_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
         self._update_after_schedule(plan.output)
@@ -134,49 +183,119 @@ class Scheduler:
             if victim is request:
                 return None
 
+    def _num_seq_slots_taken(self) -> int:
+        """Running requests plus the samples running leaders will fork (their slots are promised)."""
+        promised = sum(len(samples) for leader_id, samples in self.pending_forks.items()
+                       if self.requests[leader_id].status == RequestStatus.RUNNING)
+        return len(self.running) + promised
+
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and plan.token_budget > 0:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            group = 1 + len(self.pending_forks.get(request.request_id, ()))
+            if self._num_seq_slots_taken() + group > self.config.max_num_seqs:
+                break
+            new_blocks = (self._swap_in(request, plan) if request.request_id in self._swapped
+                          else self._admit(request, plan))
             if new_blocks is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            self._add_to_batch(request, num_new, new_blocks, plan)
+            self._add_to_batch(request, request.num_tokens - request.num_computed_tokens, new_blocks, plan)
+
+    def _admit(self, request: Request, plan: _StepPlan) -> list | None:
+        """Allocate a waiting request's slots, starting after its longest cached prefix."""
+        kv = self.kv_cache_manager
+        hits, num_hit = kv.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit, plan.token_budget)
+        new_blocks = kv.allocate_slots(request, num_new, hits)
+        if new_blocks is None:
+            return None
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += num_hit
+        return new_blocks
+
+    def _swap_in(self, request: Request, plan: _StepPlan) -> list | None:
+        num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+        mapping = self.kv_cache_manager.swap_in(request, num_new)
+        if mapping is None:
+            return None
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+        assert new_blocks is not None, "swap_in checked room for the new tokens"
+        self._swapped.discard(request.request_id)
+        plan.output.blocks_to_swap_in += mapping
+        self.stats.num_swapped_in += 1
+        return new_blocks
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
-        """Recompute preemption: free the blocks, forget the K/V, back to the queue's front."""
-        self.kv_cache_manager.free(request)
+        """Free the request's device blocks and put it back at the queue's front.
+
+        Swap mode moves its K/V to the host pool (it resumes where it was); recompute mode, or
+        a full host pool, forgets the K/V (it recomputes them on resumption).
+        """
+        mapping = self.kv_cache_manager.swap_out(request) if self.config.preemption_mode == "swap" else None
+        if mapping is not None:
+            plan.output.blocks_to_swap_out += mapping
+            self._swapped.add(request.request_id)
+            self.stats.num_swapped_out += 1
+        else:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self._needs_full_table.add(request.request_id)
         self.waiting.appendleft(request)
         plan.preempted = True
         plan.output.preempted_req_ids.add(request.request_id)
         self.stats.num_preemptions += 1
+
+    def _fork_samples(self, plan: _StepPlan) -> None:
+        """The other samples of each leader whose prompt completes now start on its blocks."""
+        for leader in plan.forking_leaders:
+            num_computed = leader.num_computed_tokens + plan.output.num_scheduled_tokens[leader.request_id]
+            for sample in self.pending_forks.pop(leader.request_id):
+                del self._leader_of[sample.request_id]
+                self.kv_cache_manager.fork(leader, sample)
+                sample.num_computed_tokens = num_computed
+                sample.status = RequestStatus.RUNNING
+                sample.first_scheduled_time = plan.now
+                self.running.append(sample)
+                self._seen_by_workers.add(sample.request_id)
+                plan.output.forked_reqs.append(ForkedRequestData(
+                    sample.request_id, leader.request_id, sample.sampling_params,
+                    self.kv_cache_manager.get_block_ids(sample.request_id), num_computed))
+                self.stats.num_forks += 1
 
     def _add_to_batch(self, request: Request, num_new: int, new_blocks: list, plan: _StepPlan) -> None:
         out = plan.output
         req_id = request.request_id
         if request.first_scheduled_time is None:
             request.first_scheduled_time = plan.now
+        num_new = min(num_new, plan.token_budget)
+        kv = self.kv_cache_manager
         if req_id not in self._seen_by_workers:
             self._seen_by_workers.add(req_id)
             out.scheduled_new_reqs.append(NewRequestData(
-                req_id, request.prompt_token_ids, request.sampling_params,
-                self.kv_cache_manager.get_block_ids(req_id), request.num_computed_tokens))
+                req_id, request.prompt_token_ids, request.sampling_params, kv.get_block_ids(req_id),
+                request.num_computed_tokens, request.output_token_ids))
         else:
-            resumed = request.num_preemptions > 0 and request.num_computed_tokens == 0
-            block_ids = (self.kv_cache_manager.get_block_ids(req_id) if resumed
-                         else [b.block_id for b in new_blocks])
+            # a table changed in place (resumed after preemption, copy-on-write) is sent whole
+            replace = req_id in self._needs_full_table or req_id in kv.replaced_tables
+            self._needs_full_table.discard(req_id)
+            kv.replaced_tables.discard(req_id)
+            block_ids = kv.get_block_ids(req_id) if replace else [b.block_id for b in new_blocks]
             out.scheduled_cached_reqs.append(
-                CachedRequestData(req_id, block_ids, request.num_computed_tokens, resumed))
+                CachedRequestData(req_id, block_ids, request.num_computed_tokens, replace))
         out.num_scheduled_tokens[req_id] = num_new
         plan.token_budget -= num_new
         if request.num_computed_tokens + num_new < request.num_tokens:
             self.stats.num_chunked_prefills += 1
+        elif req_id in self.pending_forks:
+            plan.forking_leaders.append(request)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         for req_id, num_new in out.num_scheduled_tokens.items():
@@ -206,7 +325,7 @@ class Scheduler:
                     break
             results.append(EngineCoreOutput(req_id, new_tokens, [] if logprobs is None else [logprobs],
                                             request.status.finish_reason, request.stop_reason,
-                                            request.first_scheduled_time))
+                                            request.first_scheduled_time, max(request.num_cached_tokens, 0)))
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
@@ -228,6 +347,12 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free_host(request)
+        self._swapped.discard(request.request_id)
+        self._needs_full_table.discard(request.request_id)
+        for orphan in self.pending_forks.pop(request.request_id, []):  # leader gone first: samples run alone
+            del self._leader_of[orphan.request_id]
+            self.waiting.appendleft(orphan)
         del self.requests[request.request_id]
         if request.request_id in self._seen_by_workers:
             self._seen_by_workers.discard(request.request_id)

@@ -15,19 +15,33 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    """Tokens generated before the workers saw it (beams forked mid-generation)."""
+
+
+@dataclass
+class ForkedRequestData:
+    """A sample that starts on its leader's blocks; its first token is sampled from the leader's logits."""
+
+    req_id: str
+    parent_id: str
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
 
 
 @dataclass
 class CachedRequestData:
     """A request the workers know: its new blocks and how far it is computed.
 
-    ``resumed`` (after a preemption) means ``new_block_ids`` replace the whole table.
+    ``replace_table`` (after a preemption or a copy-on-write) means ``new_block_ids`` is the
+    whole table, not an addition to it.
     """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
-    resumed: bool = False
+    replace_table: bool = False
 
 
 @dataclass
@@ -41,6 +55,14 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished since the last step: workers drop their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
+    forked_reqs: list[ForkedRequestData] = field(default_factory=list)
+    """Samples starting this step; they sample from their parent's logits row."""
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) device blocks to copy before the forward (copy-on-write)."""
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device, host) blocks to copy out first (preempted by swapping)."""
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host, device) blocks to copy back in before the forward."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -11,14 +11,15 @@ from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig
                              SchedulerConfig, parse_memory)
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.output_processor import IterationStats, OutputProcessor
-from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.beam_search import BeamSearchManager
+from pagedllm.engine.processor import MAX_LOGPROBS, Processor, PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.executor.uniproc import UniProcExecutor
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import load_arch_config, load_tokenizer, resolve_model_path
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.worker import cpu_supports_bf16
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,10 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     config = EngineConfig(
         model=ModelConfig(path, dtype, max_model_len, args.seed),
-        cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks),
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len),
+        cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks, args.enable_prefix_caching,
+                          args.swap_space),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len,
+                                  args.preemption_mode),
         parallel=ParallelConfig(args.tensor_parallel_size),
         device=DeviceConfig(args.device),
     )
@@ -76,9 +79,11 @@ class LLMEngine:
         self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos)
         self.executor = UniProcExecutor(config, arch, eos)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
-        self.executor.initialize_cache(self.num_kv_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks)
+        self.num_host_blocks = self.executor.determine_num_host_blocks()
+        self.executor.initialize_cache(self.num_kv_blocks, self.num_host_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.num_host_blocks)
         self.output_processor = OutputProcessor(tokenizer, log_stats)
+        self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
         self._seq_counter = itertools.count()
 
     @classmethod
@@ -91,28 +96,44 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Validate and queue a request; on ValidationError nothing is queued."""
-        if request_id in self.output_processor.requests:
-            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
+        self._check_new_id(request_id)
         params = params if params is not None else SamplingParams()
         text, prompt_ids = self.processor.tokenize_prompt(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         arrival_time = arrival_time or time.monotonic()
         # scheduler-side ids are the engine's own: users' ids can never collide with them
         seq_ids = [f"{next(self._seq_counter)}:{request_id}" for _ in range(params.n)]
-        requests = self.processor.make_requests(seq_ids, prompt_ids, params, arrival_time)
-        for i, request in enumerate(requests):
-            try:
-                self.scheduler.add_request(request)
-            except ValidationError:
-                self.scheduler.finish_requests([r.request_id for r in requests[:i]], RequestStatus.FINISHED_ABORTED)
-                raise
+        requests = self.processor.make_requests(seq_ids, prompt_ids, params, arrival_time, cache_salt)
+        # the n samples of a prompt fork from the first once its prompt is computed (shared blocks)
+        self.scheduler.add_request(requests[0], requests[1:])
         self.output_processor.add_request(request_id, text, prompt_ids, params, [r.request_id for r in requests],
                                           arrival_time)
+
+    def add_beam_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
+                         arrival_time: float | None = None) -> None:
+        """Queue a beam search; its one RequestOutput holds the beam_width best sequences, best first."""
+        self._check_new_id(request_id)
+        if not isinstance(params, BeamSearchParams):
+            raise ValidationError.bad_value("params", params, "a BeamSearchParams")
+        text, prompt_ids = self.processor.tokenize_prompt(prompt)
+        if 2 * params.beam_width > MAX_LOGPROBS:
+            raise ValidationError.bad_value("beam_width", params.beam_width, f"<= {MAX_LOGPROBS // 2}")
+        seq_params = self.beam_search.sampling_params(params)
+        first = self.processor.make_requests([f"{next(self._seq_counter)}:{request_id}"], prompt_ids, seq_params,
+                                             arrival_time or time.monotonic())[0]
+        self.scheduler.add_request(first)
+        self.beam_search.add(request_id, text, first, params)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.output_processor.requests or request_id in self.beam_search.groups:
+            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their blocks."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             self.scheduler.finish_requests(self.output_processor.seq_ids(request_id), RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort(request_id)
+            self.beam_search.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -122,7 +143,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_to_report()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.requests)
+        return len(self.output_processor.requests) + len(self.beam_search.groups)
 
     # ----------------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
@@ -130,7 +151,9 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(core_outputs)
+        beams = [o for o in core_outputs if self.beam_search.owns(o.request_id)]
+        outputs, stopped = self.output_processor.process([o for o in core_outputs if not self.beam_search.owns(o.request_id)])
+        outputs += self.beam_search.process(beams)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if not self.scheduler.has_unfinished_requests() and self.scheduler.has_finished_to_report():
             self.executor.execute_model(self.scheduler.schedule())  # idle now: workers drop finished states

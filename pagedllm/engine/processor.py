@@ -67,12 +67,13 @@ class Processor:
             raise ValidationError.bad_value("stop_token_ids", bad[0], f"a token id below {self.vocab_size}")
 
     def make_requests(self, seq_ids: list[str], prompt_ids: list[int], params: SamplingParams,
-                      arrival_time: float | None = None) -> list[Request]:
+                      arrival_time: float | None = None, cache_salt: str | None = None) -> list[Request]:
         """One Request per sample (``params.n`` of them, one per id in ``seq_ids``)."""
         self.check_params(params)
         max_tokens = self.check_length(len(prompt_ids), params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValidationError.bad_value("cache_salt", cache_salt, "a string")
         assert len(seq_ids) == params.n
-        if params.n == 1:
-            return [Request(seq_ids[0], prompt_ids, params, self.eos_token_id, max_tokens, arrival_time)]
-        return [Request(seq_id, prompt_ids, params.child(i), self.eos_token_id, max_tokens, arrival_time)
-                for i, seq_id in enumerate(seq_ids)]
+        each = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
+        return [Request(seq_id, prompt_ids, p, self.eos_token_id, max_tokens, arrival_time, cache_salt)
+                for seq_id, p in zip(seq_ids, each)]

@@ -12,8 +12,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -68,6 +68,36 @@ class LLM:
                                      for c in conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}).
+
+        Each output's ``sequences`` are the beam_width best beams, best first; as in vLLM a
+        sequence's ``tokens`` and ``text`` include the prompt.
+        """
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompt_list]
+        try:
+            for request_id, prompt in zip(ids, prompt_list):
+                engine.add_beam_request(request_id, prompt, params)
+        except ValidationError:
+            engine.abort_request(ids)
+            raise
+        finished = self._drain(ids, use_tqdm, "Beam search")
+        tokenizer = self.get_tokenizer()
+        results = []
+        for request_id in ids:
+            out = finished[request_id]
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(out.prompt_token_ids + c.token_ids,
+                                   tokenizer.decode(out.prompt_token_ids + c.token_ids, skip_special_tokens=True),
+                                   c.cumulative_logprob,
+                                   c.cumulative_logprob / len(c.token_ids) ** params.length_penalty,
+                                   c.finish_reason)
+                for c in out.outputs]))
+        return results
+
     def _apply_chat_template(self, conversation: Conversation, chat_template: str | None,
                              add_generation_prompt: bool) -> tuple[str, list[int]]:
         if not conversation or not all(isinstance(m, dict) and "role" in m for m in conversation):
@@ -87,8 +117,14 @@ class LLM:
         except ValidationError:
             engine.abort_request(ids)  # nothing of this call stays queued
             raise
+        finished = self._drain(ids, use_tqdm, "Processed prompts")
+        return [finished[i] for i in ids]
+
+    def _drain(self, ids: list[str], use_tqdm: bool, desc: str) -> dict[str, RequestOutput]:
+        """Step the engine until it is idle; the finished outputs by request id."""
+        engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=len(ids), desc=desc, dynamic_ncols=True, disable=not use_tqdm)
         prompt_tokens = output_tokens = 0
         try:
             while engine.has_unfinished_requests():
@@ -106,4 +142,4 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [finished[i] for i in ids]
+        return finished

@@ -15,8 +15,12 @@ class Executor(ABC):
         """KV blocks that fit on every worker."""
 
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` KV blocks on every worker."""
+    def determine_num_host_blocks(self) -> int:
+        """Host (swap) blocks every worker can hold; 0 unless preemption_mode is "swap"."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        """Allocate ``num_blocks`` device and ``num_host_blocks`` host KV blocks on every worker."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -16,8 +16,11 @@ class UniProcExecutor(Executor):
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
+    def determine_num_host_blocks(self) -> int:
+        return self.worker.determine_num_host_blocks()
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks, num_host_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

@@ -1,4 +1,4 @@
-"""Executes one scheduled step: state update, flat inputs, forward, logits, sampling."""
+"""Executes one scheduled step: state update, block moves, flat inputs, forward, logits, sampling."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,18 @@ from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.layers.sampler import Sampler
 from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, build_sampling_metadata, build_step_inputs
+
+
+def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """For every layer, blocks ``pairs[i][0]`` of ``src`` -> ``pairs[i][1]`` of ``dst`` (K and V)."""
+    if not pairs:
+        return
+    from_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+    to_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    for s, d in zip(src, dst):  # (2, num_blocks, block_size, kv_heads, head_dim) each
+        d.index_copy_(1, to_ids, s.index_select(1, from_ids))
 
 
 class ModelRunner:
@@ -26,19 +37,30 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.host_kv_caches: list[torch.Tensor] = []
 
-    def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
-        """Allocate one (2, num_blocks, block_size, kv_heads, head_dim) tensor per layer and bind it."""
+    def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype, num_host_blocks: int = 0) -> None:
+        """Allocate one (2, num_blocks, block_size, kv_heads, head_dim) tensor per layer and bind it.
+
+        With ``num_host_blocks``, a host-memory twin of each for swapped-out blocks (on a GPU it
+        would be pinned CPU memory; here both pools are host memory, the code path is the same).
+        """
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in layers:
             shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             # zeros, not empty: masked padding keys must not hold NaN bit patterns (0 * NaN = NaN)
             layer.kv_cache = torch.zeros(shape, dtype=dtype)
             self.kv_caches.append(layer.kv_cache)
+            if num_host_blocks:
+                self.host_kv_caches.append(torch.zeros((shape[0], num_host_blocks, *shape[2:]), dtype=dtype))
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
+        # order matters: swapped-out blocks may be handed to other requests in this very step
+        _copy_blocks(self.kv_caches, self.host_kv_caches, out.blocks_to_swap_out)
+        _copy_blocks(self.kv_caches, self.kv_caches, out.blocks_to_copy)
+        _copy_blocks(self.host_kv_caches, self.kv_caches, out.blocks_to_swap_in)
         if out.is_empty:
             return ModelRunnerOutput([], [], [])
         # decode requests (one query token) first: the attention backend batches them together
@@ -50,34 +72,48 @@ class ModelRunner:
             inputs.num_decodes, self.block_size))
         with forward_context(self.backend, metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        sampled_ids: list[list[int]] = [[] for _ in states]
-        logprobs: list = [None] * len(states)
-        if inputs.sample_rows:
-            sampling_states = [states[i] for i in inputs.sample_rows]
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # only rows that sample
-            md = build_sampling_metadata(sampling_states, self.generator, self.eos_token_id)
-            result = self.sampler(logits, md)
-            for row, token, lp in zip(inputs.sample_rows, result.sampled_token_ids.tolist(), result.logprobs):
-                states[row].token_ids.append(token)
-                sampled_ids[row] = [token]
-                logprobs[row] = lp
         for state, n in zip(states, (out.num_scheduled_tokens[r] for r in order)):
             state.num_computed_tokens += n
-        return ModelRunnerOutput(inputs.req_ids, sampled_ids, logprobs)
+        if not inputs.sample_rows:
+            return ModelRunnerOutput(inputs.req_ids, [[] for _ in states], [None] * len(states))
+        # forked samples draw from their parent's logits row: the prompt was computed once
+        samplers = [states[i] for i in inputs.sample_rows]
+        row_of = {s.req_id: row for row, s in enumerate(samplers)}
+        rows = list(range(len(samplers)))
+        for fork in out.forked_reqs:
+            samplers.append(self.requests[fork.req_id])
+            rows.append(row_of[fork.parent_id])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # only rows that sample
+        if len(rows) > len(inputs.sample_rows):
+            logits = logits[torch.tensor(rows)]
+        md = build_sampling_metadata(samplers, self.generator, self.eos_token_id)
+        result = self.sampler(logits, md)
+        for state, token in zip(samplers, result.sampled_token_ids.tolist()):
+            state.token_ids.append(token)
+        return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in result.sampled_token_ids.tolist()],
+                                 result.logprobs)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in out.scheduled_new_reqs:
-            p = new.sampling_params
-            generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+            prompt = list(new.prompt_token_ids)
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), p, generator,
-                list(new.block_ids), new.num_computed_tokens)
+                new.req_id, prompt + list(new.output_token_ids), len(prompt), new.sampling_params,
+                _generator(new.sampling_params), list(new.block_ids), new.num_computed_tokens)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            if cached.resumed:
+            if cached.replace_table:
                 state.block_ids = list(cached.new_block_ids)
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for fork in out.forked_reqs:
+            parent = self.requests[fork.parent_id]
+            self.requests[fork.req_id] = CachedRequestState(
+                fork.req_id, list(parent.token_ids), parent.num_prompt_tokens, fork.sampling_params,
+                _generator(fork.sampling_params), list(fork.block_ids), fork.num_computed_tokens)
+
+
+def _generator(params: SamplingParams) -> torch.Generator | None:
+    return torch.Generator().manual_seed(params.seed) if params.seed is not None else None

@@ -62,8 +62,14 @@ class Worker:
                     num_blocks * self.kv_block_bytes() / 1024**3)
         return num_blocks
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks, self.dtype)
+    def determine_num_host_blocks(self) -> int:
+        """Blocks of host memory for swapped-out requests (swap_space GiB), when swapping is on."""
+        if self.config.scheduler.preemption_mode != "swap":
+            return 0
+        return int(self.config.cache.swap_space * 1024**3) // self.kv_block_bytes()
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks, self.dtype, num_host_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

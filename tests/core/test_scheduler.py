@@ -18,7 +18,7 @@ def make_scheduler(num_kv_blocks: int = 32, block_size: int = 4, max_num_seqs: i
     """A scheduler over a small pool."""
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      max_model_len=max_model_len),
-                     CacheConfig(block_size=block_size), num_kv_blocks=num_kv_blocks)
+                     CacheConfig(block_size=block_size, enable_prefix_caching=False), num_kv_blocks=num_kv_blocks)
 
 
 def add(scheduler: Scheduler, request_id: str, num_prompt_tokens: int, max_tokens: int = 16,
@@ -166,10 +166,10 @@ def test_preempted_request_resumes_with_its_full_block_table() -> None:
     out, news = step(s)
     assert out.finished_req_ids == {"a"} and out.scheduled_new_reqs == []
     assert out.num_scheduled_tokens == {"b": 5}
-    assert out.scheduled_cached_reqs == [CachedRequestData("b", [4, 2], 0, resumed=True)]
+    assert out.scheduled_cached_reqs == [CachedRequestData("b", [4, 2], 0, replace_table=True)]
     assert queues(s) == (["b"], []) and b.status == RequestStatus.RUNNING and news == {}
     out, news = step(s)
-    assert out.scheduled_cached_reqs == [CachedRequestData("b", [3], 5, resumed=False)]
+    assert out.scheduled_cached_reqs == [CachedRequestData("b", [3], 5, replace_table=False)]
     assert news["b"].new_token_ids == [TOKEN] and b.output_token_ids == [TOKEN, TOKEN]
 
 

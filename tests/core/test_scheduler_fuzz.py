@@ -22,13 +22,17 @@ NUM_STEPS = 5000
 class Fuzzer:
     """Drives one scheduler with random arrivals, aborts and EOS, and checks it after each step."""
 
-    def __init__(self, seed: int, block_size: int) -> None:
+    def __init__(self, seed: int, block_size: int, sharing: bool = False) -> None:
         self.rng = random.Random(seed)
         self.block_size = block_size
+        self.sharing = sharing
+        """Prefix caching, shared prompt prefixes, n>1 samples that fork, and swap preemption."""
+        self.prefixes = [[self.rng.randint(1, 999) for _ in range(n)] for n in (0, 20, 40, 70)]
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                            max_model_len=4096),
-            CacheConfig(block_size=block_size), num_kv_blocks=NUM_KV_BLOCKS)
+                            max_model_len=4096, preemption_mode="swap" if sharing else "recompute"),
+            CacheConfig(block_size=block_size, enable_prefix_caching=sharing), num_kv_blocks=NUM_KV_BLOCKS,
+            num_host_blocks=24 if sharing else 0)
         self.next_id = 0
         self.seen_by_workers: set[str] = set()
         self.worker_tables: dict[str, list[int]] = {}
@@ -41,12 +45,20 @@ class Fuzzer:
         rng = self.rng
         prompt_len, max_tokens = rng.randint(1, 200), rng.randint(1, 100)
         params = SamplingParams(max_tokens=max_tokens, min_tokens=rng.choice([0, 0, 0, min(3, max_tokens)]))
-        req = Request(f"r{self.next_id}", [rng.randint(1, 999) for _ in range(prompt_len)], params, EOS, max_tokens)
+        prompt = [rng.randint(1, 999) for _ in range(prompt_len)]
+        n = 1
+        if self.sharing:
+            prompt = (rng.choice(self.prefixes) + prompt)[:200]
+            prompt_len = len(prompt)
+            n = rng.choice([1, 1, 2, 3])
+        reqs = [Request(f"r{self.next_id}.{i}", prompt, params, EOS, max_tokens) for i in range(n)]
         self.next_id += 1
-        self.all_requests[req.request_id] = req
+        req = reqs[0]
+        for r in reqs:
+            self.all_requests[r.request_id] = r
         fits = cdiv(prompt_len + max_tokens, self.block_size) <= NUM_KV_BLOCKS - 1
         if fits:
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(req, reqs[1:])
         else:
             with pytest.raises(ValidationError):
                 self.scheduler.add_request(req)
@@ -61,7 +73,7 @@ class Fuzzer:
 
     def fake_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """A token (EOS with 5% chance) for each request that caught up; none for a prompt chunk."""
-        req_ids = list(out.num_scheduled_tokens)
+        req_ids = list(out.num_scheduled_tokens) + [f.req_id for f in out.forked_reqs]
         sampled = []
         for req_id in req_ids:
             req = self.scheduler.requests[req_id]
@@ -97,16 +109,22 @@ class Fuzzer:
         assert not (out.preempted_req_ids and out.scheduled_new_reqs), "admission in a preempting step"
         new_ids = {r.req_id for r in out.scheduled_new_reqs}
         cached_ids = {r.req_id for r in out.scheduled_cached_reqs}
+        forked_ids = {r.req_id for r in out.forked_reqs}
         assert not new_ids & self.seen_by_workers and cached_ids <= self.seen_by_workers
-        self.seen_by_workers |= new_ids
+        assert not forked_ids & (self.seen_by_workers | new_ids | cached_ids)
+        self.seen_by_workers |= new_ids | forked_ids
         assert new_ids | cached_ids == set(out.num_scheduled_tokens)
         for req_id in out.finished_req_ids:
             del self.worker_tables[req_id]
         for new in out.scheduled_new_reqs:
             self.worker_tables[new.req_id] = list(new.block_ids)
         for cached in out.scheduled_cached_reqs:
-            old = [] if cached.resumed else self.worker_tables[cached.req_id]
+            old = [] if cached.replace_table else self.worker_tables[cached.req_id]
             self.worker_tables[cached.req_id] = old + cached.new_block_ids
+        for fork in out.forked_reqs:
+            assert fork.parent_id in out.num_scheduled_tokens
+            self.worker_tables[fork.req_id] = list(fork.block_ids)
+            assert fork.block_ids == self.worker_tables[fork.parent_id]
         for data in out.scheduled_new_reqs + out.scheduled_cached_reqs:
             req = s.requests[data.req_id]
             assert self.worker_tables[data.req_id] == s.kv_cache_manager.get_block_ids(data.req_id)
@@ -135,29 +153,39 @@ class Fuzzer:
         assert kv.check_integrity()
         tables = kv.req_to_blocks
         used = {b for blocks in tables.values() for b in blocks}
-        assert len(used) == sum(len(blocks) for blocks in tables.values()), "a block in two tables"
+        if not self.sharing:
+            assert len(used) == sum(len(blocks) for blocks in tables.values()), "a block in two tables"
         assert kv.num_free_blocks + len(used) == kv.block_pool.num_usable_blocks
         assert len(s.running) <= MAX_NUM_SEQS
-        assert sorted(r.request_id for r in s.running + list(s.waiting)) == sorted(s.requests)
+        pending = [r for samples in s.pending_forks.values() for r in samples]
+        assert sorted(r.request_id for r in s.running + list(s.waiting) + pending) == sorted(s.requests)
         assert set(tables) <= {r.request_id for r in s.running}
         for req in s.running:  # exactly the blocks its computed tokens need
             assert req.status == RequestStatus.RUNNING and req.num_computed_tokens < req.num_tokens
             assert len(kv.get_block_ids(req.request_id)) == cdiv(req.num_computed_tokens, self.block_size)
         for req in s.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert req.num_computed_tokens == 0 and kv.get_block_ids(req.request_id) == []
+            assert kv.get_block_ids(req.request_id) == []
+            swapped = kv.req_to_host_blocks.get(req.request_id)
+            if swapped is None:
+                assert req.num_computed_tokens == 0
+            else:
+                assert len(swapped) == cdiv(req.num_computed_tokens, self.block_size)
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_scheduler_fuzz(block_size: int) -> None:
-    fuzz = Fuzzer(seed=1234 + block_size, block_size=block_size)
+@pytest.mark.parametrize("block_size, sharing", [(4, False), (16, False), (16, True), (4, True)])
+def test_scheduler_fuzz(block_size: int, sharing: bool) -> None:
+    fuzz = Fuzzer(seed=1234 + block_size, block_size=block_size, sharing=sharing)
     for _ in range(NUM_STEPS):
         fuzz.step(arrivals=True)
     s = fuzz.scheduler
     assert s.stats.num_preemptions > 0 and s.stats.num_chunked_prefills > 0
     assert s.stats.max_kv_cache_usage == 1.0 and fuzz.num_finished > 200
-    if block_size == 16:  # with 4-token blocks the pool, not max_num_seqs, is the limit
+    if block_size == 16 and not sharing:  # with 4-token blocks the pool, not max_num_seqs, is the limit
         assert s.stats.max_num_running == MAX_NUM_SEQS
+    if sharing:  # every sharing mechanism was exercised
+        assert s.stats.prefix_cache_hits > 0 and s.stats.num_forks > 0
+        assert s.stats.num_swapped_out > 0 and s.stats.num_swapped_in > 0
 
     for _ in range(50_000):  # drain: every request must finish
         if not s.has_unfinished_requests():
@@ -166,5 +194,6 @@ def test_scheduler_fuzz(block_size: int) -> None:
     assert not s.has_unfinished_requests(), f"did not drain: {s.running} {list(s.waiting)}"
     kv = s.kv_cache_manager
     assert kv.num_free_blocks == kv.block_pool.num_usable_blocks and kv.req_to_blocks == {}
+    assert len(kv.host_free) == kv.num_host_blocks and kv.req_to_host_blocks == {}
     assert s.requests == {} and not s.running and not s.waiting
     assert s.schedule().finished_req_ids == fuzz.seen_by_workers == set(fuzz.worker_tables)  # the last finishes
