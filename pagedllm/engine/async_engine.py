@@ -22,7 +22,7 @@ from pagedllm.engine.output_processor import IterationStats
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class EngineDeadError(RuntimeError):
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     arrival_time: float
     stream: asyncio.Queue
     accepted: asyncio.Future
@@ -79,9 +79,10 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                           arrival_time: float | None = None) -> "RequestStream":
-        """Queue a request; returns its output stream, or raises ValidationError if it is refused."""
+        """Queue a request (a beam search with BeamSearchParams); returns its output stream, or
+        raises ValidationError if it is refused."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self.dead_error
         assert self._loop is not None
@@ -151,8 +152,9 @@ class AsyncLLMEngine:
             self._report()  # gauges drop at once, not at the next step
 
     def _add(self, command: _Add) -> None:
+        add = self.engine.add_beam_request if isinstance(command.params, BeamSearchParams) else self.engine.add_request
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+            add(command.request_id, command.prompt, command.params, command.arrival_time)
         except ValidationError as e:  # refused: the caller gets the error, the loop goes on
             self._call(command.accepted.set_exception, e)
             return
@@ -174,8 +176,7 @@ class AsyncLLMEngine:
             self.on_step(self.engine.get_stats(), iteration)
 
     def _abort_all(self) -> None:
-        for request_id in list(self.engine.output_processor.requests):
-            self.engine.abort_request(request_id)
+        self.engine.abort_request(list(self.engine.output_processor.requests) + list(self.engine.beam_search.groups))
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     def _fail_all(self, error: BaseException) -> None:

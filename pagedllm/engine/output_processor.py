@@ -83,6 +83,7 @@ class RequestState:
     params: SamplingParams
     sequences: dict[str, SequenceState]
     metrics: RequestMetrics
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -98,7 +99,7 @@ class RequestState:
         if not completions:
             return None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             metrics=self.metrics)
+                             self.num_cached_tokens, self.metrics)
 
 
 class OutputProcessor:
@@ -184,6 +185,7 @@ class OutputProcessor:
 
     def _record_timing(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput, now: float) -> None:
         metrics = state.metrics
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = out.first_scheduled_time
         if not out.new_token_ids:

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from pagedllm.engine import memory_replay
-from pagedllm.entrypoints.bench import memory
 from pagedllm.engine.memory_replay import (ORCA_SCHEMES, SCHEMES, ContiguousAllocator, MemoryBenchConfig,
                                             TraceRequest, beam_search_blocks, draw_lengths,
                                             parallel_sampling_blocks, run_benchmark, simulate_contiguous)

@@ -34,6 +34,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (recomputation included).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         success = Counter("pagedllm:request_success", "Finished sequences by finish reason.",
                           labels + ["finished_reason"], registry=r)
         self.success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
@@ -51,6 +53,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.num_prompt_tokens_computed - self._last.num_prompt_tokens_computed)
         self.generation_tokens.inc(stats.num_generated_tokens - self._last.num_generated_tokens)
         self.preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
+        self.cache_queries.inc(stats.prefix_cache_queries - self._last.prefix_cache_queries)
+        self.cache_hits.inc(stats.prefix_cache_hits - self._last.prefix_cache_hits)
         self._last = stats
         for value in iteration.time_to_first_tokens:
             self.ttft.observe(value)

@@ -64,6 +64,9 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+    use_beam_search: bool = False
+    """vLLM's extra: beam search with n beams; the n best sequences are the choices."""
+    length_penalty: float = 1.0
 
 
 class ContentPart(OpenAIModel):

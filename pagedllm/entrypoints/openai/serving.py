@@ -14,7 +14,7 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
@@ -60,7 +60,8 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
-    async def add_all(self, request_id: str, prompts: list[PromptType], params: SamplingParams) -> list[RequestStream]:
+    async def add_all(self, request_id: str, prompts: list[PromptType],
+                      params: SamplingParams | BeamSearchParams) -> list[RequestStream]:
         """Queue every prompt; if one is refused, withdraw the others and raise its ValidationError."""
         streams: list[RequestStream] = []
         try:

@@ -13,6 +13,7 @@ from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, final_
                                                  unless_disconnected)
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -23,7 +24,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of != req.n:
             raise ValidationError("best_of other than n is not supported", param="best_of", value=req.best_of)
         prompts = self._prompts(req.prompt)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, req.stream)
+        params = self._beam_params(req) if req.use_beam_search else \
+            self.sampling_params(req, req.max_tokens, req.logprobs, req.stream)
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, prompts, params)
         echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
@@ -33,10 +35,20 @@ class OpenAIServingCompletion(OpenAIServing):
         outputs = await unless_disconnected(final_outputs(streams), raw)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        choices = [self._choice(i * req.n + c.index, c, echoes[i], req.logprobs)
+        choices = [self._choice(i * req.n + c.index, c, echoes[i], None if req.use_beam_search else req.logprobs)
                    for i, out in enumerate(outputs) for c in out.outputs]
         usage = self._usage(outputs)
         return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump())
+
+    def _beam_params(self, req: CompletionRequest) -> BeamSearchParams:
+        """Beam search: n beams, greedy, no streaming (the best beams are known only at the end)."""
+        for name, bad in (("stream", req.stream), ("logprobs", req.logprobs is not None),
+                          ("temperature", req.temperature not in (None, 0, 0.0))):
+            if bad:
+                raise ValidationError(f"{name} cannot be used with use_beam_search", param=name)
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                length_penalty=req.length_penalty)
 
     @staticmethod
     def _prompts(prompt: str | list) -> list[PromptType]:

@@ -122,3 +122,17 @@ def test_tokenize_detokenize_version(server, tokenizer: Any) -> None:
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_beam_search_and_prefix_cache_metrics(server, client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="Beam me up", max_tokens=6, n=3,
+                                    extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2] and out.usage.completion_tokens == 18
+    assert len({c.text for c in out.choices}) == 3
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "use_beam_search": True, "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+    long_prompt = "shared prefix " * 40
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
+    assert server.metric("pagedllm:prefix_cache_hits_total") > 0
+    assert server.metric("pagedllm:prefix_cache_queries_total") >= server.metric("pagedllm:prefix_cache_hits_total")
