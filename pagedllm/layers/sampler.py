@@ -23,6 +23,9 @@ class SamplingMetadata:
     greedy: torch.Tensor
     """(rows,) bool."""
     all_greedy: bool
+    any_greedy: bool = False
+    any_temperature: bool = True
+    """Some sampling row has a temperature other than 1."""
     top_k: torch.Tensor | None = None
     """(rows,) int64, vocab size where disabled; None when no row uses it."""
     top_p: torch.Tensor | None = None
@@ -105,6 +108,32 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+SAMPLE_CHUNK = 256
+"""Vocabulary chunk of the two-level inverse-CDF draw."""
+
+
+def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row, the first token whose cumulative weight reaches u * total (u in (0, 1]).
+
+    Two levels: chunk sums pick the chunk, then a cumsum inside that chunk only; a cumsum over
+    the whole vocabulary is sequential per row and costs several times more. A token of
+    weight 0 is never picked: the first index that reaches a positive target has weight > 0.
+    """
+    rows, vocab = weights.shape
+    pad = -vocab % SAMPLE_CHUNK
+    if pad:
+        weights = torch.nn.functional.pad(weights, (0, pad))
+    chunks = weights.view(rows, -1, SAMPLE_CHUNK)  # (rows, num_chunks, chunk)
+    chunk_cdf = chunks.sum(-1).cumsum(-1)  # (rows, num_chunks)
+    target = (u * chunk_cdf[:, -1]).unsqueeze(1)  # (rows, 1)
+    chunk = torch.searchsorted(chunk_cdf, target).clamp(max=chunk_cdf.shape[1] - 1)  # (rows, 1)
+    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
+    inner_cdf = chunks[torch.arange(rows), chunk.squeeze(1)].cumsum(-1)  # (rows, chunk)
+    inner_target = (target - before).clamp(min=torch.finfo(weights.dtype).tiny).minimum(inner_cdf[:, -1:])
+    inside = torch.searchsorted(inner_cdf, inner_target).clamp(max=SAMPLE_CHUNK - 1)
+    return (chunk * SAMPLE_CHUNK + inside).squeeze(1)
+
+
 class Sampler(nn.Module):
     """Logits (rows, vocab) float32 -> one token per row, and logprobs where asked."""
 
@@ -114,26 +143,29 @@ class Sampler(nn.Module):
         logits = apply_penalties(logits, md)
         for row, token_ids in md.blocked_token_ids.items():
             logits[row, token_ids] = float("-inf")
-        sampled = logits.argmax(dim=-1)
-        if not md.all_greedy:
-            sampled = torch.where(md.greedy, sampled, self._random_sample(logits, md))
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            greedy = logits.argmax(dim=-1) if md.any_greedy else None  # before _random_sample reuses logits
+            sampled = self._random_sample(logits, md)
+            if greedy is not None:
+                sampled = torch.where(md.greedy, greedy, sampled)
         logprobs = self._gather_logprobs(raw_logprobs, sampled, md) if raw_logprobs is not None else []
         return SamplerOutput(sampled, logprobs or [None] * logits.shape[0])
 
     @staticmethod
     def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        logits = logits / md.temperature.unsqueeze(1)
+        """One draw per row; overwrites ``logits`` (the caller is done with them)."""
+        if md.any_temperature:  # rows at temperature 1 need no division
+            logits.div_(md.temperature.unsqueeze(1))
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        # one uniform per row and a cumsum: a vocab-sized random draw per row costs ~4x more here
-        cdf = logits.softmax(-1).cumsum(-1)  # (rows, vocab), non-decreasing
-        u = 1.0 - torch.rand(cdf.shape[0], generator=md.default_generator)  # (0, 1]: never selects a p=0 head
+        weights = logits.sub_(logits.max(dim=-1, keepdim=True).values).exp_()  # unnormalised probabilities
+        u = 1.0 - torch.rand(weights.shape[0], generator=md.default_generator)  # (0, 1]
         for row, generator in md.generators.items():
             u[row] = 1.0 - torch.rand(1, generator=generator)
-        # the first token whose cumulative mass reaches u; zero-probability tokens never do first
-        picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
-        return picked.clamp(max=cdf.shape[1] - 1)
+        return inverse_cdf_sample(weights, u)
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, md: SamplingMetadata) -> list[TokenLogprobs | None]:

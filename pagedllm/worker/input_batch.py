@@ -95,6 +95,8 @@ def build_sampling_metadata(states: list[CachedRequestState], default_generator:
         temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32),
         greedy=torch.tensor(greedy, dtype=torch.bool),
         all_greedy=all(greedy),
+        any_greedy=any(greedy),
+        any_temperature=any(p.temperature != 1.0 for p, g in zip(params, greedy) if not g),
         default_generator=default_generator,
     )
     if not md.all_greedy:

@@ -109,3 +109,22 @@ def test_logprobs_rank_and_top_n() -> None:
     assert out.sampled_token_ids.tolist() == [1] and lp.sampled_rank == 1
     assert lp.top_token_ids == [1, 2]
     assert abs(lp.sampled_logprob - ref[1].item()) < 1e-6
+
+
+def test_inverse_cdf_sample_follows_the_weights() -> None:
+    """Empirical frequencies match the weights; zero-weight tokens (also at chunk edges) never appear."""
+    from pagedllm.layers.sampler import SAMPLE_CHUNK, inverse_cdf_sample
+
+    vocab = 3 * SAMPLE_CHUNK + 17
+    weights = torch.zeros(vocab)
+    allowed = [0, SAMPLE_CHUNK - 1, SAMPLE_CHUNK, 2 * SAMPLE_CHUNK + 5, vocab - 1]
+    weights[allowed] = torch.tensor([1.0, 2.0, 3.0, 4.0, 10.0])
+    draws = 20000
+    u = 1.0 - torch.rand(draws, generator=torch.Generator().manual_seed(0))
+    picked = inverse_cdf_sample(weights.expand(draws, -1).clone(), u)
+    counts = torch.bincount(picked, minlength=vocab)
+    assert set(torch.nonzero(counts).flatten().tolist()) == set(allowed)
+    expected = weights / weights.sum() * draws
+    assert ((counts.float() - expected).abs()[allowed] < 5 * expected[allowed].sqrt() + 5).all()
+    edge = inverse_cdf_sample(weights.expand(2, -1).clone(), torch.tensor([1.0, 1e-12]))
+    assert edge.tolist() == [vocab - 1, 0]
