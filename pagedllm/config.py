@@ -134,10 +134,14 @@ class DeviceConfig:
 
     device: str = "cpu"
     """"cpu" (the only device implemented so far)."""
+    attention_backend: str = "auto"
+    """"torch" (reference), "cpu" (C++ decode kernel) or "auto" (cpu where it builds)."""
 
     def __post_init__(self) -> None:
         if self.device != "cpu":
             raise ValidationError.bad_value("device", self.device, "'cpu'")
+        if self.attention_backend not in ("auto", "torch", "cpu"):
+            raise ValidationError.bad_value("attention_backend", self.attention_backend, "'auto', 'torch' or 'cpu'")
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,8 @@ class EngineArgs:
     """Ranks per layer (1 only, for now)."""
     device: str = "cpu"
     """Device to run on."""
+    attention_backend: str = "auto"
+    """"auto" (the C++ CPU kernel where it builds, else torch), "cpu" or "torch"."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":

@@ -55,7 +55,17 @@ class AttentionBackend(ABC):
 
 _BACKENDS = {
     "torch": "pagedllm.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "pagedllm.attention.cpu_backend:CpuAttentionBackend",
 }
+
+
+def resolve_backend_name(name: str) -> str:
+    """"auto" -> "cpu" where its C++ kernel builds, else "torch"; other names are kept."""
+    if name != "auto":
+        return name
+    from pagedllm.attention.cpu_backend import kernel_available
+
+    return "cpu" if kernel_available() else "torch"
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -37,6 +37,10 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None
     """(num_decodes, 1, 1, max_blocks * block_size) bool: True for real keys."""
     prefills: list[PrefillChunk]
+    decode_tables: torch.Tensor | None = None
+    """(num_decodes, max_blocks) int32 block tables (backends that read the cache in place)."""
+    decode_seq_lens: torch.Tensor | None = None
+    """(num_decodes,) int32."""
 
 
 class TorchAttentionBackend(AttentionBackend):

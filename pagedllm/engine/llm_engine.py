@@ -59,7 +59,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len,
                                   args.preemption_mode),
         parallel=ParallelConfig(args.tensor_parallel_size),
-        device=DeviceConfig(args.device),
+        device=DeviceConfig(args.device, args.attention_backend),
     )
     return config, arch
 

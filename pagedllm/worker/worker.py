@@ -6,7 +6,7 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
-from pagedllm.attention.base import get_attention_backend
+from pagedllm.attention.base import get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, available_memory_bytes
 from pagedllm.errors import ValidationError
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -35,7 +35,9 @@ class Worker:
         model.load_weights(tqdm(iter_weights(config.model.model, arch), desc="Loading weights", unit=" tensors",
                                 leave=False, dynamic_ncols=True))
         model.eval()
-        self.model_runner = ModelRunner(model, get_attention_backend("torch"), config.cache.block_size,
+        backend = get_attention_backend(resolve_backend_name(config.device.attention_backend))
+        logger.info("attention backend: %s", backend.name)
+        self.model_runner = ModelRunner(model, backend, config.cache.block_size,
                                         config.model.seed, eos_token_id)
 
     def kv_block_bytes(self) -> int:

@@ -1,0 +1,81 @@
+"""CPU backend: the torch backend, with decode tokens attended by a C++ kernel that reads the
+paged K/V cache in place (no gathered copy, no padding to the longest sequence).
+
+Measured on 2 cores (256 sequences x 192 tokens, 9 query / 3 KV heads, bfloat16): 3.5 ms per
+layer against 6.0 ms for the torch backend's gather + SDPA. The kernel is compiled on first
+use with torch.utils.cpp_extension (cached under ~/.cache/torch_extensions); where it cannot
+be built the engine falls back to the torch backend.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+
+import torch
+
+from pagedllm.attention.base import CommonAttentionMetadata
+from pagedllm.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+_CHUNKS_PER_THREAD = 4
+"""Work is cut finer than one range per thread so uneven sequence lengths still balance."""
+
+
+@functools.lru_cache(maxsize=1)
+def load_kernel() -> ModuleType:
+    """Build (or load the cached build of) the C++ decode kernel."""
+    from torch.utils.cpp_extension import load
+
+    logger.info("loading the C++ paged decode kernel (built once, then cached)")
+    # -march=native: the build is cached per machine; simd pragmas vectorise the head_dim loops
+    return load(name="pagedllm_paged_decode", sources=[_SOURCE], verbose=False,
+                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_available() -> bool:
+    """True when the kernel builds and loads here (a failure is logged once)."""
+    try:
+        load_kernel()
+    except Exception as e:  # no compiler, no ninja, a build error: the torch backend serves instead
+        logger.warning("C++ paged decode kernel unavailable (%s); using the torch attention backend", e)
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=torch.get_num_threads(), thread_name_prefix="pagedllm-attn")
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        metadata = super().build_metadata(common)
+        nd = common.num_decodes
+        if nd:
+            max_blocks = -(-int(common.seq_lens[:nd].max()) // common.block_size)
+            metadata.decode_tables = common.block_tables[:nd, :max_blocks].contiguous()  # (nd, max_blocks) int32
+            metadata.decode_seq_lens = common.seq_lens[:nd].contiguous()  # (nd,) int32
+        return metadata
+
+    @staticmethod
+    def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        kernel, q = load_kernel(), q.contiguous()
+        out = torch.empty_like(q)
+        items = q.shape[0] * key_cache.shape[2]  # (sequence, KV head) pairs
+        step = max(1, -(-items // (torch.get_num_threads() * _CHUNKS_PER_THREAD)))
+
+        def run(begin: int) -> None:
+            kernel.paged_decode(q, key_cache, value_cache, metadata.decode_tables, metadata.decode_seq_lens, out,
+                                scale, begin, min(begin + step, items))
+
+        list(_pool().map(run, range(0, items, step)))  # the kernel releases the GIL: one call per core
+        return out
