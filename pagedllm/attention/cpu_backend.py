@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
 import torch
@@ -22,8 +21,6 @@ from pagedllm.attention.torch_backend import TorchAttentionBackend, TorchAttenti
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
-_CHUNKS_PER_THREAD = 4
-"""Work is cut finer than one range per thread so uneven sequence lengths still balance."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,9 +29,10 @@ def load_kernel() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     logger.info("loading the C++ paged decode kernel (built once, then cached)")
-    # -march=native: the build is cached per machine; simd pragmas vectorise the head_dim loops
+    # -march=native: the build is cached per machine. -fopenmp: at::parallel_for's pragmas are
+    # compiled here; they bind to the libgomp.so.1 torch already loaded, so one thread pool serves both
     return load(name="pagedllm_paged_decode", sources=[_SOURCE], verbose=False,
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,11 +44,6 @@ def kernel_available() -> bool:
         logger.warning("C++ paged decode kernel unavailable (%s); using the torch attention backend", e)
         return False
     return True
-
-
-@functools.lru_cache(maxsize=1)
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=torch.get_num_threads(), thread_name_prefix="pagedllm-attn")
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -68,14 +61,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     @staticmethod
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        kernel, q = load_kernel(), q.contiguous()
+        q = q.contiguous()
         out = torch.empty_like(q)
-        items = q.shape[0] * key_cache.shape[2]  # (sequence, KV head) pairs
-        step = max(1, -(-items // (torch.get_num_threads() * _CHUNKS_PER_THREAD)))
-
-        def run(begin: int) -> None:
-            kernel.paged_decode(q, key_cache, value_cache, metadata.decode_tables, metadata.decode_seq_lens, out,
-                                scale, begin, min(begin + step, items))
-
-        list(_pool().map(run, range(0, items, step)))  # the kernel releases the GIL: one call per core
+        load_kernel().paged_decode(q, key_cache, value_cache, metadata.decode_tables, metadata.decode_seq_lens, out,
+                                   scale)
         return out

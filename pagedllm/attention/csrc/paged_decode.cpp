@@ -1,12 +1,12 @@
 // Paged attention for decode tokens (one query per sequence), reading K/V in place from the
 // block-structured cache: no gathered copy of the context, no padding to the longest sequence.
 //
-// Work items are (sequence, KV head) pairs; the query heads sharing a KV head are handled
-// together so each K/V row is read once. A call computes the items [begin, end) on the calling
-// thread with the GIL released: Python runs one call per core (torch's OpenMP runtime is not
-// shared with extensions, and a second runtime would fight it for the cores).
+// Work items are (sequence, KV head) pairs, spread over torch's intra-op threads with
+// at::parallel_for (built with -fopenmp, the extension shares torch's libgomp.so.1 runtime).
+// The query heads sharing a KV head are handled together so each K/V row is read once.
 // Scores are float32: one pass over K, a softmax, one pass over V.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -83,12 +83,15 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
 }
 template <typename T>
 void dispatch(torch::Tensor& q, torch::Tensor& kc, torch::Tensor& vc, torch::Tensor& tables, torch::Tensor& lens,
-              torch::Tensor& out, float scale, int64_t begin, int64_t end) {
+              torch::Tensor& out, float scale) {
   const int64_t nh = q.size(1), D = q.size(2), bs = kc.size(1), nkv = kc.size(2), maxb = tables.size(1);
+  const int64_t items = q.size(0) * nkv;
   auto run = [&](auto dim) {
-    decode_range<decltype(dim)::value>(q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables.data_ptr<int32_t>(),
-                                       lens.data_ptr<int32_t>(), out.data_ptr<T>(), begin, end, nh, nkv, bs, maxb,
-                                       scale, D);
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      decode_range<decltype(dim)::value>(q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(),
+                                         tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<T>(),
+                                         begin, end, nh, nkv, bs, maxb, scale, D);
+    });
   };
   switch (D) {
     case 64: run(std::integral_constant<int, 64>{}); break;
@@ -100,23 +103,22 @@ void dispatch(torch::Tensor& q, torch::Tensor& kc, torch::Tensor& vc, torch::Ten
 }  // namespace
 
 // q: (num_seqs, num_heads, head_dim); key/value cache: (num_blocks, block_size, kv_heads, head_dim);
-// tables: (num_seqs, max_blocks) int32; lens: (num_seqs,) int32; out like q. Fills out for the
-// (sequence, KV head) items [begin, end).
+// tables: (num_seqs, max_blocks) int32; lens: (num_seqs,) int32; out like q (filled).
 void paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables, torch::Tensor lens,
-                  torch::Tensor out, double scale, int64_t begin, int64_t end) {
+                  torch::Tensor out, double scale) {
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && out.is_contiguous());
   TORCH_CHECK(tables.scalar_type() == torch::kInt32 && lens.scalar_type() == torch::kInt32);
   TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous() && q.size(1) % kc.size(2) == 0);
   TORCH_CHECK(q.scalar_type() == kc.scalar_type() && q.scalar_type() == vc.scalar_type());
   pybind11::gil_scoped_release nogil;
   if (q.scalar_type() == torch::kBFloat16) {
-    dispatch<at::BFloat16>(q, kc, vc, tables, lens, out, static_cast<float>(scale), begin, end);
+    dispatch<at::BFloat16>(q, kc, vc, tables, lens, out, static_cast<float>(scale));
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_decode supports float32 and bfloat16");
-    dispatch<float>(q, kc, vc, tables, lens, out, static_cast<float>(scale), begin, end);
+    dispatch<float>(q, kc, vc, tables, lens, out, static_cast<float>(scale));
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention for the (sequence, KV head) items [begin, end)");
+  m.def("paged_decode", &paged_decode, "Paged attention for a batch of one-query sequences");
 }
