@@ -37,8 +37,9 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor: K and V stacked."""
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+        """Shape of one layer's cache tensor: K and V stacked, each head's block one contiguous run
+        (block_size * head_dim values), so a head's context streams block by block."""
+        return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:

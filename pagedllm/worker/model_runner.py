@@ -20,7 +20,7 @@ def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[t
         return
     from_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
     to_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-    for s, d in zip(src, dst):  # (2, num_blocks, block_size, kv_heads, head_dim) each
+    for s, d in zip(src, dst):  # (2, num_blocks, kv_heads, block_size, head_dim) each
         d.index_copy_(1, to_ids, s.index_select(1, from_ids))
 
 
@@ -40,7 +40,7 @@ class ModelRunner:
         self.host_kv_caches: list[torch.Tensor] = []
 
     def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype, num_host_blocks: int = 0) -> None:
-        """Allocate one (2, num_blocks, block_size, kv_heads, head_dim) tensor per layer and bind it.
+        """Allocate one (2, num_blocks, kv_heads, block_size, head_dim) tensor per layer and bind it.
 
         With ``num_host_blocks``, a host-memory twin of each for swapped-out blocks (on a GPU it
         would be pinned CPU memory; here both pools are host memory, the code path is the same).

@@ -40,7 +40,7 @@ def test_decode_matches_torch_backend(dtype: torch.dtype, heads: int, kv_heads: 
     seq_lens = [1, 5, block_size, block_size + 1, 37, 200, 3 * block_size - 1]
     common = _batch(seq_lens, prefill=9, block_size=block_size, num_blocks=90, seed=heads)
     g = torch.Generator().manual_seed(7)
-    cache = torch.randn(2, 90, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    cache = torch.randn(TorchAttentionBackend.kv_cache_shape(90, block_size, kv_heads, head_dim), generator=g).to(dtype)
     n = common.slot_mapping.shape[0]
     q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
     k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)

@@ -30,7 +30,7 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
                   int64_t begin, int64_t end, int64_t nh, int64_t nkv, int64_t bs, int64_t maxb, float scale,
                   int64_t head_dim) {
   const int64_t D = kDim > 0 ? kDim : head_dim;  // compile-time head_dim for the common sizes: unrolled loops
-  const int64_t group = nh / nkv, row = nkv * D;
+  const int64_t group = nh / nkv, block_stride = nkv * bs * D;  // cache: (blocks, kv_heads, bs, D)
   std::vector<float> qf(group * D), acc(group * D), scores, kbuf(bs * D);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / nkv, h = task % nkv, len = lens[seq];
@@ -42,8 +42,8 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
     scores.resize(group * len);
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
       const int64_t n = std::min<int64_t>(bs, len - t0);
-      const T* base = kc + (static_cast<int64_t>(table[t0 / bs]) * bs) * row + h * D;
-      for (int64_t o = 0; o < n; ++o) load_row(base + o * row, kbuf.data() + o * D, D);
+      const T* base = kc + static_cast<int64_t>(table[t0 / bs]) * block_stride + h * bs * D;
+      load_row(base, kbuf.data(), n * D);  // this head's slots of the block are one contiguous run
       for (int64_t g = 0; g < group; ++g) {
         const float* __restrict__ qg = qf.data() + g * D;
         for (int64_t o = 0; o < n; ++o) {
@@ -66,8 +66,8 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
       const int64_t n = std::min<int64_t>(bs, len - t0);
-      const T* base = vc + (static_cast<int64_t>(table[t0 / bs]) * bs) * row + h * D;
-      for (int64_t o = 0; o < n; ++o) load_row(base + o * row, kbuf.data() + o * D, D);
+      const T* base = vc + static_cast<int64_t>(table[t0 / bs]) * block_stride + h * bs * D;
+      load_row(base, kbuf.data(), n * D);
       for (int64_t g = 0; g < group; ++g) {
         float* __restrict__ ag = acc.data() + g * D;
         for (int64_t o = 0; o < n; ++o) {
@@ -84,7 +84,7 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
 template <typename T>
 void dispatch(torch::Tensor& q, torch::Tensor& kc, torch::Tensor& vc, torch::Tensor& tables, torch::Tensor& lens,
               torch::Tensor& out, float scale) {
-  const int64_t nh = q.size(1), D = q.size(2), bs = kc.size(1), nkv = kc.size(2), maxb = tables.size(1);
+  const int64_t nh = q.size(1), D = q.size(2), nkv = kc.size(1), bs = kc.size(2), maxb = tables.size(1);
   const int64_t items = q.size(0) * nkv;
   auto run = [&](auto dim) {
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -102,13 +102,13 @@ void dispatch(torch::Tensor& q, torch::Tensor& kc, torch::Tensor& vc, torch::Ten
 
 }  // namespace
 
-// q: (num_seqs, num_heads, head_dim); key/value cache: (num_blocks, block_size, kv_heads, head_dim);
+// q: (num_seqs, num_heads, head_dim); key/value cache: (num_blocks, kv_heads, block_size, head_dim);
 // tables: (num_seqs, max_blocks) int32; lens: (num_seqs,) int32; out like q (filled).
 void paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables, torch::Tensor lens,
                   torch::Tensor out, double scale) {
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && out.is_contiguous());
   TORCH_CHECK(tables.scalar_type() == torch::kInt32 && lens.scalar_type() == torch::kInt32);
-  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous() && q.size(1) % kc.size(2) == 0);
+  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous() && q.size(1) % kc.size(1) == 0);
   TORCH_CHECK(q.scalar_type() == kc.scalar_type() && q.scalar_type() == vc.scalar_type());
   pybind11::gil_scoped_release nogil;
   if (q.scalar_type() == torch::kBFloat16) {
