@@ -32,7 +32,8 @@ def load_kernel() -> ModuleType:
     # -march=native: the build is cached per machine. -fopenmp: at::parallel_for's pragmas are
     # compiled here; they bind to the libgomp.so.1 torch already loaded, so one thread pool serves both
     return load(name="pagedllm_paged_decode", sources=[_SOURCE], verbose=False,
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],  # fast-math: vector exp
+                extra_ldflags=["-fopenmp", "-lmvec"])
 
 
 @functools.lru_cache(maxsize=1)

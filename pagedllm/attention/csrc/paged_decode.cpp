@@ -59,8 +59,13 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
       float* sg = scores.data() + g * len;
       const float top = *std::max_element(sg, sg + len);
       float total = 0.f;
-      for (int64_t t = 0; t < len; ++t) total += (sg[t] = std::exp(sg[t] - top));
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < len; ++t) {  // vectorised exp (libmvec) with -ffast-math
+        sg[t] = std::exp(sg[t] - top);
+        total += sg[t];
+      }
       const float inv = 1.f / total;
+#pragma omp simd
       for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
     }
     std::fill(acc.begin(), acc.end(), 0.f);
