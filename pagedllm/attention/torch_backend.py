@@ -90,10 +90,13 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 keys = _context(key_cache, chunk.context_blocks, chunk.seq_len)
                 values = _context(value_cache, chunk.context_blocks, chunk.seq_len)
+            group = q.shape[1] // keys.shape[1]
+            if group > 1:  # repeated K/V + a batch dim take SDPA's fused CPU kernel (enable_gqa falls back to math)
+                keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
             out[s:e] = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # (heads, len, head_dim)
-                attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True,
-            ).transpose(0, 1)  # (query_len, heads, head_dim)
+                q[s:e].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),  # (1, heads, len, head_dim)
+                values.transpose(0, 1).unsqueeze(0), attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
+            ).squeeze(0).transpose(0, 1)  # (query_len, heads, head_dim)
         return out
 
     @staticmethod
