@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from pagedllm.config import EngineArgs
@@ -135,13 +135,17 @@ class AsyncLLMEngine:
             self.dead_error = e
             self._fail_all(e)
 
-    def _apply_commands(self) -> None:
-        aborted = False
+    def _pending_commands(self) -> Iterator[_Add | _Abort]:
+        """The commands queued so far, oldest first (taken off the queue)."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
-                break
+                return
+
+    def _apply_commands(self) -> None:
+        aborted = False
+        for command in self._pending_commands():
             if isinstance(command, _Abort):
                 self._streams.pop(command.request_id, None)
                 self.engine.abort_request(command.request_id)
@@ -183,11 +187,7 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             self._call(stream.put_nowait, error)
         self._streams.clear()
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for command in self._pending_commands():
             if isinstance(command, _Add):
                 self._call(command.accepted.set_exception, EngineDeadError("the engine is not running"))
 

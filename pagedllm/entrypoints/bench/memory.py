@@ -5,8 +5,9 @@ tables and plot.
 """
 from __future__ import annotations
 
+from pagedllm.entrypoints.bench import emit_json
+
 import argparse
-import json
 import sys
 
 from pagedllm.engine.memory_replay import (
@@ -136,11 +137,7 @@ def run(ns: argparse.Namespace) -> int:
     print(format_tables(result))
     if ns.plot:
         write_plot(runs, config.kv_slots, ns.plot)
-    line = json.dumps(result)
-    print(line)
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            f.write(line + "\n")
+    emit_json(result, ns.output_json)
     return 0
 
 

@@ -7,6 +7,8 @@ end-to-end latency divided by output length).
 """
 from __future__ import annotations
 
+from pagedllm.entrypoints.bench import emit_json
+
 import argparse
 import asyncio
 import json
@@ -131,9 +133,5 @@ def run(ns: argparse.Namespace) -> int:
         if not r.ok:
             print(f"failed: {r.error}")
             break
-    line = json.dumps(summary)
-    print(line)
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            f.write(line + "\n")
+    emit_json(summary, ns.output_json)
     return 0 if ok else 1

@@ -1,6 +1,8 @@
 """``pagedllm bench throughput`` (offline throughput, as vLLM's) and ``pagedllm bench make-dataset``."""
 from __future__ import annotations
 
+from pagedllm.entrypoints.bench import emit_json
+
 import argparse
 import json
 import resource
@@ -197,11 +199,7 @@ def run(ns: argparse.Namespace) -> int:
     print(f"Total num output tokens:  {output_tokens}")
     print(f"Requests: {len(outputs)} of dataset {ns.dataset_name} (mean {mean_in:.1f} in / {mean_out:.1f} out), "
           f"elapsed {elapsed:.2f} s, peak RSS {result['peak_rss_mib']:.0f} MiB")
-    line = json.dumps(result)
-    print(line)
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            f.write(line + "\n")
+    emit_json(result, ns.output_json)
     return 0
 
 
