@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import fields
 
@@ -85,7 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_logging() -> None:
+    """pagedllm's INFO messages (KV pool size, attention backend, kernel build) on stderr."""
+    log = logging.getLogger("pagedllm")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _configure_logging()
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)
