@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, GgufConfig
 
-from pagedllm.entrypoints.bench.throughput import random_prompts
+from pagedllm.entrypoints.bench.datasets import random_prompts
 from pagedllm.models.loader import default_model_path
 
 

@@ -19,7 +19,6 @@ from pagedllm.entrypoints.bench.datasets import (
     BenchRequest,
     describe_synthetic,
     load_sharegpt,
-    random_prompts,  # noqa: F401  (re-exported: benchmarks/hf_static_batching.py builds the same prompts)
     random_requests,
     summarize,
     synthetic_requests,
