@@ -16,6 +16,7 @@ engine of a comparison reads the very same text (``pagedllm bench make-dataset``
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -242,3 +243,53 @@ def _mean(values: Any) -> float:
 def summarize(requests: Sequence[BenchRequest]) -> tuple[float, float]:
     """Mean prompt and output lengths of a request list."""
     return _mean(r.prompt_len for r in requests), _mean(r.output_len for r in requests)
+
+
+# --------------------------------------------------------------------------- CLI glue
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    """The dataset options shared by ``bench throughput`` and ``bench serve`` (vLLM's names)."""
+    parser.add_argument("--dataset-name", choices=DATASET_NAMES, default="random",
+                        help="workload (random, sharegpt-like, alpaca-like, sharegpt; default: random)")
+    parser.add_argument("--dataset-path", default=None,
+                        help="ShareGPT JSON file (required for --dataset-name sharegpt)")
+    parser.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=int, default=128,
+                        help="random: mean prompt tokens (default: 128)")
+    parser.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=int, default=128,
+                        help="random: mean output tokens (default: 128)")
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="random: lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (default: 0)")
+    parser.add_argument("--dataset-seed", type=int, default=None,
+                        help="seed of the dataset only (default: --seed, as vLLM seeds its datasets)")
+
+
+def dataset_seed(ns: argparse.Namespace) -> int:
+    """--dataset-seed where given, else --seed (vLLM seeds engine and dataset with one --seed)."""
+    return ns.seed if ns.dataset_seed is None else ns.dataset_seed
+
+
+def check_dataset_args(ns: argparse.Namespace) -> None:
+    """Refuse inconsistent dataset options before a model is loaded or a server is loaded."""
+    if ns.dataset_name == "sharegpt" and not ns.dataset_path:
+        raise ValidationError("--dataset-name sharegpt needs --dataset-path FILE", param="dataset_path")
+    if ns.dataset_path and ns.dataset_name != "sharegpt":
+        raise ValidationError(f"--dataset-path is read only with --dataset-name sharegpt, not {ns.dataset_name}",
+                              param="dataset_path", value=ns.dataset_path)
+    if ns.num_prompts < 1:
+        raise ValidationError.bad_value("num_prompts", ns.num_prompts, ">= 1")
+    if not 0.0 <= ns.random_range_ratio < 1.0:
+        raise ValidationError.bad_value("random_range_ratio", ns.random_range_ratio, "in [0, 1)")
+
+
+def requests_from_args(ns: argparse.Namespace, vocab_size: int, tokenizer: Any, seed: int,
+                       max_total_len: int = SHAREGPT_MAX_TOTAL_LEN) -> list[BenchRequest]:
+    """The ``ns.num_prompts`` requests of ``ns.dataset_name`` (options of :func:`add_dataset_args`).
+
+    ``vocab_size`` bounds random token ids, ``tokenizer`` counts ShareGPT turns, and synthetic
+    traces are clipped to ``max_total_len`` tokens per request.
+    """
+    if ns.dataset_name == "random":
+        return random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, vocab_size, seed,
+                               ns.random_range_ratio)
+    if ns.dataset_name in SYNTHETIC:
+        return synthetic_requests(ns.dataset_name, ns.num_prompts, vocab_size, seed, max_total_len)
+    return load_sharegpt(ns.dataset_path, ns.num_prompts, tokenizer, seed)

@@ -4,10 +4,23 @@ Every request streams; the client records when each chunk arrives and reports th
 time to first token (TTFT), time per output token after the first (TPOT), inter-token
 latency (ITL) and the PagedAttention paper's normalized latency (mean over requests of
 end-to-end latency divided by output length).
+
+The workloads are those of ``bench throughput`` (``--dataset-name random | sharegpt-like |
+alpaca-like | sharegpt``): every request asks for exactly its output length (``max_tokens`` and
+``ignore_eos``, temperature 1.0), so any OpenAI-compatible server that takes token-id prompts
+(vLLM's does) runs the same requests at the same seeded Poisson arrival times.
 """
 from __future__ import annotations
 
 from pagedllm.entrypoints.bench import emit_json
+from pagedllm.entrypoints.bench.datasets import (
+    BenchRequest,
+    add_dataset_args,
+    check_dataset_args,
+    dataset_seed,
+    requests_from_args,
+    summarize,
+)
 
 import argparse
 import asyncio
@@ -17,6 +30,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
+
+from pagedllm.errors import ValidationError
 
 
 @dataclass
@@ -34,12 +49,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="load a running server with Poisson arrivals (streaming)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
-    p.add_argument("--tokenizer", default=None, help="model whose tokenizer sizes the random prompts (default: SmolLM2)")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None,
+                   help="model whose tokenizer sizes the prompts and counts ShareGPT turns (default: SmolLM2)")
+    add_dataset_args(p)
+    p.add_argument("--num-prompts", type=int, default=100, help="number of requests (default: 100)")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson arrivals; inf = all at once (default: inf)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times and of the dataset (default: 0)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
@@ -73,7 +89,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int)
     return result
 
 
-async def _run(ns: argparse.Namespace, prompts: list[list[int]], model: str) -> tuple[list[RequestResult], float]:
+async def _run(ns: argparse.Namespace, requests: list[BenchRequest], model: str
+               ) -> tuple[list[RequestResult], float]:
     rng = np.random.default_rng(ns.seed)
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -81,10 +98,10 @@ async def _run(ns: argparse.Namespace, prompts: list[list[int]], model: str) -> 
         url = f"{ns.base_url}/v1/completions"
         tasks = []
         start = time.perf_counter()
-        for prompt in prompts:
-            body = {"model": model, "prompt": prompt, "max_tokens": ns.output_len, "ignore_eos": True,
-                    "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}
-            tasks.append(asyncio.create_task(_one(client, url, body, len(prompt))))
+        for request in requests:
+            body = {"model": model, "prompt": request.prompt, "max_tokens": request.output_len, "ignore_eos": True,
+                    "temperature": 1.0, "top_p": 1.0, "stream": True, "stream_options": {"include_usage": True}}
+            tasks.append(asyncio.create_task(_one(client, url, body, request.prompt_len)))
             if ns.request_rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / ns.request_rate))
         results = await asyncio.gather(*tasks)
@@ -101,19 +118,22 @@ def _stats(values: list[float]) -> dict[str, float]:
 def run(ns: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import get_tokenizer
 
-    vocab = len(get_tokenizer(ns.tokenizer))
+    check_dataset_args(ns)
+    if not ns.request_rate > 0:
+        raise ValidationError.bad_value("request_rate", ns.request_rate, "> 0 (inf = all at once)")
+    tokenizer = get_tokenizer(ns.tokenizer)
+    requests = requests_from_args(ns, len(tokenizer), tokenizer, dataset_seed(ns))
     model = ns.model or httpx.get(f"{ns.base_url}/v1/models", timeout=30,
                                   headers={"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
                                   ).json()["data"][0]["id"]
-    rng = np.random.default_rng(ns.seed)
-    prompts = [rng.integers(0, vocab, ns.input_len).tolist() for _ in range(ns.num_prompts)]
-    results, elapsed = asyncio.run(_run(ns, prompts, model))
+    results, elapsed = asyncio.run(_run(ns, requests, model))
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_len for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
     summary = {
         "num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
-        "request_rate": ns.request_rate, "elapsed_time": elapsed,
+        "request_rate": ns.request_rate if ns.request_rate != float("inf") else "inf",
+        "dataset_name": ns.dataset_name, "elapsed_time": elapsed,
         "requests_per_second": len(ok) / elapsed, "output_tokens_per_second": out_tokens / elapsed,
         "tokens_per_second": (in_tokens + out_tokens) / elapsed,
         "ttft_ms": _stats([r.ttft for r in ok]),
@@ -121,7 +141,10 @@ def run(ns: argparse.Namespace) -> int:
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "normalized_latency_s_per_token": float(np.mean([r.latency / r.output_len for r in ok])) if ok else 0.0,
     }
-    print(f"{'requests':<28}{len(ok)} ok / {len(results)} ({summary['failed']} failed)")
+    mean_in, mean_out = summarize(requests)
+    summary["mean_input_len"], summary["mean_output_len"] = mean_in, mean_out
+    print(f"{'requests':<28}{len(ok)} ok / {len(results)} ({summary['failed']} failed), {ns.dataset_name} "
+          f"(mean {mean_in:.1f} in / {mean_out:.1f} out), rate {summary['request_rate']} req/s")
     print(f"{'elapsed':<28}{elapsed:.2f} s")
     print(f"{'throughput':<28}{summary['requests_per_second']:.2f} req/s, "
           f"{summary['output_tokens_per_second']:.1f} output tok/s, {summary['tokens_per_second']:.1f} total tok/s")

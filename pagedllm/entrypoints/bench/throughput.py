@@ -10,18 +10,19 @@ import time
 from typing import TYPE_CHECKING
 
 from pagedllm.entrypoints.bench.datasets import (
-    DATASET_NAMES,
     SHAREGPT_MAX_PROMPT_LEN,
     SHAREGPT_MAX_TOTAL_LEN,
     SHAREGPT_MIN_LEN,
     SYNTHETIC,
     WORD_TOKEN_LOW,
     BenchRequest,
+    add_dataset_args,
+    check_dataset_args,
+    dataset_seed,
     describe_synthetic,
-    load_sharegpt,
     random_requests,
+    requests_from_args,
     summarize,
-    synthetic_requests,
     write_sharegpt_file,
 )
 from pagedllm.errors import ValidationError
@@ -79,18 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("throughput", help="offline throughput (random, synthetic or ShareGPT datasets)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset-name", choices=DATASET_NAMES, default="random",
-                   help="workload (see above; default: random)")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (required for --dataset-name sharegpt)")
-    p.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=int, default=128,
-                   help="random: mean prompt tokens (default: 128)")
-    p.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=int, default=128,
-                   help="random: mean output tokens (default: 128)")
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="random: lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (default: 0)")
+    add_dataset_args(p)
     p.add_argument("--num-prompts", type=int, default=256, help="number of requests (default: 256)")
-    p.add_argument("--dataset-seed", type=int, default=None,
-                   help="seed of the dataset only (default: --seed, as vLLM seeds its datasets)")
     p.add_argument("--output-json", default=None, help="also write the JSON result to this file")
     add_engine_args(p)
     _set_help(p, "seed", "seed of the engine and of the dataset (shuffle, lengths, token ids) (default: 0)")
@@ -113,35 +104,11 @@ def _set_help(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
             action.help = text
 
 
-def dataset_seed(ns: argparse.Namespace) -> int:
-    """--dataset-seed where given, else --seed (vLLM seeds engine and dataset with one --seed)."""
-    return ns.seed if ns.dataset_seed is None else ns.dataset_seed
-
-
-def check_dataset_args(ns: argparse.Namespace) -> None:
-    """Refuse inconsistent dataset options before the model is loaded."""
-    if ns.dataset_name == "sharegpt" and not ns.dataset_path:
-        raise ValidationError("--dataset-name sharegpt needs --dataset-path FILE", param="dataset_path")
-    if ns.dataset_path and ns.dataset_name != "sharegpt":
-        raise ValidationError(f"--dataset-path is read only with --dataset-name sharegpt, not {ns.dataset_name}",
-                              param="dataset_path", value=ns.dataset_path)
-    if ns.num_prompts < 1:
-        raise ValidationError.bad_value("num_prompts", ns.num_prompts, ">= 1")
-    if not 0.0 <= ns.random_range_ratio < 1.0:
-        raise ValidationError.bad_value("random_range_ratio", ns.random_range_ratio, "in [0, 1)")
-
-
 def build_requests(ns: argparse.Namespace, llm: LLM, seed: int) -> list[BenchRequest]:
     """The requests of the chosen dataset for this engine (its vocabulary, tokenizer and max_model_len)."""
     engine = llm.llm_engine
-    vocab = engine.processor.vocab_size
-    if ns.dataset_name == "random":
-        return random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len, vocab, seed,
-                               ns.random_range_ratio)
-    if ns.dataset_name in SYNTHETIC:
-        max_total = min(SHAREGPT_MAX_TOTAL_LEN, engine.config.model.max_model_len)
-        return synthetic_requests(ns.dataset_name, ns.num_prompts, vocab, seed, max_total)
-    return load_sharegpt(ns.dataset_path, ns.num_prompts, llm.get_tokenizer(), seed)
+    return requests_from_args(ns, engine.processor.vocab_size, llm.get_tokenizer(), seed,
+                              min(SHAREGPT_MAX_TOTAL_LEN, engine.config.model.max_model_len))
 
 
 def warmup_requests(requests: list[BenchRequest], vocab_size: int, seed: int) -> list[BenchRequest]:

@@ -22,3 +22,44 @@ def test_bench_serve_reports(server, tmp_path: Path) -> None:
     assert result["normalized_latency_s_per_token"] > 0
     for word in ("TTFT", "TPOT", "ITL", "normalized latency"):
         assert word in proc.stdout
+
+
+def _bench(server, *args: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+                           "--request-rate", "50", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
+
+
+def test_bench_serve_sharegpt_file_asks_each_turns_length(server, tmp_path: Path, tokenizer) -> None:
+    """Text prompts from a ShareGPT file; each request generates exactly its gpt turn's token count."""
+    turns = [("Tell me about the sea.", "The sea is large and deep and full of fish."),
+             ("What is two plus two?", "Two plus two is four, as everyone knows."),
+             ("Hi", "Hello there"),  # "Hi" has fewer than 4 tokens: skipped, as vLLM skips it
+             ("Name a colour that is warm.", "Red is a warm colour, and so is orange or yellow.")]
+    path = tmp_path / "tiny_sharegpt.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": h}, {"from": "gpt", "value": g}]}
+                                for h, g in turns]))
+    valid = [(h, g) for h, g in turns if len(tokenizer.encode(h)) >= 4 and len(tokenizer.encode(g)) >= 4]
+    assert len(valid) == 3
+    result, out = _bench(server, "--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "3")
+    assert result["completed"] == 3 and result["failed"] == 0 and result["dataset_name"] == "sharegpt"
+    expected_out = sum(len(tokenizer.encode(g)) for _, g in valid)
+    assert round(result["output_tokens_per_second"] * result["elapsed_time"]) == expected_out
+    assert result["mean_output_len"] * 3 == expected_out
+    assert "sharegpt (mean" in out
+
+
+def test_bench_serve_random_lengths_vary_per_request(server) -> None:
+    result, _ = _bench(server, "--dataset-name", "random", "--random-input-len", "20", "--random-output-len", "10",
+                       "--random-range-ratio", "0.5", "--num-prompts", "8")
+    assert result["completed"] == 8
+    total_out = round(result["output_tokens_per_second"] * result["elapsed_time"])
+    assert total_out == round(result["mean_output_len"] * 8) and total_out != 80
+    assert result["request_rate"] == 50
+
+
+def test_bench_serve_rejects_bad_rate(server) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+                           "--request-rate", "0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "request_rate" in proc.stderr
