@@ -34,7 +34,8 @@ def _batch(seq_lens: list[int], prefill: int, block_size: int, num_blocks: int, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 8),
-                                                                   (6, 2, 48, 16)])
+                                                                   (6, 2, 48, 16), (14, 2, 64, 16),
+                                                                   (10, 2, 128, 16), (2, 1, 64, 32)])
 def test_decode_matches_torch_backend(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                                       block_size: int) -> None:
     seq_lens = [1, 5, block_size, block_size + 1, 37, 200, 3 * block_size - 1]
