@@ -1,6 +1,12 @@
 """CPU backend: the torch backend, with decode tokens attended by a C++ kernel that reads the
 paged K/V cache in place (no gathered copy, no padding to the longest sequence).
 
+Prompt chunks go through the same kernel, one query row at a time: row r of a chunk is a
+"decode" over the first ``seq_len - query_len + r + 1`` positions, whose K/V are already in the
+cache. One call serves every token of the step, instead of one SDPA call per prompt and layer.
+Measured per layer (bf16, 9 query / 3 KV heads, 2 cores), kernel vs SDPA: 16 prompts x 128
+tokens 1.6 vs 5.4 ms; 4 x 512 4.6 vs 17.5 ms; 1 x 2048 17 vs 40 ms; 1 x 8192 252 vs 513 ms.
+
 Measured on 2 cores (256 sequences x 192 tokens, 9 query / 3 KV heads, bfloat16): 3.5 ms per
 layer against 6.0 ms for the torch backend's gather + SDPA. The kernel is compiled on first
 use with torch.utils.cpp_extension (cached under ~/.cache/torch_extensions); where it cannot
@@ -51,13 +57,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        metadata = super().build_metadata(common)
-        nd = common.num_decodes
-        if nd:
-            max_blocks = -(-int(common.seq_lens[:nd].max()) // common.block_size)
-            metadata.decode_tables = common.block_tables[:nd, :max_blocks].contiguous()  # (nd, max_blocks) int32
-            metadata.decode_seq_lens = common.seq_lens[:nd].contiguous()  # (nd,) int32
-        return metadata
+        bs, num_reqs = common.block_size, common.seq_lens.shape[0]
+        qsl = common.query_start_loc.long()
+        query_lens = qsl[1:] - qsl[:-1]  # (num_reqs,)
+        seq_lens = common.seq_lens.long()
+        rows = int(qsl[-1])
+        req_of_row = torch.repeat_interleave(torch.arange(num_reqs), query_lens)  # (rows,)
+        # row r of request i attends to positions [0, seq_len_i - query_len_i + (r - start_i) + 1)
+        row_lens = (seq_lens - query_lens)[req_of_row] + torch.arange(rows) - qsl[:-1][req_of_row] + 1
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        tables = common.block_tables[:, :max_blocks]  # (num_reqs, max_blocks) int32
+        if rows != num_reqs:
+            tables = tables.index_select(0, req_of_row)  # (rows, max_blocks): each row its request's table
+        # every row is a kernel row (num_decodes = rows: no prompt chunk is left for SDPA)
+        return TorchAttentionMetadata(common.slot_mapping, common.slot_mapping // bs, common.slot_mapping % bs, rows,
+                                      None, None, [], tables.contiguous(), row_lens.to(torch.int32))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        key_cache, value_cache = self.write_kv(kv_cache, k, v, metadata)
+        return self._decode(q, key_cache, value_cache, metadata, scale)
 
     @staticmethod
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -76,9 +76,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, kv_heads, block_size, head_dim)
-        key_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k  # (tokens, kv_heads, head_dim) into their slots
-        value_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
+        key_cache, value_cache = self.write_kv(kv_cache, k, v, metadata)
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         if nd:
@@ -98,6 +96,15 @@ class TorchAttentionBackend(AttentionBackend):
                 values.transpose(0, 1).unsqueeze(0), attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
             ).squeeze(0).transpose(0, 1)  # (query_len, heads, head_dim)
         return out
+
+    @staticmethod
+    def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchAttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' K/V in their slots; returns the (key, value) caches."""
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, kv_heads, block_size, head_dim)
+        key_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k  # (tokens, kv_heads, head_dim) into their slots
+        value_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
+        return key_cache, value_cache
 
     @staticmethod
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

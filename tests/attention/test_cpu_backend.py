@@ -11,11 +11,14 @@ from pagedllm.attention.torch_backend import TorchAttentionBackend
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="no C++ toolchain to build the kernel")
 
 
-def _batch(seq_lens: list[int], prefill: int, block_size: int, num_blocks: int, seed: int) -> CommonAttentionMetadata:
-    """Decodes (one query each) then one prompt chunk of ``prefill`` tokens; blocks scattered."""
+def _batch(seq_lens: list[int], prefill: int, block_size: int, num_blocks: int, seed: int,
+           chunks: list[tuple[int, int]] | None = None) -> CommonAttentionMetadata:
+    """Decodes (one query each) then one prompt chunk of ``prefill`` tokens after 7 cached ones (or
+    the given (query_len, seq_len) chunks); blocks scattered."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_blocks - 1, generator=g) + 1
-    lens = seq_lens + ([prefill + 7] if prefill else [])
+    chunks = chunks if chunks is not None else ([(prefill, prefill + 7)] if prefill else [])
+    lens = seq_lens + [n for _, n in chunks]
     max_blocks = max(-(-n // block_size) for n in lens)
     tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
     used = 0
@@ -23,7 +26,7 @@ def _batch(seq_lens: list[int], prefill: int, block_size: int, num_blocks: int, 
         k = -(-n // block_size)
         tables[i, :k] = perm[used:used + k].to(torch.int32)
         used += k
-    query_lens = [1] * len(seq_lens) + ([prefill] if prefill else [])
+    query_lens = [1] * len(seq_lens) + [q for q, _ in chunks]
     positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, query_lens)])
     rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(query_lens))
     slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
@@ -54,3 +57,26 @@ def test_decode_matches_torch_backend(dtype: torch.dtype, heads: int, kv_heads: 
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
     assert torch.equal(caches[0], caches[1])  # the same slots written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_chunks_are_kernel_rows(dtype: torch.dtype) -> None:
+    """Fresh prompts, chunks after a cached prefix and a long prompt (over 512 tokens) all become
+    kernel rows, in one call with the decodes, and match the torch backend (SDPA per prompt)."""
+    chunks = [(5, 5), (30, 30), (12, 140), (64, 560), (600, 600)]
+    common = _batch([3, 50, 17], 0, block_size=16, num_blocks=200, seed=1, chunks=chunks)
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(TorchAttentionBackend.kv_cache_shape(200, 16, 3, 64), generator=g).to(dtype)
+    n = common.slot_mapping.shape[0]
+    q, k, v = (torch.randn(n, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+    cpu = CpuAttentionBackend()
+    metadata = cpu.build_metadata(common)
+    assert metadata.num_decodes == n == 3 + sum(q for q, _ in chunks) and metadata.prefills == []
+    assert metadata.decode_seq_lens[3:8].tolist() == [1, 2, 3, 4, 5]  # causal: row r sees r + 1 positions
+    assert metadata.decode_seq_lens[3 + 5 + 30:3 + 5 + 30 + 12].tolist() == list(range(129, 141))
+    outs = []
+    for backend, md in ((TorchAttentionBackend(), None), (cpu, metadata)):
+        c = cache.clone()
+        outs.append(backend.forward(q, k, v, c, md or backend.build_metadata(common), 0.125).float())
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)

@@ -103,7 +103,10 @@ def test_n_samples_under_preemption(tiny_llm_dir: Path, n: int) -> None:
     roomy = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=128)
     tight = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=14, max_num_batched_tokens=48)
     prompts = [{"prompt_token_ids": list(range(300 + 7 * i, 340 + 7 * i))} for i in range(4)]
-    params = SamplingParams(n=n, temperature=0.8, seed=11, max_tokens=20, ignore_eos=True)
+    # top_k=5: the two runs batch tokens differently, so logits differ in the last bits (~1e-6, as
+    # GEMMs of other shapes round differently); over the tiny random model's near-flat 49k-token
+    # distribution that moves a seeded draw to the neighbouring token now and then. Over 5 tokens it cannot.
+    params = SamplingParams(n=n, temperature=0.8, top_k=5, seed=11, max_tokens=20, ignore_eos=True)
     expected = _tokens(roomy.generate(prompts, params, use_tqdm=False))
     assert _tokens(tight.generate(prompts, params, use_tqdm=False)) == expected
     assert tight.get_stats().num_preemptions > 0
