@@ -7,6 +7,7 @@ from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size
+from pagedllm.layers.prepack import can_prepack, linear, prepack
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,7 +41,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; each rank computes its slice of the logits."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack a bf16 CPU weight for oneDNN (layers/prepack.py). The plain weight stays: with tied
+        embeddings it is the embedding table."""
+        if can_prepack(self.weight):
+            self.packed_weight = prepack(self.weight)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(tokens, hidden) -> (tokens, vocab) logits in float32."""
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, self.packed_weight)
         return tensor_model_parallel_all_gather(logits, dim=-1).float()

@@ -7,18 +7,34 @@ split the input features and sum the partial products with an all-reduce. Packed
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size
+from pagedllm.layers.prepack import can_prepack, linear, prepack
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class _PrepackedLinear(nn.Module):
+    """Holds ``weight`` (out, in); after loading, a bf16 CPU weight is replaced by a packed copy."""
+
+    weight: nn.Parameter
+    packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the loaded weight for oneDNN (see layers/prepack.py) and drop the plain copy."""
+        if can_prepack(self.weight):
+            self.packed_weight = prepack(self.weight)
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, self.weight, self.packed_weight, bias)
+
+
+class ColumnParallelLinear(_PrepackedLinear):
     """y = x W^T + b with W split by rows (output features) across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -39,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -81,7 +97,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([q_size, kv_size, kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_PrepackedLinear):
     """y = x W^T + b with W split by columns (input features); partial sums all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -104,5 +120,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        out = tensor_model_parallel_all_reduce(self._matmul(x, None))
         return out if self.bias is None else out + self.bias  # bias once, after the sum

@@ -34,6 +34,9 @@ class Worker:
         model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)
         model.load_weights(tqdm(iter_weights(config.model.model, arch), desc="Loading weights", unit=" tensors",
                                 leave=False, dynamic_ncols=True))
+        for module in model.modules():  # once the checkpoint is in: e.g. weights packed for the CPU GEMM
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
         model.eval()
         backend = get_attention_backend(resolve_backend_name(config.device.attention_backend))
         logger.info("attention backend: %s", backend.name)
