@@ -51,6 +51,8 @@ class RotaryEmbedding(nn.Module):
         # Cached in the run dtype: transformers casts cos/sin to the activations' dtype too.
         self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos = self._sin = torch.empty(0)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +62,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (tokens, heads, head_dim), k (tokens, kv_heads, head_dim) -> rotated copies."""
-        cos = self.cos_cache[positions].unsqueeze(1)  # (tokens, 1, head_dim)
-        sin = self.sin_cache[positions].unsqueeze(1)  # (tokens, 1, head_dim)
+        if positions is not self._positions:  # one module serves every layer: gather cos/sin once per step
+            self._positions = positions
+            self._cos = self.cos_cache[positions].unsqueeze(1)  # (tokens, 1, head_dim)
+            self._sin = self.sin_cache[positions].unsqueeze(1)  # (tokens, 1, head_dim)
+        cos, sin = self._cos, self._sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
