@@ -207,3 +207,28 @@ def test_compare_cold_start_commands(compare: ModuleType) -> None:
     for code in (ours[2], peer[3]):
         compile(code, "<cold-start>", "exec")
         assert "max_tokens=1" in code and "time.time() - start" in code
+
+
+def test_bench_serve_splits_sse_lines_at_newlines_only() -> None:
+    """A data line whose JSON holds a raw U+2028 (allowed in JSON, sent by vLLM) stays one line."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from pagedllm.entrypoints.bench.serve import _sse_lines
+
+    events = [{"choices": [{"text": "a\u2028b\x85c"}]}, {"choices": [{"text": "d"}]}]
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events) + "data: [DONE]\n\n"
+    raw = body.encode()
+
+    class Pieces(httpx.AsyncByteStream):  # 5-byte pieces: lines and characters cut across reads
+        async def __aiter__(self):  # type: ignore[override]
+            for i in range(0, len(raw), 5):
+                yield raw[i:i + 5]
+
+    async def lines() -> list[str]:
+        return [line async for line in _sse_lines(httpx.Response(200, stream=Pieces()))]
+
+    got = [line for line in asyncio.run(lines()) if line]
+    assert [json.loads(line[6:]) for line in got[:2]] == events and got[2] == "data: [DONE]"

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -61,6 +62,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, split at "\n" only: JSON strings may hold raw U+2028 or U+0085, which
+    ``aiter_lines`` (str.splitlines rules) would break a data line at (vLLM's server sends them)."""
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8").rstrip("\r")
+    if buffer:
+        yield buffer.decode("utf-8").rstrip("\r")
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int) -> RequestResult:
     result = RequestResult(ok=False, prompt_len=prompt_len)
     start = last = time.perf_counter()
@@ -69,7 +83,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, prompt_len: int)
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
+            async for line in _sse_lines(response):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
