@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= $(shell nproc)
 TCMALLOC := $(shell ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $$NF; exit}')
 RUN := $(if $(TCMALLOC),LD_PRELOAD=$(TCMALLOC),)
 
-.PHONY: serve demo test bench clean-venv
+.PHONY: serve demo test bench bench-serve clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compare.py --engines pagedllm vllm --rounds 2
+
+# pagedllm's and vLLM's servers at a sweep of request rates (sharegpt-like): docs/serving_sharegpt_like.png
+bench-serve: $(STAMP)
+	$(BIN)/python benchmarks/serve_sweep.py --engines pagedllm vllm \
+		--plot docs/serving_sharegpt_like.png --output-json docs/serving_sharegpt_like.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

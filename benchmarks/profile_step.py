@@ -1,0 +1,54 @@
+"""Time (and optionally profile) decode steps at a fixed batch size and context length.
+
+    .venv/bin/python benchmarks/profile_step.py --batch 256 --context 190 --steps 10 --profile
+
+Adds ``--batch`` requests of ``--context`` random tokens to an engine on the default model,
+steps until every one is decoding, then times ``--steps`` calls of ``engine.step()`` (each a
+decode step of the whole batch) and, with ``--profile``, prints a ``torch.profiler`` table of
+5 more. The C++ attention kernel is not a torch op, so its time appears only in the step total.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from pagedllm import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=190, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+
+    llm = LLM(dtype=args.dtype, seed=0)
+    engine = llm.llm_engine
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=1.0, max_tokens=args.steps + 40, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), {"prompt_token_ids": rng.integers(1000, 40000, args.context).tolist()}, params)
+    running = engine.scheduler.running
+    while not (len(running) == args.batch and all(r.output_token_ids for r in running)):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    print(f"batch {args.batch}, context ~{args.context}: {(time.perf_counter() - start) / args.steps * 1e3:.1f} ms/step")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
