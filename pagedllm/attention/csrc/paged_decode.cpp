@@ -35,6 +35,23 @@ inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
 inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void store_row(const float* src, at::BFloat16* dst, int64_t n) { for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<at::BFloat16>(src[d]); }
 
+// Each of the ``rows`` runs of ``len`` scores becomes its softmax, in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * len;
+    const float top = *std::max_element(sg, sg + len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {  // vectorised exp (libmvec) with -ffast-math
+      sg[t] = std::exp(sg[t] - top);
+      total += sg[t];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+}
+
 template <int kDim, typename T>
 void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, T* out,
                   int64_t begin, int64_t end, int64_t nh, int64_t nkv, int64_t bs, int64_t maxb, float scale,
@@ -65,19 +82,7 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
         }
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores.data() + g * len;
-      const float top = *std::max_element(sg, sg + len);
-      float total = 0.f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t t = 0; t < len; ++t) {  // vectorised exp (libmvec) with -ffast-math
-        sg[t] = std::exp(sg[t] - top);
-        total += sg[t];
-      }
-      const float inv = 1.f / total;
-#pragma omp simd
-      for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-    }
+    softmax_rows(scores.data(), group, len);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
       const int64_t n = std::min<int64_t>(bs, len - t0);
@@ -197,19 +202,7 @@ void decode_task_avx512(const at::BFloat16* q, const at::BFloat16* kc, const at:
   qk_avx512<kDim>(q, kc, table, len, group, bs, block_stride, head_off, scale, scores.data());
   _mm_prefetch(reinterpret_cast<const char*>(vc + static_cast<int64_t>(table[0]) * block_stride + head_off),
                _MM_HINT_T0);
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * len;
-    const float top = *std::max_element(sg, sg + len);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {  // vectorised exp (libmvec) with -ffast-math
-      sg[t] = std::exp(sg[t] - top);
-      total += sg[t];
-    }
-    const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-  }
+  softmax_rows(scores.data(), group, len);
   constexpr int kMaxG = kDim == 64 ? 4 : 2;  // kMaxG * kDim / 16 accumulators + kDim / 16 values fit in 32 registers
   for (int64_t g0 = 0; g0 < group; g0 += kMaxG) {
     const float* p = scores.data() + g0 * len;
