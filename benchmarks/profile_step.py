@@ -5,12 +5,17 @@
 Adds ``--batch`` requests of ``--context`` random tokens to an engine on the default model,
 steps until every one is decoding, then times ``--steps`` calls of ``engine.step()`` (each a
 decode step of the whole batch) and, with ``--profile``, prints a ``torch.profiler`` table of
-5 more. The C++ attention kernel is not a torch op, so its time appears only in the step total.
+5 more. The C++ attention kernel is not a torch op, so its time appears only in the step total;
+``--op-times`` wraps the C++ kernels and the matmuls with timers and prints milliseconds per step
+for each (the rest of the step is torch ops and Python).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--op-times", action="store_true", help="time each C++ kernel and matmul per step")
     args = parser.parse_args()
 
     llm = LLM(dtype=args.dtype, seed=0)
@@ -41,6 +47,12 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     print(f"batch {args.batch}, context ~{args.context}: {(time.perf_counter() - start) / args.steps * 1e3:.1f} ms/step")
+    if args.op_times:
+        times = _wrap_ops()
+        for _ in range(args.steps):
+            engine.step()
+        for name, total in sorted(times.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<22} {total / args.steps * 1e3:6.1f} ms/step")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -48,6 +60,35 @@ def main() -> None:
             for _ in range(5):
                 engine.step()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+def _wrap_ops() -> dict[str, float]:
+    """Replace the C++ kernels and the linear helper with timed wrappers; returns the running totals."""
+    import pagedllm.layers.embedding as embedding
+    import pagedllm.layers.linear as linear
+    from pagedllm.attention.cpu_backend import load_kernel
+    from pagedllm.layers.cpu_ops import _load
+
+    times: dict[str, float] = collections.defaultdict(float)
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[name] += time.perf_counter() - start
+        return wrapper
+
+    kernel, ops = load_kernel(), _load()
+    for name in ("paged_decode", "write_kv"):
+        setattr(kernel, name, timed(name, getattr(kernel, name)))
+    for name in ("rms_norm", "rotary_inplace", "silu_and_mul", "sample_inverse_cdf"):
+        if ops is not None:
+            setattr(ops, name, timed(name, getattr(ops, name)))
+    linear.linear = timed("linear (layers)", linear.linear)
+    embedding.linear = timed("linear (LM head)", embedding.linear)
+    return times
 
 
 if __name__ == "__main__":

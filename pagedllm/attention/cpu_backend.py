@@ -75,14 +75,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        key_cache, value_cache = self.write_kv(kv_cache, k, v, metadata)
-        return self._decode(q, key_cache, value_cache, metadata, scale)
-
-    @staticmethod
-    def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        load_kernel().paged_decode(q, key_cache, value_cache, metadata.decode_tables, metadata.decode_seq_lens, out,
-                                   scale)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, kv_heads, block_size, head_dim)
+        kernel = load_kernel()
+        kernel.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)  # one C++ copy per (token, head)
+        if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()  # the kernel reads strided rows (qkv views) but not strided heads
+        out = q.new_empty(q.shape)  # (tokens, heads, head_dim)
+        kernel.paged_decode(q, key_cache, value_cache, metadata.decode_tables, metadata.decode_seq_lens, out, scale)
         return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.cpu_ops import fused_ops
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, in float32 and cast back; optionally adds the residual first."""
@@ -20,7 +22,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual); the fused
+        bf16 path writes x + residual into ``residual`` itself and returns it."""
+        ops = fused_ops(x) if x.dim() == 2 and x.shape[-1] >= 8 else None
+        if ops is not None:  # one pass instead of add, float, pow, mean, rsqrt, mul, to, mul
+            out = torch.empty_like(x)
+            ops.rms_norm(x, residual, self.weight, out, self.eps)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

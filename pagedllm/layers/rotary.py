@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ValidationError
+from pagedllm.layers.cpu_ops import fused_ops
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -68,3 +69,17 @@ class RotaryEmbedding(nn.Module):
             self._sin = self.sin_cache[positions].unsqueeze(1)  # (tokens, 1, head_dim)
         cos, sin = self._cos, self._sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed (tokens, (heads + 2 kv_heads) * head_dim) -> rotated q, rotated k, v as
+        (tokens, heads, head_dim) views. The fused bf16 path rotates q and k inside ``qkv``."""
+        q_size, kv_size, d = num_heads * self.head_dim, num_kv_heads * self.head_dim, self.head_dim
+        ops = fused_ops(qkv) if qkv.dim() == 2 and qkv.stride(-1) == 1 else None
+        if ops is not None and self.cos_cache.dtype == torch.bfloat16 and positions.dtype == torch.int64:
+            ops.rotary_inplace(positions, qkv, self.cos_cache, self.sin_cache, num_heads, num_kv_heads, d)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            return q.view(-1, num_heads, d), k.view(-1, num_kv_heads, d), v.view(-1, num_kv_heads, d)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self.forward(positions, q.view(-1, num_heads, d), k.view(-1, num_kv_heads, d))  # (tokens, heads, d)
+        return q, k, v.view(-1, num_kv_heads, d)  # v: (tokens, kv_heads, head_dim)

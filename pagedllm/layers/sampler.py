@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pagedllm.layers.cpu_ops import fused_ops
 from pagedllm.outputs import TokenLogprobs
 
 
@@ -134,6 +135,14 @@ def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (chunk * SAMPLE_CHUNK + inside).squeeze(1)
 
 
+def _uniforms(rows: int, md: SamplingMetadata) -> torch.Tensor:
+    """(rows,) float32 in (0, 1]: seeded rows from their own generators, the rest from the default."""
+    u = 1.0 - torch.rand(rows, generator=md.default_generator)
+    for row, generator in md.generators.items():
+        u[row] = 1.0 - torch.rand(1, generator=generator)
+    return u
+
+
 class Sampler(nn.Module):
     """Logits (rows, vocab) float32 -> one token per row, and logprobs where asked."""
 
@@ -156,16 +165,18 @@ class Sampler(nn.Module):
     @staticmethod
     def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """One draw per row; overwrites ``logits`` (the caller is done with them)."""
+        ops = fused_ops(logits, torch.float32) if logits.dim() == 2 and logits.stride(-1) == 1 else None
+        if ops is not None and md.min_p is None and md.top_k is None and md.top_p is None:
+            # temperature, softmax weights and the draw in one pass per row (no (rows, vocab) temporaries)
+            return ops.sample_inverse_cdf(logits, md.temperature if md.any_temperature else None,
+                                          _uniforms(logits.shape[0], md))
         if md.any_temperature:  # rows at temperature 1 need no division
             logits.div_(md.temperature.unsqueeze(1))
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         weights = logits.sub_(logits.max(dim=-1, keepdim=True).values).exp_()  # unnormalised probabilities
-        u = 1.0 - torch.rand(weights.shape[0], generator=md.default_generator)  # (0, 1]
-        for row, generator in md.generators.items():
-            u[row] = 1.0 - torch.rand(1, generator=generator)
-        return inverse_cdf_sample(weights, u)
+        return inverse_cdf_sample(weights, _uniforms(weights.shape[0], md))
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, md: SamplingMetadata) -> list[TokenLogprobs | None]:

@@ -37,11 +37,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, scale=cfg.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(-1, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        # q (tokens, heads, head_dim); k, v (tokens, kv_heads, head_dim); q and k rotated
+        q, k, v = self.rotary_emb.forward_qkv(positions, self.qkv_proj(hidden), self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -58,7 +58,7 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
 template <int kDim, typename T>
 void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, T* out,
                   int64_t begin, int64_t end, int64_t nh, int64_t nkv, int64_t bs, int64_t maxb, float scale,
-                  int64_t head_dim) {
+                  int64_t head_dim, int64_t q_stride) {
   const int64_t D = kDim > 0 ? kDim : head_dim;  // compile-time head_dim for the common sizes: unrolled loops
   const int64_t group = nh / nkv, block_stride = nkv * bs * D;  // cache: (blocks, kv_heads, bs, D)
   std::vector<float> qf(group * D), acc(group * D), scores, kbuf(bs * D);
@@ -66,7 +66,7 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
     const int64_t seq = task / nkv, h = task % nkv, len = lens[seq];
     const int32_t* table = tables + seq * maxb;
     for (int64_t g = 0; g < group; ++g) {
-      load_row(q + (seq * nh + h * group + g) * D, qf.data() + g * D, D);
+      load_row(q + seq * q_stride + (h * group + g) * D, qf.data() + g * D, D);
       for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
     }
     scores.resize(group * len);
@@ -190,18 +190,30 @@ void pv_avx512(const float* p, const at::BFloat16* vc, const int32_t* table, int
     // again, though the K pass asked for these blocks: long contexts outgrow L1 (measured: dropping it is slower)
     if (t0 + 2 * bs < len) prefetch_block(head_block(vc, table, t0 / bs + 2, block_stride, head_off), block_bytes);
     for (int64_t o = 0; o < n; ++o) {
+      // 32 bf16 per load; as float32, the even dims are the words shifted up and the odd dims the
+      // words masked (2 ops per 32 values instead of 4): acc[g][2c] holds even dims, [2c+1] odd
       __m512 v[kVec];
-      for (int c = 0; c < kVec; ++c) v[c] = load_bf16x16(base + o * kDim + c * 16);
+      for (int c = 0; c < kVec / 2; ++c) {
+        const __m512i w = _mm512_loadu_si512(base + o * kDim + c * 32);
+        v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      }
       for (int g = 0; g < kG; ++g) {
         const __m512 w = _mm512_set1_ps(p[g * len + t0 + o]);
         for (int c = 0; c < kVec; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
       }
     }
   }
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // even/odd -> dims 0-15
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));                                 // -> dims 16-31
   for (int g = 0; g < kG; ++g)
-    for (int c = 0; c < kVec; ++c)  // round to nearest even, as static_cast<at::BFloat16> does
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * out_stride + c * 16),
-                          (__m256i)_mm512_cvtneps_pbh(acc[g][c]));
+    for (int c = 0; c < kVec / 2; ++c) {  // round to nearest even, as static_cast<at::BFloat16> does
+      at::BFloat16* dst = out + g * out_stride + c * 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(
+                              _mm512_permutex2var_ps(acc[g][2 * c], lo, acc[g][2 * c + 1])));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), (__m256i)_mm512_cvtneps_pbh(
+                              _mm512_permutex2var_ps(acc[g][2 * c], hi, acc[g][2 * c + 1])));
+    }
 }
 
 template <int kDim>
@@ -245,7 +257,7 @@ template <typename T>
 void dispatch(torch::Tensor& q, torch::Tensor& kc, torch::Tensor& vc, torch::Tensor& tables, torch::Tensor& lens,
               torch::Tensor& out, float scale) {
   const int64_t nh = q.size(1), D = q.size(2), nkv = kc.size(1), bs = kc.size(2), maxb = tables.size(1);
-  const int64_t items = q.size(0) * nkv;
+  const int64_t items = q.size(0) * nkv, q_stride = q.stride(0);
   const int32_t* lens_p = lens.data_ptr<int32_t>();
 #ifdef PAGEDLLM_AVX512_BF16
   if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -260,9 +272,14 @@ void dispatch(torch::Tensor& q, torch::Tensor& kc, torch::Tensor& vc, torch::Ten
       parallel_by_length(lens_p, nkv, items, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         for (int64_t task = begin; task < end; ++task) {
+          if (task + 1 < end) {  // the next task's first K blocks load while this one computes
+            const int64_t nseq = (task + 1) / nkv, nhead = (task + 1) % nkv;
+            for (int64_t b = 0; b < 2 && b * bs < lens_p[nseq]; ++b)
+              prefetch_block(head_block(kp, tp + nseq * maxb, b, block_stride, nhead * bs * D), bs * D * 2);
+          }
           const int64_t seq = task / nkv, h = task % nkv, off = (seq * nh + h * group) * D;
-          task_fn(qp + off, kp, vp, tp + seq * maxb, lens_p[seq], group, bs, block_stride, h * bs * D,
-             scale, op + off, scores);
+          task_fn(qp + seq * q_stride + h * group * D, kp, vp, tp + seq * maxb, lens_p[seq], group, bs, block_stride,
+                  h * bs * D, scale, op + off, scores);
         }
       });
       return;
@@ -273,7 +290,7 @@ void dispatch(torch::Tensor& q, torch::Tensor& kc, torch::Tensor& vc, torch::Ten
     parallel_by_length(lens_p, nkv, items, [&](int64_t begin, int64_t end) {
       decode_range<decltype(dim)::value>(q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(),
                                          tables.data_ptr<int32_t>(), lens_p, out.data_ptr<T>(),
-                                         begin, end, nh, nkv, bs, maxb, scale, D);
+                                         begin, end, nh, nkv, bs, maxb, scale, D, q_stride);
     });
   };
   switch (D) {
@@ -285,11 +302,13 @@ void dispatch(torch::Tensor& q, torch::Tensor& kc, torch::Tensor& vc, torch::Ten
 
 }  // namespace
 
-// q: (num_seqs, num_heads, head_dim); key/value cache: (num_blocks, kv_heads, block_size, head_dim);
-// tables: (num_seqs, max_blocks) int32; lens: (num_seqs,) int32; out like q (filled).
+// q: (num_seqs, num_heads, head_dim), rows may be strided (a view of the packed qkv); key/value
+// cache: (num_blocks, kv_heads, block_size, head_dim); tables: (num_seqs, max_blocks) int32;
+// lens: (num_seqs,) int32; out: contiguous, shaped like q (filled).
 void paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor tables, torch::Tensor lens,
                   torch::Tensor out, double scale) {
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && out.is_contiguous());
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must hold their heads contiguously");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes());
   TORCH_CHECK(tables.scalar_type() == torch::kInt32 && lens.scalar_type() == torch::kInt32);
   TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous() && q.size(1) % kc.size(1) == 0);
   TORCH_CHECK(q.scalar_type() == kc.scalar_type() && q.scalar_type() == vc.scalar_type());
@@ -302,6 +321,33 @@ void paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Te
   }
 }
 
+// Stores each new token's K and V (tokens, kv_heads, head_dim; rows may be strided views of the
+// packed qkv) in its cache slot: block slot / block_size, offset slot % block_size. One copy per
+// (token, head) instead of two advanced-indexing assignments per layer.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots) {
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.dim() == 4);
+  TORCH_CHECK(k.scalar_type() == kc.scalar_type() && v.scalar_type() == kc.scalar_type());
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == k.size(0));
+  const int64_t nkv = kc.size(1), bs = kc.size(2), D = kc.size(3), blocks = kc.size(0);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == nkv && k.size(2) == D && k.stride(2) == 1 && v.stride(2) == 1);
+  const int64_t esize = kc.element_size(), tokens = k.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kcp = static_cast<char*>(kc.data_ptr());
+  char* vcp = static_cast<char*>(vc.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = sp[t], b = slot / bs, o = slot % bs;
+    TORCH_CHECK(slot >= 0 && b < blocks, "slot ", slot, " is outside the KV cache");
+    for (int64_t h = 0; h < nkv; ++h) {
+      const int64_t dst = ((b * nkv + h) * bs + o) * D * esize;
+      std::memcpy(kcp + dst, kp + (t * k.stride(0) + h * k.stride(1)) * esize, D * esize);
+      std::memcpy(vcp + dst, vp + (t * v.stride(0) + h * v.stride(1)) * esize, D * esize);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, "store new K/V rows in their cache slots");
   m.def("paged_decode", &paged_decode, "Paged attention for rows of one query each (decode tokens or causal prompt rows)");
 }

@@ -1,0 +1,45 @@
+"""Fused C++ element-wise ops for bfloat16 on AVX-512 CPUs (csrc/fused_ops.cpp).
+
+A decode step of SmolLM2-135M at 256 sequences spent ~15 ms of ~157 ms in the torch ops of RMSNorm,
+rotary and SiLU-and-mul (each a chain of 4-8 ops, each reading and writing the whole activation).
+The fused ops read each element once. Built on first use with torch.utils.cpp_extension (cached
+under ~/.cache/torch_extensions); where the build fails (no compiler, no AVX512-BF16) the layers
+keep their torch expressions, which the fused ops reproduce rounding for rounding. The sampler's
+inverse-CDF draw is fused too (float32 logits; ~9 ms of that step went to its torch ops).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "fused_ops.cpp")
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("loading the fused C++ element-wise ops (built once, then cached)")
+        # -march=native: the build is cached per machine; -fopenmp: at::parallel_for's pragmas;
+        # -ffp-contract=off: a product rounded before its sum stays so (torch's rounding, not an FMA's)
+        return load(name="pagedllm_fused_ops", sources=[_SOURCE], verbose=False,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                    extra_ldflags=["-fopenmp"])
+    except Exception as e:  # no compiler, no AVX512-BF16, a build error: the torch expressions serve
+        logger.warning("fused C++ ops unavailable (%s); using torch ops for norm/rotary/SiLU", e)
+        return None
+
+
+def fused_ops(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> ModuleType | None:
+    """The fused ops module when ``x`` is a CPU tensor of ``dtype`` and the ops build here, else None.
+    ``PAGEDLLM_FUSED_OPS=0`` turns them off (the torch expressions serve)."""
+    if x.dtype != dtype or x.device.type != "cpu" or os.environ.get("PAGEDLLM_FUSED_OPS", "1") == "0":
+        return None
+    return _load()
