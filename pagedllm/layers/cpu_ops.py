@@ -37,9 +37,9 @@ def _load() -> ModuleType | None:
         return None
 
 
-def fused_ops(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> ModuleType | None:
-    """The fused ops module when ``x`` is a CPU tensor of ``dtype`` and the ops build here, else None.
-    ``PAGEDLLM_FUSED_OPS=0`` turns them off (the torch expressions serve)."""
-    if x.dtype != dtype or x.device.type != "cpu" or os.environ.get("PAGEDLLM_FUSED_OPS", "1") == "0":
+def fused_ops(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> ModuleType | None:
+    """The fused ops module when ``x`` is a CPU tensor of one of ``dtypes`` and the ops build here,
+    else None. ``PAGEDLLM_FUSED_OPS=0`` turns them off (the torch expressions serve)."""
+    if x.dtype not in dtypes or x.device.type != "cpu" or os.environ.get("PAGEDLLM_FUSED_OPS", "1") == "0":
         return None
     return _load()

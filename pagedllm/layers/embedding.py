@@ -49,7 +49,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if can_prepack(self.weight):
             self.packed_weight = prepack(self.weight)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(tokens, hidden) -> (tokens, vocab) logits in float32."""
-        logits = linear(hidden_states, self.weight, self.packed_weight)
-        return tensor_model_parallel_all_gather(logits, dim=-1).float()
+    def compute_logits(self, hidden_states: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """(tokens, hidden) -> (tokens, vocab) logits in float32, or in the weights' dtype with
+        ``keep_dtype`` (the sampler reads bf16 directly: no float32 copy of a (256, 49k) array)."""
+        logits = tensor_model_parallel_all_gather(linear(hidden_states, self.weight, self.packed_weight), dim=-1)
+        return logits if keep_dtype else logits.float()

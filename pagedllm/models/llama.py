@@ -104,9 +104,9 @@ class LlamaForCausalLM(nn.Module):
         """(tokens,) ids and positions -> (tokens, hidden)."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(rows, hidden) -> (rows, vocab) float32."""
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """(rows, hidden) -> (rows, vocab) float32 (in the model's dtype with ``keep_dtype``)."""
+        return self.lm_head.compute_logits(hidden, keep_dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; every parameter must be filled exactly once."""

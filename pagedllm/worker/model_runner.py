@@ -83,7 +83,8 @@ class ModelRunner:
         for fork in out.forked_reqs:
             samplers.append(self.requests[fork.req_id])
             rows.append(row_of[fork.parent_id])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # only rows that sample
+        # only rows that sample; in the model's dtype: the sampler makes a float32 copy only if it must
+        logits = self.model.compute_logits(hidden[inputs.logits_indices], keep_dtype=True)
         if len(rows) > len(inputs.sample_rows):
             logits = logits[torch.tensor(rows)]
         md = build_sampling_metadata(samplers, self.generator, self.eos_token_id)

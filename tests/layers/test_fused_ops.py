@@ -80,7 +80,7 @@ def test_silu_and_mul_matches_torch(monkeypatch: pytest.MonkeyPatch, rows: int, 
 def test_fused_draw_matches_the_torch_inverse_cdf() -> None:
     from pagedllm.layers.sampler import inverse_cdf_sample
 
-    ops = cpu_ops.fused_ops(torch.empty(0), torch.float32)
+    ops = cpu_ops.fused_ops(torch.empty(0), (torch.float32,))
     g = torch.Generator().manual_seed(7)
     rows = 64
     logits = torch.randn(rows, 49_155, generator=g) * 4  # a partial last chunk of the 256-token chunks
@@ -96,7 +96,7 @@ def test_fused_draw_matches_the_torch_inverse_cdf() -> None:
 
 
 def test_fused_draw_follows_the_softmax_distribution() -> None:
-    ops = cpu_ops.fused_ops(torch.empty(0), torch.float32)
+    ops = cpu_ops.fused_ops(torch.empty(0), (torch.float32,))
     vocab, rows = 300, 40_000
     g = torch.Generator().manual_seed(8)
     row = torch.randn(vocab, generator=g) * 2
@@ -106,3 +106,13 @@ def test_fused_draw_follows_the_softmax_distribution() -> None:
     freq = torch.bincount(draws, minlength=vocab).float() / rows
     probs = torch.softmax(row / 0.8, -1)
     assert freq[7] == 0 and (freq - probs).abs().max() < 0.01
+
+
+def test_fused_draw_reads_bf16_logits_as_their_float32_copy() -> None:
+    ops = cpu_ops.fused_ops(torch.empty(0), (torch.float32,))
+    g = torch.Generator().manual_seed(9)
+    logits = (torch.randn(32, 1000, generator=g) * 3).bfloat16()
+    logits[:, :10] = float("-inf")
+    u, temperature = 1.0 - torch.rand(32, generator=g), torch.full((32,), 0.9)
+    assert torch.equal(ops.sample_inverse_cdf(logits, temperature, u),
+                       ops.sample_inverse_cdf(logits.float(), temperature, u))

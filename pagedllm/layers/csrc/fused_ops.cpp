@@ -206,9 +206,13 @@ void silu_and_mul(torch::Tensor x, torch::Tensor out) {
 // chunk where the running sum reaches u * total, then the running sum inside that chunk picks the
 // token. Three reads of a row (max, chunk sums, one chunk) instead of torch's div, max, sub, exp,
 // sum, cumsum and gather over the whole (rows, V) array.
-torch::Tensor sample_inverse_cdf(torch::Tensor logits, c10::optional<torch::Tensor> temperature, torch::Tensor u) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2 &&
-              logits.stride(1) == 1, "logits must be a (rows, vocab) float32 CPU tensor");
+inline __m512 load_logits(const float* p, __mmask16 m) { return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, p); }
+inline __m512 load_logits(const bf16* p, __mmask16 m) {  // masked lanes: -inf, as the float path
+  return _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), load_bf16(p, m));
+}
+
+template <typename T>
+torch::Tensor sample_rows(torch::Tensor logits, c10::optional<torch::Tensor> temperature, torch::Tensor u) {
   TORCH_CHECK(u.scalar_type() == torch::kFloat32 && u.is_contiguous() && u.numel() == logits.size(0));
   const int64_t rows = logits.size(0), V = logits.size(1), ls = logits.stride(0);
   constexpr int64_t kChunk = 256;
@@ -221,17 +225,17 @@ torch::Tensor sample_inverse_cdf(torch::Tensor logits, c10::optional<torch::Tens
     tp = temp.data_ptr<float>();
   }
   auto out = torch::empty({rows}, torch::kInt64);
-  const float* lp = logits.data_ptr<float>();
+  const T* lp = reinterpret_cast<const T*>(logits.data_ptr());
   const float* up = u.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> cum(chunks);
     const __m512 floor = _mm512_set1_ps(-104.f);  // exp() of anything lower is 0 in float32; keeps -inf from NaN
     for (int64_t i = begin; i < end; ++i) {
-      const float* x = lp + i * ls;
+      const T* x = lp + i * ls;
       const __m512 t = _mm512_set1_ps(tp ? tp[i] : 1.f);
       auto scaled = [&](int64_t j, __mmask16 m) {
-        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, x + j);
+        const __m512 v = load_logits(x + j, m);
         return tp ? _mm512_div_ps(v, t) : v;
       };
       __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -267,6 +271,15 @@ torch::Tensor sample_inverse_cdf(torch::Tensor logits, c10::optional<torch::Tens
     }
   });
   return out;
+}
+
+// logits: (rows, vocab) float32 or bfloat16 (the LM head's own dtype: no float32 copy of the array).
+torch::Tensor sample_inverse_cdf(torch::Tensor logits, c10::optional<torch::Tensor> temperature, torch::Tensor u) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1,
+              "logits must be a (rows, vocab) CPU tensor, contiguous in the vocabulary");
+  if (logits.scalar_type() == torch::kBFloat16) return sample_rows<bf16>(logits, temperature, u);
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "logits must be float32 or bfloat16");
+  return sample_rows<float>(logits, temperature, u);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
