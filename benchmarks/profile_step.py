@@ -67,7 +67,7 @@ def _wrap_ops() -> dict[str, float]:
     import pagedllm.layers.embedding as embedding
     import pagedllm.layers.linear as linear
     from pagedllm.attention.cpu_backend import load_kernel
-    from pagedllm.layers.cpu_ops import _load
+    from pagedllm.layers.cpu_ops import load_ops
 
     times: dict[str, float] = collections.defaultdict(float)
 
@@ -80,7 +80,7 @@ def _wrap_ops() -> dict[str, float]:
                 times[name] += time.perf_counter() - start
         return wrapper
 
-    kernel, ops = load_kernel(), _load()
+    kernel, ops = load_kernel(), load_ops()
     for name in ("paged_decode", "write_kv"):
         setattr(kernel, name, timed(name, getattr(kernel, name)))
     for name in ("rms_norm", "rotary_inplace", "silu_and_mul", "sample_inverse_cdf"):

@@ -1,4 +1,4 @@
-"""Fused C++ element-wise ops for bfloat16 on AVX-512 CPUs (csrc/fused_ops.cpp).
+"""Fused C++ element-wise ops and the bf16 GEMM for AVX512-BF16 CPUs (csrc/fused_ops.cpp, gemm_bf16.cpp).
 
 A decode step of SmolLM2-135M at 256 sequences spent ~15 ms of ~157 ms in the torch ops of RMSNorm,
 rotary and SiLU-and-mul (each a chain of 4-8 ops, each reading and writing the whole activation).
@@ -18,18 +18,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "fused_ops.cpp")
+_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("fused_ops.cpp", "gemm_bf16.cpp")]
 
 
 @functools.lru_cache(maxsize=1)
-def _load() -> ModuleType | None:
+def load_ops() -> ModuleType | None:
+    """The built extension (fused ops and the bf16 GEMM), or None where it does not build."""
     try:
         from torch.utils.cpp_extension import load
 
         logger.info("loading the fused C++ element-wise ops (built once, then cached)")
         # -march=native: the build is cached per machine; -fopenmp: at::parallel_for's pragmas;
         # -ffp-contract=off: a product rounded before its sum stays so (torch's rounding, not an FMA's)
-        return load(name="pagedllm_fused_ops", sources=[_SOURCE], verbose=False,
+        return load(name="pagedllm_fused_ops", sources=_SOURCES, verbose=False,
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no AVX512-BF16, a build error: the torch expressions serve
@@ -42,4 +43,4 @@ def fused_ops(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16
     else None. ``PAGEDLLM_FUSED_OPS=0`` turns them off (the torch expressions serve)."""
     if x.dtype not in dtypes or x.device.type != "cpu" or os.environ.get("PAGEDLLM_FUSED_OPS", "1") == "0":
         return None
-    return _load()
+    return load_ops()

@@ -1,17 +1,26 @@
-"""oneDNN prepacked weights for bfloat16 matmuls on CPU.
+"""Prepacked bfloat16 weights for CPU matmuls.
 
 ``F.linear`` hands oneDNN a plain row-major weight, which it re-lays out into its blocked GEMM
 format on every call; with few token rows (decode of a small batch) that re-layout costs as much
-as the product. Packing once after loading skips it. Measured on 2 cores, SmolLM2-135M's four
-projections + LM head, bf16: 1 row 1.89 -> 0.99 ms, 8 rows 2.27 -> 1.32 ms, 64 rows 5.75 -> 4.75 ms,
-256 rows 17.8 -> 16.7 ms, 2048 rows 187 -> 182 ms per layer set; results are bit-identical.
+as the product. Packing once after loading skips it. Two packers:
+
+- our AVX512-BF16 GEMM (csrc/gemm_bf16.cpp) where it builds, the CPU has no AMX (oneDNN's AMX
+  tiles are faster there) and the shape suits it (out % 16 == 0, in even). On 2 cores, all 30
+  layers of SmolLM2-135M with weights streamed from memory: 1 row 6.2 -> 4.2 ms, 16 rows 8.1 ->
+  6.7, 64 rows 19.5 -> 16.3, 256 rows 56.3 -> 53.6, 2,048 rows 427 -> 418 against oneDNN's
+  prepacked matmul; the LM head 1.23 -> 0.99 ms (1 row), 14.6 -> 14.3 ms (256 rows).
+- otherwise (or with ``PAGEDLLM_GEMM=onednn``) oneDNN's own packed layout (``_reorder_linear_weight``): against ``F.linear``, 1 row
+  1.89 -> 0.99 ms, 8 rows 2.27 -> 1.32, 256 rows 17.8 -> 16.7 per layer set; bit-identical.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.layers.cpu_ops import fused_ops, load_ops
 
 
 @functools.lru_cache(maxsize=1)
@@ -24,14 +33,35 @@ def _prepack_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def _own_gemm_suits(weight: torch.Tensor) -> bool:
+    out_features, in_features = weight.shape
+    if os.environ.get("PAGEDLLM_GEMM") == "onednn":  # for A/B measurements
+        return False
+    return out_features % 16 == 0 and in_features % 2 == 0 and not _has_amx() and fused_ops(weight) is not None
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
-    """True for a bfloat16 CPU weight on a torch build whose oneDNN runs bf16 here."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and _prepack_available()
+    """True for a bfloat16 2-D CPU weight that one of the two packers takes."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return False
+    return _own_gemm_suits(weight) or _prepack_available()
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """The (out, in) weight in oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    """The (out, in) weight packed: a 1-D bf16 tensor for our GEMM, or an opaque mkldnn tensor."""
+    weight = weight.detach().contiguous()
+    if _own_gemm_suits(weight):
+        return fused_ops(weight).gemm_pack(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
@@ -39,9 +69,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     """x W^T + b through the packed weight when there is one, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if x.dim() != 2 or not x.is_contiguous():
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
+    lead = x.shape[:-1]
+    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
+    if packed.is_mkldnn:
         out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
-        return out.view(*lead, out.shape[-1])  # (..., out)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    else:
+        out = load_ops().gemm_bf16(x2, packed, packed.numel() // x2.shape[1], bias)
+    return out if x.dim() == 2 else out.view(*lead, out.shape[-1])  # (..., out)

@@ -282,7 +282,13 @@ torch::Tensor sample_inverse_cdf(torch::Tensor logits, c10::optional<torch::Tens
   return sample_rows<float>(logits, temperature, u);
 }
 
+// gemm_bf16.cpp, built into the same extension
+torch::Tensor gemm_pack(torch::Tensor w);
+torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm_pack", &gemm_pack, "pack an (out, in) bf16 weight for gemm_bf16");
+  m.def("gemm_bf16", &gemm_bf16, "x W^T (+ b) with a packed bf16 weight", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "residual add + RMSNorm (bf16)", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding on q and k in place (bf16)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
