@@ -87,6 +87,7 @@ def _wrap_ops() -> dict[str, float]:
         if ops is not None:
             setattr(ops, name, timed(name, getattr(ops, name)))
     linear.linear = timed("linear (layers)", linear.linear)
+    linear.silu_and_mul_linear = timed("gate_up + SiLU (fused)", linear.silu_and_mul_linear)
     embedding.linear = timed("linear (LM head)", embedding.linear)
     return times
 

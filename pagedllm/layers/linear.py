@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size
-from pagedllm.layers.prepack import can_prepack, linear, prepack
+from pagedllm.layers.prepack import can_prepack, linear, prepack, silu_and_mul_linear, silu_interleave
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
@@ -61,10 +61,31 @@ class ColumnParallelLinear(_PrepackedLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (e.g. gate_up)."""
 
+    silu_packed: torch.Tensor | None = None
+    """[gate; up] packed for the GEMM's fused silu(gate) * up (set by ``pack_for_silu_and_mul``)."""
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  dtype: torch.dtype | None = None) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, dtype)
+
+    def pack_for_silu_and_mul(self) -> None:
+        """For a [gate, up] pair on a CPU where our bf16 GEMM runs: pack the rows interleaved so one
+        GEMM writes silu(gate) * up (no (tokens, 2 * intermediate) array, no separate SiLU pass)."""
+        order = silu_interleave(self.output_size_per_partition // 2) if len(self.output_sizes) == 2 else None
+        if order is None or self.output_sizes[0] != self.output_sizes[1] or not can_prepack(self.weight):
+            return
+        packed = prepack(self.weight[order])
+        if not packed.is_mkldnn:  # only our GEMM has the fused epilogue
+            self.silu_packed = packed
+            self.silu_bias = None if self.bias is None else self.bias.detach()[order].contiguous()
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(x W_gate^T) * (x W_up^T) in one GEMM when packed for it, else None."""
+        if self.silu_packed is None:
+            return None
+        return silu_and_mul_linear(x, self.silu_packed, self.silu_bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of checkpoint shard ``shard_id`` (an index into output_sizes)."""

@@ -64,6 +64,23 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
+def silu_interleave(features: int) -> torch.Tensor | None:
+    """Row order of a packed [gate; up] weight (2 * features, in) for the GEMM's fused SiLU: 32 gate
+    rows then the 32 matching up rows, block by block. None where the fused form does not apply."""
+    if features % 32:
+        return None
+    gate = torch.arange(features).view(-1, 32)  # (blocks, 32)
+    return torch.cat([gate, gate + features], dim=1).reshape(-1)  # (2 * features,)
+
+
+def silu_and_mul_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) through a weight packed in ``silu_interleave`` order."""
+    lead = x.shape[:-1]
+    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
+    out = load_ops().gemm_bf16(x2, packed, packed.numel() // x2.shape[1], bias, True)  # (rows, features)
+    return out if x.dim() == 2 else out.view(*lead, out.shape[-1])  # (..., features)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b through the packed weight when there is one, else ``F.linear``."""
@@ -74,5 +91,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     if packed.is_mkldnn:
         out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     else:
-        out = load_ops().gemm_bf16(x2, packed, packed.numel() // x2.shape[1], bias)
+        out = load_ops().gemm_bf16(x2, packed, packed.numel() // x2.shape[1], bias, False)
     return out if x.dim() == 2 else out.view(*lead, out.shape[-1])  # (..., out)

@@ -50,8 +50,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
         self.act_fn = SiluAndMul()
 
+    def process_weights_after_loading(self) -> None:
+        """Fuse silu(gate) * up into the gate_up GEMM where our bf16 GEMM serves (layers/prepack.py)."""
+        self.gate_up_proj.pack_for_silu_and_mul()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        fused = self.gate_up_proj.silu_and_mul(x)  # (tokens, intermediate), or None
+        return self.down_proj(fused if fused is not None else self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -17,11 +17,16 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "simd_bf16.h"
+
 namespace {
 constexpr int64_t kBlock = 64;  // output features per packed block (4 registers of 16)
 constexpr int kRows = 6;        // rows per register tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 
-template <int MR, int NV>
+// kSilu: the block's first 32 outputs are gate features and the last 32 the matching up
+// features (gemm_pack of rows interleaved that way); the tile writes silu(gate) * up, 32 wide,
+// each product rounded to bf16 where torch rounds it (matmul output, F.silu, the product).
+template <int MR, int NV, bool kSilu>
 inline void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pairs, uint16_t* c, int64_t ldc,
                  const float* bias) {
   __m512 acc[MR][NV];
@@ -36,25 +41,36 @@ inline void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pair
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) {
-      const __m512 y = bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + v * 16)) : acc[r][v];
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc + v * 16), (__m256i)_mm512_cvtneps_pbh(y));
-    }
+    for (int v = 0; v < NV; ++v)
+      if (bias) acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + v * 16));
+  if constexpr (kSilu) {
+    static_assert(NV == 4, "a SiLU block is 32 gate + 32 up features");
+    using namespace pagedllm_simd;
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < 2; ++v) {  // the GEMM output rounded to bf16 first, as torch stores it
+        const __m512 y = _mm512_mul_ps(silu_bf16(round_bf16(acc[r][v])), round_bf16(acc[r][v + 2]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc + v * 16), (__m256i)_mm512_cvtneps_pbh(y));
+      }
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc + v * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
+  }
 }
 
-template <int NV>
+template <int NV, bool kSilu = false>
 void rows_of_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pairs, uint16_t* c, int64_t ldc,
                    const float* bias, int64_t rows) {
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) tile<kRows, NV>(a + r * lda, lda, b, pairs, c + r * ldc, ldc, bias);
+  for (; r + kRows <= rows; r += kRows) tile<kRows, NV, kSilu>(a + r * lda, lda, b, pairs, c + r * ldc, ldc, bias);
   a += r * lda;
   c += r * ldc;
   switch (rows - r) {
-    case 1: tile<1, NV>(a, lda, b, pairs, c, ldc, bias); break;
-    case 2: tile<2, NV>(a, lda, b, pairs, c, ldc, bias); break;
-    case 3: tile<3, NV>(a, lda, b, pairs, c, ldc, bias); break;
-    case 4: tile<4, NV>(a, lda, b, pairs, c, ldc, bias); break;
-    case 5: tile<5, NV>(a, lda, b, pairs, c, ldc, bias); break;
+    case 1: tile<1, NV, kSilu>(a, lda, b, pairs, c, ldc, bias); break;
+    case 2: tile<2, NV, kSilu>(a, lda, b, pairs, c, ldc, bias); break;
+    case 3: tile<3, NV, kSilu>(a, lda, b, pairs, c, ldc, bias); break;
+    case 4: tile<4, NV, kSilu>(a, lda, b, pairs, c, ldc, bias); break;
+    case 5: tile<5, NV, kSilu>(a, lda, b, pairs, c, ldc, bias); break;
     default: break;
   }
 }
@@ -82,12 +98,17 @@ torch::Tensor gemm_pack(torch::Tensor w) {
   return out;
 }
 
-// x (M, K) bf16 with unit column stride, packed from gemm_pack of an (N, K) weight, bias (N,) or None.
-torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+// x (M, K) bf16 with unit column stride, packed from gemm_pack of an (N, K) weight, bias (N,) or
+// None. With silu_and_mul, the weight's rows were interleaved 32 gate / 32 up per block and the
+// result is (M, N / 2) silu(gate) * up.
+torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
+                        bool silu_and_mul) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "x: (rows, in) bf16");
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
   TORCH_CHECK(packed.numel() == N * K && N % 16 == 0 && K % 2 == 0, "packed weight does not match x");
-  auto out = torch::empty({M, N}, x.options());
+  TORCH_CHECK(!silu_and_mul || N % kBlock == 0, "silu_and_mul needs whole 64-feature blocks");
+  const int64_t ldc = silu_and_mul ? N / 2 : N;
+  auto out = torch::empty({M, ldc}, x.options());
   if (M == 0) return out;
   torch::Tensor bias_f;
   const float* bp = nullptr;
@@ -111,13 +132,17 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10::o
       const int64_t rows = std::min(chunk, M - m0), width = std::min(kBlock, N - n0);
       const uint16_t* ab = a + m0 * lda;
       const uint16_t* bb = b + n0 * K;
-      uint16_t* cb = c + m0 * N + n0;
+      uint16_t* cb = c + m0 * ldc + (silu_and_mul ? n0 / 2 : n0);
       const float* bias_b = bp ? bp + n0 : nullptr;
+      if (silu_and_mul) {
+        rows_of_block<4, true>(ab, lda, bb, K / 2, cb, ldc, bias_b, rows);
+        continue;
+      }
       switch (width / 16) {
-        case 4: rows_of_block<4>(ab, lda, bb, K / 2, cb, N, bias_b, rows); break;
-        case 3: rows_of_block<3>(ab, lda, bb, K / 2, cb, N, bias_b, rows); break;
-        case 2: rows_of_block<2>(ab, lda, bb, K / 2, cb, N, bias_b, rows); break;
-        default: rows_of_block<1>(ab, lda, bb, K / 2, cb, N, bias_b, rows); break;
+        case 4: rows_of_block<4>(ab, lda, bb, K / 2, cb, ldc, bias_b, rows); break;
+        case 3: rows_of_block<3>(ab, lda, bb, K / 2, cb, ldc, bias_b, rows); break;
+        case 2: rows_of_block<2>(ab, lda, bb, K / 2, cb, ldc, bias_b, rows); break;
+        default: rows_of_block<1>(ab, lda, bb, K / 2, cb, ldc, bias_b, rows); break;
       }
     }
   });
