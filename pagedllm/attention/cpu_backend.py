@@ -32,14 +32,14 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
 @functools.lru_cache(maxsize=1)
 def load_kernel() -> ModuleType:
     """Build (or load the cached build of) the C++ paged attention kernel."""
-    from torch.utils.cpp_extension import load
+    from pagedllm.layers.cpu_ops import build_extension
 
     logger.info("loading the C++ paged decode kernel (built once, then cached)")
     # -march=native: the build is cached per machine. -fopenmp: at::parallel_for's pragmas are
     # compiled here; they bind to the libgomp.so.1 torch already loaded, so one thread pool serves both
-    return load(name="pagedllm_paged_decode", sources=[_SOURCE], verbose=False,
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],  # fast-math: vector exp
-                extra_ldflags=["-fopenmp", "-lmvec"])
+    return build_extension("pagedllm_paged_decode", [_SOURCE],
+                           ["-O3", "-march=native", "-fopenmp", "-ffast-math"],  # fast-math: vector exp
+                           ["-fopenmp", "-lmvec"])
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,6 +10,7 @@ inverse-CDF draw is fused too (float32 logits; ~9 ms of that step went to its to
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from types import ModuleType
@@ -19,20 +20,33 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("fused_ops.cpp", "gemm_bf16.cpp")]
+_HEADER = os.path.join(os.path.dirname(__file__), "csrc", "simd_bf16.h")
+
+
+def build_extension(name: str, sources: list[str], cflags: list[str], ldflags: list[str],
+                    headers: tuple[str, ...] = ()) -> ModuleType:
+    """torch.utils.cpp_extension.load under a name that carries a hash of the sources: two checkouts
+    (or versions) of pagedllm on one machine each keep their own cached build instead of
+    rebuilding over each other's in ~/.cache/torch_extensions (a build takes ~20-40 s)."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha1()
+    for path in [*sources, *headers]:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return load(name=f"{name}_{digest.hexdigest()[:10]}", sources=sources, verbose=False,
+                extra_cflags=cflags, extra_ldflags=ldflags)
 
 
 @functools.lru_cache(maxsize=1)
 def load_ops() -> ModuleType | None:
     """The built extension (fused ops and the bf16 GEMM), or None where it does not build."""
     try:
-        from torch.utils.cpp_extension import load
-
         logger.info("loading the fused C++ element-wise ops (built once, then cached)")
         # -march=native: the build is cached per machine; -fopenmp: at::parallel_for's pragmas;
         # -ffp-contract=off: a product rounded before its sum stays so (torch's rounding, not an FMA's)
-        return load(name="pagedllm_fused_ops", sources=_SOURCES, verbose=False,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"])
+        return build_extension("pagedllm_fused_ops", _SOURCES,
+                               ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-fopenmp"], (_HEADER,))
     except Exception as e:  # no compiler, no AVX512-BF16, a build error: the torch expressions serve
         logger.warning("fused C++ ops unavailable (%s); using torch ops for norm/rotary/SiLU", e)
         return None
