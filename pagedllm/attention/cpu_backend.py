@@ -54,7 +54,24 @@ def kernel_available() -> bool:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
+    """Same cache shape as the torch backend; inside a block, K is stored pair-interleaved
+    ((head_dim / 2, block_size, 2) per KV head, see csrc/paged_decode.cpp), V as token rows."""
+
     name = "cpu"
+
+    @staticmethod
+    def to_kernel_layout(kv_cache: torch.Tensor) -> torch.Tensor:
+        """A torch-backend cache (2, blocks, kv_heads, block_size, head_dim) in this backend's layout."""
+        two, blocks, heads, bs, d = kv_cache.shape
+        k = kv_cache[0].view(blocks, heads, bs, d // 2, 2).transpose(2, 3)  # (blocks, heads, d/2, bs, 2)
+        return torch.stack([k.reshape(blocks, heads, bs, d), kv_cache[1]])  # (2, blocks, heads, bs, d)
+
+    @staticmethod
+    def from_kernel_layout(kv_cache: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_kernel_layout``."""
+        two, blocks, heads, bs, d = kv_cache.shape
+        k = kv_cache[0].view(blocks, heads, d // 2, bs, 2).transpose(2, 3)  # (blocks, heads, bs, d/2, 2)
+        return torch.stack([k.reshape(blocks, heads, bs, d), kv_cache[1]])  # (2, blocks, heads, bs, d)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         bs, num_reqs = common.block_size, common.seq_lens.shape[0]

@@ -51,12 +51,21 @@ def test_decode_matches_torch_backend(dtype: torch.dtype, heads: int, kv_heads: 
     v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
     outs, caches = [], []
     for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
-        c = cache.clone()
+        cpu = isinstance(backend, CpuAttentionBackend)
+        c = CpuAttentionBackend.to_kernel_layout(cache) if cpu else cache.clone()  # the same context, its layout
         outs.append(backend.forward(q, k, v, c, backend.build_metadata(common), head_dim ** -0.5).float())
-        caches.append(c)
+        caches.append(CpuAttentionBackend.from_kernel_layout(c) if cpu else c)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
     assert torch.equal(caches[0], caches[1])  # the same slots written
+
+
+def test_layout_round_trip() -> None:
+    cache = torch.randn(TorchAttentionBackend.kv_cache_shape(5, 16, 2, 64))
+    moved = CpuAttentionBackend.to_kernel_layout(cache)
+    assert torch.equal(moved[1], cache[1]) and not torch.equal(moved[0], cache[0])
+    assert moved[0, 3, 1].view(-1)[2 * 16 + 2 * 7 + 1] == cache[0, 3, 1, 7, 3]  # dim 3 = pair 1, second
+    assert torch.equal(CpuAttentionBackend.from_kernel_layout(moved), cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,7 +85,7 @@ def test_prompt_chunks_are_kernel_rows(dtype: torch.dtype) -> None:
     assert metadata.decode_seq_lens[3 + 5 + 30:3 + 5 + 30 + 12].tolist() == list(range(129, 141))
     outs = []
     for backend, md in ((TorchAttentionBackend(), None), (cpu, metadata)):
-        c = cache.clone()
+        c = CpuAttentionBackend.to_kernel_layout(cache) if md is not None else cache.clone()
         outs.append(backend.forward(q, k, v, c, md or backend.build_metadata(common), 0.125).float())
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
