@@ -112,11 +112,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, q+k+v) -> q (tokens, q_size), k and v (tokens, kv_size)."""
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return qkv.split([q_size, kv_size, kv_size], dim=-1)
-
 
 class RowParallelLinear(_PrepackedLinear):
     """y = x W^T + b with W split by columns (input features); partial sums all-reduced."""
