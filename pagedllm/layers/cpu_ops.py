@@ -5,7 +5,7 @@ rotary and SiLU-and-mul (each a chain of 4-8 ops, each reading and writing the w
 The fused ops read each element once. Built on first use with torch.utils.cpp_extension (cached
 under ~/.cache/torch_extensions); where the build fails (no compiler, no AVX512-BF16) the layers
 keep their torch expressions, which the fused ops reproduce rounding for rounding. The sampler's
-inverse-CDF draw is fused too (float32 logits; ~9 ms of that step went to its torch ops).
+inverse-CDF draw is fused too (bf16 or float32 logits; ~9 ms of that step went to its torch ops).
 """
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("fused_ops.cpp", "gemm_bf16.cpp")]
 _HEADER = os.path.join(os.path.dirname(__file__), "csrc", "simd_bf16.h")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return frozenset()
 
 
 def build_extension(name: str, sources: list[str], cflags: list[str], ldflags: list[str],

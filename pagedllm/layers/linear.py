@@ -63,6 +63,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     silu_packed: torch.Tensor | None = None
     """[gate; up] packed for the GEMM's fused silu(gate) * up (set by ``pack_for_silu_and_mul``)."""
+    silu_bias: torch.Tensor | None = None
+    """The bias in the same interleaved order."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  dtype: torch.dtype | None = None) -> None:

@@ -9,8 +9,9 @@ as the product. Packing once after loading skips it. Two packers:
   layers of SmolLM2-135M with weights streamed from memory: 1 row 6.2 -> 4.2 ms, 16 rows 8.1 ->
   6.7, 64 rows 19.5 -> 16.3, 256 rows 56.3 -> 53.6, 2,048 rows 427 -> 418 against oneDNN's
   prepacked matmul; the LM head 1.23 -> 0.99 ms (1 row), 14.6 -> 14.3 ms (256 rows).
-- otherwise (or with ``PAGEDLLM_GEMM=onednn``) oneDNN's own packed layout (``_reorder_linear_weight``): against ``F.linear``, 1 row
-  1.89 -> 0.99 ms, 8 rows 2.27 -> 1.32, 256 rows 17.8 -> 16.7 per layer set; bit-identical.
+- otherwise (or with ``PAGEDLLM_GEMM=onednn``) oneDNN's own packed layout
+  (``_reorder_linear_weight``): against ``F.linear``, 1 row 1.89 -> 0.99 ms, 8 rows 2.27 -> 1.32,
+  256 rows 17.8 -> 16.7 per layer set; bit-identical.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_ops import fused_ops, load_ops
+from pagedllm.layers.cpu_ops import cpu_flags, fused_ops, load_ops
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,20 +34,12 @@ def _prepack_available() -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=1)
-def _has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
 def _own_gemm_suits(weight: torch.Tensor) -> bool:
     out_features, in_features = weight.shape
     if os.environ.get("PAGEDLLM_GEMM") == "onednn":  # for A/B measurements
         return False
-    return out_features % 16 == 0 and in_features % 2 == 0 and not _has_amx() and fused_ops(weight) is not None
+    return (out_features % 16 == 0 and in_features % 2 == 0 and "amx_bf16" not in cpu_flags()
+            and fused_ops(weight) is not None)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -73,12 +66,15 @@ def silu_interleave(features: int) -> torch.Tensor | None:
     return torch.cat([gate, gate + features], dim=1).reshape(-1)  # (2 * features,)
 
 
+def _own_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool) -> torch.Tensor:
+    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
+    out = load_ops().gemm_bf16(x2, packed, packed.numel() // x2.shape[1], bias, silu_and_mul)  # (rows, out)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)
+
+
 def silu_and_mul_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T) through a weight packed in ``silu_interleave`` order."""
-    lead = x.shape[:-1]
-    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
-    out = load_ops().gemm_bf16(x2, packed, packed.numel() // x2.shape[1], bias, True)  # (rows, features)
-    return out if x.dim() == 2 else out.view(*lead, out.shape[-1])  # (..., features)
+    return _own_gemm(x, packed, bias, True)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
@@ -86,10 +82,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     """x W^T + b through the packed weight when there is one, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
-    lead = x.shape[:-1]
-    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
-    if packed.is_mkldnn:
-        out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
-    else:
-        out = load_ops().gemm_bf16(x2, packed, packed.numel() // x2.shape[1], bias, False)
-    return out if x.dim() == 2 else out.view(*lead, out.shape[-1])  # (..., out)
+    if not packed.is_mkldnn:
+        return _own_gemm(x, packed, bias, False)
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
+    out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from pagedllm.attention.base import get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, available_memory_bytes
 from pagedllm.errors import ValidationError
+from pagedllm.layers.cpu_ops import cpu_flags
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import iter_weights
@@ -82,9 +83,5 @@ class Worker:
 
 def cpu_supports_bf16() -> bool:
     """True where the CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -124,11 +124,6 @@ inline const at::BFloat16* head_block(const at::BFloat16* cache, const int32_t* 
   return cache + static_cast<int64_t>(table[i]) * block_stride + head_off;
 }
 
-inline __m512 load_bf16x16(const at::BFloat16* p) {  // 16 bf16 -> 16 fp32 (exact: a shift)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // K blocks stored pair-interleaved per head: element (token t, dim d) at ((d / 2) * bs + t) * 2 + d % 2,
 // so one 512-bit load holds dims (2p, 2p+1) of 16 tokens and vdpbf16ps against a broadcast q pair
 // adds that pair's products to 16 tokens' scores at once: no horizontal sums. kSub runs of 16
