@@ -1,13 +1,21 @@
 """pagedllm: a high-throughput, memory-efficient LLM inference engine built on PagedAttention.
 
-The public names are imported lazily, so ``import pagedllm.core`` does not load torch.
+The public names are imported lazily, so ``import pagedllm.core`` does not load torch. A level
+forced with ``PAGEDLLM_ISA`` also caps torch's own CPU kernels (ATen, oneDNN, MKL) when pagedllm
+is imported before torch, so that the whole process behaves as on a CPU of that level.
 """
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
+
+if "torch" not in sys.modules:  # PAGEDLLM_ISA=avx2 also caps torch's own kernels, while it still can
+    from pagedllm.platform.cpu import cap_torch_to_forced_level
+
+    cap_torch_to_forced_level()
 
 _PUBLIC = {
     "LLM": "pagedllm.entrypoints.llm",

@@ -54,15 +54,15 @@ class ModelConfig:
     model: str
     """Path of an HF folder or a .gguf file."""
     dtype: str
-    """Resolved run dtype: "float32" or "bfloat16"."""
+    """Resolved run dtype: "float32", "bfloat16" or "float16"."""
     max_model_len: int
     """Most tokens (prompt + output) in one sequence."""
     seed: int = 0
     """Seed of the engine's random generator (requests without their own seed)."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValidationError.bad_value("dtype", self.dtype, "'auto', 'float32' or 'bfloat16'")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValidationError.bad_value("dtype", self.dtype, "'auto', 'float32', 'bfloat16' or 'float16'")
         if self.max_model_len < 1:
             raise ValidationError.bad_value("max_model_len", self.max_model_len, ">= 1")
 

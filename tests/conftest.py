@@ -26,6 +26,27 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def kernel_levels() -> list[str]:
+    """Every level with compiled kernels that this CPU runs: its own and each one below (forced)."""
+    from pagedllm.platform.cpu import LEVELS, cpu_info
+
+    native = cpu_info().native_level()
+    return [level for level in LEVELS[1:LEVELS.index(native) + 1] if level != "amx"]  # amx runs avx512_bf16's
+
+
+@pytest.fixture(params=kernel_levels() or [pytest.param(None, marks=pytest.mark.skip("no kernel level on this CPU"))])
+def kernels(request: pytest.FixtureRequest) -> Any:
+    """The CpuKernels of one level (each level this CPU runs), made the active level for the test."""
+    from pagedllm.layers import cpu_ops
+
+    level = request.param
+    with cpu_ops.use_level(level):
+        active = cpu_ops.active()
+        if active is None or active.level != level:
+            pytest.skip(f"the {level} kernels did not build here")
+        yield active
+
+
 @pytest.fixture(scope="session")
 def default_model() -> str:
     from pagedllm.models.loader import default_model_path

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 
 #: Top-level module or sub-package of pagedllm -> layer (DESIGN.md: L0 ... L8).
 LAYERS = {
-    "config": 0, "sampling_params": 0, "request": 0, "outputs": 0, "errors": 0,
+    "config": 0, "platform": 0, "sampling_params": 0, "request": 0, "outputs": 0, "errors": 0,
     "core": 1, "distributed": 2, "layers": 3, "attention": 3, "models": 4, "worker": 5,
     "executor": 6, "engine": 7, "entrypoints": 8,
 }

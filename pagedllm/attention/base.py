@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagedllm.errors import ValidationError
+from pagedllm.layers.cpu_ops import active
 
 
 @dataclass
@@ -54,23 +58,43 @@ class AttentionBackend(ABC):
         """
 
 
-_BACKENDS = {
-    "torch": "pagedllm.attention.torch_backend:TorchAttentionBackend",
-    "cpu": "pagedllm.attention.cpu_backend:CpuAttentionBackend",
+def _cpu_kernels_available() -> bool:
+    return active() is not None
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A registered backend: where its class is, and whether it can run here (answered without
+    importing it)."""
+
+    path: str
+    """"module:Class", imported only when the backend is instantiated."""
+    is_available: Callable[[], bool]
+
+
+_BACKENDS: dict[str, BackendEntry] = {
+    "cpu": BackendEntry("pagedllm.attention.cpu_backend:CpuAttentionBackend", _cpu_kernels_available),
+    "torch": BackendEntry("pagedllm.attention.torch_backend:TorchAttentionBackend", lambda: True),
 }
+"""In order of preference for "auto"."""
 
 
 def resolve_backend_name(name: str) -> str:
-    """"auto" -> "cpu" where its C++ kernel builds, else "torch"; other names are kept."""
-    if name != "auto":
-        return name
-    from pagedllm.attention.cpu_backend import kernel_available
-
-    return "cpu" if kernel_available() else "torch"
+    """"auto" -> the first available backend ("cpu" where the compiled kernels run, else "torch");
+    another name is kept if that backend is available here, else a ValidationError."""
+    if name == "auto":
+        return next(n for n, entry in _BACKENDS.items() if entry.is_available())
+    if name not in _BACKENDS:
+        raise ValidationError.bad_value("attention_backend", name, "'auto' or one of " + ", ".join(sorted(_BACKENDS)))
+    if not _BACKENDS[name].is_available():
+        raise ValidationError(f"attention backend {name!r} is not available on this machine (its kernels did not "
+                              "build: see the warning above, or `pagedllm build-kernels`)", param="attention_backend",
+                              value=name)
+    return name
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
     """Instantiate a registered backend by name (imported lazily)."""
     assert name in _BACKENDS, f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}"
-    module, cls = _BACKENDS[name].split(":")
+    module, cls = _BACKENDS[name].path.split(":")
     return getattr(importlib.import_module(module), cls)()

@@ -1,56 +1,23 @@
-"""CPU backend: the torch backend's K/V slot writes, then every token of the step attended by a
-C++ kernel that reads the paged K/V cache in place (no gathered copy, no padding).
+"""CPU backend: every token of the step attended by the compiled paged attention kernel
+(``pagedllm/csrc/attention.cpp``), which reads the paged K/V cache in place (no gathered copy, no
+padding); the step's K/V are written to their slots by the same library first.
 
 Decode tokens are rows of their own; prompt chunks go through the same kernel one query row at a
 time: row r of a chunk is a "decode" over the first ``seq_len - query_len + r + 1`` positions,
 whose K/V are already in the cache. One call serves the whole step, instead of one SDPA call per
-prompt and layer. Measured per layer (bf16, 9 query / 3 KV heads, 2 cores), kernel vs SDPA: 16
-prompts x 128 tokens 1.6 vs 5.4 ms; 4 x 512 4.6 vs 17.5 ms; 1 x 2048 17 vs 40 ms; 1 x 8192 252 vs
-513 ms. Decodes of 256 sequences x 190 tokens: ~0.9 ms per layer (the torch backend's gather +
-SDPA took 6.0 ms at 192 tokens).
+prompt and layer. Measured per layer (bf16, 9 query / 3 KV heads, 2 cores, AVX512-BF16), kernel
+vs SDPA: 16 prompts x 128 tokens 1.6 vs 5.4 ms; 4 x 512 4.6 vs 17.5 ms; 1 x 2048 17 vs 40 ms.
 
-The kernel is compiled on first use with torch.utils.cpp_extension (cached under
-~/.cache/torch_extensions); where it cannot be built the engine falls back to the torch backend.
+Available wherever the kernels built for this CPU's level (``pagedllm.platform``); elsewhere
+"auto" takes the torch backend.
 """
 from __future__ import annotations
-
-import functools
-import logging
-import os
-from types import ModuleType
 
 import torch
 
 from pagedllm.attention.base import CommonAttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
-
-logger = logging.getLogger(__name__)
-
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
-
-
-@functools.lru_cache(maxsize=1)
-def load_kernel() -> ModuleType:
-    """Build (or load the cached build of) the C++ paged attention kernel."""
-    from pagedllm.layers.cpu_ops import build_extension
-
-    logger.info("loading the C++ paged decode kernel (built once, then cached)")
-    # -march=native: the build is cached per machine. -fopenmp: at::parallel_for's pragmas are
-    # compiled here; they bind to the libgomp.so.1 torch already loaded, so one thread pool serves both
-    return build_extension("pagedllm_paged_decode", [_SOURCE],
-                           ["-O3", "-march=native", "-fopenmp", "-ffast-math"],  # fast-math: vector exp
-                           ["-fopenmp", "-lmvec"])
-
-
-@functools.lru_cache(maxsize=1)
-def kernel_available() -> bool:
-    """True when the kernel builds and loads here (a failure is logged once)."""
-    try:
-        load_kernel()
-    except Exception as e:  # no compiler, no ninja, a build error: the torch backend serves instead
-        logger.warning("C++ paged decode kernel unavailable (%s); using the torch attention backend", e)
-        return False
-    return True
+from pagedllm.layers.cpu_ops import active
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -58,6 +25,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ((head_dim / 2, block_size, 2) per KV head, see csrc/paged_decode.cpp), V as token rows."""
 
     name = "cpu"
+
+    def __init__(self) -> None:
+        kernels = active()
+        assert kernels is not None, "the registry offers this backend only where the kernels run"
+        self.kernels = kernels
 
     @staticmethod
     def to_kernel_layout(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -93,10 +65,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, kv_heads, block_size, head_dim)
-        kernel = load_kernel()
-        kernel.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)  # one C++ copy per (token, head)
+        self.kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)  # one copy per (token, head)
         if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()  # the kernel reads strided rows (qkv views) but not strided heads
         out = q.new_empty(q.shape)  # (tokens, heads, head_dim)
-        kernel.paged_decode(q, key_cache, value_cache, metadata.decode_tables, metadata.decode_seq_lens, out, scale)
+        self.kernels.paged_attention(q, key_cache, value_cache, metadata.decode_tables, metadata.decode_seq_lens,
+                                     out, scale)
         return out

@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from pagedllm import platform
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, parse_memory)
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
@@ -20,7 +21,6 @@ from pagedllm.models.loader import load_arch_config, load_tokenizer, resolve_mod
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
-from pagedllm.worker.worker import cpu_supports_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     arch = load_arch_config(path)
     dtype = args.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if cpu_supports_bf16() else "float32"
+        dtype = platform.default_dtype()
     limit = arch.max_position_embeddings
     if arch.sliding_window is not None and arch.sliding_window < limit:
         logger.warning("sliding-window attention is not implemented: max_model_len capped at the window (%d)",

@@ -1,70 +1,236 @@
-"""Fused C++ element-wise ops and the bf16 GEMM for AVX512-BF16 CPUs (csrc/fused_ops.cpp, gemm_bf16.cpp).
+"""The compiled CPU kernels (``pagedllm/csrc``, built per instruction-set level by
+``pagedllm.platform``), called through ctypes with torch tensors.
 
-A decode step of SmolLM2-135M at 256 sequences spent ~15 ms of ~157 ms in the torch ops of RMSNorm,
-rotary and SiLU-and-mul (each a chain of 4-8 ops, each reading and writing the whole activation).
-The fused ops read each element once. Built on first use with torch.utils.cpp_extension (cached
-under ~/.cache/torch_extensions); where the build fails (no compiler, no AVX512-BF16) the layers
-keep their torch expressions, which the fused ops reproduce rounding for rounding. The sampler's
-inverse-CDF draw is fused too (bf16 or float32 logits; ~9 ms of that step went to its torch ops).
+GEMM over weights packed at load, fused add+RMSNorm, rotary, SiLU-and-mul, the sampler's
+inverse-CDF draw, K/V slot writes and paged attention, for float32, bfloat16 and float16
+storage with float32 arithmetic. A decode step of SmolLM2-135M at 256 sequences spent ~15 ms of
+~157 ms in the torch ops of RMSNorm, rotary and SiLU-and-mul (chains of 4-8 ops, each reading
+and writing the whole activation); the fused ops read each element once and round where torch
+rounds, so the layers' torch expressions (which serve where there are no kernels) agree with them.
+
+A call costs ~1-2 us of Python (ctypes with argtypes set once); the kernels release the GIL.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
-import hashlib
-import logging
-import os
-from types import ModuleType
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagedllm import platform
 
-_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("fused_ops.cpp", "gemm_bf16.cpp")]
-_HEADER = os.path.join(os.path.dirname(__file__), "csrc", "simd_bf16.h")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""Storage dtypes the kernels take, and their codes in the C interface."""
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "pl_gemm_layout": [_I32, ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.POINTER(_I32)],
+    "pl_gemm_pack": [_P, _P, _I64, _I64, _I32, _I32],
+    "pl_gemm": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32],
+    "pl_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I32, _I32],
+    "pl_rotary": [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
+    "pl_silu_and_mul": [_P, _I64, _P, _I64, _I64, _I64, _I32, _I32],
+    "pl_sample": [_P, _I64, _P, _P, _P, _I64, _I64, _I32, _I32],
+    "pl_paged_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I32, _I32],
+    "pl_write_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32],
+}
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+@dataclass(frozen=True)
+class GemmLayout:
+    """How pl_gemm_pack lays out a weight of one dtype at this level."""
+
+    block: int
+    """Output features per packed block."""
+    lanes: int
+    """out_features must be a multiple of this."""
+    silu_group: int
+    """Gate (then up) features alternating in a gate_up weight packed for the fused SiLU."""
+    even_k: bool
+    """in_features must be even."""
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuKernels:
+    """Typed wrappers over one loaded kernel library. Shapes are checked with asserts (callers are
+    the engine's own layers); a kernel's own error (a position outside the rotary table, a slot
+    outside the cache) raises RuntimeError with its message, and nothing is written."""
+
+    def __init__(self, library: platform.KernelLibrary) -> None:
+        self.level = library.level
+        self._lib = library.lib
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(self._lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        self._lib.pl_last_error.restype = ctypes.c_char_p
+        self._layouts = {dtype: self._layout(code) for dtype, code in DTYPE_CODES.items()}
+
+    def _check(self, rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(self._lib.pl_last_error().decode())
+
+    def _layout(self, code: int) -> GemmLayout:
+        block, lanes, group, even = _I64(), _I64(), _I64(), _I32()
+        self._check(self._lib.pl_gemm_layout(code, block, lanes, group, even))
+        return GemmLayout(block.value, lanes.value, group.value, bool(even.value))
+
+    def gemm_layout(self, dtype: torch.dtype) -> GemmLayout:
+        return self._layouts[dtype]
+
+    def gemm_suits(self, weight: torch.Tensor) -> bool:
+        """True for a 2-D CPU weight whose shape and dtype the GEMM packs."""
+        if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in DTYPE_CODES:
+            return False
+        layout = self._layouts[weight.dtype]
+        out_features, in_features = weight.shape
+        return out_features % layout.lanes == 0 and (in_features % 2 == 0 or not layout.even_k) and in_features > 0
+
+    def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """(out, in) weight -> the packed 1-D copy ``gemm`` reads."""
+        w = weight.detach().contiguous()
+        out = torch.empty(w.numel(), dtype=w.dtype)
+        self._check(self._lib.pl_gemm_pack(w.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], DTYPE_CODES[w.dtype],
+                                           torch.get_num_threads()))
+        return out
+
+    def gemm(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+             silu_and_mul: bool) -> torch.Tensor:
+        """x (..., in) W^T + bias -> (..., out); with ``silu_and_mul`` (..., out / 2) silu(gate) * up."""
+        x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
+        rows, k = x2.shape
+        assert x.dtype == packed.dtype and packed.numel() == out_features * k
+        cols = out_features // 2 if silu_and_mul else out_features
+        out = torch.empty(rows, cols, dtype=x.dtype)  # (rows, cols)
+        bias_f = None if bias is None else bias.float().contiguous()
+        self._check(self._lib.pl_gemm(x2.data_ptr(), x2.stride(0), packed.data_ptr(), _ptr(bias_f), out.data_ptr(),
+                                      cols, rows, out_features, k, DTYPE_CODES[x.dtype], int(silu_and_mul),
+                                      torch.get_num_threads()))
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], cols)  # (..., cols)
+
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+                 eps: float) -> None:
+        """out = norm(x), or residual <- x + residual and out = norm(residual); (rows, hidden) each."""
+        assert x.dim() == 2 and x.stride(1) == 1 and out.shape == x.shape and out.stride(1) == 1
+        assert weight.is_contiguous() and weight.dtype == x.dtype and out.dtype == x.dtype
+        if residual is not None:
+            assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
+        self._check(self._lib.pl_rms_norm(x.data_ptr(), x.stride(0), _ptr(residual),
+                                          0 if residual is None else residual.stride(0), weight.data_ptr(),
+                                          out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps,
+                                          DTYPE_CODES[x.dtype], torch.get_num_threads()))
+
+    def rotary_inplace(self, positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """Rotates the q and k heads of packed qkv rows (tokens, (heads + 2 kv_heads) * head_dim) in place."""
+        assert qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] >= (num_heads + num_kv_heads) * head_dim
+        assert positions.dtype == torch.int64 and positions.is_contiguous() and positions.numel() == qkv.shape[0]
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == qkv.dtype == sin.dtype
+        self._check(self._lib.pl_rotary(positions.data_ptr(), qkv.data_ptr(), qkv.stride(0), cos.data_ptr(),
+                                        sin.data_ptr(), qkv.shape[0], num_heads + num_kv_heads, head_dim, cos.shape[0],
+                                        DTYPE_CODES[qkv.dtype], torch.get_num_threads()))
+
+    def silu_and_mul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """x (rows, 2d) packed [gate, up] -> out (rows, d) = silu(gate) * up."""
+        assert x.dim() == 2 and out.dim() == 2 and x.shape[1] == 2 * out.shape[1] and x.shape[0] == out.shape[0]
+        assert x.stride(1) == 1 and out.stride(1) == 1 and x.dtype == out.dtype
+        self._check(self._lib.pl_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0],
+                                              out.shape[1], DTYPE_CODES[x.dtype], torch.get_num_threads()))
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+        """One inverse-CDF draw per row of (rows, vocab) logits at ``temperature`` (None: 1); u in (0, 1]."""
+        assert logits.dim() == 2 and logits.stride(1) == 1 and u.dtype == torch.float32 and u.is_contiguous()
+        rows = logits.shape[0]
+        assert u.numel() == rows
+        temp = None if temperature is None else temperature.to(torch.float32).contiguous()
+        assert temp is None or temp.numel() == rows
+        out = torch.empty(rows, dtype=torch.int64)
+        self._check(self._lib.pl_sample(logits.data_ptr(), logits.stride(0), _ptr(temp), u.data_ptr(), out.data_ptr(),
+                                        rows, logits.shape[1], DTYPE_CODES[logits.dtype], torch.get_num_threads()))
+        return out
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v (tokens, kv_heads, head_dim), possibly strided views of the qkv output, into their
+        slots of the (blocks, kv_heads, block_size, head_dim) caches; K pair-interleaved per block."""
+        blocks, nkv, bs, d = key_cache.shape
+        assert key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape == key_cache.shape
+        assert k.shape == v.shape and k.shape[1:] == (nkv, d) and k.stride(2) == 1 and v.stride(2) == 1
+        assert k.dtype == v.dtype == key_cache.dtype == value_cache.dtype and k.element_size() in (2, 4)
+        assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.numel() == k.shape[0]
+        self._check(self._lib.pl_write_kv(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                                          v.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+                                          slot_mapping.data_ptr(), k.shape[0], nkv, bs, d, blocks, k.element_size(),
+                                          torch.get_num_threads()))
+
+    def paged_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        """q (rows, heads, head_dim; rows may be strided) attends to the first lens[row] positions
+        of its block table row; out (rows, heads, head_dim) contiguous."""
+        rows, nh, d = q.shape
+        blocks, nkv, bs, _ = key_cache.shape
+        assert q.stride(2) == 1 and q.stride(1) == d and out.is_contiguous() and out.shape == q.shape
+        assert key_cache.is_contiguous() and value_cache.is_contiguous() and q.dtype == key_cache.dtype == out.dtype
+        assert tables.dtype == lens.dtype == torch.int32 and tables.is_contiguous() and lens.is_contiguous()
+        assert tables.shape[0] == rows == lens.shape[0]
+        self._check(self._lib.pl_paged_attention(q.data_ptr(), q.stride(0), key_cache.data_ptr(),
+                                                 value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                                 lens.data_ptr(), out.data_ptr(), rows, nh, nkv, bs, d, scale,
+                                                 DTYPE_CODES[q.dtype], torch.get_num_threads()))
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(level: str | None = None) -> CpuKernels | None:
+    """The kernels of ``level`` (default: the process's level), or None where there are none."""
+    library = platform.kernels(level)
+    return None if library is None else CpuKernels(library)
+
+
+_level: str | None = None
+_torch_only = False
+
+
+def active() -> CpuKernels | None:
+    """The kernels the engine uses now: the process's level, or the one ``use_level`` set."""
+    return kernels(_level)
+
+
+def active_level() -> str:
+    """The level ``active()`` is asked for (its kernels may come from a lower one: see platform.kernels)."""
+    return _level or platform.isa_level()
+
+
+@contextlib.contextmanager
+def use_level(level: str) -> Iterator[None]:
+    """Inside, the layers and the cpu attention backend run ``level``'s kernels (a level this CPU
+    runs; "portable": none). Tests cover every level below the machine's own this way."""
+    global _level
+    before, _level = _level, platform.check_level(level, platform.cpu_info().native_level())
     try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
+        yield
+    finally:
+        _level = before
 
 
-def build_extension(name: str, sources: list[str], cflags: list[str], ldflags: list[str],
-                    headers: tuple[str, ...] = ()) -> ModuleType:
-    """torch.utils.cpp_extension.load under a name that carries a hash of the sources: two checkouts
-    (or versions) of pagedllm on one machine each keep their own cached build instead of
-    rebuilding over each other's in ~/.cache/torch_extensions (a build takes ~20-40 s)."""
-    from torch.utils.cpp_extension import load
-
-    digest = hashlib.sha1()
-    for path in [*sources, *headers]:
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return load(name=f"{name}_{digest.hexdigest()[:10]}", sources=sources, verbose=False,
-                extra_cflags=cflags, extra_ldflags=ldflags)
-
-
-@functools.lru_cache(maxsize=1)
-def load_ops() -> ModuleType | None:
-    """The built extension (fused ops and the bf16 GEMM), or None where it does not build."""
+@contextlib.contextmanager
+def torch_ops_only() -> Iterator[None]:
+    """Inside, the layers take their torch expressions (tests compare the two; A/B timings)."""
+    global _torch_only
+    before, _torch_only = _torch_only, True
     try:
-        logger.info("loading the fused C++ element-wise ops (built once, then cached)")
-        # -march=native: the build is cached per machine; -fopenmp: at::parallel_for's pragmas;
-        # -ffp-contract=off: a product rounded before its sum stays so (torch's rounding, not an FMA's)
-        return build_extension("pagedllm_fused_ops", _SOURCES,
-                               ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-fopenmp"], (_HEADER,))
-    except Exception as e:  # no compiler, no AVX512-BF16, a build error: the torch expressions serve
-        logger.warning("fused C++ ops unavailable (%s); using torch ops for norm/rotary/SiLU", e)
-        return None
+        yield
+    finally:
+        _torch_only = before
 
 
-def fused_ops(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> ModuleType | None:
-    """The fused ops module when ``x`` is a CPU tensor of one of ``dtypes`` and the ops build here,
-    else None. ``PAGEDLLM_FUSED_OPS=0`` turns them off (the torch expressions serve)."""
-    if x.dtype not in dtypes or x.device.type != "cpu" or os.environ.get("PAGEDLLM_FUSED_OPS", "1") == "0":
+def fused_ops(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels for the layers' fused ops and GEMM when ``x`` is a CPU tensor of a kernel dtype,
+    the kernels exist here and are on (PAGEDLLM_FUSED_OPS), else None (the torch expressions serve)."""
+    if _torch_only or x.dtype not in DTYPE_CODES or x.device.type != "cpu" or not platform.switches().fused_ops:
         return None
-    return load_ops()
+    return active()

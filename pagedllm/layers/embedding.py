@@ -7,7 +7,7 @@ from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size
-from pagedllm.layers.prepack import can_prepack, linear, prepack
+from pagedllm.layers.prepack import PackedWeight, can_prepack, linear, prepack
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,11 +41,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; each rank computes its slice of the logits."""
 
-    packed_weight: torch.Tensor | None = None
+    packed_weight: PackedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack a bf16 CPU weight for oneDNN (layers/prepack.py). The plain weight stays: with tied
-        embeddings it is the embedding table."""
+        """Pack the CPU weight for our GEMM or oneDNN (layers/prepack.py). The plain weight stays:
+        with tied embeddings it is the embedding table."""
         if can_prepack(self.weight):
             self.packed_weight = prepack(self.weight)
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size
-from pagedllm.layers.prepack import can_prepack, linear, prepack, silu_and_mul_linear, silu_interleave
+from pagedllm.layers.prepack import (PackedWeight, can_prepack, linear, prepack, silu_and_mul_linear, silu_interleave,
+                                     silu_pack)
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
@@ -19,13 +20,13 @@ def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
 
 
 class _PrepackedLinear(nn.Module):
-    """Holds ``weight`` (out, in); after loading, a bf16 CPU weight is replaced by a packed copy."""
+    """Holds ``weight`` (out, in); after loading, a CPU weight is replaced by a packed copy."""
 
     weight: nn.Parameter
-    packed_weight: torch.Tensor | None = None
+    packed_weight: PackedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for oneDNN (see layers/prepack.py) and drop the plain copy."""
+        """Pack the loaded weight for our GEMM or oneDNN (layers/prepack.py) and drop the plain copy."""
         if can_prepack(self.weight):
             self.packed_weight = prepack(self.weight)
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
@@ -61,7 +62,7 @@ class ColumnParallelLinear(_PrepackedLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (e.g. gate_up)."""
 
-    silu_packed: torch.Tensor | None = None
+    silu_packed: PackedWeight | None = None
     """[gate; up] packed for the GEMM's fused silu(gate) * up (set by ``pack_for_silu_and_mul``)."""
     silu_bias: torch.Tensor | None = None
     """The bias in the same interleaved order."""
@@ -72,16 +73,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 
     def pack_for_silu_and_mul(self) -> None:
-        """For a [gate, up] pair on a CPU where our bf16 GEMM runs: pack the rows interleaved so one
+        """For a [gate, up] pair on a CPU where our GEMM runs: pack the rows interleaved so one
         GEMM writes silu(gate) * up (no (tokens, 2 * intermediate) array, no separate SiLU pass)."""
-        order = silu_interleave(self.output_size_per_partition // 2) if len(self.output_sizes) == 2 else None
-        if order is None or self.output_sizes[0] != self.output_sizes[1] or not can_prepack(self.weight):
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1] or self.weight.dim() != 2:
             return
-        packed = prepack(self.weight[order])
-        if not packed.is_mkldnn:  # only our GEMM has the fused epilogue
-            self.silu_packed = packed
-            self.silu_bias = None if self.bias is None else self.bias.detach()[order].contiguous()
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
+        packed = silu_pack(self.weight)
+        if packed is None:
+            return
+        self.silu_packed = packed
+        if self.bias is not None:
+            group = packed.kernels.gemm_layout(self.weight.dtype).silu_group
+            order = silu_interleave(self.output_size_per_partition // 2, group)
+            self.silu_bias = self.bias.detach()[order].contiguous()
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(x W_gate^T) * (x W_up^T) in one GEMM when packed for it, else None."""

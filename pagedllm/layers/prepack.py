@@ -1,31 +1,43 @@
-"""Prepacked bfloat16 weights for CPU matmuls.
+"""Weights packed once after loading, for CPU matmuls.
 
-``F.linear`` hands oneDNN a plain row-major weight, which it re-lays out into its blocked GEMM
+``F.linear`` hands the BLAS a plain row-major weight, which it re-lays out into its blocked GEMM
 format on every call; with few token rows (decode of a small batch) that re-layout costs as much
 as the product. Packing once after loading skips it. Two packers:
 
-- our AVX512-BF16 GEMM (csrc/gemm_bf16.cpp) where it builds, the CPU has no AMX (oneDNN's AMX
-  tiles are faster there) and the shape suits it (out % 16 == 0, in even). On 2 cores, all 30
-  layers of SmolLM2-135M with weights streamed from memory: 1 row 6.2 -> 4.2 ms, 16 rows 8.1 ->
-  6.7, 64 rows 19.5 -> 16.3, 256 rows 56.3 -> 53.6, 2,048 rows 427 -> 418 against oneDNN's
-  prepacked matmul; the LM head 1.23 -> 0.99 ms (1 row), 14.6 -> 14.3 ms (256 rows).
-- otherwise (or with ``PAGEDLLM_GEMM=onednn``) oneDNN's own packed layout
+- our GEMM (``pagedllm/csrc/gemm.cpp``, through layers/cpu_ops.py) for float32, bfloat16 and
+  float16 weights wherever the kernels exist, except bf16 on AMX CPUs (oneDNN's AMX tiles are
+  faster there). At AVX512-BF16 on 2 cores, all 30 layers of SmolLM2-135M with weights streamed
+  from memory: 1 row 6.2 -> 4.2 ms, 16 rows 8.1 -> 6.7, 64 rows 19.5 -> 16.3, 256 rows 56.3 ->
+  53.6, 2,048 rows 427 -> 418 against oneDNN's prepacked matmul.
+- otherwise, for bf16 (or with ``PAGEDLLM_GEMM=onednn``), oneDNN's own packed layout
   (``_reorder_linear_weight``): against ``F.linear``, 1 row 1.89 -> 0.99 ms, 8 rows 2.27 -> 1.32,
   256 rows 17.8 -> 16.7 per layer set; bit-identical.
 """
 from __future__ import annotations
 
 import functools
-import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_ops import cpu_flags, fused_ops, load_ops
+from pagedllm import platform
+from pagedllm.layers.cpu_ops import CpuKernels, active_level, fused_ops
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight packed for one of the two packers."""
+
+    data: torch.Tensor
+    """Our GEMM's 1-D packed copy, or oneDNN's opaque mkldnn tensor."""
+    out_features: int
+    kernels: CpuKernels | None
+    """The kernels that packed it (their level's layout); None for oneDNN."""
 
 
 @functools.lru_cache(maxsize=1)
-def _prepack_available() -> bool:
+def _onednn_available() -> bool:
     mkldnn = getattr(torch.ops, "mkldnn", None)
     try:
         return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
@@ -34,56 +46,69 @@ def _prepack_available() -> bool:
         return False
 
 
-def _own_gemm_suits(weight: torch.Tensor) -> bool:
-    out_features, in_features = weight.shape
-    if os.environ.get("PAGEDLLM_GEMM") == "onednn":  # for A/B measurements
-        return False
-    return (out_features % 16 == 0 and in_features % 2 == 0 and "amx_bf16" not in cpu_flags()
-            and fused_ops(weight) is not None)
+def _own_gemm(weight: torch.Tensor) -> CpuKernels | None:
+    """Our GEMM's kernels when they take this weight, else None."""
+    ops = fused_ops(weight)
+    if ops is None or not ops.gemm_suits(weight):
+        return None
+    if weight.dtype == torch.bfloat16 and _onednn_available() and (
+            platform.switches().gemm == "onednn" or active_level() == "amx"):
+        return None  # AMX tiles (or an A/B run) for bf16
+    return ops
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """True for a bfloat16 2-D CPU weight that one of the two packers takes."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+    """True for a 2-D CPU weight one of the two packers takes."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    return _own_gemm_suits(weight) or _prepack_available()
+    return _own_gemm(weight) is not None or (weight.dtype == torch.bfloat16 and _onednn_available())
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """The (out, in) weight packed: a 1-D bf16 tensor for our GEMM, or an opaque mkldnn tensor."""
+def prepack(weight: torch.Tensor) -> PackedWeight:
+    """The (out, in) weight packed for our GEMM, or for oneDNN."""
     weight = weight.detach().contiguous()
-    if _own_gemm_suits(weight):
-        return fused_ops(weight).gemm_pack(weight)
-    return torch.ops.mkldnn._reorder_linear_weight(weight)
+    ops = _own_gemm(weight)
+    if ops is not None:
+        return PackedWeight(ops.gemm_pack(weight), weight.shape[0], ops)
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), weight.shape[0], None)
 
 
-def silu_interleave(features: int) -> torch.Tensor | None:
-    """Row order of a packed [gate; up] weight (2 * features, in) for the GEMM's fused SiLU: 32 gate
-    rows then the 32 matching up rows, block by block. None where the fused form does not apply."""
-    if features % 32:
+def silu_pack(gate_up: torch.Tensor) -> PackedWeight | None:
+    """A [gate; up] weight (2 * features, in) packed so that our GEMM's epilogue writes
+    silu(gate) * up (no (tokens, 2 * features) array, no separate SiLU pass); None where our
+    GEMM does not take it or the features do not fill its gate/up groups."""
+    ops = _own_gemm(gate_up)
+    if ops is None:
         return None
-    gate = torch.arange(features).view(-1, 32)  # (blocks, 32)
+    group = ops.gemm_layout(gate_up.dtype).silu_group
+    features = gate_up.shape[0] // 2
+    if features % group:
+        return None
+    order = silu_interleave(features, group)
+    return PackedWeight(ops.gemm_pack(gate_up.detach()[order]), gate_up.shape[0], ops)
+
+
+def silu_interleave(features: int, group: int) -> torch.Tensor:
+    """Row order of a packed [gate; up] weight (2 * features, in) for the GEMM's fused SiLU:
+    ``group`` gate rows, then the ``group`` matching up rows, and so on."""
+    assert features % group == 0
+    gate = torch.arange(features).view(-1, group)  # (features / group, group)
     return torch.cat([gate, gate + features], dim=1).reshape(-1)  # (2 * features,)
 
 
-def _own_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool) -> torch.Tensor:
-    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
-    out = load_ops().gemm_bf16(x2, packed, packed.numel() // x2.shape[1], bias, silu_and_mul)  # (rows, out)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)
+def silu_and_mul_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) through a weight packed by ``silu_pack`` (bias in its order)."""
+    assert packed.kernels is not None
+    return packed.kernels.gemm(x, packed.data, packed.out_features, bias, True)
 
 
-def silu_and_mul_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """silu(x W_gate^T) * (x W_up^T) through a weight packed in ``silu_interleave`` order."""
-    return _own_gemm(x, packed, bias, True)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b through the packed weight when there is one, else ``F.linear``."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if not packed.is_mkldnn:
-        return _own_gemm(x, packed, bias, False)
+    if packed.kernels is not None:
+        return packed.kernels.gemm(x, packed.data, packed.out_features, bias, False)
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
-    out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x2, packed.data, bias, "none", [], "")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)

@@ -73,13 +73,13 @@ class RotaryEmbedding(nn.Module):
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed (tokens, (heads + 2 kv_heads) * head_dim) -> rotated q, rotated k, v as
-        (tokens, heads, head_dim) views. The fused bf16 path rotates q and k inside ``qkv``."""
+        (tokens, heads, head_dim) views. The fused path rotates q and k inside ``qkv``."""
         d = self.head_dim
         q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
         # q (tokens, heads, head_dim); k, v (tokens, kv_heads, head_dim)
         q, k, v = q.view(-1, num_heads, d), k.view(-1, num_kv_heads, d), v.view(-1, num_kv_heads, d)
         ops = fused_ops(qkv) if qkv.dim() == 2 and qkv.stride(-1) == 1 else None
-        if ops is not None and self.cos_cache.dtype == torch.bfloat16 and positions.dtype == torch.int64:
+        if ops is not None and self.cos_cache.dtype == qkv.dtype and positions.dtype == torch.int64:
             ops.rotary_inplace(positions, qkv, self.cos_cache, self.sin_cache, num_heads, num_kv_heads, d)
             return q, k, v  # views of qkv, rotated in place
         q, k = self.forward(positions, q, k)

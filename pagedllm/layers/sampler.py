@@ -135,9 +135,6 @@ def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (chunk * SAMPLE_CHUNK + inside).squeeze(1)
 
 
-_SAMPLE_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def _plain(md: SamplingMetadata) -> bool:
     """No logprobs, penalties or blocked tokens: the logits are read, never edited."""
     return (md.max_num_logprobs is None and not md.blocked_token_ids and md.repetition_penalty is None
@@ -153,11 +150,11 @@ def _uniforms(rows: int, md: SamplingMetadata) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
-    """Logits (rows, vocab) float32 or bf16 -> one token per row, and logprobs where asked."""
+    """Logits (rows, vocab) float32, bf16 or f16 -> one token per row, and logprobs where asked."""
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """``logits`` may be bf16 (the LM head's dtype): rows that need only a plain draw or an
-        argmax are sampled from them directly; anything else works on a float32 copy."""
+        """``logits`` may be bf16 / f16 (the LM head's dtype): rows that need only a plain draw or
+        an argmax are sampled from them directly; anything else works on a float32 copy."""
         if logits.dtype != torch.float32 and not _plain(md):
             logits = logits.float()
         # logprobs are of the model's raw distribution (before penalties and temperature), as vLLM's default
@@ -178,11 +175,10 @@ class Sampler(nn.Module):
     @staticmethod
     def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """One draw per row; overwrites ``logits`` (the caller is done with them)."""
-        ops = fused_ops(logits, _SAMPLE_DTYPES) if logits.dim() == 2 and logits.stride(-1) == 1 else None
+        ops = fused_ops(logits) if logits.dim() == 2 and logits.stride(-1) == 1 else None
         if ops is not None and md.min_p is None and md.top_k is None and md.top_p is None:
             # temperature, softmax weights and the draw in one pass per row (no (rows, vocab) temporaries)
-            return ops.sample_inverse_cdf(logits, md.temperature if md.any_temperature else None,
-                                          _uniforms(logits.shape[0], md))
+            return ops.sample(logits, md.temperature if md.any_temperature else None, _uniforms(logits.shape[0], md))
         logits = logits.float()  # bf16 logits: a float32 copy; float32 ones: the caller's tensor itself
         if md.any_temperature:  # rows at temperature 1 need no division
             logits.div_(md.temperature.unsqueeze(1))

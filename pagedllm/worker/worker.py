@@ -6,10 +6,10 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
+from pagedllm import platform
 from pagedllm.attention.base import get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, available_memory_bytes
 from pagedllm.errors import ValidationError
-from pagedllm.layers.cpu_ops import cpu_flags
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import iter_weights
@@ -32,6 +32,9 @@ class Worker:
         self.config = config
         self.arch = arch
         self.dtype = getattr(torch, config.model.dtype)
+        # the kernels are built (or read from the cache) here, before any request can arrive
+        backend = get_attention_backend(resolve_backend_name(config.device.attention_backend))
+        logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
         model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)
         model.load_weights(tqdm(iter_weights(config.model.model, arch), desc="Loading weights", unit=" tensors",
                                 leave=False, dynamic_ncols=True))
@@ -39,8 +42,6 @@ class Worker:
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
         model.eval()
-        backend = get_attention_backend(resolve_backend_name(config.device.attention_backend))
-        logger.info("attention backend: %s", backend.name)
         self.model_runner = ModelRunner(model, backend, config.cache.block_size,
                                         config.model.seed, eos_token_id)
 
@@ -80,8 +81,3 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
-
-def cpu_supports_bf16() -> bool:
-    """True where the CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,0 +1,262 @@
+// One vector type for the kernels, built once per instruction-set level.
+//
+// The library is compiled once per level (pagedllm/platform/build.py): -mavx2 -mfma -mf16c for
+// "avx2" (V = 8 float32 lanes in a ymm register), plus AVX-512 F/BW/VL/DQ for "avx512" (16 lanes
+// in a zmm register), plus AVX512-BF16 for "avx512_bf16". A kernel written against V, vload and
+// vstore runs at every level; nothing here uses an instruction the level's flags do not enable.
+//
+// Storage types: float, bf16 (the top half of a float32; round to nearest even on store, as
+// torch's c10::BFloat16 does) and f16 (IEEE half, F16C conversions). Arithmetic is float32.
+#pragma once
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the kernels need at least AVX2, FMA and F16C (the avx2 level)"
+#endif
+
+namespace pl {
+
+struct bf16 { uint16_t x; };
+struct f16 { uint16_t x; };
+
+// ----------------------------------------------------------------------------- scalars
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_f32(f16 v) { return _cvtsh_ss(v.x); }
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even; NaN -> quiet NaN (c10::BFloat16's rule)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <typename T> inline T from_f32(float f);
+template <> inline float from_f32<float>(float f) { return f; }
+template <> inline bf16 from_f32<bf16>(float f) { return bf16{bf16_bits(f)}; }
+template <> inline f16 from_f32<f16>(float f) { return f16{static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))}; }
+
+// ----------------------------------------------------------------------------- vectors
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define PL_AVX512 1
+constexpr int kLanes = 16;
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset1(float f) { return _mm512_set1_ps(f); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
+inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+inline float vmaxval(V a) { return _mm512_reduce_max_ps(a); }
+inline V vfloor(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline V vround(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline __m512i vcast_i(V a) { return _mm512_castps_si512(a); }
+inline V vcast_f(__m512i a) { return _mm512_castsi512_ps(a); }
+inline V vpow2i(V n) {  // 2^n for integral n in [-126, 127]
+  return vcast_f(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vload(const bf16* p) {
+  return vcast_f(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline V vload(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline __m256i bf16_pack(V v) {  // 16 float32 -> 16 bf16 bits, nearest even, NaN -> 0x7FC0
+  const __m512i u = vcast_i(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline void vstore(bf16* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v)); }
+inline void vstore(f16* p, V v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// the first n lanes (n < kLanes), the rest `fill`
+inline __mmask16 lane_mask(int n) { return static_cast<__mmask16>((1u << n) - 1); }
+inline V vload_n(const float* p, int n, float fill = 0.f) { return _mm512_mask_loadu_ps(vset1(fill), lane_mask(n), p); }
+template <typename T>
+inline V vload_n(const T* p, int n, float fill = 0.f) {
+  const __m256i h = _mm256_maskz_loadu_epi16(lane_mask(n), p);
+  V v = std::is_same<T, bf16>::value ? vcast_f(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+  return _mm512_mask_blend_ps(lane_mask(n), vset1(fill), v);
+}
+inline void vstore_n(float* p, V v, int n) { _mm512_mask_storeu_ps(p, lane_mask(n), v); }
+inline void vstore_n(bf16* p, V v, int n) { _mm256_mask_storeu_epi16(p, lane_mask(n), bf16_pack(v)); }
+inline void vstore_n(f16* p, V v, int n) {
+  _mm256_mask_storeu_epi16(p, lane_mask(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// 2 * kLanes bf16 values at p: the even-indexed ones and the odd-indexed ones as float32 lanes
+inline void vload_split(const bf16* p, V& even, V& odd) {
+  const __m512i w = _mm512_loadu_si512(p);
+  even = vcast_f(_mm512_slli_epi32(w, 16));
+  odd = vcast_f(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// lanes a0 b0 a1 b1 ... a15 b15 (as 32 floats) from the even/odd vectors a, b: inverse of a split
+inline void vinterleave(V a, V b, V& lo, V& hi) {
+  const __m512i i_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i i_hi = _mm512_add_epi32(i_lo, _mm512_set1_epi32(8));
+  lo = _mm512_permutex2var_ps(a, i_lo, b);
+  hi = _mm512_permutex2var_ps(a, i_hi, b);
+}
+// the even and odd lanes of the 2 * kLanes floats a (lanes 0-15) and b (16-31), in order
+inline void vdeinterleave(V a, V b, V& even, V& odd) {
+  const __m512i i_even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  even = _mm512_permutex2var_ps(a, i_even, b);
+  odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(i_even, _mm512_set1_epi32(1)), b);
+}
+#else
+constexpr int kLanes = 8;
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset1(float f) { return _mm256_set1_ps(f); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
+inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline V vmin(V a, V b) { return _mm256_min_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(V a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline float vmaxval(V a) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+inline V vfloor(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline V vround(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline __m256i vcast_i(V a) { return _mm256_castps_si256(a); }
+inline V vcast_f(__m256i a) { return _mm256_castsi256_ps(a); }
+inline V vpow2i(V n) {
+  return vcast_f(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vload(const bf16* p) {
+  return vcast_f(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline V vload(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline __m128i bf16_pack(V v) {  // 8 float32 -> 8 bf16 bits, nearest even, NaN -> 0x7FC0
+  const __m256i u = vcast_i(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), vcast_i(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // 32-bit lanes hold values < 2^16: pack them to 16 bits (packus works per 128-bit half)
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void vstore(bf16* p, V v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_pack(v)); }
+inline void vstore(f16* p, V v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// partial vectors go through a small buffer: AVX2 has no masked 16-bit loads
+template <typename T>
+inline V vload_n(const T* p, int n, float fill = 0.f) {
+  alignas(32) T buf[kLanes];
+  for (int i = 0; i < kLanes; ++i) buf[i] = i < n ? p[i] : from_f32<T>(fill);
+  return vload(buf);
+}
+template <typename T>
+inline void vstore_n(T* p, V v, int n) {
+  alignas(32) T buf[kLanes];
+  vstore(buf, v);
+  for (int i = 0; i < n; ++i) p[i] = buf[i];
+}
+inline void vload_split(const bf16* p, V& even, V& odd) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = vcast_f(_mm256_slli_epi32(w, 16));
+  odd = vcast_f(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void vinterleave(V a, V b, V& lo, V& hi) {
+  const V l = _mm256_unpacklo_ps(a, b), h = _mm256_unpackhi_ps(a, b);  // per 128-bit half: a0 b0 a1 b1 | a4 b4 a5 b5
+  lo = _mm256_permute2f128_ps(l, h, 0x20);
+  hi = _mm256_permute2f128_ps(l, h, 0x31);
+}
+inline void vdeinterleave(V a, V b, V& even, V& odd) {
+  // shuffle_ps works per 128-bit half: lanes come out as pairs 0 1 4 5 2 3 6 7; permute4x64 fixes that
+  even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+  odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+#endif
+
+// float32 -> T -> float32: the rounding torch applies when it stores an intermediate as T
+inline V vround_to(V v, const float*) { return v; }
+#ifdef PL_AVX512
+inline V vround_to(V v, const bf16*) {
+  const __m512i u = vcast_i(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  const V r = vcast_f(_mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, v);  // NaN stays NaN
+}
+inline V vround_to(V v, const f16*) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+#else
+inline V vround_to(V v, const bf16*) {
+  const __m256i u = vcast_i(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  const V r = vcast_f(_mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN stays NaN
+}
+inline V vround_to(V v, const f16*) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+#endif
+template <typename T> inline V vround_as(V v) { return vround_to(v, static_cast<const T*>(nullptr)); }
+
+// exp(x) in float32: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (error
+// below 1 ulp), times 2^n built in two halves so that results down to the denormals and up to
+// inf come out right (x is clamped to [-104, 89]: exp of anything lower is 0 in float32).
+inline V vexp(V x) {
+  x = vmin(vmax(x, vset1(-104.f)), vset1(89.f));
+  const V n = vround(vmul(x, vset1(1.44269504088896341f)));
+  V r = vfma(n, vset1(-0.693145751953125f), x);  // ln2 in two parts: r keeps its precision
+  r = vfma(n, vset1(-1.428606765330187045e-06f), r);
+  V p = vset1(1.f / 5040);
+  p = vfma(p, r, vset1(1.f / 720));
+  p = vfma(p, r, vset1(1.f / 120));
+  p = vfma(p, r, vset1(1.f / 24));
+  p = vfma(p, r, vset1(1.f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.f));
+  p = vfma(p, r, vset1(1.f));
+  const V half = vfloor(vmul(n, vset1(0.5f)));  // 2^n = 2^half * 2^(n - half), each factor in range
+  return vmul(vmul(p, vpow2i(half)), vpow2i(vsub(n, half)));
+}
+
+// silu(g) = g / (1 + exp(-g))
+inline V vsilu(V g) { return vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g)))); }
+
+// Threads: every parallel region asks for the count torch uses (passed down from Python), so the
+// kernels and torch's own ops share one OpenMP pool of the same size.
+template <typename Fn>
+inline void parallel_for(int64_t n, int threads, int64_t grain, const Fn& fn) {
+  if (n <= 0) return;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, (n + grain - 1) / grain));
+  if (chunks == 1) {
+    fn(0, n);
+    return;
+  }
+#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
+    if (begin < end) fn(begin, end);
+  }
+}
+
+}  // namespace pl

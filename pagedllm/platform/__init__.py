@@ -1,0 +1,131 @@
+"""The one place that knows the machine: the CPU, its instruction-set level, which compiled
+kernels exist there, the dtype that runs fastest, and the environment switches (read once).
+
+Everything else asks this module; nothing else reads /proc/cpuinfo or a PAGEDLLM_* variable.
+
+Which CPUs get which path (``pagedllm build-kernels --list`` shows this machine's):
+
+===============  =========================================  =====================================
+level            CPUs                                       kernels
+===============  =========================================  =====================================
+amx              Intel Xeon 4th gen+ (Sapphire Rapids)      avx512_bf16 library, GEMMs via oneDNN
+avx512_bf16      AMD Zen 4/5, Intel Cooper Lake             vdpbf16ps GEMM and attention q.k
+avx512           Intel Skylake-X .. Ice Lake, Cascade Lake  FMA kernels on 16 lanes
+avx2             AMD Zen 1-3, Intel Haswell+, most laptops  FMA kernels on 8 lanes
+portable         ARM (Graviton, Ampere, Apple), older x86   torch's own ops (NEON/SVE inside)
+===============  =========================================  =====================================
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from pagedllm.platform import build
+from pagedllm.platform.cpu import ISA_ENV, LEVELS, CpuInfo, check_level, cpu_info, is_forced, isa_level, native_bf16
+
+__all__ = ["ISA_ENV", "LEVELS", "CpuInfo", "KernelLibrary", "Switches", "check_level", "cpu_info", "default_dtype",
+           "describe", "is_forced", "isa_level", "kernels", "native_bf16", "switches"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Switches:
+    """PAGEDLLM_* switches for A/B measurements, read once at start-up."""
+
+    fused_ops: bool
+    """PAGEDLLM_FUSED_OPS=0 turns the compiled GEMM and fused ops off (torch's expressions serve)."""
+    gemm: str
+    """PAGEDLLM_GEMM: "auto" (ours where it suits, oneDNN on AMX CPUs) or "onednn" (oneDNN for bf16 always)."""
+
+
+@functools.lru_cache(maxsize=1)
+def switches() -> Switches:
+    gemm = os.environ.get("PAGEDLLM_GEMM", "auto").strip().lower() or "auto"
+    if gemm not in ("auto", "onednn"):
+        from pagedllm.errors import ValidationError
+
+        raise ValidationError.bad_value("PAGEDLLM_GEMM", gemm, "'auto' or 'onednn'")
+    return Switches(os.environ.get("PAGEDLLM_FUSED_OPS", "1").strip() != "0", gemm)
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """The loaded kernel library (ctypes) and the level it was built for."""
+
+    level: str
+    lib: ctypes.CDLL
+    path: str
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(level: str | None = None) -> KernelLibrary | None:
+    """The kernel library for ``level`` (default: the active level), built or taken from the
+    cache; where it does not build, the next level down (one WARNING line says which and why);
+    None at the portable level or when none builds. torch must be imported first, so that the
+    library's OpenMP calls bind to the libgomp.so.1 torch loaded (one thread pool for both)."""
+    level = level or isa_level()
+    assert "torch" in sys.modules, "import torch before loading the kernels (one OpenMP runtime)"
+    wanted = build.library_level(level)
+    if wanted is None:
+        return None
+    first_failure: build.BuildResult | None = None
+    for candidate in reversed(LEVELS[1:LEVELS.index(wanted) + 1]):
+        result = build.build(candidate)
+        if result.path is not None:
+            try:
+                lib = ctypes.CDLL(str(result.path))
+                lib.pl_level.restype = ctypes.c_char_p
+                built_for = lib.pl_level().decode()
+            except (OSError, AttributeError) as e:
+                built_for = f"nothing: it does not load ({e})"
+            if built_for != candidate:
+                result = build.BuildResult(candidate, None, f"the cached library was built for {built_for}",
+                                           result.path)
+        if result.path is not None:
+            _warn(first_failure, candidate)
+            return KernelLibrary(candidate, lib, str(result.path))
+        first_failure = first_failure or result
+    _warn(first_failure, None)
+    return None
+
+
+def _warn(failure: build.BuildResult | None, taken: str | None) -> None:
+    if failure is None:
+        return
+    instead = f"using the {taken} kernels" if taken else "using torch's own ops (the portable path, slower)"
+    logger.warning("the %s kernels failed to build (%s; log: %s); %s", failure.level, failure.error, failure.log,
+                   instead)
+
+
+def default_dtype() -> str:
+    """What ``dtype="auto"`` runs: bfloat16 where bf16 dot products are native, and on AVX2 /
+    AVX-512 CPUs where the kernels built (bf16 storage with float32 arithmetic inside the kernels
+    halves the bytes a decode step reads: measured faster, docs/BENCHMARKS.md); float32 elsewhere
+    (torch's own bf16 ops emulate it slowly there)."""
+    level = isa_level()
+    if native_bf16(level):
+        return "bfloat16"
+    if level != "portable" and switches().fused_ops and kernels() is not None:
+        return "bfloat16"
+    return "float32"
+
+
+def describe(dtype: str) -> str:
+    """The one line logged at start, e.g. ``CPU: AMD EPYC, AVX2+FMA (no AVX-512): kernels avx2,
+    dtype bfloat16 storage / float32 compute``."""
+    cpu = cpu_info()
+    lib = kernels()
+    active = lib.level if lib is not None else "portable (torch ops)"
+    if not switches().fused_ops and lib is not None:
+        active += " (attention only: PAGEDLLM_FUSED_OPS=0)"
+    forced = f" [{ISA_ENV}={isa_level()}]" if is_forced() else ""
+    if dtype == "float32" or (dtype == "bfloat16" and native_bf16(lib.level if lib else "portable")):
+        dtype_text = dtype
+    else:
+        dtype_text = f"{dtype} storage / float32 compute" if lib is not None else f"{dtype} (torch ops)"
+    return f"CPU: {cpu.model_name}, {cpu.features()}{forced}: kernels {active}, dtype {dtype_text}"
