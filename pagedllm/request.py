@@ -1,6 +1,8 @@
 """Request: one sequence the scheduler tracks, from arrival to finish (pure Python)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import enum
 import time
 
@@ -48,7 +50,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None,
+        eos_token_ids: int | Iterable[int] | None,
         max_tokens: int,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
@@ -57,7 +59,9 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids: tuple[int, ...] = (
+            () if eos_token_ids is None else (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids))
+        """Tokens that end the sequence (the tokenizer's EOS and the checkpoint's extra ones)."""
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING

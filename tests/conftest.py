@@ -34,17 +34,33 @@ def kernel_levels() -> list[str]:
     return [level for level in LEVELS[1:LEVELS.index(native) + 1] if level != "amx"]  # amx runs avx512_bf16's
 
 
+def _at_level(level: str) -> Any:
+    """Context: ``level`` made the active one (skips the test where its kernels did not build)."""
+    from pagedllm.layers import cpu_ops
+
+    context = cpu_ops.use_level(level)
+    context.__enter__()
+    active = cpu_ops.active()
+    if level != "portable" and (active is None or active.level != level):
+        context.__exit__(None, None, None)
+        pytest.skip(f"the {level} kernels did not build here")
+    return context, active
+
+
 @pytest.fixture(params=kernel_levels() or [pytest.param(None, marks=pytest.mark.skip("no kernel level on this CPU"))])
 def kernels(request: pytest.FixtureRequest) -> Any:
     """The CpuKernels of one level (each level this CPU runs), made the active level for the test."""
-    from pagedllm.layers import cpu_ops
+    context, active = _at_level(request.param)
+    yield active
+    context.__exit__(None, None, None)
 
-    level = request.param
-    with cpu_ops.use_level(level):
-        active = cpu_ops.active()
-        if active is None or active.level != level:
-            pytest.skip(f"the {level} kernels did not build here")
-        yield active
+
+@pytest.fixture(params=["portable", *kernel_levels()])
+def level(request: pytest.FixtureRequest) -> Any:
+    """Each level this CPU runs, the portable one (torch's own ops) included, made the active level."""
+    context, _ = _at_level(request.param)
+    yield request.param
+    context.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

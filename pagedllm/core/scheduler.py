@@ -335,7 +335,7 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
         min_reached = request.num_output_tokens >= params.min_tokens
-        if min_reached and not params.ignore_eos and token_id == request.eos_token_id:
+        if min_reached and not params.ignore_eos and token_id in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
         elif min_reached and token_id in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED

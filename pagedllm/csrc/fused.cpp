@@ -194,6 +194,21 @@ void sample_rows(const T* logits, int64_t ls, const float* temperature, const fl
     }
   });
 }
+// The index of each row's largest logit (the first one where several are equal, as torch.argmax).
+template <typename T>
+void argmax_rows(const T* logits, int64_t ls, int64_t* out, int64_t rows, int64_t vocab, int threads) {
+  parallel_for(rows, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* x = logits + i * ls;
+      V vmx = vset1(-INFINITY);
+      for_vectors(vocab, [&](int64_t j, int n) { vmx = vmax(vmx, n == kLanes ? vload(x + j) : vload_n(x + j, n, -INFINITY)); });
+      const float top = vmaxval(vmx);
+      int64_t pick = 0;
+      while (pick < vocab - 1 && to_f32(x[pick]) != top) ++pick;
+      out[i] = pick;
+    }
+  });
+}
 }  // namespace
 
 // Without residual: out = weight * T(x * rsqrt(mean(x^2) + eps)). With residual: residual <-
@@ -244,6 +259,16 @@ PL_EXPORT int pl_sample(const void* logits, int64_t ls, const float* temperature
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     sample_rows<T>(static_cast<const T*>(logits), ls, temperature, u, out, rows, vocab, threads);
+    return 0;
+  });
+}
+
+// out[i] = argmax of row i of logits (rows, vocab; row stride ls).
+PL_EXPORT int pl_argmax(const void* logits, int64_t ls, int64_t* out, int64_t rows, int64_t vocab, int dtype,
+                        int threads) {
+  return with_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    argmax_rows<T>(static_cast<const T*>(logits), ls, out, rows, vocab, threads);
     return 0;
   });
 }

@@ -60,9 +60,9 @@ class _Group:
 class BeamSearchManager:
     """Drives the beam groups of an engine between its steps."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_id: int | None, tokenizer: Any) -> None:
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], tokenizer: Any) -> None:
         self.scheduler = scheduler
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self.groups: dict[str, _Group] = {}
         self.seq_to_group: dict[str, str] = {}
@@ -102,7 +102,7 @@ class BeamSearchManager:
         k, params = group.params.beam_width, group.params
         candidates = self._top_candidates(group)
         at_limit = group.num_generated + 1 >= params.max_tokens
-        ends = [at_limit or (not params.ignore_eos and c.token == self.eos_token_id) for c in candidates]
+        ends = [at_limit or (not params.ignore_eos and c.token in self.eos_token_ids) for c in candidates]
         survivors = [c for c, end in zip(candidates, ends) if not end][:k]
         group.num_generated += 1
         if group.improvable:
@@ -110,7 +110,7 @@ class BeamSearchManager:
                 if end:
                     beam = _Beam("", c.beam.tokens + [c.token], c.score)
                     score = c.score / group.num_generated ** params.length_penalty
-                    group.finished.append((score, beam, "length" if at_limit and c.token != self.eos_token_id
+                    group.finished.append((score, beam, "length" if at_limit and c.token not in self.eos_token_ids
                                            else "stop"))
             group.finished = sorted(group.finished, key=lambda f: -f[0])[:k]
         if len(group.finished) == k and survivors:
@@ -139,7 +139,7 @@ class BeamSearchManager:
         for c in survivors:
             parent = self.scheduler.requests[c.beam.seq_id]
             child = Request(f"beam{next(self._ids)}:{group.request_id}", parent.prompt_token_ids,
-                            parent.sampling_params, parent.eos_token_id, parent.max_tokens, parent.arrival_time)
+                            parent.sampling_params, parent.eos_token_ids, parent.max_tokens, parent.arrival_time)
             child.all_token_ids = parent.all_token_ids[:-1] + [c.token]  # the parent's sampled token is replaced
             self.scheduler.fork_request(parent.request_id, child)
             group.running.append(_Beam(child.request_id, c.beam.tokens + [c.token], c.score))

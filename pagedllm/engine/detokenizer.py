@@ -5,6 +5,7 @@ the middle of a multi-byte character (decoded as U+FFFD) waits for the next one.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
@@ -12,6 +13,11 @@ from pagedllm.sampling_params import SamplingParams
 #: Prompt tokens decoded together with the first output tokens, so the first piece of text gets
 #: its leading space / byte context right.
 PROMPT_CONTEXT_TOKENS = 5
+
+
+@functools.lru_cache(maxsize=8)
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    return frozenset(tokenizer.all_special_ids)
 
 
 class IncrementalDetokenizer:
@@ -30,6 +36,10 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self.output_text = ""
         self._stop_check_offset = 0
+        # with skip_special_tokens, special tokens decode to nothing wherever they are: they never
+        # enter the decode window (a run of them, e.g. EOS repeated under ignore_eos, would grow it
+        # without bound and make every step decode the whole run again)
+        self._invisible = _special_ids(tokenizer) if params.skip_special_tokens else frozenset()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -44,13 +54,14 @@ class IncrementalDetokenizer:
             if stopped_by_token and i == len(new_token_ids) - 1 and not self.include_stop:
                 self.num_output_tokens += 1
                 break
-            self._ids.append(token_id)
             self.num_output_tokens += 1
-            prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-            text = self._decode(self._ids[self._prefix_offset:])
-            if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
-                self.output_text += text[len(prefix_text):]
-                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            if token_id not in self._invisible:
+                self._ids.append(token_id)
+                prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+                text = self._decode(self._ids[self._prefix_offset:])
+                if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+                    self.output_text += text[len(prefix_text):]
+                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             if self.num_output_tokens <= self.min_tokens:
                 self._stop_check_offset = len(self.output_text)  # stop strings count only after min_tokens
             elif self.stop and (stop := self._find_stop()) is not None:

@@ -17,7 +17,7 @@ from pagedllm.engine.processor import MAX_LOGPROBS, Processor, PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.executor.uniproc import UniProcExecutor
 from pagedllm.models.config import ArchConfig
-from pagedllm.models.loader import load_arch_config, load_tokenizer, resolve_model_path
+from pagedllm.models.loader import load_arch_config, load_eos_token_ids, load_tokenizer, resolve_model_path
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -75,7 +75,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, arch: ArchConfig, tokenizer: Any, log_stats: bool = False) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else arch.eos_token_id
+        eos = load_eos_token_ids(config.model.model, arch, tokenizer)
         self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos)
         self.executor = UniProcExecutor(config, arch, eos)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()

@@ -230,7 +230,7 @@ def make_request(item: TraceRequest, trace_name: str) -> Request:
     """A request whose prompt tokens are unique to it (so prefix caching could never hit)."""
     params = SamplingParams(max_tokens=item.output_len, ignore_eos=True)
     prompt = [item.index + 1] * item.prompt_len
-    return Request(f"{trace_name}-{item.index}", prompt, params, eos_token_id=None,
+    return Request(f"{trace_name}-{item.index}", prompt, params, eos_token_ids=None,
                    max_tokens=item.output_len, arrival_time=float(item.arrival_step))
 
 

@@ -16,11 +16,11 @@ PromptType = str | dict[str, Any]
 class Processor:
     """Tokenizes and validates; everything it refuses raises ValidationError naming the parameter."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a string, {"prompt": ...} or {"prompt_token_ids": [...]}."""
@@ -75,5 +75,5 @@ class Processor:
             raise ValidationError.bad_value("cache_salt", cache_salt, "a string")
         assert len(seq_ids) == params.n
         each = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
-        return [Request(seq_id, prompt_ids, p, self.eos_token_id, max_tokens, arrival_time, cache_salt)
+        return [Request(seq_id, prompt_ids, p, self.eos_token_ids, max_tokens, arrival_time, cache_salt)
                 for seq_id, p in zip(seq_ids, each)]

@@ -1,28 +1,13 @@
-"""The ``pagedllm`` command: ``generate``, ``serve`` and ``bench``."""
+"""The ``pagedllm`` command: ``generate``, ``serve``, ``bench`` and ``build-kernels``."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from dataclasses import fields
 
-from pagedllm.config import EngineArgs
+from pagedllm.entrypoints import build_kernels
+from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, with dashes (``--max-num-seqs``)."""
-    for f in fields(EngineArgs):
-        if f.name == "model":
-            continue
-        kind = int if "int" in str(f.type) and "str" not in str(f.type) else str
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
-                            help=f"engine option {f.name} (default: {f.default})")
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -74,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+    build_kernels.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagedllm.entrypoints.bench import memory

@@ -10,8 +10,8 @@ from pagedllm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_id: int | None) -> None:
-        self.worker = Worker(config, arch, eos_token_id)
+    def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
+        self.worker = Worker(config, arch, eos_token_ids)
 
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()

@@ -34,8 +34,10 @@ _SIGNATURES = {
     "pl_rotary": [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
     "pl_silu_and_mul": [_P, _I64, _P, _I64, _I64, _I64, _I32, _I32],
     "pl_sample": [_P, _I64, _P, _P, _P, _I64, _I64, _I32, _I32],
+    "pl_argmax": [_P, _I64, _P, _I64, _I64, _I32, _I32],
     "pl_paged_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I32, _I32],
     "pl_write_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32],
+    "pl_llama_stack": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I32],
 }
 
 
@@ -154,6 +156,14 @@ class CpuKernels:
                                         rows, logits.shape[1], DTYPE_CODES[logits.dtype], torch.get_num_threads()))
         return out
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's index of its largest logit (the first of equal ones, as torch.argmax)."""
+        assert logits.dim() == 2 and logits.stride(1) == 1
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._check(self._lib.pl_argmax(logits.data_ptr(), logits.stride(0), out.data_ptr(), logits.shape[0],
+                                        logits.shape[1], DTYPE_CODES[logits.dtype], torch.get_num_threads()))
+        return out
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """k, v (tokens, kv_heads, head_dim), possibly strided views of the qkv output, into their
@@ -182,6 +192,18 @@ class CpuKernels:
                                                  value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
                                                  lens.data_ptr(), out.data_ptr(), rows, nh, nkv, bs, d, scale,
                                                  DTYPE_CODES[q.dtype], torch.get_num_threads()))
+
+    def llama_stack(self, plan: int, hidden: torch.Tensor, residual: torch.Tensor, work: torch.Tensor,
+                    positions: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,
+                    lens: torch.Tensor) -> None:
+        """Every decoder layer and the final norm on hidden (rows, hidden) in place (models/cpu_stack.py)."""
+        rows = hidden.shape[0]
+        assert hidden.is_contiguous() and residual.shape == hidden.shape and work.shape[0] == rows
+        assert positions.dtype == slot_mapping.dtype == torch.int64 and positions.numel() == slot_mapping.numel() == rows
+        assert tables.dtype == lens.dtype == torch.int32 and tables.is_contiguous() and tables.shape[0] == rows
+        self._check(self._lib.pl_llama_stack(plan, rows, hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
+                                             positions.data_ptr(), slot_mapping.data_ptr(), tables.data_ptr(),
+                                             tables.shape[1], lens.data_ptr(), torch.get_num_threads()))
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,8 @@ class ArchConfig:
     mlp_bias: bool
     sliding_window: int | None
     bos_token_id: int | None
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    """Every id the checkpoint's config names as EOS (Llama 3 lists several)."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ArchConfig":
@@ -59,5 +60,12 @@ class ArchConfig:
             mlp_bias=hf.get("mlp_bias", False),
             sliding_window=window,
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            eos_token_ids=as_id_tuple(eos),
         )
+
+
+def as_id_tuple(value: Any) -> tuple[int, ...]:
+    """A config's token id entry (an int, a list of ints or None) as a tuple."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(int(v) for v in value)

@@ -17,6 +17,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ArchConfig
+from pagedllm.models.cpu_stack import CpuDecoderStack
 
 # checkpoint name part -> (packed module name part, shard id)
 _PACKED = {
@@ -85,9 +86,15 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self._stack: CpuDecoderStack | None | bool = False  # False: not built yet (weights and caches come later)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        if self._stack is False:
+            self._stack = CpuDecoderStack.build(self)
+        hidden = self.embed_tokens(input_ids)
+        if self._stack is not None and self._stack.usable(hidden, positions):
+            return self._stack.run(hidden, positions)  # every layer in one compiled call
+        residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)

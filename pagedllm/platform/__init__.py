@@ -41,6 +41,8 @@ class Switches:
     """PAGEDLLM_FUSED_OPS=0 turns the compiled GEMM and fused ops off (torch's expressions serve)."""
     gemm: str
     """PAGEDLLM_GEMM: "auto" (ours where it suits, oneDNN on AMX CPUs) or "onednn" (oneDNN for bf16 always)."""
+    cpu_stack: bool
+    """PAGEDLLM_CPU_STACK=0 runs the decoder layers one by one from Python instead of in one compiled call."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,7 +52,8 @@ def switches() -> Switches:
         from pagedllm.errors import ValidationError
 
         raise ValidationError.bad_value("PAGEDLLM_GEMM", gemm, "'auto' or 'onednn'")
-    return Switches(os.environ.get("PAGEDLLM_FUSED_OPS", "1").strip() != "0", gemm)
+    return Switches(os.environ.get("PAGEDLLM_FUSED_OPS", "1").strip() != "0", gemm,
+                    os.environ.get("PAGEDLLM_CPU_STACK", "1").strip() != "0")
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
 
 
 def build_sampling_metadata(states: list[CachedRequestState], default_generator: torch.Generator,
-                            eos_token_id: int | None) -> SamplingMetadata:
+                            eos_token_ids: tuple[int, ...]) -> SamplingMetadata:
     """Sampling settings of the rows that sample (``states`` in row order)."""
     params = [s.sampling_params for s in states]
     greedy = [p.greedy for p in params]
@@ -119,7 +119,7 @@ def build_sampling_metadata(states: list[CachedRequestState], default_generator:
     for row, s in enumerate(states):
         p = s.sampling_params
         if len(s.output_token_ids) < p.min_tokens:
-            blocked = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
+            blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             if blocked:
                 md.blocked_token_ids[row] = blocked
     if any(p.logprobs is not None for p in params):

@@ -28,11 +28,11 @@ class ModelRunner:
     """Owns the model, its KV cache tensors and the per-request states of one worker."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, seed: int,
-                 eos_token_id: int | None) -> None:
+                 eos_token_ids: tuple[int, ...]) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
@@ -87,7 +87,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices], keep_dtype=True)
         if len(rows) > len(inputs.sample_rows):
             logits = logits[torch.tensor(rows)]
-        md = build_sampling_metadata(samplers, self.generator, self.eos_token_id)
+        md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids)
         result = self.sampler(logits, md)
         for state, token in zip(samplers, result.sampled_token_ids.tolist()):
             state.token_ids.append(token)

@@ -28,7 +28,7 @@ DEFAULT_KV_CAP = 4 * 1024**3
 class Worker:
     """Loads the model, sizes and allocates the KV pool, runs steps."""
 
-    def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_id: int | None) -> None:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
         self.arch = arch
         self.dtype = getattr(torch, config.model.dtype)
@@ -43,7 +43,7 @@ class Worker:
                 module.process_weights_after_loading()
         model.eval()
         self.model_runner = ModelRunner(model, backend, config.cache.block_size,
-                                        config.model.seed, eos_token_id)
+                                        config.model.seed, eos_token_ids)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers (K and V)."""

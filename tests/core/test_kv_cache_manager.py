@@ -8,7 +8,7 @@ from pagedllm.sampling_params import SamplingParams
 
 def make_request(request_id: str, num_prompt_tokens: int) -> Request:
     """A request with ``num_prompt_tokens`` dummy prompt tokens."""
-    return Request(request_id, list(range(1, num_prompt_tokens + 1)), SamplingParams(), eos_token_id=0, max_tokens=16)
+    return Request(request_id, list(range(1, num_prompt_tokens + 1)), SamplingParams(), eos_token_ids=0, max_tokens=16)
 
 
 def grow(manager: KVCacheManager, request: Request, num_new_tokens: int) -> list[int] | None:

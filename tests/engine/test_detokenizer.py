@@ -64,3 +64,18 @@ def test_stream_text_holds_back_a_possible_stop_prefix(tokenizer: Any) -> None:
     assert detok.output_text == "abc EN"
     assert detok.text_for_stream(finished=False) == "abc "
     assert detok.text_for_stream(finished=True) == "abc EN"
+
+
+def test_skipped_special_tokens_never_grow_the_decode_window(tokenizer: Any) -> None:
+    """EOS repeated (as under ignore_eos) adds no text, and each step decodes a short window."""
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), SamplingParams())
+    hello = tokenizer.encode(" hello")
+    detok.update(hello, stopped_by_token=False)
+    for _ in range(500):
+        detok.update([tokenizer.eos_token_id], stopped_by_token=False)
+    detok.update(tokenizer.encode(" world"), stopped_by_token=False)
+    assert detok.output_text == " hello world" and detok.num_output_tokens == len(hello) + 500 + 1
+    assert len(detok._ids) < 20  # the 500 EOS tokens never entered the window
+    shown = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), SamplingParams(skip_special_tokens=False))
+    shown.update([tokenizer.eos_token_id], stopped_by_token=False)
+    assert shown.output_text == tokenizer.eos_token

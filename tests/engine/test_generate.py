@@ -121,3 +121,24 @@ def test_kv_cache_memory_sizes_the_pool(tiny_llm_dir: Path) -> None:
     llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="1MiB", block_size=16)
     per_block = 2 * 2 * 16 * 2 * 16 * 4  # tiny model: 2 layers, 2 KV heads of 16 dims, float32
     assert llm.get_stats().num_kv_blocks == (1 << 20) // per_block
+
+
+def test_every_eos_id_of_generation_config_stops(tiny_llm_dir: Path, tmp_path: Path) -> None:
+    """Llama-3 style checkpoints list several EOS ids in generation_config.json: any of them stops."""
+    import json
+    import shutil
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    free = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64).generate("stop here", greedy, use_tqdm=False)
+    tokens = free[0].outputs[0].token_ids
+    extra = next(t for t in tokens[2:] if t not in tokens[:2])  # a token first generated at step >= 2
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llm_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, extra]}))
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
+    assert llm.llm_engine.processor.eos_token_ids[-1] == extra
+    out = llm.generate("stop here", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.token_ids == tokens[:tokens.index(extra) + 1]
+    ignored = llm.generate("stop here", greedy, use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == tokens  # ignore_eos ignores every EOS id

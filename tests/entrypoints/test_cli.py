@@ -4,9 +4,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import typing
+from dataclasses import fields
 from pathlib import Path
 
+import pytest
+
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.cli import build_parser
+from pagedllm.entrypoints.cli_args import _flag_type, engine_args_from
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -16,7 +23,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_prints_the_same_text_as_the_api(tiny_llm_dir: Path) -> None:
     proc = _run("generate", "Hello there", "--model", str(tiny_llm_dir), "--dtype", "float32",
-                "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--num-kv-blocks", "64")
+                "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--num-kv-blocks", "64",
+                "--enable-prefix-caching", "false", "--swap-space", "8")
     assert proc.returncode == 0, proc.stderr
     expected = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64).generate(
         "Hello there", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
@@ -39,3 +47,33 @@ def test_bench_throughput_prints_one_json_line(tiny_llm_dir: Path, tmp_path: Pat
     assert result["num_requests"] == 6 and result["total_num_tokens"] == 6 * (16 + 8)
     for key in ("elapsed_time", "requests_per_second", "tokens_per_second", "output_tokens_per_second"):
         assert result[key] > 0
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "a prompt"], ["bench", "throughput"]])
+def test_every_engine_option_round_trips_through_the_cli(command: list[str]) -> None:
+    """Each EngineArgs field is a flag of its own type: a non-default value comes back unchanged."""
+    hints = typing.get_type_hints(EngineArgs)
+    expected, argv = {}, list(command)
+    for f in fields(EngineArgs):
+        kind = _flag_type(hints[f.name])
+        value = {bool: lambda: not f.default, int: lambda: (f.default or 0) + 3,
+                 float: lambda: (f.default or 0) + 1.5, str: lambda: f"value-of-{f.name}"}[kind]()
+        expected[f.name] = value
+        flag = "--" + f.name.replace("_", "-")
+        argv += ([flag] if value else ["--no-" + flag[2:]]) if kind is bool else [flag, str(value)]
+    assert engine_args_from(build_parser().parse_args(argv)) == EngineArgs(**expected)
+
+
+@pytest.mark.parametrize("argv, value", [(["--enable-prefix-caching", "false"], False),
+                                         (["--enable-prefix-caching=no"], False),
+                                         (["--no-enable-prefix-caching"], False),
+                                         (["--enable-prefix-caching"], True), ([], True)])
+def test_boolean_flags_take_vllm_forms_and_explicit_values(argv: list[str], value: bool) -> None:
+    ns = build_parser().parse_args(["serve", *argv, "--swap-space", "8"])
+    assert ns.enable_prefix_caching is value and ns.swap_space == 8.0 and ns.model_tag is None
+
+
+def test_a_bad_boolean_is_refused_by_name(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--enable-prefix-caching", "maybe"])
+    assert "--enable-prefix-caching" in capsys.readouterr().err

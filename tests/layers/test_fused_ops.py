@@ -119,3 +119,14 @@ def test_fused_draw_reads_half_logits_as_their_float32_copy(kernels, dtype: torc
     logits[:, :10] = float("-inf")
     u, temperature = 1.0 - torch.rand(32, generator=g), torch.full((32,), 0.9)
     assert torch.equal(kernels.sample(logits, temperature, u), kernels.sample(logits.float(), temperature, u))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_matches_torch_first_of_ties(kernels, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(10)
+    logits = (torch.randn(9, 49_157, generator=g) * 3).to(dtype)
+    logits[1, 7] = logits[1, 40_000] = 100  # a tie: the first index wins
+    logits[2, -1] = 100  # in the last, partial vector
+    logits[3, :] = float("-inf")
+    assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(kernels.argmax(logits[:, :1000]), logits[:, :1000].argmax(dim=-1))  # strided rows

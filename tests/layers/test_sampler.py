@@ -20,7 +20,7 @@ def _state(i: int, params: SamplingParams, prompt: list[int] | None = None, outp
 def _draw(logits: torch.Tensor, params: SamplingParams, draws: int) -> set[int]:
     """Tokens picked over ``draws`` rows sampled with the same params and logits."""
     states = [_state(i, params) for i in range(draws)]
-    md = build_sampling_metadata(states, torch.Generator().manual_seed(0), eos_token_id=None)
+    md = build_sampling_metadata(states, torch.Generator().manual_seed(0), eos_token_ids=())
     return set(Sampler()(logits.expand(draws, -1).clone(), md).sampled_token_ids.tolist())
 
 
@@ -78,9 +78,9 @@ def test_penalties_change_logits_exactly() -> None:
 def test_min_tokens_blocks_eos_and_stop_ids() -> None:
     logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])  # eos=2 best, stop id 3 second
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])
-    md = build_sampling_metadata([_state(0, params, output=[4])], torch.Generator(), eos_token_id=2)
+    md = build_sampling_metadata([_state(0, params, output=[4])], torch.Generator(), eos_token_ids=(2,))
     assert Sampler()(logits.clone(), md).sampled_token_ids.tolist() == [4]
-    md = build_sampling_metadata([_state(0, params, output=[4, 4])], torch.Generator(), eos_token_id=2)
+    md = build_sampling_metadata([_state(0, params, output=[4, 4])], torch.Generator(), eos_token_ids=(2,))
     assert Sampler()(logits.clone(), md).sampled_token_ids.tolist() == [2]
 
 

@@ -42,7 +42,8 @@ def _generate(llm: LLM, prompt_token_ids: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_greedy_matches_transformers(default_model: str, prompt_token_ids, reference) -> None:
+def test_greedy_matches_transformers(default_model: str, prompt_token_ids, reference, level: str) -> None:
+    """At every level this CPU runs: the compiled kernels of each, and the portable torch path."""
     llm = LLM(default_model, dtype="float32")
     assert _generate(llm, prompt_token_ids) == reference
 

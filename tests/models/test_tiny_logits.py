@@ -1,4 +1,5 @@
-"""Our Llama-family models against transformers on tiny random configs of every variant.
+"""Our Llama-family models against transformers on tiny random configs of every variant, at every
+instruction-set level this CPU runs (the portable torch path included).
 
 The prompt goes through the real paged path: chunked prefill over a cached prefix, single-token
 decodes, two sequences in one step, block tables with scattered physical blocks.
@@ -37,7 +38,7 @@ def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int
     """
     config, arch = create_engine_config(EngineArgs(model=str(path), dtype="float32", block_size=BLOCK_SIZE,
                                                    num_kv_blocks=64))
-    worker = Worker(config, arch, eos_token_id=None)
+    worker = Worker(config, arch, eos_token_ids=())
     worker.initialize_cache(64)
     runner = worker.model_runner
     free = list(range(63, 0, -1))  # hand out blocks high ids first: tables are not contiguous
@@ -63,7 +64,7 @@ def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
-def test_logits_match_transformers(variant: str, tiny_model) -> None:
+def test_logits_match_transformers(variant: str, tiny_model, level: str) -> None:
     path = tiny_model(variant)
     g = torch.Generator().manual_seed(1)
     seq_a = torch.randint(3, 512, (23,), generator=g).tolist()
@@ -76,7 +77,7 @@ def test_logits_match_transformers(variant: str, tiny_model) -> None:
         ref = hf_logits(path, seq)
         assert ours.shape == ref.shape
         rel = (ours - ref).abs().max() / ref.abs().max()
-        assert rel < 1e-4, f"{variant}: relative logits error {rel:.2e}"
+        assert rel < 1e-4, f"{variant} at {level}: relative logits error {rel:.2e}"
         assert ref.abs().max() > 0.1, "logits too small for the comparison to mean anything"
 
 

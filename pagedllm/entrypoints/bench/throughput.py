@@ -1,14 +1,13 @@
 """``pagedllm bench throughput`` (offline throughput, as vLLM's) and ``pagedllm bench make-dataset``."""
 from __future__ import annotations
 
-from pagedllm.entrypoints.bench import emit_json
-
 import argparse
 import json
 import resource
 import time
 from typing import TYPE_CHECKING
 
+from pagedllm.entrypoints.bench import emit_json
 from pagedllm.entrypoints.bench.datasets import (
     SHAREGPT_MAX_PROMPT_LEN,
     SHAREGPT_MAX_TOTAL_LEN,
@@ -25,6 +24,7 @@ from pagedllm.entrypoints.bench.datasets import (
     summarize,
     write_sharegpt_file,
 )
+from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -76,8 +76,6 @@ oversample, both vLLM's and ours in the same way.
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from pagedllm.entrypoints.cli import add_engine_args
-
     p = sub.add_parser("throughput", help="offline throughput (random, synthetic or ShareGPT datasets)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataset_args(p)
@@ -119,7 +117,6 @@ def warmup_requests(requests: list[BenchRequest], vocab_size: int, seed: int) ->
 
 
 def run(ns: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.cli import engine_args_from
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 

@@ -200,8 +200,6 @@ class _Server(uvicorn.Server):
 
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; returns the exit status."""
-    if ns.model_tag is not None:
-        engine_args.model = ns.model_tag
     names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
     keys = ns.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
     metrics = ServerMetrics(names[0])

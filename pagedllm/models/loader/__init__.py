@@ -5,6 +5,7 @@ import glob
 import importlib.util
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -59,6 +60,16 @@ def load_arch_config(path: str) -> ArchConfig:
 def iter_weights(path: str, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, tensor) pairs; GGUF tensors come dequantized (float32)."""
     return gguf_loader.iter_weights(path, config) if is_gguf(path) else hf_loader.iter_weights(path)
+
+
+def load_eos_token_ids(path: str, arch: ArchConfig, tokenizer: Any) -> tuple[int, ...]:
+    """Every id that ends a sequence: the tokenizer's EOS first, then the others the checkpoint's
+    config and generation_config.json name (Llama 3 lists <|end_of_text|>, <|eom_id|> and <|eot_id|>)."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids += arch.eos_token_ids
+    if not is_gguf(path):
+        ids += hf_loader.generation_eos_token_ids(path)
+    return tuple(dict.fromkeys(ids))  # unique, in order
 
 
 def load_tokenizer(path: str):  # -> transformers PreTrainedTokenizerBase

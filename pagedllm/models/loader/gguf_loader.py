@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pagedllm.errors import ValidationError
-from pagedllm.models.config import ArchConfig
+from pagedllm.models.config import ArchConfig, as_id_tuple
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -85,7 +85,7 @@ def load_arch_config(path: str) -> ArchConfig:
         mlp_bias=False,
         sliding_window=None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        eos_token_ids=as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
     )
 
 

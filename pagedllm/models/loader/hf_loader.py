@@ -10,12 +10,21 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.errors import ValidationError
-from pagedllm.models.config import ArchConfig
+from pagedllm.models.config import ArchConfig, as_id_tuple
 
 
 def load_arch_config(folder: str) -> ArchConfig:
     with open(os.path.join(folder, "config.json")) as f:
         return ArchConfig.from_hf(json.load(f))
+
+
+def generation_eos_token_ids(folder: str) -> tuple[int, ...]:
+    """The eos_token_id entry of generation_config.json (an id or a list), if the folder has one."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        return as_id_tuple(json.load(f).get("eos_token_id"))
 
 
 def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,57 @@
+"""``pagedllm build-kernels``: build the compiled CPU kernels ahead of time (a Docker image, CI,
+the Makefile's set-up), or show what this machine runs (``--list``)."""
+from __future__ import annotations
+
+import argparse
+
+from pagedllm import platform
+from pagedllm.platform import build
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build-kernels", help="build the compiled CPU kernels now (they are cached)",
+                       description="Builds the kernel library of this CPU's instruction-set level (or of "
+                                   "PAGEDLLM_ISA's) into the cache ($PAGEDLLM_CACHE_DIR, default "
+                                   "~/.cache/pagedllm), so that no engine start compiles.")
+    p.add_argument("--all", action="store_true", help="every level this CPU runs, not only its own (for tests)")
+    p.add_argument("--force", action="store_true", help="retry a level whose earlier build failed")
+    p.add_argument("--list", action="store_true", help="show the CPU, its levels and what is cached; build nothing")
+    p.set_defaults(func=run)
+
+
+def _levels(all_levels: bool) -> list[str]:
+    native = platform.cpu_info().native_level()
+    wanted = platform.LEVELS[1:platform.LEVELS.index(native) + 1] if all_levels else [platform.isa_level()]
+    return sorted({lib for lib in map(build.library_level, wanted) if lib}, key=platform.LEVELS.index)
+
+
+def _status(level: str) -> str:
+    folder = build.build_dir(level)
+    if (folder / build.LIBRARY_NAME).exists():
+        return f"built: {folder / build.LIBRARY_NAME}"
+    if (folder / "FAILED").exists():
+        return f"failed: {(folder / 'FAILED').read_text().strip()} (log: {folder / 'build.log'})"
+    return "not built yet"
+
+
+def run(ns: argparse.Namespace) -> int:
+    cpu = platform.cpu_info()
+    print(f"CPU: {cpu.model_name}, {cpu.features()}; native level {cpu.native_level()}, "
+          f"active level {platform.isa_level()}{' (PAGEDLLM_ISA)' if platform.is_forced() else ''}")
+    levels = _levels(ns.all)
+    if not levels:
+        print("no compiled kernels at this level: torch's own ops serve (the portable path)")
+        return 0
+    failed = False
+    for level in levels:
+        if ns.list:
+            print(f"  {level}: {_status(level)}")
+            continue
+        result = build.build(level, force=ns.force)
+        if result.path is None:
+            failed = True
+            print(f"  {level}: FAILED: {result.error} (log: {result.log})")
+        else:
+            how = f"built in {result.seconds:.1f} s" if result.seconds else "cached"
+            print(f"  {level}: {how}: {result.path}")
+    return 1 if failed else 0

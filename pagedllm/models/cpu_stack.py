@@ -1,0 +1,118 @@
+"""A Llama-family model's decoder layers run as one compiled call per step (csrc/decoder.cpp).
+
+The layers' own forward calls ~10 kernels per layer from Python; with 30 layers and one
+sequence, the Python between them cost ~5 ms of a ~17 ms decode step of SmolLM2-135M. The plan
+built here holds, once, the pointers those calls would pass (packed weights, norms, biases, KV
+caches, rotary tables); each step passes only the step's rows. Same kernels, same order, same
+roundings: the results equal the layer-by-layer path bit for bit (tests/models/test_cpu_stack.py).
+
+Used when every piece runs on the compiled kernels: the cpu attention backend, every linear
+packed for our GEMM (gate_up with the fused SiLU), one rank, the kernels on; otherwise the
+layers run one by one. ``PAGEDLLM_CPU_STACK=0`` turns it off (A/B measurements).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedllm import platform
+from pagedllm.attention.context import get_forward_context
+from pagedllm.layers.cpu_ops import DTYPE_CODES, CpuKernels, fused_ops
+
+if TYPE_CHECKING:
+    from pagedllm.models.llama import LlamaModel
+
+_P = ctypes.c_void_p
+
+
+class _LayerPlan(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+                                        "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]
+
+
+class _StackPlan(ctypes.Structure):
+    _fields_ = [*[(name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
+                                                      "intermediate", "block_size", "num_blocks", "max_pos")],
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int),
+                ("cos", _P), ("sin", _P), ("final_norm", _P), ("layer", ctypes.POINTER(_LayerPlan))]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuDecoderStack:
+    """The plan of one model's decoder layers for ``pl_llama_stack``."""
+
+    def __init__(self, model: "LlamaModel", kernels: CpuKernels) -> None:
+        self.kernels = kernels
+        first = model.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        dtype = first.input_layernorm.weight.dtype
+        self._keep: list[torch.Tensor] = []  # float32 bias copies the plan points into
+        layers = (_LayerPlan * len(model.layers))()
+        for plan, layer in zip(layers, model.layers):
+            a, m = layer.self_attn, layer.mlp
+            plan.input_norm, plan.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
+            plan.qkv, plan.qkv_bias = _ptr(a.qkv_proj.packed_weight.data), self._float(a.qkv_proj.bias)
+            plan.o, plan.o_bias = _ptr(a.o_proj.packed_weight.data), _ptr(a.o_proj.bias)
+            plan.gate_up, plan.gate_up_bias = _ptr(m.gate_up_proj.silu_packed.data), self._float(m.gate_up_proj.silu_bias)
+            plan.down, plan.down_bias = _ptr(m.down_proj.packed_weight.data), _ptr(m.down_proj.bias)
+            plan.k_cache, plan.v_cache = _ptr(a.attn.kv_cache[0]), _ptr(a.attn.kv_cache[1])
+        cache = attn.attn.kv_cache  # (2, num_blocks, kv_heads, block_size, head_dim)
+        rotary = attn.rotary_emb
+        self.plan = _StackPlan(
+            layers=len(model.layers), hidden=first.input_layernorm.weight.numel(), heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=mlp.down_proj.input_size_per_partition,
+            block_size=cache.shape[3], num_blocks=cache.shape[1], max_pos=rotary.cos_cache.shape[0],
+            eps=first.input_layernorm.eps, scale=attn.attn.scale, dtype=DTYPE_CODES[dtype], cos=_ptr(rotary.cos_cache),
+            sin=_ptr(rotary.sin_cache), final_norm=_ptr(model.norm.weight), layer=layers)
+        self._layers = layers
+        self.work_cols = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim + attn.num_heads * attn.head_dim \
+            + mlp.down_proj.input_size_per_partition
+
+    def _float(self, bias: torch.Tensor | None) -> int | None:
+        if bias is None:
+            return None
+        self._keep.append(bias.detach().float().contiguous())
+        return self._keep[-1].data_ptr()
+
+    @classmethod
+    def build(cls, model: "LlamaModel") -> "CpuDecoderStack | None":
+        """The stack of ``model`` when every piece of it runs on the compiled kernels, else None."""
+        if not platform.switches().cpu_stack or not model.layers:
+            return None
+        weight = model.layers[0].input_layernorm.weight
+        kernels = fused_ops(weight)
+        if kernels is None or not all(_eligible(layer, kernels, weight.dtype) for layer in model.layers):
+            return None
+        rotary = model.layers[0].self_attn.rotary_emb
+        if rotary.cos_cache.dtype != weight.dtype or model.norm.weight.dtype != weight.dtype:
+            return None
+        return cls(model, kernels)
+
+    def usable(self, hidden: torch.Tensor, positions: torch.Tensor) -> bool:
+        """This step can run here: same kernels active, the cpu attention backend's metadata."""
+        ctx = get_forward_context()
+        return (getattr(ctx.backend, "kernels", None) is self.kernels and fused_ops(hidden) is self.kernels
+                and positions.dtype == torch.int64 and hidden.is_contiguous())
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Embeddings (tokens, hidden) -> the final norm's output, through every layer."""
+        md = get_forward_context().metadata
+        rows = hidden.shape[0]
+        residual = torch.empty_like(hidden)
+        work = torch.empty(rows, self.work_cols, dtype=hidden.dtype)  # qkv | attention out | SiLU out, per row
+        self.kernels.llama_stack(ctypes.addressof(self.plan), hidden, residual, work, positions.contiguous(),
+                                 md.slot_mapping, md.decode_tables, md.decode_seq_lens)
+        return hidden
+
+
+def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
+    a, m = layer.self_attn, layer.mlp
+    packed = [a.qkv_proj.packed_weight, a.o_proj.packed_weight, m.gate_up_proj.silu_packed, m.down_proj.packed_weight]
+    return (all(p is not None and p.kernels is kernels for p in packed) and a.o_proj.tp_size == 1
+            and a.attn.kv_cache is not None and a.attn.kv_cache.is_contiguous()
+            and layer.input_layernorm.weight.dtype == dtype == layer.post_attention_layernorm.weight.dtype)

@@ -1,0 +1,34 @@
+"""`pagedllm serve` with an empty kernel cache: the kernels are built during start-up, before the
+server answers /health, and none of the compiler's output reaches the log."""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedllm.platform import build
+from tests.conftest import kernel_levels
+from tests.entrypoints.openai.conftest import RemoteServer
+
+COMPILER_OUTPUT = re.compile(r"error:|warning:|note:|In function|\^~|#include|g\+\+|\.cpp:\d+")
+
+
+@pytest.mark.skipif(not kernel_levels() or build.compiler() is None, reason="no compiled kernels on this machine")
+def test_first_request_is_not_spent_compiling(tiny_llm_dir: Path, tmp_path: Path) -> None:
+    srv = RemoteServer(tiny_llm_dir, env={**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path)})
+    try:
+        built = list(tmp_path.glob("kernels/*/libpagedllm_kernels.so"))
+        assert built, "the server said it was ready before its kernels were built"
+        sent = time.monotonic()
+        reply = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+        first = time.monotonic() - sent
+        assert reply.status_code == 200 and first < 5, f"first request took {first:.1f} s"
+    finally:
+        srv.stop()
+    log = srv.proc.stdout.read()
+    assert "building the" in log and "built the" in log  # the start-up build said so, in one line each
+    assert not [line for line in log.splitlines() if COMPILER_OUTPUT.search(line)], log

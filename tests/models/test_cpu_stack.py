@@ -1,0 +1,45 @@
+"""The compiled decoder stack (models/cpu_stack.py) equals the layers run one by one, bit for bit,
+at every kernel level this CPU runs and for every storage dtype."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.conftest import save_tiny_model
+
+VARIANTS = ["llama-gqa-untied", "qwen2-qkv-bias", "llama-attention-bias"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> dict[str, Path]:
+    """Tiny random models of the variants with biases, with the default model's tokenizer."""
+    return {v: save_tiny_model(tmp_path_factory.mktemp(v), v, vocab_size=len(tokenizer), tokenizer=tokenizer)
+            for v in VARIANTS}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_stack_equals_the_layer_by_layer_path(kernels, models: dict[str, Path], variant: str, dtype: str) -> None:
+    llm = LLM(str(models[variant]), dtype=dtype, num_kv_blocks=64, enable_prefix_caching=False)
+    model = llm.llm_engine.executor.worker.model_runner.model.model
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]  # prompts and decodes in one step
+    stacked = llm.generate(prompts, params, use_tqdm=False)
+    assert model._stack is not None, "every piece runs on the kernels here: the stack should have served"
+    model._stack = None  # from now on, the layers one by one
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(stacked, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same floats, not just close ones
+
+
+def test_no_stack_where_a_piece_is_not_compiled(tiny_llm_dir: Path) -> None:
+    from pagedllm.layers import cpu_ops
+
+    with cpu_ops.use_level("portable"):
+        llm = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64)
+        llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.llm_engine.executor.worker.model_runner.model.model._stack is None
