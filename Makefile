@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= $(shell nproc)
 TCMALLOC := $(shell ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $$NF; exit}')
 RUN := $(if $(TCMALLOC),LD_PRELOAD=$(TCMALLOC),)
 
-.PHONY: serve demo test bench bench-serve clean-venv
+.PHONY: serve demo test bench bench-serve bench-isa clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ bench: $(STAMP)
 bench-serve: $(STAMP)
 	$(BIN)/python benchmarks/serve_sweep.py --engines pagedllm vllm \
 		--plot docs/serving_sharegpt_like.png --output-json docs/serving_sharegpt_like.json
+
+# every instruction-set level this CPU runs: single-request decode vs roofline and llama.cpp,
+# throughput vs vLLM-CPU, cold start (docs/BENCHMARKS.md, "Per instruction-set level")
+bench-isa: $(STAMP)
+	$(BIN)/python benchmarks/isa_levels.py --rounds 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

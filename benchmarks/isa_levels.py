@@ -7,7 +7,7 @@ the memory roofline and llama.cpp, offline throughput against vLLM-CPU, and cold
 
 Parts (--parts):
   single      one sequence, the same 128 random prompt ids for every engine (numpy seed 0, ids
-              1000..40000), 128 greedy tokens with EOS ignored, decode timed from the first
+              1000..40000), --gen (256) greedy tokens with EOS ignored, decode timed from the first
               generated token to the last. pagedllm runs at the level (PAGEDLLM_ISA, dtype auto)
               and reports the roofline: the bytes of weights one decode step reads divided by
               the copy bandwidth measured in the same process just before (a 1 GiB float32
@@ -230,7 +230,7 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["single", "throughput", "cold"],
                     choices=["single", "throughput", "cold"])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--gen", type=int, default=128, help="single: tokens decoded")
+    ap.add_argument("--gen", type=int, default=256, help="single: tokens decoded")
     ap.add_argument("--dry-run", action="store_true", help="print the single-decode commands, run nothing")
     args = ap.parse_args()
     if args.dry_run:

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+import pagedllm  # noqa: F401  (first: a PAGEDLLM_ISA level caps torch's own kernels before torch loads)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -27,11 +29,12 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def kernel_levels() -> list[str]:
-    """Every level with compiled kernels that this CPU runs: its own and each one below (forced)."""
-    from pagedllm.platform.cpu import LEVELS, cpu_info
+    """Every level with compiled kernels this process runs: the CPU's own (or PAGEDLLM_ISA's, which
+    makes the whole suite behave as on such a CPU) and each one below it, forced in turn."""
+    from pagedllm.platform.cpu import LEVELS, isa_level
 
-    native = cpu_info().native_level()
-    return [level for level in LEVELS[1:LEVELS.index(native) + 1] if level != "amx"]  # amx runs avx512_bf16's
+    top = isa_level()
+    return [level for level in LEVELS[1:LEVELS.index(top) + 1] if level != "amx"]  # amx runs avx512_bf16's
 
 
 def _at_level(level: str) -> Any:

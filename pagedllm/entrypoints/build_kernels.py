@@ -13,15 +13,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Builds the kernel library of this CPU's instruction-set level (or of "
                                    "PAGEDLLM_ISA's) into the cache ($PAGEDLLM_CACHE_DIR, default "
                                    "~/.cache/pagedllm), so that no engine start compiles.")
-    p.add_argument("--all", action="store_true", help="every level this CPU runs, not only its own (for tests)")
+    p.add_argument("--all", action="store_true", help="every level up to this CPU's own (or PAGEDLLM_ISA's), "
+                                                       "not only that one (the tests force each)")
     p.add_argument("--force", action="store_true", help="retry a level whose earlier build failed")
     p.add_argument("--list", action="store_true", help="show the CPU, its levels and what is cached; build nothing")
     p.set_defaults(func=run)
 
 
 def _levels(all_levels: bool) -> list[str]:
-    native = platform.cpu_info().native_level()
-    wanted = platform.LEVELS[1:platform.LEVELS.index(native) + 1] if all_levels else [platform.isa_level()]
+    top = platform.isa_level()  # the CPU's own, or PAGEDLLM_ISA's
+    wanted = platform.LEVELS[1:platform.LEVELS.index(top) + 1] if all_levels else [top]
     return sorted({lib for lib in map(build.library_level, wanted) if lib}, key=platform.LEVELS.index)
 
 

@@ -229,10 +229,11 @@ def active_level() -> str:
 
 @contextlib.contextmanager
 def use_level(level: str) -> Iterator[None]:
-    """Inside, the layers and the cpu attention backend run ``level``'s kernels (a level this CPU
-    runs; "portable": none). Tests cover every level below the machine's own this way."""
+    """Inside, the layers and the cpu attention backend run ``level``'s kernels (a level this
+    process runs: the CPU's own or PAGEDLLM_ISA's, or one below; "portable": none). Tests cover
+    every level below the machine's own this way."""
     global _level
-    before, _level = _level, platform.check_level(level, platform.cpu_info().native_level())
+    before, _level = _level, platform.check_level(level, platform.isa_level())
     try:
         yield
     finally:

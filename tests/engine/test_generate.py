@@ -142,3 +142,13 @@ def test_every_eos_id_of_generation_config_stops(tiny_llm_dir: Path, tmp_path: P
     assert out.token_ids == tokens[:tokens.index(extra) + 1]
     ignored = llm.generate("stop here", greedy, use_tqdm=False)[0].outputs[0]
     assert ignored.token_ids == tokens  # ignore_eos ignores every EOS id
+
+
+def test_float16_runs_at_every_level(tiny_llm_dir: Path, level: str) -> None:
+    """float16 checkpoints load and run: stored as float16, computed in float32 in the kernels (torch's
+    own float16 ops at the portable level); greedy tokens as float32's on this tiny model."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {dtype: LLM(str(tiny_llm_dir), dtype=dtype, num_kv_blocks=64).generate(
+        "half precision", params, use_tqdm=False)[0].outputs[0].token_ids for dtype in ("float16", "float32")}
+    assert len(tokens["float16"]) == 6
+    assert tokens["float16"][:3] == tokens["float32"][:3]
