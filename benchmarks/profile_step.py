@@ -8,6 +8,8 @@ decode step of the whole batch) and, with ``--profile``, prints a ``torch.profil
 5 more. The compiled kernels are not torch ops, so their time appears only in the step total;
 ``--op-times`` wraps the kernels and the matmuls with timers and prints milliseconds per step
 for each (the rest of the step is torch ops and Python). ``PAGEDLLM_ISA=avx2`` profiles that level.
+Where the decoder layers run as one compiled call (models/cpu_stack.py) they show as ``llama_stack``;
+``PAGEDLLM_CPU_STACK=0`` runs them one by one, so that each kernel gets its own line.
 """
 from __future__ import annotations
 
@@ -81,7 +83,8 @@ def _wrap_ops() -> dict[str, float]:
 
     kernels = active()
     if kernels is not None:  # instance attributes shadow the methods: every caller goes through the timers
-        for name in ("paged_attention", "write_kv", "rms_norm", "rotary_inplace", "silu_and_mul", "sample"):
+        for name in ("llama_stack", "paged_attention", "write_kv", "rms_norm", "rotary_inplace", "silu_and_mul",
+                     "sample", "argmax"):
             setattr(kernels, name, timed(name, getattr(kernels, name)))
     linear.linear = timed("linear (layers)", linear.linear)
     linear.silu_and_mul_linear = timed("gate_up + SiLU (fused)", linear.silu_and_mul_linear)

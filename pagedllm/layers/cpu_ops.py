@@ -206,9 +206,13 @@ class CpuKernels:
                                              tables.shape[1], lens.data_ptr(), torch.get_num_threads()))
 
 
-@functools.lru_cache(maxsize=None)
 def kernels(level: str | None = None) -> CpuKernels | None:
     """The kernels of ``level`` (default: the process's level), or None where there are none."""
+    return _kernels(level or platform.isa_level())
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(level: str) -> CpuKernels | None:  # one object per level: layers compare them by identity
     library = platform.kernels(level)
     return None if library is None else CpuKernels(library)
 

@@ -24,6 +24,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from pagedllm.errors import ValidationError
 from pagedllm.platform import build
 from pagedllm.platform.cpu import ISA_ENV, LEVELS, CpuInfo, check_level, cpu_info, is_forced, isa_level, native_bf16
 
@@ -49,8 +50,6 @@ class Switches:
 def switches() -> Switches:
     gemm = os.environ.get("PAGEDLLM_GEMM", "auto").strip().lower() or "auto"
     if gemm not in ("auto", "onednn"):
-        from pagedllm.errors import ValidationError
-
         raise ValidationError.bad_value("PAGEDLLM_GEMM", gemm, "'auto' or 'onednn'")
     return Switches(os.environ.get("PAGEDLLM_FUSED_OPS", "1").strip() != "0", gemm,
                     os.environ.get("PAGEDLLM_CPU_STACK", "1").strip() != "0")
@@ -65,13 +64,16 @@ class KernelLibrary:
     path: str
 
 
-@functools.lru_cache(maxsize=None)
 def kernels(level: str | None = None) -> KernelLibrary | None:
     """The kernel library for ``level`` (default: the active level), built or taken from the
     cache; where it does not build, the next level down (one WARNING line says which and why);
     None at the portable level or when none builds. torch must be imported first, so that the
     library's OpenMP calls bind to the libgomp.so.1 torch loaded (one thread pool for both)."""
-    level = level or isa_level()
+    return _kernels(level or isa_level())
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(level: str) -> KernelLibrary | None:
     assert "torch" in sys.modules, "import torch before loading the kernels (one OpenMP runtime)"
     wanted = build.library_level(level)
     if wanted is None:

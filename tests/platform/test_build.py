@@ -96,3 +96,24 @@ def test_a_build_killed_halfway_leaves_nothing_to_wait_on(tmp_path: Path) -> Non
     began = float(next(line for line in proc.stderr.splitlines() if "building the" in line).split()[0])
     assert began - started < 3  # the lock died with its holder: no waiting, the build starts at once
     assert (folder / build.LIBRARY_NAME).exists()
+
+
+def test_build_kernels_command_lists_levels_and_refuses_levels_above_the_cpu(tmp_path: Path) -> None:
+    from pagedllm.platform.cpu import LEVELS, cpu_info
+
+    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path)}
+    env.pop("PAGEDLLM_ISA", None)
+    cli = [sys.executable, "-m", "pagedllm.entrypoints.cli", "build-kernels"]
+    listed = subprocess.run([*cli, "--list", "--all"], env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and listed.stdout.startswith("CPU: ")
+    assert f"  {LEVEL}: not built yet" in listed.stdout  # --list builds nothing
+    built = subprocess.run([*cli], env={**env, "PAGEDLLM_ISA": LEVEL}, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0 and f"  {LEVEL}: built in" in built.stdout
+    again = subprocess.run([*cli], env={**env, "PAGEDLLM_ISA": LEVEL}, capture_output=True, text=True, timeout=120)
+    assert f"  {LEVEL}: cached: " in again.stdout
+    native = cpu_info().native_level()
+    if native != LEVELS[-1]:
+        above = LEVELS[LEVELS.index(native) + 1]
+        refused = subprocess.run([*cli], env={**env, "PAGEDLLM_ISA": above}, capture_output=True, text=True,
+                                 timeout=120)
+        assert refused.returncode == 2 and f"PAGEDLLM_ISA={above} is above what this CPU runs" in refused.stderr
