@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -22,8 +23,11 @@ def test_non_editable_install_generates_with_the_kernels(tmp_path: Path, tiny_ll
     target = next(venv.glob("lib/python*/site-packages"))
     # the dependencies come from the project's own environment (no downloads); the package itself is installed
     (target / "project_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # built from a copy: setuptools writes build/ and *.egg-info next to the sources it builds
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(ROOT)], check=True, timeout=600, capture_output=True)
+                    "--target", str(target), str(source)], check=True, timeout=600, capture_output=True)
     env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache"), "PAGEDLLM_ISA": kernel_levels()[0]}
     env.pop("PYTHONPATH", None)
     python = str(venv / "bin" / "python")
