@@ -1,7 +1,8 @@
-"""The attention backend interface and its registry.
+"""The attention backend interface, the per-step input every backend starts from, and the registry.
 
-A backend writes the step's new K/V into their cache slots and computes attention over the
-paged cache for a flat, unpadded batch in which decode tokens (query length 1) come first.
+A backend is one file: its metadata class, the builder that makes that metadata from the step's
+``StepInputs`` (and decides the order of the step's requests, if it needs one), and the backend
+itself (cache shape, forward). It becomes selectable with one ``register_backend`` line below.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -17,10 +18,17 @@ from pagedllm.errors import ValidationError
 from pagedllm.layers.cpu_ops import active
 
 
-@dataclass
-class CommonAttentionMetadata:
-    """The batch layout every backend starts from (CPU tensors, built once per step)."""
+@dataclass(kw_only=True)
+class StepInputs:
+    """One step's flat, unpadded batch (CPU tensors, built once per step by the worker): the model's
+    inputs, the layout every backend's metadata builder starts from, and the rows that sample."""
 
+    req_ids: list[str]
+    """The step's requests in batch order (the order the backend's builder chose)."""
+    input_ids: torch.Tensor
+    """(num_tokens,) int64."""
+    positions: torch.Tensor
+    """(num_tokens,) int64."""
     query_start_loc: torch.Tensor
     """(num_reqs + 1,) int32: request i's tokens are [query_start_loc[i], query_start_loc[i+1])."""
     seq_lens: torch.Tensor
@@ -29,15 +37,42 @@ class CommonAttentionMetadata:
     """(num_reqs, max_blocks) int32 physical block ids, padded with the null block 0."""
     slot_mapping: torch.Tensor
     """(num_tokens,) int64: cache slot of each new token."""
-    num_decodes: int
-    """The first num_decodes requests have exactly one query token."""
     block_size: int
+    sample_rows: list[int]
+    """Indices into req_ids of the requests that sample a token this step."""
+    logits_indices: torch.Tensor
+    """(len(sample_rows),) int64: the token row whose hidden state gives each sample."""
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        """(num_reqs,) int64 tokens of each request in this step."""
+        qsl = self.query_start_loc.long()
+        return qsl[1:] - qsl[:-1]
+
+
+class AttentionMetadataBuilder(ABC):
+    """Makes one backend's per-step metadata; one instance per model runner."""
+
+    def order(self, num_scheduled: dict[str, int]) -> list[str]:
+        """The batch order of the step's requests (``num_scheduled``: request -> tokens, in the
+        scheduler's order). Default: the scheduler's order."""
+        return list(num_scheduled)
+
+    @abstractmethod
+    def build(self, step: StepInputs) -> Any:
+        """This backend's metadata for one step, built once and shared by all layers."""
 
 
 class AttentionBackend(ABC):
     """Computes paged attention; one instance per model runner."""
 
-    name: str = ""
+    name: ClassVar[str] = ""
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]]
+
+    @staticmethod
+    @abstractmethod
+    def is_available() -> bool:
+        """Whether this backend can run on this machine (the registry asks the same function)."""
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -45,21 +80,28 @@ class AttentionBackend(ABC):
         (block_size * head_dim values), so a head's context streams block by block."""
         return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
-    @abstractmethod
-    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
-        """Backend-specific metadata for one step, built once and shared by all layers."""
+    def make_builder(self) -> AttentionMetadataBuilder:
+        """A metadata builder for this backend."""
+        return self.builder_cls()
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: Any, scale: float) -> torch.Tensor:
         """q (tokens, heads, head_dim), k/v (tokens, kv_heads, head_dim) -> (tokens, heads, head_dim).
 
-        Writes k/v into their slots of ``kv_cache`` first.
+        ``metadata`` is what this backend's builder built for the step. Writes k/v into their
+        slots of ``kv_cache`` first.
         """
 
 
-def _cpu_kernels_available() -> bool:
+def cpu_kernels_available() -> bool:
+    """The compiled kernels of this CPU's level (or a lower one) loaded."""
     return active() is not None
+
+
+def always_available() -> bool:
+    """Backends in plain torch ops run wherever torch does."""
+    return True
 
 
 @dataclass(frozen=True)
@@ -70,13 +112,27 @@ class BackendEntry:
     path: str
     """"module:Class", imported only when the backend is instantiated."""
     is_available: Callable[[], bool]
+    """The backend class's own ``is_available`` (tests check they are the same function)."""
 
 
-_BACKENDS: dict[str, BackendEntry] = {
-    "cpu": BackendEntry("pagedllm.attention.cpu_backend:CpuAttentionBackend", _cpu_kernels_available),
-    "torch": BackendEntry("pagedllm.attention.torch_backend:TorchAttentionBackend", lambda: True),
-}
+_BACKENDS: dict[str, BackendEntry] = {}
 """In order of preference for "auto"."""
+
+
+def register_backend(name: str, path: str, is_available: Callable[[], bool]) -> None:
+    """Make the backend at ``path`` ("module:Class") selectable as ``name``."""
+    if not callable(is_available):
+        raise TypeError(f"attention backend {name!r}: is_available must be a function answering whether it runs here")
+    _BACKENDS[name] = BackendEntry(path, is_available)
+
+
+register_backend("cpu", "pagedllm.attention.cpu_backend:CpuAttentionBackend", cpu_kernels_available)
+register_backend("torch", "pagedllm.attention.torch_backend:TorchAttentionBackend", always_available)
+
+
+def registered_backends() -> dict[str, BackendEntry]:
+    """Every registered backend by name, in order of preference."""
+    return dict(_BACKENDS)
 
 
 def resolve_backend_name(name: str) -> str:
@@ -93,8 +149,13 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    """Instantiate a registered backend by name (imported lazily)."""
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The class of a registered backend (imported on first use)."""
     assert name in _BACKENDS, f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}"
     module, cls = _BACKENDS[name].path.split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Instantiate a registered backend by name (imported lazily)."""
+    return backend_class(name)()

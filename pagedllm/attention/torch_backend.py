@@ -1,8 +1,9 @@
-"""Paged attention in plain torch ops: the CPU backend and the reference for every other one.
+"""Paged attention in plain torch ops: the backend where no compiled kernel runs, and the reference
+for every other one.
 
-Decode tokens (one query each) are batched: their K/V blocks are gathered through the block
-tables into a padded (requests, max_blocks * block_size) view and attended with a length
-mask in one call. Prompt chunks are attended one request at a time, causally over the cached
+Its builder orders the step's requests decodes first. Decode tokens (one query each) are batched:
+their K/V blocks are gathered through the block tables into a padded (requests, max_blocks *
+block_size) view and attended with a length mask in one call. Prompt chunks are attended one request at a time, causally over the cached
 prefix plus the chunk.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.base import AttentionBackend, CommonAttentionMetadata
+from pagedllm.attention.base import AttentionBackend, AttentionMetadataBuilder, StepInputs, always_available
 
 
 @dataclass
@@ -28,51 +29,63 @@ class PrefillChunk:
     """(query_len, seq_len) bool, True where attention is allowed; None means plain causal."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor
+    """One step for the torch backend: the new tokens' slots, the decode rows batched, the prompt
+    chunks one by one."""
+
     slot_blocks: torch.Tensor
     """(num_tokens,) block of each new token's slot."""
     slot_offsets: torch.Tensor
     """(num_tokens,) offset of each new token's slot inside its block."""
     num_decodes: int
+    """The first num_decodes requests (and token rows) are decodes: one query token each."""
     decode_blocks: torch.Tensor | None
     """(num_decodes * max_blocks,) int64 block ids of the decode requests, row by row (padding: 0)."""
     decode_mask: torch.Tensor | None
     """(num_decodes, 1, 1, max_blocks * block_size) bool: True for real keys."""
     prefills: list[PrefillChunk]
-    decode_tables: torch.Tensor | None = None
-    """(num_decodes, max_blocks) int32 block tables (backends that read the cache in place)."""
-    decode_seq_lens: torch.Tensor | None = None
-    """(num_decodes,) int32."""
 
 
-class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
+class TorchMetadataBuilder(AttentionMetadataBuilder):
+    """Puts decode requests (one query token) first, so that one SDPA call serves all of them."""
 
-    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        nd, bs = common.num_decodes, common.block_size
+    def order(self, num_scheduled: dict[str, int]) -> list[str]:
+        return sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)  # stable: decodes first
+
+    def build(self, step: StepInputs) -> TorchAttentionMetadata:
+        bs, query_lens = step.block_size, step.query_lens
+        not_decode = (query_lens != 1).nonzero()
+        nd = int(not_decode[0]) if len(not_decode) else len(query_lens)
+        assert bool((query_lens[nd:] != 1).all()), "decodes first: this builder's order() was not used"
         decode_blocks = decode_mask = None
         if nd:
-            seq_lens = common.seq_lens[:nd].long()
+            seq_lens = step.seq_lens[:nd].long()
             max_blocks = -(-int(seq_lens.max()) // bs)
-            decode_blocks = common.block_tables[:nd, :max_blocks].long().flatten()
+            decode_blocks = step.block_tables[:nd, :max_blocks].long().flatten()
             decode_mask = (torch.arange(max_blocks * bs) < seq_lens.unsqueeze(1)).view(nd, 1, 1, max_blocks * bs)
         prefills = []
-        qsl = common.query_start_loc.tolist()
-        seq_lens_list = common.seq_lens.tolist()
+        qsl = step.query_start_loc.tolist()
+        seq_lens_list = step.seq_lens.tolist()
         for i in range(nd, len(seq_lens_list)):
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens_list[i]
             query_len = end - start
             if query_len == seq_len:
                 prefills.append(PrefillChunk(start, end, seq_len, None, None))
                 continue
-            blocks = common.block_tables[i, : -(-seq_len // bs)].long()
+            blocks = step.block_tables[i, : -(-seq_len // bs)].long()
             # query row r sits at position seq_len - query_len + r and sees keys up to it
             mask = torch.ones(query_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - query_len)
             prefills.append(PrefillChunk(start, end, seq_len, blocks, mask))
-        return TorchAttentionMetadata(common.slot_mapping, common.slot_mapping // bs, common.slot_mapping % bs, nd,
-                                      decode_blocks, decode_mask, prefills)
+        return TorchAttentionMetadata(slot_blocks=step.slot_mapping // bs, slot_offsets=step.slot_mapping % bs,
+                                      num_decodes=nd, decode_blocks=decode_blocks, decode_mask=decode_mask,
+                                      prefills=prefills)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    builder_cls = TorchMetadataBuilder
+    is_available = staticmethod(always_available)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:

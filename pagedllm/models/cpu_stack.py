@@ -13,16 +13,23 @@ layers run one by one. ``PAGEDLLM_CPU_STACK=0`` turns it off (A/B measurements).
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from pagedllm import platform
 from pagedllm.attention.context import get_forward_context
+from pagedllm.attention.cpu_backend import CpuAttentionMetadata
 from pagedllm.layers.cpu_ops import DTYPE_CODES, CpuKernels, fused_ops
 
-if TYPE_CHECKING:
-    from pagedllm.models.llama import LlamaModel
+
+class DecoderModel(Protocol):
+    """What the stack reads of a Llama-family model (``models/llama.py``'s ``LlamaModel``, which
+    builds the stack: naming it here would make the two modules import each other)."""
+
+    layers: torch.nn.ModuleList
+    norm: torch.nn.Module
+
 
 _P = ctypes.c_void_p
 
@@ -46,7 +53,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class CpuDecoderStack:
     """The plan of one model's decoder layers for ``pl_llama_stack``."""
 
-    def __init__(self, model: "LlamaModel", kernels: CpuKernels) -> None:
+    def __init__(self, model: DecoderModel, kernels: CpuKernels) -> None:
         self.kernels = kernels
         first = model.layers[0]
         attn, mlp = first.self_attn, first.mlp
@@ -80,7 +87,7 @@ class CpuDecoderStack:
         return self._keep[-1].data_ptr()
 
     @classmethod
-    def build(cls, model: "LlamaModel") -> "CpuDecoderStack | None":
+    def build(cls, model: DecoderModel) -> "CpuDecoderStack | None":
         """The stack of ``model`` when every piece of it runs on the compiled kernels, else None."""
         if not platform.switches().cpu_stack or not model.layers:
             return None
@@ -96,8 +103,8 @@ class CpuDecoderStack:
     def usable(self, hidden: torch.Tensor, positions: torch.Tensor) -> bool:
         """This step can run here: same kernels active, the cpu attention backend's metadata."""
         ctx = get_forward_context()
-        return (getattr(ctx.backend, "kernels", None) is self.kernels and fused_ops(hidden) is self.kernels
-                and positions.dtype == torch.int64 and hidden.is_contiguous())
+        return (isinstance(ctx.metadata, CpuAttentionMetadata) and getattr(ctx.backend, "kernels", None) is self.kernels
+                and fused_ops(hidden) is self.kernels and positions.dtype == torch.int64 and hidden.is_contiguous())
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Embeddings (tokens, hidden) -> the final norm's output, through every layer."""
@@ -106,7 +113,7 @@ class CpuDecoderStack:
         residual = torch.empty_like(hidden)
         work = torch.empty(rows, self.work_cols, dtype=hidden.dtype)  # qkv | attention out | SiLU out, per row
         self.kernels.llama_stack(ctypes.addressof(self.plan), hidden, residual, work, positions.contiguous(),
-                                 md.slot_mapping, md.decode_tables, md.decode_seq_lens)
+                                 md.slot_mapping, md.row_tables, md.row_seq_lens)
         return hidden
 
 

@@ -1,4 +1,4 @@
-"""Per-request state kept by a worker across steps, and the flat batch built from it each step."""
+"""Per-request state kept by a worker across steps, and the flat batch (``StepInputs``) built from it each step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm.attention.base import StepInputs
 from pagedllm.layers.sampler import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
@@ -28,32 +29,9 @@ class CachedRequestState:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-@dataclass
-class StepInputs:
-    """One step's flat, unpadded model inputs (decode requests first)."""
-
-    req_ids: list[str]
-    input_ids: torch.Tensor
-    """(num_tokens,) int64."""
-    positions: torch.Tensor
-    """(num_tokens,) int64."""
-    query_start_loc: torch.Tensor
-    """(num_reqs + 1,) int32."""
-    seq_lens: torch.Tensor
-    """(num_reqs,) int32."""
-    block_tables: torch.Tensor
-    """(num_reqs, max_blocks) int32, padded with the null block 0."""
-    slot_mapping: torch.Tensor
-    """(num_tokens,) int64."""
-    num_decodes: int
-    sample_rows: list[int]
-    """Indices into req_ids of the requests that sample a token this step."""
-    logits_indices: torch.Tensor
-    """(len(sample_rows),) int64: the token row whose hidden state gives each sample."""
-
-
 def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int) -> StepInputs:
-    """Flatten the scheduled tokens of ``states`` (already in batch order) into model inputs."""
+    """Flatten the scheduled tokens of ``states`` (already in the backend builder's batch order) into
+    the step's inputs."""
     n = len(states)
     query_lens = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -71,7 +49,6 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
         block_tables[row, : len(s.block_ids)] = s.block_ids
     slot_mapping = block_tables[req_of_token, positions // block_size] * block_size + positions % block_size
     sample_rows = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
-    num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else n
     return StepInputs(
         req_ids=[s.req_id for s in states],
         input_ids=torch.from_numpy(input_ids),
@@ -80,7 +57,7 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
         block_tables=torch.from_numpy(block_tables.astype(np.int32)),
         slot_mapping=torch.from_numpy(slot_mapping),
-        num_decodes=num_decodes,
+        block_size=block_size,
         sample_rows=sample_rows,
         logits_indices=torch.from_numpy(query_start_loc[1:][sample_rows] - 1),
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.attention.base import AttentionBackend, CommonAttentionMetadata
+from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -31,6 +31,7 @@ class ModelRunner:
                  eos_token_ids: tuple[int, ...]) -> None:
         self.model = model
         self.backend = backend
+        self.builder = backend.make_builder()
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
@@ -63,13 +64,10 @@ class ModelRunner:
         _copy_blocks(self.host_kv_caches, self.kv_caches, out.blocks_to_swap_in)
         if out.is_empty:
             return ModelRunnerOutput([], [], [])
-        # decode requests (one query token) first: the attention backend batches them together
-        order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        order = self.builder.order(out.num_scheduled_tokens)  # the batch order the backend wants
         states = [self.requests[r] for r in order]
         inputs = build_step_inputs(states, [out.num_scheduled_tokens[r] for r in order], self.block_size)
-        metadata = self.backend.build_metadata(CommonAttentionMetadata(
-            inputs.query_start_loc, inputs.seq_lens, inputs.block_tables, inputs.slot_mapping,
-            inputs.num_decodes, self.block_size))
+        metadata = self.builder.build(inputs)
         with forward_context(self.backend, metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
         for state, n in zip(states, (out.num_scheduled_tokens[r] for r in order)):

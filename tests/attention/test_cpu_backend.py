@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention.base import CommonAttentionMetadata
+from pagedllm.attention.base import StepInputs
 from pagedllm.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 
@@ -14,7 +14,7 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def _batch(seq_lens: list[int], prefill: int, block_size: int, num_blocks: int, seed: int,
-           chunks: list[tuple[int, int]] | None = None) -> CommonAttentionMetadata:
+           chunks: list[tuple[int, int]] | None = None) -> StepInputs:
     """Decodes (one query each) then one prompt chunk of ``prefill`` tokens after 7 cached ones (or
     the given (query_len, seq_len) chunks); blocks scattered."""
     g = torch.Generator().manual_seed(seed)
@@ -33,8 +33,10 @@ def _batch(seq_lens: list[int], prefill: int, block_size: int, num_blocks: int, 
     rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(query_lens))
     slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
     qsl = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
-    return CommonAttentionMetadata(qsl, torch.tensor(lens, dtype=torch.int32), tables, slots, len(seq_lens),
-                                   block_size)
+    return StepInputs(req_ids=[str(i) for i in range(len(lens))], input_ids=torch.zeros_like(positions),
+                      positions=positions, query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                      block_tables=tables, slot_mapping=slots, block_size=block_size, sample_rows=[],
+                      logits_indices=torch.zeros(0, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -55,7 +57,7 @@ def test_decode_matches_torch_backend(kernels, dtype: torch.dtype, heads: int, k
     for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
         cpu = isinstance(backend, CpuAttentionBackend)
         c = CpuAttentionBackend.to_kernel_layout(cache) if cpu else cache.clone()  # the same context, its layout
-        outs.append(backend.forward(q, k, v, c, backend.build_metadata(common), head_dim ** -0.5).float())
+        outs.append(backend.forward(q, k, v, c, backend.make_builder().build(common), head_dim ** -0.5).float())
         caches.append(CpuAttentionBackend.from_kernel_layout(c) if cpu else c)
     torch.testing.assert_close(outs[1], outs[0], atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(caches[0], caches[1])  # the same slots written
@@ -80,12 +82,12 @@ def test_prompt_chunks_are_kernel_rows(kernels, dtype: torch.dtype) -> None:
     n = common.slot_mapping.shape[0]
     q, k, v = (torch.randn(n, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
     cpu = CpuAttentionBackend()
-    metadata = cpu.build_metadata(common)
-    assert metadata.num_decodes == n == 3 + sum(q for q, _ in chunks) and metadata.prefills == []
-    assert metadata.decode_seq_lens[3:8].tolist() == [1, 2, 3, 4, 5]  # causal: row r sees r + 1 positions
-    assert metadata.decode_seq_lens[3 + 5 + 30:3 + 5 + 30 + 12].tolist() == list(range(129, 141))
+    metadata = cpu.make_builder().build(common)
+    assert metadata.row_tables.shape[0] == metadata.row_seq_lens.shape[0] == n == 3 + sum(q for q, _ in chunks)
+    assert metadata.row_seq_lens[3:8].tolist() == [1, 2, 3, 4, 5]  # causal: row r sees r + 1 positions
+    assert metadata.row_seq_lens[3 + 5 + 30:3 + 5 + 30 + 12].tolist() == list(range(129, 141))
     outs = []
     for backend, md in ((TorchAttentionBackend(), None), (cpu, metadata)):
         c = CpuAttentionBackend.to_kernel_layout(cache) if md is not None else cache.clone()
-        outs.append(backend.forward(q, k, v, c, md or backend.build_metadata(common), 0.125).float())
+        outs.append(backend.forward(q, k, v, c, md or backend.make_builder().build(common), 0.125).float())
     torch.testing.assert_close(outs[1], outs[0], atol=TOL[dtype], rtol=TOL[dtype])

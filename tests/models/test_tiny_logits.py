@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.attention.base import CommonAttentionMetadata
 from pagedllm.attention.context import forward_context
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import create_engine_config
@@ -46,14 +45,13 @@ def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int
     logits: list[list[torch.Tensor]] = [[] for _ in sequences]
     for step in schedule:
         active = [(s, n) for s, n in zip(states, step) if n]
-        active.sort(key=lambda sn: sn[1] != 1)  # decodes first, as the model runner orders them
+        order = runner.builder.order({s.req_id: n for s, n in active})  # the backend's batch order
+        active.sort(key=lambda sn: order.index(sn[0].req_id))
         for s, n in active:
             while len(s.block_ids) * BLOCK_SIZE < s.num_computed_tokens + n:
                 s.block_ids.append(free.pop(len(free) // 2))
         inputs = build_step_inputs([s for s, _ in active], [n for _, n in active], BLOCK_SIZE)
-        meta = runner.backend.build_metadata(CommonAttentionMetadata(
-            inputs.query_start_loc, inputs.seq_lens, inputs.block_tables, inputs.slot_mapping,
-            inputs.num_decodes, BLOCK_SIZE))
+        meta = runner.builder.build(inputs)
         with torch.inference_mode(), forward_context(runner.backend, meta):
             out = runner.model.compute_logits(runner.model(inputs.input_ids, inputs.positions))
         qsl = inputs.query_start_loc.tolist()
