@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= $(shell nproc)
 TCMALLOC := $(shell ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $$NF; exit}')
 RUN := $(if $(TCMALLOC),LD_PRELOAD=$(TCMALLOC),)
 
-.PHONY: serve demo test bench bench-serve bench-isa clean-venv
+.PHONY: serve demo test test-fast bench bench-serve bench-isa clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,8 +40,13 @@ bench-serve: $(STAMP)
 bench-isa: $(STAMP)
 	$(BIN)/python benchmarks/isa_levels.py --rounds 2
 
+# Every test, the `slow` ones included (they load the real default model: greedy tokens and beam
+# search against transformers, bf16 against float32). `make test-fast` leaves those out.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 clean-venv:
 	rm -rf $(VENV)

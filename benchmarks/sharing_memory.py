@@ -17,7 +17,7 @@ import json
 import random
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.engine.memory_replay import TRACE_SPECS, draw_lengths
+from pagedllm.entrypoints.bench.traces import TRACE_SPECS, draw_lengths
 
 
 def measure(llm: LLM, requests: list[tuple[list[int], int]], mode: str, width: int) -> dict:

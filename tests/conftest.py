@@ -50,7 +50,10 @@ def _at_level(level: str) -> Any:
     return context, active
 
 
-@pytest.fixture(params=kernel_levels() or [pytest.param(None, marks=pytest.mark.skip("no kernel level on this CPU"))])
+NO_KERNELS = "no compiled kernel level here: the CPU (or PAGEDLLM_ISA) allows only the portable one"
+
+
+@pytest.fixture(params=kernel_levels() or [pytest.param(None, marks=pytest.mark.skip(reason=NO_KERNELS))])
 def kernels(request: pytest.FixtureRequest) -> Any:
     """The CpuKernels of one level (each level this CPU runs), made the active level for the test."""
     context, active = _at_level(request.param)

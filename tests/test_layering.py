@@ -1,18 +1,27 @@
 """DESIGN.md's layering: lower layers never import higher ones; core/ imports no torch."""
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
+from tests.import_graph import imports_of, package_modules
 
 #: Top-level module or sub-package of pagedllm -> layer (DESIGN.md: L0 ... L8).
 LAYERS = {
     "config": 0, "platform": 0, "sampling_params": 0, "request": 0, "outputs": 0, "errors": 0,
     "core": 1, "distributed": 2, "layers": 3, "attention": 3, "models": 4, "worker": 5,
     "executor": 6, "engine": 7, "entrypoints": 8,
+}
+
+MODULES = package_modules()
+"""Every module of pagedllm -> its source file."""
+
+#: Entrypoints see only the engine and L0 ...
+ENTRYPOINT_LAYERS = frozenset({0, 7, 8})
+#: ... except these packages, which may also use the named lower layers directly.
+ENTRYPOINT_EXCEPTIONS = {
+    "pagedllm.entrypoints.bench": frozenset({1}),  # the memory simulator replays core/'s Scheduler
 }
 
 
@@ -23,25 +32,26 @@ def _layer_of(module: str) -> int | None:
     return LAYERS[parts[1]]
 
 
-def _imports(path: Path) -> list[str]:
-    names = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-    return names
+def _in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _entrypoint_may_use(module: str, layer: int | None) -> bool:
+    """Whether the entrypoints module ``module`` may import a module of ``layer`` (None: not pagedllm's)."""
+    allowed = set(ENTRYPOINT_LAYERS)
+    for package, extra in ENTRYPOINT_EXCEPTIONS.items():
+        if _in_package(module, package):
+            allowed |= extra
+    return layer is None or layer in allowed
+
+
+def _imports(module: str, path: Path) -> list[str]:
+    """Every name ``module`` imports: anywhere in the file, relative ones made absolute."""
+    return [imp.target for imp in imports_of(module, path, MODULES)]
 
 
 def _modules() -> list[tuple[str, Path]]:
-    out = []
-    for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out.append((".".join(parts), path))
-    return out
+    return list(MODULES.items())
 
 
 def test_every_module_has_a_layer() -> None:
@@ -56,26 +66,39 @@ def test_no_module_imports_a_higher_layer() -> None:
         own = _layer_of(module)
         if own is None:  # the package's lazy public facade
             continue
-        for imported in _imports(path):
+        for imported in _imports(module, path):
             other = _layer_of(imported)
             if other is not None and other > own:
                 violations.append(f"{module} (L{own}) imports {imported} (L{other})")
     assert not violations, "\n".join(violations)
 
 
-def test_entrypoints_see_only_engine_and_l0() -> None:
+def test_entrypoints_see_only_engine_and_l0_and_bench_also_core() -> None:
     for module, path in _modules():
         if _layer_of(module) != 8:
             continue
-        for imported in _imports(path):
+        for imported in _imports(module, path):
             layer = _layer_of(imported)
-            assert layer in (None, 0, 7, 8), f"{module} imports {imported} (L{layer})"
+            assert _entrypoint_may_use(module, layer), f"{module} imports {imported} (L{layer})"
+
+
+def test_only_bench_may_use_core_among_the_entrypoints() -> None:
+    bench = "pagedllm.entrypoints.bench"
+    assert _entrypoint_may_use(bench, 1) and _entrypoint_may_use(f"{bench}.memory_sim.paged", 1)
+    for other in ("pagedllm.entrypoints.llm", "pagedllm.entrypoints.cli", "pagedllm.entrypoints.openai.serving",
+                  "pagedllm.entrypoints.benchmarks"):  # a name that only starts like bench is not in it
+        assert not _entrypoint_may_use(other, 1), other
+    for layer in (2, 3, 4, 5, 6):  # bench sees nothing else below the engine
+        assert not _entrypoint_may_use(f"{bench}.memory", layer), layer
+    # the exception is in use: the simulator does import core/ directly
+    assert any(_layer_of(imported) == 1 for module, path in _modules() if _in_package(module, bench)
+               for imported in _imports(module, path))
 
 
 def test_core_imports_no_torch() -> None:
     for module, path in _modules():
         if module.startswith("pagedllm.core") or _layer_of(module) == 0:
-            assert not any(i == "torch" or i.startswith("torch.") for i in _imports(path)), module
+            assert not any(i == "torch" or i.startswith("torch.") for i in _imports(module, path)), module
     # and at run time: importing the scheduler must not pull torch in through anything
     code = "import sys, pagedllm.core.scheduler; assert 'torch' not in sys.modules, 'torch loaded'"
     subprocess.run([sys.executable, "-c", code], check=True)

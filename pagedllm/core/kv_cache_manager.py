@@ -49,8 +49,9 @@ class KVCacheManager:
         """Request id -> how many of its leading blocks are already in the prefix cache."""
         self.pending_copies: list[tuple[int, int]] = []
         """(source, destination) block ids to copy before the next forward (copy-on-write)."""
-        self.replaced_tables: set[str] = set()
-        """Requests whose block table changed in place (copy-on-write): workers need the whole table."""
+        self._replaced_tables: set[str] = set()
+        """Requests whose block table changed other than by appending blocks since the scheduler last
+        sent it (started from nothing, swapped in, a block copied on write): see take_replaced_table."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,6 +124,8 @@ class KVCacheManager:
             self._copy_on_write(request, blocks)
         new_blocks = self.block_pool.get_new_blocks(max(needed, 0))
         blocks += new_blocks
+        if not held:  # a table started from nothing (new, or preempted and back)
+            self._replaced_tables.add(request.request_id)
         self.req_to_blocks[request.request_id] = blocks
         if computed_blocks:
             self.num_cached_blocks[request.request_id] = len(computed_blocks)
@@ -139,7 +142,7 @@ class KVCacheManager:
         self.pending_copies.append((shared.block_id, private.block_id))
         self.block_pool.free_blocks([shared])  # one holder fewer; the others keep it
         blocks[-1] = private
-        self.replaced_tables.add(request.request_id)
+        self._replaced_tables.add(request.request_id)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's blocks by reference (it continues from the same K/V)."""
@@ -153,7 +156,7 @@ class KVCacheManager:
         """Return all of the request's blocks; the tail goes first so it is evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.replaced_tables.discard(request.request_id)
+        self._replaced_tables.discard(request.request_id)
         self.block_pool.free_blocks(reversed(blocks))
 
     # -------------------------------------------------------------------- swap
@@ -184,8 +187,12 @@ class KVCacheManager:
         del self.req_to_host_blocks[request.request_id]
         self.host_free.extend(reversed(host))
         self.req_to_blocks[request.request_id] = blocks
-        self.replaced_tables.add(request.request_id)
+        self._replaced_tables.add(request.request_id)
         return [(h, b.block_id) for h, b in zip(host, blocks)]
+
+    def is_swapped(self, request_id: str) -> bool:
+        """The request's K/V wait in the host pool (it was preempted by swapping)."""
+        return request_id in self.req_to_host_blocks
 
     def free_host(self, request: Request) -> None:
         """Drop a swapped-out request's host blocks (it was aborted while swapped out)."""
@@ -197,7 +204,20 @@ class KVCacheManager:
         return copies
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as physical block ids (empty if it holds none)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def take_replaced_table(self, request_id: str) -> bool:
+        """Whether the request's table changed other than by appending blocks since the last call.
+
+        True once after the table was started from nothing (a new request, or one resumed after
+        a recompute preemption), swapped in, or had its last block copied on write: workers then
+        need the whole table, not just the new blocks.
+        """
+        if request_id in self._replaced_tables:
+            self._replaced_tables.discard(request_id)
+            return True
+        return False
 
     def check_integrity(self) -> bool:
         """Assert the pool's invariants; True when they hold.
@@ -219,6 +239,7 @@ class KVCacheManager:
             assert block.block_hash == block_hash, f"block {block.block_id} cached under a hash it does not carry"
         used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
         assert used + pool.num_free_blocks == pool.num_usable_blocks
+        assert self._replaced_tables <= set(self.req_to_blocks), "a replaced table nobody holds"
         host_used = [h for blocks in self.req_to_host_blocks.values() for h in blocks]
         assert len(set(host_used)) == len(host_used) and not set(host_used) & set(self.host_free)
         assert len(host_used) + len(self.host_free) == self.num_host_blocks, "host blocks leaked"

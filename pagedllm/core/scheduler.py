@@ -1,8 +1,22 @@
-"""Iteration-level scheduler: the batch is decided again at every step.
+"""Iteration-level scheduler: which requests run in the next step, and how many tokens each.
 
-Running requests first (each gets the tokens it still lacks, up to the step's token budget),
-then waiting ones in FCFS order. When the pool runs dry the newest running request is
-preempted by recompute; a step that preempted admits nobody.
+``schedule()`` decides one step within a token budget (max_num_batched_tokens):
+
+1. Running requests, oldest first, each get the tokens they still lack (a prompt or the rest of
+   it, chunked when the budget runs out, or one decode token). When the KV pool cannot hold
+   them the newest running request is preempted: its K/V go to the host pool (preemption_mode
+   "swap", while it has room) or are dropped to be recomputed, and it returns to the front of
+   the waiting queue.
+2. Unless step 1 preempted, waiting requests are admitted in arrival order while the budget,
+   max_num_seqs and the pool allow; the first that does not fit stops admission. A new request
+   starts after its longest prefix found in the prefix cache; a swapped-out one is swapped back.
+3. The other samples of an n > 1 request fork off their leader once its prompt is computed,
+   sharing its blocks (the partly filled last block is copied on write later).
+
+The SchedulerOutput tells the workers about new requests in full, known ones by their new
+blocks (the whole table when it changed in place), forks, block copies and swaps, and the
+requests finished since the last step. ``update_from_output()`` appends the sampled tokens,
+applies the stop conditions and frees a finished request's blocks at once.
 """
 from __future__ import annotations
 
@@ -12,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler_output import CachedRequestData, ForkedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.errors import ValidationError
@@ -70,9 +85,8 @@ class Scheduler:
         self.pending_forks: dict[str, list[Request]] = {}
         """Leader id -> the other samples of an n>1 request, forked once the leader's prompt is computed."""
         self._leader_of: dict[str, str] = {}
-        self._swapped: set[str] = set()
-        self._needs_full_table: set[str] = set()
         self._finished_since_last_step: set[str] = set()
+        """Requests the workers knew that finished since the last schedule(): sent with the next one."""
         self._seen_by_workers: set[str] = set()
         self.stats = SchedulerStats()
 
@@ -137,19 +151,14 @@ class Scheduler:
         self._refresh_gauges()
 
     def has_unfinished_requests(self) -> bool:
+        """Requests waiting, running or about to fork: another step has work."""
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def has_finished_to_report(self) -> bool:
-        """Finished requests the workers have not been told about yet."""
-        return bool(self._finished_since_last_step)
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: running requests, then (unless one was preempted) waiting ones."""
-        plan = _StepPlan(self.config.max_num_batched_tokens, SchedulerOutput(), time.monotonic())
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, output=SchedulerOutput(),
+                         now=time.monotonic())
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -164,7 +173,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
             assert num_new > 0, "a running request always lacks at least its newest token"
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:  # the request preempted itself
@@ -172,7 +181,12 @@ class Scheduler:
             self._add_to_batch(request, num_new, new_blocks, plan)
             index += 1
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list | None:
+    @staticmethod
+    def _num_tokens_to_schedule(request: Request, num_computed: int, plan: _StepPlan) -> int:
+        """The tokens the request lacks after ``num_computed``, as many as the step's budget leaves."""
+        return min(request.num_tokens - num_computed, plan.token_budget)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
         """Allocate slots, preempting the newest running requests until it fits (or is itself preempted)."""
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -195,20 +209,23 @@ class Scheduler:
             group = 1 + len(self.pending_forks.get(request.request_id, ()))
             if self._num_seq_slots_taken() + group > self.config.max_num_seqs:
                 break
-            new_blocks = (self._swap_in(request, plan) if request.request_id in self._swapped
-                          else self._admit(request, plan))
-            if new_blocks is None:
+            swapped = self.kv_cache_manager.is_swapped(request.request_id)
+            admitted = self._swap_in(request, plan) if swapped else self._admit(request, plan)
+            if admitted is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            self._add_to_batch(request, request.num_tokens - request.num_computed_tokens, new_blocks, plan)
+            self._add_to_batch(request, *admitted, plan)
 
-    def _admit(self, request: Request, plan: _StepPlan) -> list | None:
-        """Allocate a waiting request's slots, starting after its longest cached prefix."""
+    def _admit(self, request: Request, plan: _StepPlan) -> tuple[int, list[KVCacheBlock]] | None:
+        """Allocate a waiting request's slots, starting after its longest cached prefix.
+
+        Returns the tokens to schedule and the newly taken blocks, or None if the pool is short.
+        """
         kv = self.kv_cache_manager
         hits, num_hit = kv.get_computed_blocks(request)
-        num_new = min(request.num_tokens - num_hit, plan.token_budget)
+        num_new = self._num_tokens_to_schedule(request, num_hit, plan)
         new_blocks = kv.allocate_slots(request, num_new, hits)
         if new_blocks is None:
             return None
@@ -217,19 +234,22 @@ class Scheduler:
             request.num_cached_tokens = num_hit
         self.stats.prefix_cache_queries += request.num_tokens
         self.stats.prefix_cache_hits += num_hit
-        return new_blocks
+        return num_new, new_blocks
 
-    def _swap_in(self, request: Request, plan: _StepPlan) -> list | None:
-        num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+    def _swap_in(self, request: Request, plan: _StepPlan) -> tuple[int, list[KVCacheBlock]] | None:
+        """Bring a swapped-out request's K/V back, with room for its next tokens.
+
+        Returns the tokens to schedule and the newly taken blocks, or None if the pool is short.
+        """
+        num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
         mapping = self.kv_cache_manager.swap_in(request, num_new)
         if mapping is None:
             return None
         new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
         assert new_blocks is not None, "swap_in checked room for the new tokens"
-        self._swapped.discard(request.request_id)
         plan.output.blocks_to_swap_in += mapping
         self.stats.num_swapped_in += 1
-        return new_blocks
+        return num_new, new_blocks
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Free the request's device blocks and put it back at the queue's front.
@@ -240,14 +260,12 @@ class Scheduler:
         mapping = self.kv_cache_manager.swap_out(request) if self.config.preemption_mode == "swap" else None
         if mapping is not None:
             plan.output.blocks_to_swap_out += mapping
-            self._swapped.add(request.request_id)
             self.stats.num_swapped_out += 1
         else:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self._needs_full_table.add(request.request_id)
         self.waiting.appendleft(request)
         plan.preempted = True
         plan.output.preempted_req_ids.add(request.request_id)
@@ -266,36 +284,45 @@ class Scheduler:
                 self.running.append(sample)
                 self._seen_by_workers.add(sample.request_id)
                 plan.output.forked_reqs.append(ForkedRequestData(
-                    sample.request_id, leader.request_id, sample.sampling_params,
-                    self.kv_cache_manager.get_block_ids(sample.request_id), num_computed))
+                    req_id=sample.request_id, parent_id=leader.request_id, sampling_params=sample.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(sample.request_id),
+                    num_computed_tokens=num_computed))
                 self.stats.num_forks += 1
 
-    def _add_to_batch(self, request: Request, num_new: int, new_blocks: list, plan: _StepPlan) -> None:
+    def _add_to_batch(self, request: Request, num_new: int, new_blocks: list[KVCacheBlock], plan: _StepPlan) -> None:
+        """Put ``num_new`` tokens of the request (already within the budget) in the step's batch."""
         out = plan.output
         req_id = request.request_id
         if request.first_scheduled_time is None:
             request.first_scheduled_time = plan.now
-        num_new = min(num_new, plan.token_budget)
-        kv = self.kv_cache_manager
         if req_id not in self._seen_by_workers:
             self._seen_by_workers.add(req_id)
-            out.scheduled_new_reqs.append(NewRequestData(
-                req_id, request.prompt_token_ids, request.sampling_params, kv.get_block_ids(req_id),
-                request.num_computed_tokens, request.output_token_ids))
+            self.kv_cache_manager.take_replaced_table(req_id)  # the workers get the whole table anyway
+            out.scheduled_new_reqs.append(self._new_request_data(request))
         else:
-            # a table changed in place (resumed after preemption, copy-on-write) is sent whole
-            replace = req_id in self._needs_full_table or req_id in kv.replaced_tables
-            self._needs_full_table.discard(req_id)
-            kv.replaced_tables.discard(req_id)
-            block_ids = kv.get_block_ids(req_id) if replace else [b.block_id for b in new_blocks]
-            out.scheduled_cached_reqs.append(
-                CachedRequestData(req_id, block_ids, request.num_computed_tokens, replace))
+            out.scheduled_cached_reqs.append(self._cached_request_data(request, new_blocks))
         out.num_scheduled_tokens[req_id] = num_new
         plan.token_budget -= num_new
         if request.num_computed_tokens + num_new < request.num_tokens:
             self.stats.num_chunked_prefills += 1
         elif req_id in self.pending_forks:
             plan.forking_leaders.append(request)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        """Everything a worker needs to start tracking ``request``."""
+        return NewRequestData(
+            req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens, output_token_ids=request.output_token_ids)
+
+    def _cached_request_data(self, request: Request, new_blocks: list[KVCacheBlock]) -> CachedRequestData:
+        """A known request's new blocks, or its whole table when the table changed in place."""
+        kv = self.kv_cache_manager
+        replace = kv.take_replaced_table(request.request_id)
+        block_ids = kv.get_block_ids(request.request_id) if replace else [b.block_id for b in new_blocks]
+        return CachedRequestData(req_id=request.request_id, new_block_ids=block_ids,
+                                 num_computed_tokens=request.num_computed_tokens, replace_table=replace)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         for req_id, num_new in out.num_scheduled_tokens.items():
@@ -308,8 +335,12 @@ class Scheduler:
         self._refresh_gauges()
 
     # ------------------------------------------------------------------------- update
-    def update_from_output(self, out: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests."""
+    def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        A finished request's blocks are free at once; the workers learn that it finished from the
+        next schedule()'s ``finished_req_ids``.
+        """
         results: list[EngineCoreOutput] = []
         for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                runner_output.logprobs):
@@ -348,8 +379,6 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.kv_cache_manager.free_host(request)
-        self._swapped.discard(request.request_id)
-        self._needs_full_table.discard(request.request_id)
         for orphan in self.pending_forks.pop(request.request_id, []):  # leader gone first: samples run alone
             del self._leader_of[orphan.request_id]
             self.waiting.appendleft(orphan)

@@ -1,4 +1,7 @@
-"""The plain, picklable data the scheduler hands to workers each step."""
+"""The plain, picklable data the scheduler hands to workers each step.
+
+Every class is keyword-only: a field added later cannot shift the meaning of a positional call.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,7 +9,7 @@ from dataclasses import dataclass, field
 from pagedllm.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(kw_only=True)
 class NewRequestData:
     """A request the workers have not seen: everything needed to build its state."""
 
@@ -19,7 +22,7 @@ class NewRequestData:
     """Tokens generated before the workers saw it (beams forked mid-generation)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ForkedRequestData:
     """A sample that starts on its leader's blocks; its first token is sampled from the leader's logits."""
 
@@ -30,12 +33,12 @@ class ForkedRequestData:
     num_computed_tokens: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CachedRequestData:
     """A request the workers know: its new blocks and how far it is computed.
 
-    ``replace_table`` (after a preemption or a copy-on-write) means ``new_block_ids`` is the
-    whole table, not an addition to it.
+    ``replace_table`` (resumed after a preemption, or a block copied on write) means
+    ``new_block_ids`` is the whole table, not an addition to it.
     """
 
     req_id: str
@@ -44,7 +47,7 @@ class CachedRequestData:
     replace_table: bool = False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SchedulerOutput:
     """One step's batch. Requests are in scheduling order; all tokens are flattened."""
 
@@ -53,7 +56,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     """Request id -> tokens computed for it this step."""
     finished_req_ids: set[str] = field(default_factory=set)
-    """Requests finished since the last step: workers drop their state."""
+    """Requests finished since the last step, however long ago (an idle engine runs no step just to
+    send them): workers drop their state before running this one."""
     preempted_req_ids: set[str] = field(default_factory=set)
     forked_reqs: list[ForkedRequestData] = field(default_factory=list)
     """Samples starting this step; they sample from their parent's logits row."""

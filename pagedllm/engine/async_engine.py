@@ -123,7 +123,7 @@ class AsyncLLMEngine:
             while not self._stop:
                 self._wake.clear()
                 self._apply_commands()
-                if not self.engine.has_work():
+                if not self.engine.has_unfinished_requests():
                     self._wake.wait(timeout=1.0)
                     continue
                 outputs = self.engine.step()

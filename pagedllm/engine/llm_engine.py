@@ -136,27 +136,23 @@ class LLMEngine:
             self.beam_search.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Requests still to run: step() has work."""
         return self.scheduler.has_unfinished_requests()
-
-    def has_work(self) -> bool:
-        """Requests to run, or finished ones the workers must still be told about."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_to_report()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.requests) + len(self.beam_search.groups)
 
     # ----------------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it, and return the outputs of the requests it advanced."""
+        """Schedule one batch, run it, and return the outputs of the requests it advanced.
+
+        The batch also tells the workers which requests finished since the last step (an idle
+        engine runs no step of its own for that: they learn it with the next real one).
+        """
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        core_outputs = self.scheduler.update_from_output(runner_output)
         beams = [o for o in core_outputs if self.beam_search.owns(o.request_id)]
         outputs, stopped = self.output_processor.process([o for o in core_outputs if not self.beam_search.owns(o.request_id)])
         outputs += self.beam_search.process(beams)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if not self.scheduler.has_unfinished_requests() and self.scheduler.has_finished_to_report():
-            self.executor.execute_model(self.scheduler.schedule())  # idle now: workers drop finished states
         return outputs
 
     def take_iteration_stats(self) -> IterationStats:

@@ -11,11 +11,18 @@ import ast
 import inspect
 import typing
 from dataclasses import MISSING, Field, fields
-from typing import Any
+from typing import Any, Protocol
 
 from pagedllm.config import EngineArgs
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class SubParsers(Protocol):
+    """What ``ArgumentParser.add_subparsers()`` returns, as a command's ``add_parser(sub)`` uses it
+    (argparse names that class only privately)."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 def parse_bool(text: str) -> bool:
@@ -52,19 +59,27 @@ def _default(f: Field) -> Any:
     return None if f.default is MISSING else f.default
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, with dashes (``--max-num-seqs``)."""
+def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """One flag per EngineArgs field, with dashes (``--max-num-seqs``).
+
+    Returns each field's visible flag by field name, for a command that words one differently
+    (``actions["seed"].help = ...``).
+    """
     hints, docs = typing.get_type_hints(EngineArgs), field_docs(EngineArgs)
     group = parser.add_argument_group("engine options (LLM(...) keyword arguments)")
+    actions: dict[str, argparse.Action] = {}
     for f in fields(EngineArgs):
         flag, kind, default = "--" + f.name.replace("_", "-"), _flag_type(hints[f.name]), _default(f)
         doc = docs.get(f.name, "").replace("%", "%%")
         if kind is bool:
-            group.add_argument(flag, dest=f.name, nargs="?", const=True, default=default, type=parse_bool,
-                               metavar="true|false", help=f"{doc} (default: {default}; --no-{flag[2:]} sets false)")
+            actions[f.name] = group.add_argument(
+                flag, dest=f.name, nargs="?", const=True, default=default, type=parse_bool, metavar="true|false",
+                help=f"{doc} (default: {default}; --no-{flag[2:]} sets false)")
             group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=argparse.SUPPRESS)
         else:
-            group.add_argument(flag, dest=f.name, type=kind, default=default, help=f"{doc} (default: {default})")
+            actions[f.name] = group.add_argument(flag, dest=f.name, type=kind, default=default,
+                                                 help=f"{doc} (default: {default})")
+    return actions
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -3,12 +3,7 @@ import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
-
-
-def make_request(request_id: str, num_prompt_tokens: int) -> Request:
-    """A request with ``num_prompt_tokens`` dummy prompt tokens."""
-    return Request(request_id, list(range(1, num_prompt_tokens + 1)), SamplingParams(), eos_token_ids=0, max_tokens=16)
+from tests.core.conftest import make_request
 
 
 def grow(manager: KVCacheManager, request: Request, num_new_tokens: int) -> list[int] | None:
@@ -93,3 +88,23 @@ def test_check_integrity_catches_a_handed_out_null_block() -> None:
     manager.req_to_blocks["a"] = [manager.block_pool.null_block]
     with pytest.raises(AssertionError, match="null block"):
         manager.check_integrity()
+
+
+def test_a_table_changed_in_place_is_reported_once() -> None:
+    """Started from nothing, copied on write, swapped in: the workers need the whole table, once."""
+    manager = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False, num_host_blocks=4)
+    a, b = make_request("a", 12), make_request("b", 12)
+    grow(manager, a, 6)
+    assert manager.take_replaced_table("a") and not manager.take_replaced_table("a")
+    assert grow(manager, a, 3) == [3] and not manager.take_replaced_table("a")  # only appended
+    manager.fork(a, b)
+    b.num_computed_tokens = a.num_computed_tokens
+    grow(manager, b, 1)  # b writes into the last block it shares with a: copy on write
+    assert manager.take_replaced_table("b") and not manager.take_replaced_table("a")
+    assert manager.swap_out(a) is not None and manager.is_swapped("a") and not manager.is_swapped("b")
+    assert manager.swap_in(a, 1) is not None and not manager.is_swapped("a")
+    assert manager.take_replaced_table("a")
+    manager.free(a)
+    manager.free(b)
+    assert not manager.take_replaced_table("a") and not manager.take_replaced_table("b")
+    assert manager.check_integrity()

@@ -1,50 +1,27 @@
 """Scheduler driven by a fake model runner: exact queues, token counts and block ids per step."""
 import pytest
 
-from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedllm.errors import ValidationError
-from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedllm.outputs import EngineCoreOutput
 from pagedllm.request import Request, RequestStatus
-from pagedllm.sampling_params import SamplingParams
-
-EOS = 0
-TOKEN = 7  # what the fake model samples unless told otherwise
-
-
-def make_scheduler(num_kv_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, max_model_len: int = 1024) -> Scheduler:
-    """A scheduler over a small pool."""
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     max_model_len=max_model_len),
-                     CacheConfig(block_size=block_size, enable_prefix_caching=False), num_kv_blocks=num_kv_blocks)
+from tests.core.conftest import EOS, TOKEN, fake_runner_output, make_request, make_scheduler
 
 
 def add(scheduler: Scheduler, request_id: str, num_prompt_tokens: int, max_tokens: int = 16,
         **params: object) -> Request:
     """Queue a request with prompt tokens 1..n (never EOS)."""
-    request = Request(request_id, list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens, **params),
-                      EOS, max_tokens)
+    request = make_request(request_id, num_prompt_tokens, max_tokens, **params)
     scheduler.add_request(request)
     return request
 
 
-def fake_run(scheduler: Scheduler, out: SchedulerOutput, tokens: dict[str, int] | None = None) -> ModelRunnerOutput:
-    """One token for each scheduled request that caught up with its tokens, nothing for a prompt chunk."""
-    req_ids = list(out.num_scheduled_tokens)
-    sampled = []
-    for req_id in req_ids:
-        req = scheduler.requests[req_id]
-        done = req.num_computed_tokens == req.num_tokens
-        sampled.append([(tokens or {}).get(req_id, TOKEN)] if done else [])
-    return ModelRunnerOutput(req_ids, sampled, logprobs=[None] * len(req_ids))
-
-
 def step(scheduler: Scheduler, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]]:
-    """schedule -> fake model -> update; the schedule and the per-request news."""
+    """schedule -> fake model (``tokens``: what a request samples, else TOKEN) -> update; the schedule
+    and the per-request news."""
     out = scheduler.schedule()
-    news = scheduler.update_from_output(out, fake_run(scheduler, out, tokens))
+    news = scheduler.update_from_output(fake_runner_output(scheduler, out, lambda r: (tokens or {}).get(r, TOKEN)))
     assert scheduler.kv_cache_manager.check_integrity()
     return out, {n.request_id: n for n in news}
 
@@ -73,8 +50,8 @@ def test_fcfs_admission_and_block_growth() -> None:
     add(s, "d", 4)  # arrives while the others decode: running ones are scheduled first
     out, _ = step(s)
     assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("c", 1), ("d", 4)]
-    assert out.scheduled_cached_reqs == [CachedRequestData("a", [], 5), CachedRequestData("b", [], 3),
-                                         CachedRequestData("c", [], 9)]
+    assert out.scheduled_cached_reqs == [
+        CachedRequestData(req_id=r, new_block_ids=[], num_computed_tokens=n) for r, n in (("a", 5), ("b", 3), ("c", 9))]
     assert [n.req_id for n in out.scheduled_new_reqs] == ["d"] and blocks(s, "d") == [7]
 
     out, _ = step(s)  # b (5th token) and d (5th token) open a second block; a and c do not
@@ -103,7 +80,8 @@ def test_chunked_prefill_under_the_token_budget() -> None:
     assert out.num_scheduled_tokens == {"a": 8} and blocks(s, "a") == [1, 2] and news == {}
     assert s.stats.num_chunked_prefills == 1
     out, news = step(s)
-    assert out.scheduled_cached_reqs == [CachedRequestData("a", [3, 4], 8)] and news == {}
+    assert out.scheduled_cached_reqs == [CachedRequestData(req_id="a", new_block_ids=[3, 4], num_computed_tokens=8)]
+    assert news == {}
     assert s.stats.num_chunked_prefills == 2
     add(s, "b", 6)
     out, news = step(s)  # a's last 4 prompt tokens first, then b gets what is left of the budget
@@ -166,10 +144,12 @@ def test_preempted_request_resumes_with_its_full_block_table() -> None:
     out, news = step(s)
     assert out.finished_req_ids == {"a"} and out.scheduled_new_reqs == []
     assert out.num_scheduled_tokens == {"b": 5}
-    assert out.scheduled_cached_reqs == [CachedRequestData("b", [4, 2], 0, replace_table=True)]
+    assert out.scheduled_cached_reqs == [CachedRequestData(req_id="b", new_block_ids=[4, 2], num_computed_tokens=0,
+                                                           replace_table=True)]
     assert queues(s) == (["b"], []) and b.status == RequestStatus.RUNNING and news == {}
     out, news = step(s)
-    assert out.scheduled_cached_reqs == [CachedRequestData("b", [3], 5, replace_table=False)]
+    assert out.scheduled_cached_reqs == [CachedRequestData(req_id="b", new_block_ids=[3], num_computed_tokens=5,
+                                                           replace_table=False)]
     assert news["b"].new_token_ids == [TOKEN] and b.output_token_ids == [TOKEN, TOKEN]
 
 
@@ -177,12 +157,12 @@ def test_abort_frees_blocks_at_once() -> None:
     s = make_scheduler(num_kv_blocks=8)
     add(s, "a", 8), add(s, "b", 4)
     out = s.schedule()
-    runner_output = fake_run(s, out)
+    runner_output = fake_runner_output(s, out)
     add(s, "c", 4)
     s.finish_requests(["a", "c"], RequestStatus.FINISHED_ABORTED)  # a between schedule and update
     assert blocks(s, "a") == [] and s.kv_cache_manager.block_pool.free_queue.block_ids() == [4, 5, 6, 7, 2, 1]
     assert queues(s) == (["b"], []) and set(s.requests) == {"b"}
-    news = s.update_from_output(out, runner_output)
+    news = s.update_from_output(runner_output)
     assert [n.request_id for n in news] == ["b"]
     out, _ = step(s)
     assert out.finished_req_ids == {"a"}  # c was never sent to the workers

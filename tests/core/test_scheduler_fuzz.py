@@ -3,16 +3,13 @@ import random
 
 import pytest
 
-from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import cdiv
-from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import ValidationError
-from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
+from tests.core.conftest import EOS, fake_runner_output, make_scheduler
 
-EOS = 0
 NUM_KV_BLOCKS = 64
 MAX_NUM_SEQS = 8
 MAX_NUM_BATCHED_TOKENS = 48
@@ -28,10 +25,9 @@ class Fuzzer:
         self.sharing = sharing
         """Prefix caching, shared prompt prefixes, n>1 samples that fork, and swap preemption."""
         self.prefixes = [[self.rng.randint(1, 999) for _ in range(n)] for n in (0, 20, 40, 70)]
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                            max_model_len=4096, preemption_mode="swap" if sharing else "recompute"),
-            CacheConfig(block_size=block_size, enable_prefix_caching=sharing), num_kv_blocks=NUM_KV_BLOCKS,
+        self.scheduler = make_scheduler(
+            NUM_KV_BLOCKS, block_size, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, max_model_len=4096,
+            enable_prefix_caching=sharing, preemption_mode="swap" if sharing else "recompute",
             num_host_blocks=24 if sharing else 0)
         self.next_id = 0
         self.seen_by_workers: set[str] = set()
@@ -71,15 +67,9 @@ class Fuzzer:
             self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
             assert self.scheduler.kv_cache_manager.get_block_ids(req_id) == []
 
-    def fake_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """A token (EOS with 5% chance) for each request that caught up; none for a prompt chunk."""
-        req_ids = list(out.num_scheduled_tokens) + [f.req_id for f in out.forked_reqs]
-        sampled = []
-        for req_id in req_ids:
-            req = self.scheduler.requests[req_id]
-            done = req.num_computed_tokens == req.num_tokens
-            sampled.append([EOS if self.rng.random() < 0.05 else self.rng.randint(1, 999)] if done else [])
-        return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+    def sample(self, req_id: str) -> int:
+        """The fake model's token: EOS with 5% chance, else a random one."""
+        return EOS if self.rng.random() < 0.05 else self.rng.randint(1, 999)
 
     def step(self, arrivals: bool) -> None:
         """One engine step with random events around it, then the invariant checks."""
@@ -92,10 +82,10 @@ class Fuzzer:
                 self.abort_one()
         out = self.scheduler.schedule()
         self.check_schedule(out)
-        runner_output = self.fake_model(out)
+        runner_output = fake_runner_output(self.scheduler, out, self.sample)
         if arrivals and rng.random() < 0.02:
             self.abort_one()  # between schedule and update: its token is dropped
-        for news in self.scheduler.update_from_output(out, runner_output):
+        for news in self.scheduler.update_from_output(runner_output):
             self.check_news(news.request_id, news.finish_reason)
         self.check_state()
 

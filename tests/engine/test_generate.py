@@ -1,16 +1,15 @@
 """The offline API end to end on a tiny random model with a real tokenizer."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
 
-
-@pytest.fixture(scope="module")
-def llm(tiny_llm_dir: Path) -> LLM:
-    return LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=256, block_size=16)
+LLM_OPTIONS = dict(num_kv_blocks=256, block_size=16)
+"""The module's shared ``llm`` (tests/engine/conftest.py)."""
 
 
 def test_outputs_in_input_order_with_vllm_fields(llm: LLM) -> None:
@@ -90,6 +89,7 @@ def test_abort_frees_everything(llm: LLM) -> None:
     engine = llm.llm_engine
     engine.add_request("x", "abort me", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("y", "keep me", SamplingParams(max_tokens=3, ignore_eos=True))
+    seq_ids = engine.output_processor.seq_ids("x") + engine.output_processor.seq_ids("y")
     engine.step()
     engine.step()
     engine.abort_request("x")
@@ -99,7 +99,26 @@ def test_abort_frees_everything(llm: LLM) -> None:
     assert finished == ["y"]
     kv = engine.scheduler.kv_cache_manager
     assert kv.check_integrity() and kv.num_free_blocks == kv.block_pool.num_usable_blocks
-    assert not engine.executor.worker.model_runner.requests  # the worker dropped both states
+    engine.add_request("z", "next one", SamplingParams(max_tokens=1))
+    z_ids = engine.output_processor.seq_ids("z")
+    engine.step()  # the next real step tells the worker what finished since the last one
+    worker_states = set(engine.executor.worker.model_runner.requests)
+    assert worker_states == set(z_ids) and not worker_states & set(seq_ids)  # the worker dropped both states
+
+
+def test_an_idle_engine_runs_no_step(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finished ids ride on the next real step: nothing runs between two generate() calls."""
+    engine = llm.llm_engine
+    batches = []
+    run = engine.executor.execute_model
+    monkeypatch.setattr(engine.executor, "execute_model", lambda out: batches.append(out) or run(out))
+    first = llm.generate("one", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert all(not out.is_empty for out in batches) and len(batches) == 2
+    (first_id,) = {r.req_id for r in batches[0].scheduled_new_reqs}
+    llm.generate("two", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert all(not out.is_empty for out in batches) and len(batches) == 4
+    assert first_id in batches[2].finished_req_ids and first_id not in engine.executor.worker.model_runner.requests
+    assert first[0].outputs[0].token_ids and not engine.has_unfinished_requests()
 
 
 def test_chat_applies_the_template(llm: LLM) -> None:
@@ -116,20 +135,21 @@ def test_engine_statistics(llm: LLM) -> None:
     assert 0 < stats.max_kv_cache_usage <= 1 and stats.kv_cache_usage == 0
 
 
-def test_kv_cache_memory_sizes_the_pool(tiny_llm_dir: Path) -> None:
+def test_kv_cache_memory_sizes_the_pool(make_llm: Callable[..., LLM]) -> None:
     """Blocks = bytes // (2 * layers * block_size * kv_heads * head_dim * dtype size)."""
-    llm = LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="1MiB", block_size=16)
+    llm = make_llm(kv_cache_memory="1MiB", block_size=16)
     per_block = 2 * 2 * 16 * 2 * 16 * 4  # tiny model: 2 layers, 2 KV heads of 16 dims, float32
     assert llm.get_stats().num_kv_blocks == (1 << 20) // per_block
 
 
-def test_every_eos_id_of_generation_config_stops(tiny_llm_dir: Path, tmp_path: Path) -> None:
+def test_every_eos_id_of_generation_config_stops(make_llm: Callable[..., LLM], tiny_llm_dir: Path,
+                                                 tmp_path: Path) -> None:
     """Llama-3 style checkpoints list several EOS ids in generation_config.json: any of them stops."""
     import json
     import shutil
 
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    free = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64).generate("stop here", greedy, use_tqdm=False)
+    free = make_llm(num_kv_blocks=64).generate("stop here", greedy, use_tqdm=False)
     tokens = free[0].outputs[0].token_ids
     extra = next(t for t in tokens[2:] if t not in tokens[:2])  # a token first generated at step >= 2
     folder = tmp_path / "model"
@@ -144,11 +164,11 @@ def test_every_eos_id_of_generation_config_stops(tiny_llm_dir: Path, tmp_path: P
     assert ignored.token_ids == tokens  # ignore_eos ignores every EOS id
 
 
-def test_float16_runs_at_every_level(tiny_llm_dir: Path, level: str) -> None:
+def test_float16_runs_at_every_level(make_llm: Callable[..., LLM], level: str) -> None:
     """float16 checkpoints load and run: stored as float16, computed in float32 in the kernels (torch's
     own float16 ops at the portable level); greedy tokens as float32's on this tiny model."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    tokens = {dtype: LLM(str(tiny_llm_dir), dtype=dtype, num_kv_blocks=64).generate(
+    tokens = {dtype: make_llm(dtype=dtype, num_kv_blocks=64).generate(
         "half precision", params, use_tqdm=False)[0].outputs[0].token_ids for dtype in ("float16", "float32")}
     assert len(tokens["float16"]) == 6
     assert tokens["float16"][:3] == tokens["float32"][:3]

@@ -1,7 +1,7 @@
 """Memory sharing: prefix caching, n>1 samples forked from one prompt, swap preemption."""
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
@@ -25,9 +25,9 @@ def _clean(llm: LLM) -> None:
     assert len(kv.host_free) == kv.num_host_blocks
 
 
-def test_prefix_caching_same_outputs_far_less_compute(tiny_llm_dir: Path) -> None:
-    plain = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
-    cached = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=128)
+def test_prefix_caching_same_outputs_far_less_compute(make_llm: Callable[..., LLM]) -> None:
+    plain = make_llm(num_kv_blocks=128, enable_prefix_caching=False)
+    cached = make_llm(num_kv_blocks=128)
     expected = _tokens(plain.generate(_prompts(), GREEDY, use_tqdm=False))
     outputs = cached.generate(_prompts()[:1], GREEDY, use_tqdm=False)
     outputs += cached.generate(_prompts()[1:], GREEDY, use_tqdm=False)
@@ -41,8 +41,8 @@ def test_prefix_caching_same_outputs_far_less_compute(tiny_llm_dir: Path) -> Non
     _clean(cached)
 
 
-def test_prefix_cache_reuses_the_physical_blocks(tiny_llm_dir: Path) -> None:
-    llm = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64)
+def test_prefix_cache_reuses_the_physical_blocks(make_llm: Callable[..., LLM]) -> None:
+    llm = make_llm(num_kv_blocks=64)
     engine, kv = llm.llm_engine, llm.llm_engine.scheduler.kv_cache_manager
     tables = []
     for i, prompt in enumerate(_prompts(2)):
@@ -57,9 +57,9 @@ def test_prefix_cache_reuses_the_physical_blocks(tiny_llm_dir: Path) -> None:
     _clean(llm)
 
 
-def test_eviction_under_a_small_pool_keeps_outputs(tiny_llm_dir: Path) -> None:
-    plain = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
-    small = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=64)
+def test_eviction_under_a_small_pool_keeps_outputs(make_llm: Callable[..., LLM]) -> None:
+    plain = make_llm(num_kv_blocks=128, enable_prefix_caching=False)
+    small = make_llm(num_kv_blocks=16, max_num_batched_tokens=64)
     prompts = _prompts(3) + [{"prompt_token_ids": list(range(5000, 5100)) + [i]} for i in range(3)] + _prompts(3)
     expected = _tokens(plain.generate(prompts, GREEDY, use_tqdm=False))
     assert _tokens(small.generate(prompts, GREEDY, use_tqdm=False)) == expected
@@ -68,22 +68,22 @@ def test_eviction_under_a_small_pool_keeps_outputs(tiny_llm_dir: Path) -> None:
     _clean(small)
 
 
-def test_cache_salt_separates_tenants(tiny_llm_dir: Path) -> None:
-    llm = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64)
+def test_cache_salt_separates_tenants(make_llm: Callable[..., LLM]) -> None:
+    llm = make_llm(num_kv_blocks=64)
     llm.generate({"prompt_token_ids": SHARED + [1], "cache_salt": "a"}, GREEDY, use_tqdm=False)
     other = llm.generate({"prompt_token_ids": SHARED + [1], "cache_salt": "b"}, GREEDY, use_tqdm=False)[0]
     same = llm.generate({"prompt_token_ids": SHARED + [1], "cache_salt": "a"}, GREEDY, use_tqdm=False)[0]
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 144
 
 
-def test_n_samples_compute_the_prompt_once_and_share_blocks(tiny_llm_dir: Path) -> None:
+def test_n_samples_compute_the_prompt_once_and_share_blocks(make_llm: Callable[..., LLM]) -> None:
     prompt = {"prompt_token_ids": list(range(200, 200 + 70))}
     params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
-    shared = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    shared = make_llm(num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
     out = shared.generate(prompt, params, use_tqdm=False)[0]
     s = shared.get_stats()
     assert s.num_prompt_tokens_computed == 70 and s.num_forks == 3
-    separate = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    separate = make_llm(num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
     singles = [SamplingParams(temperature=1.0, seed=5 + i, max_tokens=10, ignore_eos=True) for i in range(4)]
     alone = separate.generate([prompt] * 4, singles, use_tqdm=False)
     t = separate.get_stats()
@@ -99,9 +99,9 @@ def test_n_samples_compute_the_prompt_once_and_share_blocks(tiny_llm_dir: Path) 
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_n_samples_under_preemption(tiny_llm_dir: Path, n: int) -> None:
-    roomy = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=128)
-    tight = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=14, max_num_batched_tokens=48)
+def test_n_samples_under_preemption(make_llm: Callable[..., LLM], n: int) -> None:
+    roomy = make_llm(num_kv_blocks=128)
+    tight = make_llm(num_kv_blocks=14, max_num_batched_tokens=48)
     prompts = [{"prompt_token_ids": list(range(300 + 7 * i, 340 + 7 * i))} for i in range(4)]
     # top_k=5: the two runs batch tokens differently, so logits differ in the last bits (~1e-6, as
     # GEMMs of other shapes round differently); over the tiny random model's near-flat 49k-token
@@ -113,14 +113,14 @@ def test_n_samples_under_preemption(tiny_llm_dir: Path, n: int) -> None:
     _clean(tight)
 
 
-def test_swap_and_recompute_give_the_same_outputs(tiny_llm_dir: Path) -> None:
+def test_swap_and_recompute_give_the_same_outputs(make_llm: Callable[..., LLM]) -> None:
     prompts = [{"prompt_token_ids": list(range(400 + 11 * i, 460 + 11 * i))} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # 100 tokens: 7 blocks each
-    roomy = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    roomy = make_llm(num_kv_blocks=256, enable_prefix_caching=False)
     expected = _tokens(roomy.generate(prompts, params, use_tqdm=False))
     for mode in ("recompute", "swap"):
-        tight = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=16, block_size=16, preemption_mode=mode,
-                    swap_space=0.001, enable_prefix_caching=False)
+        tight = make_llm(num_kv_blocks=16, block_size=16, preemption_mode=mode,
+                         swap_space=0.001, enable_prefix_caching=False)
         assert _tokens(tight.generate(prompts, params, use_tqdm=False)) == expected, mode
         stats = tight.get_stats()
         assert stats.num_preemptions > 0

@@ -1,6 +1,7 @@
 """Bad input raises ValidationError naming the parameter and value; nothing leaks afterwards."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -8,9 +9,8 @@ import pytest
 from pagedllm import LLM, SamplingParams, ValidationError
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llm_dir: Path) -> LLM:
-    return LLM(str(tiny_llm_dir), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=4)
+LLM_OPTIONS = dict(max_model_len=64, num_kv_blocks=32, block_size=4)
+"""The module's shared ``llm`` (tests/engine/conftest.py)."""
 
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -78,8 +78,8 @@ def test_refused_request_in_a_batch_leaves_nothing_behind(llm: LLM) -> None:
     _assert_clean(llm)
 
 
-def test_request_larger_than_the_pool(tiny_llm_dir: Path) -> None:
-    small = LLM(str(tiny_llm_dir), dtype="float32", max_model_len=64, num_kv_blocks=5, block_size=4)
+def test_request_larger_than_the_pool(make_llm: Callable[..., LLM]) -> None:
+    small = make_llm(max_model_len=64, num_kv_blocks=5, block_size=4)
     with pytest.raises(ValidationError, match="pool") as err:
         small.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=20), use_tqdm=False)
     assert err.value.param == "max_tokens"

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedllm.engine.memory_replay import TRACE_SPECS
 from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.bench import throughput
 from pagedllm.entrypoints.bench.datasets import (
@@ -27,6 +26,7 @@ from pagedllm.entrypoints.bench.datasets import (
     word_token_ids,
     write_sharegpt_file,
 )
+from pagedllm.entrypoints.bench.traces import TRACE_SPECS
 from pagedllm.errors import ValidationError
 
 ROOT = Path(__file__).resolve().parents[2]

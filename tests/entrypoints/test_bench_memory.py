@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.engine import memory_replay
-from pagedllm.engine.memory_replay import (ORCA_SCHEMES, SCHEMES, ContiguousAllocator, MemoryBenchConfig,
-                                            TraceRequest, beam_search_blocks, draw_lengths,
-                                            parallel_sampling_blocks, run_benchmark, simulate_contiguous)
+from pagedllm.entrypoints.bench.memory_sim.benchmark import SCHEMES, MemoryBenchConfig, run_benchmark
+from pagedllm.entrypoints.bench.memory_sim.contiguous import (ORCA_SCHEMES, ContiguousAllocator,
+                                                              simulate_contiguous)
+from pagedllm.entrypoints.bench.memory_sim.series import PoolLimits
+from pagedllm.entrypoints.bench.memory_sim.sharing import (beam_search_blocks, parallel_sampling_blocks,
+                                                           sharing_savings)
+from pagedllm.entrypoints.bench.traces import TRACE_SPECS, TraceRequest, draw_lengths
 from pagedllm.errors import ValidationError
 
 NUM_REQUESTS = 200
@@ -84,8 +87,8 @@ def test_sharing_block_counts_by_hand() -> None:
 
 def test_forked_samples_on_the_real_manager_match_the_count() -> None:
     trace = [TraceRequest(i, 0, p, o) for i, (p, o) in enumerate([(20, 3), (16, 40), (33, 17), (5, 60), (48, 1)])]
-    rows = memory_replay.sharing_savings(trace, 16, 2048, (2, 3), divergence=32, use_manager=True)
-    counted = memory_replay.sharing_savings(trace, 16, 2048, (2, 3), divergence=32, use_manager=False)
+    rows = sharing_savings(trace, 16, 2048, (2, 3), divergence=32, use_manager=True)
+    counted = sharing_savings(trace, 16, 2048, (2, 3), divergence=32, use_manager=False)
     for row, ref in zip(rows, counted):
         assert row["method"] == ("KVCacheManager.fork" if row["mode"] == "parallel_sampling" else "analytic")
         assert row["shared_block_steps"] == ref["shared_block_steps"], (row, ref)
@@ -107,8 +110,8 @@ def test_external_fragmentation_is_counted_while_the_head_cannot_fit() -> None:
     # 100 slots: a takes [0, 60) and b [60, 90) at step 0; c needs 50 and waits while 10 slots
     # (then 40, once b finished after step 4) lie free, until a finishes after step 9.
     trace = [TraceRequest(0, 0, 50, 10), TraceRequest(1, 0, 25, 5), TraceRequest(2, 0, 40, 10)]
-    limits = memory_replay.PoolLimits(kv_slots=100, block_size=4, max_model_len=64, max_num_seqs=8,
-                               max_num_batched_tokens=1000)
+    limits = PoolLimits(kv_slots=100, block_size=4, max_model_len=64, max_num_seqs=8,
+                        max_num_batched_tokens=1000)
     series = simulate_contiguous(trace, limits, "orca-oracle")
     assert series.steps == list(range(20))  # c runs steps 10 .. 19
     assert (series.token_states[0], series.reserved[0], series.internal[0]) == (75, 15, 0)
@@ -118,7 +121,7 @@ def test_external_fragmentation_is_counted_while_the_head_cannot_fit() -> None:
 
 
 def test_trace_lengths_follow_the_documented_distributions() -> None:
-    for name, spec in memory_replay.TRACE_SPECS.items():
+    for name, spec in TRACE_SPECS.items():
         pairs = draw_lengths(spec, 4000, 2048, seed=0)
         assert all(4 <= p and 4 <= o and p + o <= 2048 for p, o in pairs)
         assert sum(p for p, _ in pairs) / len(pairs) == pytest.approx(spec.mean_input, rel=0.15), name

@@ -41,7 +41,8 @@ def test_gemm_matches_float32_reference(kernels, dtype: torch.dtype, rows: int, 
     w = (torch.randn(out_features, in_features, generator=g) * 0.1).to(dtype)
     if not kernels.gemm_suits(w):
         assert in_features % 2 and kernels.gemm_layout(dtype).even_k  # only vdpbf16ps needs pairs
-        return
+        pytest.skip(f"{kernels.level} packs {dtype} weights in pairs along K (vdpbf16ps): odd in_features "
+                    f"{in_features} is not ours to run (prepack leaves it to oneDNN or torch)")
     _check(kernels, x, w, None)
     _check(kernels, x, w, torch.randn(out_features, generator=g).to(dtype))
 

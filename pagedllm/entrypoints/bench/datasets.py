@@ -7,7 +7,7 @@ for it); the benchmark sends each with temperature 1.0, top_p 1.0, ``ignore_eos`
 - ``random``: input / output lengths drawn uniformly from the integers in
   ``[floor(len * (1 - r)), ceil(len * (1 + r))]`` (r = range ratio in [0, 1)), prompts of random
   token ids. With r = 0 the prompts are exactly those of :func:`random_prompts`.
-- ``sharegpt-like`` / ``alpaca-like``: lengths drawn from ``memory_replay.TRACE_SPECS`` (seeded
+- ``sharegpt-like`` / ``alpaca-like``: lengths drawn from ``traces.TRACE_SPECS`` (seeded
   lognormals, see :func:`describe_synthetic`), prompts of random token ids.
 - ``sharegpt``: a ShareGPT-format JSON file read with vLLM's rules (:func:`load_sharegpt`).
 
@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.engine.memory_replay import TRACE_SPECS, TraceSpec, draw_lengths
+from pagedllm.entrypoints.bench.traces import TRACE_SPECS, TraceSpec, draw_lengths
 from pagedllm.errors import ValidationError
 
 DATASET_NAMES = ("random", "sharegpt-like", "alpaca-like", "sharegpt")
 SYNTHETIC = {"sharegpt-like": "sharegpt", "alpaca-like": "alpaca"}
-"""Synthetic dataset name -> key of ``memory_replay.TRACE_SPECS``."""
+"""Synthetic dataset name -> key of ``traces.TRACE_SPECS``."""
 
 SHAREGPT_MIN_LEN = 4
 """Pairs whose prompt or completion has fewer tokens are skipped (vLLM's rule)."""
@@ -111,7 +111,7 @@ def describe_synthetic(sep: str = "; ") -> str:
 
 def synthetic_lengths(name: str, num: int, seed: int,
                       max_total_len: int = SHAREGPT_MAX_TOTAL_LEN) -> list[tuple[int, int]]:
-    """``num`` seeded (prompt_len, output_len) pairs of a synthetic trace (``memory_replay.draw_lengths``).
+    """``num`` seeded (prompt_len, output_len) pairs of a synthetic trace (``traces.draw_lengths``).
 
     Each is clipped to at least 4 tokens and prompt + output <= ``max_total_len``.
     """

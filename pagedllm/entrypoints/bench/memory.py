@@ -1,23 +1,21 @@
 """``pagedllm bench memory``: the PagedAttention paper's memory-waste analysis on our scheduler.
 
-The replay itself lives in ``pagedllm.engine.memory_replay``; this module is its command line,
-tables and plot.
+The simulator itself lives in :mod:`pagedllm.entrypoints.bench.memory_sim`; this module is its
+command line, tables and plot (matplotlib is imported only for ``--plot``).
 """
 from __future__ import annotations
-
-from pagedllm.entrypoints.bench import emit_json
 
 import argparse
 import sys
 
-from pagedllm.engine.memory_replay import (
-    MemoryBenchConfig,
-    PLOT_POINTS,
-    TRACE_SPECS,
-    TraceRun,
-    run_benchmark,
-)
+from pagedllm.entrypoints.bench import emit_json
+from pagedllm.entrypoints.bench.memory_sim.benchmark import MemoryBenchConfig, TraceRun, run_benchmark
+from pagedllm.entrypoints.bench.traces import TRACE_SPECS
+from pagedllm.entrypoints.cli_args import SubParsers
 from pagedllm.errors import ValidationError
+
+PLOT_POINTS = 2000
+"""Most points per plotted series (longer series are strided)."""
 
 
 def format_tables(result: dict) -> str:
@@ -115,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of KV use over time per scheme and trace")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: SubParsers) -> None:
     p = sub.add_parser("memory", help="KV-memory waste of paged vs contiguous allocation (no model)",
                        description=HELP)
     add_arguments(p)
