@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from pagedllm.errors import ValidationError
 
@@ -132,11 +132,6 @@ class SamplingParams:
         """Parameters of sample ``index`` of an n>1 request: one sequence, seed offset by index."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        """Public field names (for CLIs and servers)."""
-        return [f.name for f in fields(cls) if not f.name.startswith("_")]
 
 
 @dataclass

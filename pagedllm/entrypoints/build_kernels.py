@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from pagedllm import platform
+from pagedllm.entrypoints.cli_args import SubParsers
 from pagedllm.platform import build
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: SubParsers) -> None:
     p = sub.add_parser("build-kernels", help="build the compiled CPU kernels now (they are cached)",
                        description="Builds the kernel library of this CPU's instruction-set level (or of "
                                    "PAGEDLLM_ISA's) into the cache ($PAGEDLLM_CACHE_DIR, default "

@@ -1,1 +1,1 @@
-"""Executors: run the workers (one process now; multiprocess / Ray later) behind one interface."""
+"""Executors: run the workers behind one interface (today one worker in the engine's process)."""

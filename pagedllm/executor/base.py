@@ -1,4 +1,9 @@
-"""The executor interface the engine talks to: the same calls at tp=1, tp=N and across Ray."""
+"""The executor interface the engine talks to.
+
+One implementation exists: ``UniProcExecutor`` (executor/uniproc.py), one worker in the engine's
+own process (tp=1). Executors that run tensor-parallel workers in other processes come with the
+distributed-execution issue; they implement these same calls, so the engine does not change.
+"""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -8,7 +13,11 @@ from pagedllm.outputs import ModelRunnerOutput
 
 
 class Executor(ABC):
-    """Runs every worker on each step's plain-data SchedulerOutput."""
+    """Runs every worker on each step's plain-data SchedulerOutput.
+
+    Every worker (one per tensor-parallel rank; today only rank 0) gets the same
+    SchedulerOutput, and the engine reads rank 0's sampled tokens.
+    """
 
     @abstractmethod
     def determine_num_kv_blocks(self) -> int:

@@ -12,16 +12,6 @@ alpaca-like | sharegpt``): every request asks for exactly its output length (``m
 """
 from __future__ import annotations
 
-from pagedllm.entrypoints.bench import emit_json
-from pagedllm.entrypoints.bench.datasets import (
-    BenchRequest,
-    add_dataset_args,
-    check_dataset_args,
-    dataset_seed,
-    requests_from_args,
-    summarize,
-)
-
 import argparse
 import asyncio
 import json
@@ -32,6 +22,16 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from pagedllm.entrypoints.bench import emit_json
+from pagedllm.entrypoints.bench.datasets import (
+    BenchRequest,
+    add_dataset_args,
+    check_dataset_args,
+    dataset_seed,
+    requests_from_args,
+    summarize,
+)
+from pagedllm.entrypoints.cli_args import SubParsers
 from pagedllm.errors import ValidationError
 
 
@@ -46,7 +46,7 @@ class RequestResult:
     error: str = ""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: SubParsers) -> None:
     p = sub.add_parser("serve", help="load a running server with Poisson arrivals (streaming)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")

@@ -24,7 +24,7 @@ from pagedllm.entrypoints.bench.datasets import (
     summarize,
     write_sharegpt_file,
 )
-from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
+from pagedllm.entrypoints.cli_args import SubParsers, add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -75,14 +75,13 @@ oversample, both vLLM's and ours in the same way.
 """
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: SubParsers) -> None:
     p = sub.add_parser("throughput", help="offline throughput (random, synthetic or ShareGPT datasets)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataset_args(p)
     p.add_argument("--num-prompts", type=int, default=256, help="number of requests (default: 256)")
     p.add_argument("--output-json", default=None, help="also write the JSON result to this file")
-    add_engine_args(p)
-    _set_help(p, "seed", "seed of the engine and of the dataset (shuffle, lengths, token ids) (default: 0)")
+    add_engine_args(p)["seed"].help = "seed of the engine and of the dataset (shuffle, lengths, token ids) (default: 0)"
     p.set_defaults(func=run)
 
     m = sub.add_parser("make-dataset", help="write a ShareGPT-format JSON of a synthetic trace",
@@ -94,12 +93,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--output", required=True, help="JSON file to write")
     m.add_argument("--model", default=None, help="whose tokenizer decodes the ids (default: SmolLM2-135M-Instruct)")
     m.set_defaults(func=make_dataset)
-
-
-def _set_help(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
-    for action in parser._actions:
-        if action.dest == dest:
-            action.help = text
 
 
 def build_requests(ns: argparse.Namespace, llm: LLM, seed: int) -> list[BenchRequest]:

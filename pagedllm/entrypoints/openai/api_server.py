@@ -6,7 +6,9 @@ import contextlib
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -29,6 +31,8 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger("pagedllm.server")
+_SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that start a graceful shutdown."""
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -189,13 +193,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 class _Server(uvicorn.Server):
     """uvicorn's graceful shutdown on SIGINT/SIGTERM, then exit status 0.
 
-    uvicorn re-raises the captured signal after shutting down (the process then dies "of"
-    SIGTERM); a server that shut down cleanly on request should exit 0 instead.
+    uvicorn's own ``capture_signals`` re-raises the caught signal once the server has shut down
+    (the process then dies "of" SIGTERM); a server that shut down cleanly on request should exit
+    0 instead. This one routes the same signals to uvicorn's ``handle_exit`` (first: graceful
+    shutdown; a second SIGINT: force exit), restores the previous handlers, and re-raises nothing.
     """
 
-    def handle_exit(self, sig: int, frame: object) -> None:
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # handlers can only be set from the main thread (uvicorn does the same)
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _SHUTDOWN_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:

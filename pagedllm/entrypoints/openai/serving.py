@@ -73,9 +73,6 @@ class OpenAIServing:
             raise
         return streams
 
-    def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
     @staticmethod
     def top_entries(entry: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
         """The top-N (by rank) of one position's logprobs."""
