@@ -117,15 +117,26 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split across ranks."""
+    """How the model is split across ranks, and which executor runs them."""
 
     tensor_parallel_size: int = 1
-    """Ranks that share each layer (only 1 is implemented so far)."""
+    """Ranks that share each layer (Megatron-style: heads and MLP columns split, all-reduce after)."""
+    distributed_executor_backend: str | None = None
+    """"uni" (one worker in the engine's process), "mp" (a worker process per rank on this machine)
+    or "ray" (a Ray actor per rank, any number of machines); None: "uni" at tp=1, else "mp"."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValidationError.bad_value("tensor_parallel_size", self.tensor_parallel_size,
-                                            "1 (tensor parallelism is not implemented yet)")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValidationError.bad_value("tensor_parallel_size", tp, "a positive integer")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            object.__setattr__(self, "distributed_executor_backend", "uni" if tp == 1 else "mp")
+        elif backend not in ("uni", "mp", "ray"):
+            raise ValidationError.bad_value("distributed_executor_backend", backend, "'uni', 'mp' or 'ray'")
+        elif backend == "uni" and tp > 1:
+            raise ValidationError.bad_value("distributed_executor_backend", backend,
+                                            "'mp' or 'ray' with tensor_parallel_size > 1 (uni runs one rank)")
 
 
 @dataclass(frozen=True)
@@ -191,7 +202,10 @@ class EngineArgs:
     seed: int = 0
     """Seed of the engine's random generator."""
     tensor_parallel_size: int = 1
-    """Ranks per layer (1 only, for now)."""
+    """Ranks per layer (each holds its share of the heads, MLP columns and vocabulary, and of the KV cache)."""
+    distributed_executor_backend: str | None = None
+    """"mp" (worker processes on this machine; the default at tensor_parallel_size > 1), "ray" (Ray
+    actors, several machines) or "uni" (in process; tensor_parallel_size 1 only)."""
     device: str = "cpu"
     """Device to run on."""
     attention_backend: str = "auto"

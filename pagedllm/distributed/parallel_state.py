@@ -1,7 +1,17 @@
-"""Which tensor-parallel rank this process is. At tp=1 (no process group) rank 0 of 1."""
+"""Which tensor-parallel rank this process is, and how layer dimensions split across ranks.
+
+At tp=1 (no process group) every process is rank 0 of 1. Workers of a tensor-parallel engine
+call ``init_distributed`` before they build the model: the layers read their rank when they
+are constructed.
+"""
 from __future__ import annotations
 
+import dataclasses
+import datetime
+
 import torch.distributed as dist
+
+from pagedllm.errors import ValidationError
 
 
 def get_tp_world_size() -> int:
@@ -14,7 +24,68 @@ def get_tp_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str = "gloo",
+                     timeout_s: float = 600.0) -> None:
+    """Join the tensor-parallel group (``init_method``: "tcp://host:port", rank 0 hosts the store)."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def destroy_distributed() -> None:
+    """Leave the group (no-op when there is none)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def divide(numerator: int, denominator: int) -> int:
     """Exact division of a layer dimension across ranks."""
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
     return numerator // denominator
+
+
+def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of part ``index`` when ``total`` is split into ``parts`` near-equal runs
+    (the first ``total % parts`` runs one longer): 10 into 3 -> 4, 3, 3."""
+    size, extra = divmod(total, parts)
+    start = index * size + min(index, extra)
+    return start, size + (1 if index < extra else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one rank holds: query heads [q_start, q_start + num_heads) and KV heads
+    [kv_start, kv_start + num_kv_heads), with every query head's KV head among them."""
+
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
+    """Split attention heads across ranks along GQA groups (a query head never leaves its KV head).
+
+    With at least as many KV heads as ranks, KV heads split evenly (uneven when they do not
+    divide: 3 KV heads on 2 ranks -> 2 and 1) and each rank takes the query heads of its KV
+    heads. With fewer KV heads than ranks, each KV head is replicated on ``tp_size //
+    num_kv_heads`` ranks that split its query heads (as vLLM replicates them).
+    """
+    if num_heads % num_kv_heads:
+        raise ValidationError(f"{num_heads} attention heads do not form groups over {num_kv_heads} KV heads",
+                              param="tensor_parallel_size", value=tp_size)
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp_size:
+        kv_start, kv_count = split_evenly(num_kv_heads, tp_size, tp_rank)
+        return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
+    if tp_size % num_kv_heads:
+        raise ValidationError(
+            f"tensor_parallel_size {tp_size} must be a multiple of the model's {num_kv_heads} KV heads when it "
+            "exceeds them (each KV head is replicated on the same number of ranks)",
+            param="tensor_parallel_size", value=tp_size)
+    replicas = tp_size // num_kv_heads
+    if group < replicas:
+        raise ValidationError(f"tensor_parallel_size {tp_size} exceeds the model's {num_heads} attention heads",
+                              param="tensor_parallel_size", value=tp_size)
+    kv_head = tp_rank // replicas
+    q_start, q_count = split_evenly(group, replicas, tp_rank % replicas)
+    return HeadShard(kv_head * group + q_start, q_count, kv_head, 1)

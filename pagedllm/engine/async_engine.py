@@ -52,9 +52,12 @@ class _Abort:
 class AsyncLLMEngine:
     """Serves many concurrent callers from one engine; ``generate`` yields RequestOutputs."""
 
-    def __init__(self, engine: LLMEngine, on_step: StepCallback | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_step: StepCallback | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step
+        self.on_dead = on_dead
+        """Called once (from the engine thread) when the loop dies: e.g. the server exits non-zero."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -62,10 +65,13 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.dead_error: BaseException | None = None
+        self._worker_failure: BaseException | None = None
+        engine.executor.register_failure_callback(self._on_worker_failure)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, on_step: StepCallback | None = None) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_engine_args(args, log_stats=True), on_step)
+    def from_engine_args(cls, args: EngineArgs, on_step: StepCallback | None = None,
+                         on_dead: Callable[[BaseException], None] | None = None) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(args, log_stats=True), on_step, on_dead)
 
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -107,11 +113,12 @@ class AsyncLLMEngine:
         return self.engine.get_stats()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
-        """Abort everything still running and stop the loop."""
+        """Abort everything still running, stop the loop and the engine's workers."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+        await asyncio.to_thread(self.engine.shutdown)
 
     def _send(self, command: _Add | _Abort) -> None:
         self._commands.put(command)
@@ -122,6 +129,8 @@ class AsyncLLMEngine:
         try:
             while not self._stop:
                 self._wake.clear()
+                if self._worker_failure is not None:  # a worker died while the engine was idle
+                    raise self._worker_failure
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(timeout=1.0)
@@ -134,6 +143,14 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self.dead_error = e
             self._fail_all(e)
+            if self.on_dead is not None:
+                self.on_dead(e)
+
+    def _on_worker_failure(self, error: BaseException) -> None:
+        """The executor saw a worker fail (any thread): /health turns 503 now, the loop stops."""
+        self._worker_failure = error
+        self.dead_error = self.dead_error or error
+        self._wake.set()
 
     def _pending_commands(self) -> Iterator[_Add | _Abort]:
         """The commands queued so far, oldest first (taken off the queue)."""

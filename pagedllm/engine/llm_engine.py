@@ -15,7 +15,8 @@ from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.processor import MAX_LOGPROBS, Processor, PromptType
 from pagedllm.errors import ValidationError
-from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.distributed.parallel_state import shard_heads
+from pagedllm.executor.base import Executor
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import load_arch_config, load_eos_token_ids, load_tokenizer, resolve_model_path
 from pagedllm.outputs import RequestOutput
@@ -51,6 +52,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
                                         f"an integer in [1, the model's context length {limit}]")
     if isinstance(args.seed, bool) or not isinstance(args.seed, int):
         raise ValidationError.bad_value("seed", args.seed, "an integer")
+    parallel = ParallelConfig(args.tensor_parallel_size, args.distributed_executor_backend)
+    for rank in range(parallel.tensor_parallel_size):  # refuse a split the model cannot take before any worker starts
+        shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     config = EngineConfig(
         model=ModelConfig(path, dtype, max_model_len, args.seed),
@@ -58,7 +62,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
                           args.swap_space),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len,
                                   args.preemption_mode),
-        parallel=ParallelConfig(args.tensor_parallel_size),
+        parallel=parallel,
         device=DeviceConfig(args.device, args.attention_backend),
     )
     return config, arch
@@ -77,10 +81,14 @@ class LLMEngine:
         self.tokenizer = tokenizer
         eos = load_eos_token_ids(config.model.model, arch, tokenizer)
         self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos)
-        self.executor = UniProcExecutor(config, arch, eos)
-        self.num_kv_blocks = self.executor.determine_num_kv_blocks()
-        self.num_host_blocks = self.executor.determine_num_host_blocks()
-        self.executor.initialize_cache(self.num_kv_blocks, self.num_host_blocks)
+        self.executor = Executor.get_class(config)(config, arch, eos)
+        try:
+            self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+            self.num_host_blocks = self.executor.determine_num_host_blocks()
+            self.executor.initialize_cache(self.num_kv_blocks, self.num_host_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.num_host_blocks)
         self.output_processor = OutputProcessor(tokenizer, log_stats)
         self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
@@ -154,6 +162,10 @@ class LLMEngine:
         outputs += self.beam_search.process(beams)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes, Ray actors); idempotent."""
+        self.executor.shutdown()
 
     def take_iteration_stats(self) -> IterationStats:
         """Timing facts since the last call: times to first token, inter-token latencies, finished requests."""

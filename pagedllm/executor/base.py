@@ -1,36 +1,96 @@
-"""The executor interface the engine talks to.
+"""The executor interface the engine talks to, and the choice of executor.
 
-One implementation exists: ``UniProcExecutor`` (executor/uniproc.py), one worker in the engine's
-own process (tp=1). Executors that run tensor-parallel workers in other processes come with the
-distributed-execution issue; they implement these same calls, so the engine does not change.
+Three implementations run the same ``Worker`` (worker/worker.py): ``UniProcExecutor`` (one
+worker in the engine's own process, tp=1), ``MultiprocExecutor`` (one worker process per
+tensor-parallel rank on this machine) and ``RayDistributedExecutor`` (one Ray actor per rank,
+on any number of machines).
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
 
+from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.errors import ValidationError
+from pagedllm.models.config import ArchConfig
 from pagedllm.outputs import ModelRunnerOutput
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+"""Values of ``distributed_executor_backend``."""
+
+EXECUTE_TIMEOUT_ENV = "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+"""Seconds a step may take on a worker before the engine declares it hung (default 300)."""
+
+
+def execute_timeout() -> float:
+    """The step timeout (EXECUTE_TIMEOUT_ENV)."""
+    raw = os.environ.get(EXECUTE_TIMEOUT_ENV, "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValidationError.bad_value(EXECUTE_TIMEOUT_ENV, raw, "a positive number of seconds")
+    return value
+
+
+class WorkerError(RuntimeError):
+    """A worker died, failed or stopped answering; the engine cannot go on. Names the rank."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class Executor(ABC):
     """Runs every worker on each step's plain-data SchedulerOutput.
 
-    Every worker (one per tensor-parallel rank; today only rank 0) gets the same
-    SchedulerOutput, and the engine reads rank 0's sampled tokens.
+    Every worker (one per tensor-parallel rank) gets the same SchedulerOutput, and the engine
+    reads rank 0's sampled tokens (every rank samples the same ones).
     """
 
-    @abstractmethod
-    def determine_num_kv_blocks(self) -> int:
-        """KV blocks that fit on every worker."""
+    failure: WorkerError | None = None
+    """Set once a worker failed; every later call raises it."""
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        """The executor class for ``config.parallel.distributed_executor_backend``."""
+        backend = config.parallel.distributed_executor_backend
+        if backend == "uni":
+            from pagedllm.executor.uniproc import UniProcExecutor
+            return UniProcExecutor
+        if backend == "mp":
+            from pagedllm.executor.multiproc import MultiprocExecutor
+            return MultiprocExecutor
+        from pagedllm.executor.ray_executor import RayDistributedExecutor
+        return RayDistributedExecutor
+
+    def register_failure_callback(self, callback: Callable[[WorkerError], None]) -> None:
+        """Call ``callback`` (from any thread) as soon as a worker fails, even between steps."""
 
     @abstractmethod
-    def determine_num_host_blocks(self) -> int:
-        """Host (swap) blocks every worker can hold; 0 unless preemption_mode is "swap"."""
-
-    @abstractmethod
-    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        """Allocate ``num_blocks`` device and ``num_host_blocks`` host KV blocks on every worker."""
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """Call ``Worker.<method>(*args)`` on every rank; the results in rank order."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; returns the (rank 0) sampled tokens."""
+        """Run one step on every rank; returns rank 0's sampled tokens."""
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV blocks that fit on every worker (the smallest rank's answer)."""
+        return min(self.collective_rpc("determine_num_kv_blocks"))
+
+    def determine_num_host_blocks(self) -> int:
+        """Host (swap) blocks every worker can hold; 0 unless preemption_mode is "swap"."""
+        return min(self.collective_rpc("determine_num_host_blocks"))
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        """Allocate ``num_blocks`` device and ``num_host_blocks`` host KV blocks on every worker
+        (the same block ids on every rank; each holds its own heads)."""
+        self.collective_rpc("initialize_cache", (num_blocks, num_host_blocks))
+
+    def shutdown(self) -> None:
+        """Stop every worker and free what they hold (idempotent)."""

@@ -1,4 +1,8 @@
-"""Vocabulary-parallel token embedding and LM head (each rank holds a slice of the vocabulary)."""
+"""Vocabulary-parallel token embedding and LM head (each rank holds a slice of the vocabulary).
+
+Every rank holds ``ceil(vocab / tp)`` rows so the gathered logits line up; the last rank's rows
+past the vocabulary are zero padding, cut off after the gather.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
-from pagedllm.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedllm.layers.prepack import PackedWeight, can_prepack, linear, prepack
 
 
@@ -17,16 +21,18 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.num_embeddings = num_embeddings
-        self.rows_per_partition = divide(num_embeddings, self.tp_size)
+        self.rows_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.rows_per_partition
-        self.weight = nn.Parameter(torch.empty(self.rows_per_partition, embedding_dim, dtype=dtype),
+        # rows of this slice that are real tokens (the rest is padding, zero)
+        self.num_real_rows = max(0, min(self.rows_per_partition, num_embeddings - self.vocab_start))
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_partition, embedding_dim, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of the full embedding matrix."""
         assert loaded.shape[0] == self.num_embeddings, (loaded.shape, self.num_embeddings)
-        param.data.copy_(loaded.narrow(0, self.vocab_start, self.rows_per_partition))
+        param.data[:self.num_real_rows].copy_(loaded.narrow(0, self.vocab_start, self.num_real_rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -53,4 +59,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         """(tokens, hidden) -> (tokens, vocab) logits in float32, or in the weights' dtype with
         ``keep_dtype`` (the sampler reads bf16 directly: no float32 copy of a (256, 49k) array)."""
         logits = tensor_model_parallel_all_gather(linear(hidden_states, self.weight, self.packed_weight), dim=-1)
+        if logits.shape[-1] != self.num_embeddings:  # the padding rows of the last rank
+            logits = logits[:, :self.num_embeddings].contiguous()
         return logits if keep_dtype else logits.float()

@@ -2,7 +2,9 @@
 
 Column-parallel layers split the output features (no communication); row-parallel layers
 split the input features and sum the partial products with an all-reduce. Packed layers
-(QKV, gate_up) load each checkpoint shard into its slice through ``weight_loader``.
+(QKV, gate_up) load each checkpoint shard into its slice through ``weight_loader``. A dimension
+that does not divide by the number of ranks splits unevenly (``split_evenly``; attention along
+GQA groups, ``shard_heads``): SmolLM2-135M's 9 heads / 3 KV heads run on 2 ranks as 6 + 3.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_reduce
-from pagedllm.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size
+from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_world_size, shard_heads, split_evenly
 from pagedllm.layers.prepack import (PackedWeight, can_prepack, linear, prepack, silu_and_mul_linear, silu_interleave,
                                      silu_pack)
 
@@ -39,11 +41,13 @@ class ColumnParallelLinear(_PrepackedLinear):
     """y = x W^T + b with W split by rows (output features) across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, partition: tuple[int, int] | None = None) -> None:
+        """``partition``: (first row, rows) of this rank; default: an even split of output_size."""
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.input_size = input_size
-        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self.output_start, self.output_size_per_partition = (
+            partition if partition is not None else split_evenly(output_size, self.tp_size, self.tp_rank))
         self.weight = _param(self.output_size_per_partition, input_size, dtype=dtype)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(self.output_size_per_partition, dtype=dtype) if bias else None
@@ -52,8 +56,7 @@ class ColumnParallelLinear(_PrepackedLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of a full checkpoint tensor."""
-        rows = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
+        param.data.copy_(loaded.narrow(0, self.output_start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -70,7 +73,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  dtype: torch.dtype | None = None) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, dtype)
+        # each projection splits on its own: this rank's slice of every one, back to back
+        self.shards = [split_evenly(size, get_tp_world_size(), get_tp_rank()) for size in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, dtype, partition=(0, sum(n for _, n in self.shards)))
 
     def pack_for_silu_and_mul(self) -> None:
         """For a [gate, up] pair on a CPU where our GEMM runs: pack the rows interleaved so one
@@ -96,37 +101,43 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of checkpoint shard ``shard_id`` (an index into output_sizes)."""
         assert isinstance(shard_id, int)
-        size = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        start, size = self.shards[shard_id]
+        offset = sum(n for _, n in self.shards[:shard_id])
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections packed in one matmul; heads are split across ranks."""
+    """Q, K and V projections packed in one matmul; heads split across ranks along GQA groups."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, dtype: torch.dtype | None = None) -> None:
-        tp_size = get_tp_world_size()
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, tp_size)
-        self.num_kv_heads = divide(num_kv_heads, tp_size)
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, dtype)
+        self.heads = shard_heads(num_heads, num_kv_heads, get_tp_world_size(), get_tp_rank())
+        self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads
+        rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, dtype, partition=(0, rows))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        """Copy this rank's heads of checkpoint shard "q", "k" or "v"."""
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        """Copy this rank's heads of checkpoint shard "q", "k" or "v" (replicated KV heads: the same
+        rows on several ranks)."""
+        h, d = self.heads, self.head_dim
+        q_size, kv_size = h.num_heads * d, h.num_kv_heads * d
+        offset, start, size = {"q": (0, h.q_start * d, q_size), "k": (q_size, h.kv_start * d, kv_size),
+                               "v": (q_size + kv_size, h.kv_start * d, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(_PrepackedLinear):
     """y = x W^T + b with W split by columns (input features); partial sums all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, partition: tuple[int, int] | None = None) -> None:
+        """``partition``: (first column, columns) of this rank; default: an even split of input_size
+        (the split of the column-parallel layer that feeds it)."""
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
-        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.input_start, self.input_size_per_partition = (
+            partition if partition is not None else split_evenly(input_size, self.tp_size, self.tp_rank))
         self.weight = _param(output_size, self.input_size_per_partition, dtype=dtype)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(output_size, dtype=dtype) if bias else None
@@ -135,8 +146,7 @@ class RowParallelLinear(_PrepackedLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's columns of a full checkpoint tensor."""
-        cols = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * cols, cols))
+        param.data.copy_(loaded.narrow(1, self.input_start, param.shape[1]))
 
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         param.data.copy_(loaded)

@@ -33,7 +33,9 @@ class LlamaAttention(nn.Module):
                                           bias=cfg.qkv_bias, dtype=dtype)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        heads = self.qkv_proj.heads  # o_proj reads exactly the attention output of this rank's query heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype,
+                                        partition=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim))
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, scale=cfg.head_dim ** -0.5)
 

@@ -146,3 +146,41 @@ def cap_torch_to_forced_level(environ: dict[str, str] | None = None) -> dict[str
     applied = {k: v for k, v in caps.items() if k not in env}
     env.update(applied)
     return applied
+
+
+THREADS_BIND_ENV = "PAGEDLLM_CPU_OMP_THREADS_BIND"
+"""Cores per local rank, ranks separated by "|" ("0-3|4-7"; as vLLM's VLLM_CPU_OMP_THREADS_BIND),
+or "all" (no binding: every rank may use every core). Unset: the cores this process may use,
+split evenly between the ranks of this machine."""
+
+
+def _parse_cores(spec: str) -> list[int]:
+    cores: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        cores.extend(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def rank_cores(local_rank: int, local_world_size: int, environ: dict[str, str] | None = None) -> list[int] | None:
+    """The cores local rank ``local_rank`` of ``local_world_size`` binds its threads to (None: no
+    binding). Ranks of one machine get disjoint cores so their kernels do not fight over them."""
+    env = os.environ if environ is None else environ
+    spec = env.get(THREADS_BIND_ENV, "").strip()
+    if spec == "all":
+        return None
+    if spec:
+        parts = spec.split("|")
+        if len(parts) != local_world_size:
+            raise ValidationError(f"{THREADS_BIND_ENV}={spec!r} names {len(parts)} core sets for "
+                                  f"{local_world_size} ranks on this machine", param=THREADS_BIND_ENV, value=spec)
+        try:
+            return _parse_cores(parts[local_rank])
+        except ValueError:
+            raise ValidationError(f"{THREADS_BIND_ENV}={spec!r}: core sets are like 0-3,8 separated by |",
+                                  param=THREADS_BIND_ENV, value=spec) from None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < local_world_size:  # more ranks than cores: ranks share them round-robin
+        return [cores[local_rank % len(cores)]]
+    per_rank = len(cores) // local_world_size
+    return cores[local_rank * per_rank:(local_rank + 1) * per_rank]

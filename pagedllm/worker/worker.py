@@ -1,7 +1,9 @@
-"""A worker: one device's model shard, KV cache tensors and model runner."""
+"""A worker: one device's (one rank's) model shard, KV cache tensors and model runner."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 import torch
 from tqdm.auto import tqdm
@@ -9,12 +11,14 @@ from tqdm.auto import tqdm
 from pagedllm import platform
 from pagedllm.attention.base import get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, available_memory_bytes
+from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import iter_weights
 from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.platform.cpu import rank_cores
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -25,19 +29,47 @@ DEFAULT_KV_FRACTION = 0.4
 DEFAULT_KV_CAP = 4 * 1024**3
 
 
-class Worker:
-    """Loads the model, sizes and allocates the KV pool, runs steps."""
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    """Where a worker sits among the tensor-parallel ranks (plain data: executors send it)."""
 
-    def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
+    rank: int = 0
+    """Its rank in the group (0 returns the sampled tokens)."""
+    local_rank: int = 0
+    """Its index among the ranks on the same machine (picks its cores)."""
+    local_world_size: int = 1
+    """Ranks on the same machine (they share its cores and memory)."""
+    distributed_init_method: str | None = None
+    """"tcp://host:port" of rank 0's store; None at tp=1."""
+
+
+class Worker:
+    """Loads this rank's model shard, sizes and allocates its KV pool, runs steps."""
+
+    def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...],
+                 rank_info: RankInfo | None = None) -> None:
         self.config = config
         self.arch = arch
+        self.rank_info = info = rank_info or RankInfo()
         self.dtype = getattr(torch, config.model.dtype)
+        tp = config.parallel.tensor_parallel_size
+        self.cores: list[int] | None = None
+        if tp > 1:  # before torch starts its thread pools: they inherit the affinity
+            self.cores = rank_cores(info.local_rank, info.local_world_size)
+            if self.cores is not None:
+                os.sched_setaffinity(0, self.cores)
+                torch.set_num_threads(len(self.cores))
+            assert info.distributed_init_method is not None, "a tensor-parallel worker needs rank 0's address"
+            init_distributed(info.rank, tp, info.distributed_init_method)
+        self.num_kv_heads = shard_heads(arch.num_heads, arch.num_kv_heads, tp, info.rank).num_kv_heads
         # the kernels are built (or read from the cache) here, before any request can arrive
         backend = get_attention_backend(resolve_backend_name(config.device.attention_backend))
-        logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
+        if info.rank == 0:
+            logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
         model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)
-        model.load_weights(tqdm(iter_weights(config.model.model, arch), desc="Loading weights", unit=" tensors",
-                                leave=False, dynamic_ncols=True))
+        weights = iter_weights(config.model.model, arch)
+        model.load_weights(tqdm(weights, desc="Loading weights", unit=" tensors", leave=False, dynamic_ncols=True,
+                                disable=info.rank != 0 or None))  # one bar, not one per rank
         for module in model.modules():  # once the checkpoint is in: e.g. weights packed for the CPU GEMM
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
@@ -48,16 +80,21 @@ class Worker:
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers (K and V)."""
         a, bs = self.arch, self.config.cache.block_size
-        return 2 * a.num_layers * bs * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.num_layers * bs * self.num_kv_heads * a.head_dim * self.dtype.itemsize  # this rank's heads
 
     def determine_num_kv_blocks(self) -> int:
-        """num_kv_blocks if given, else kv_cache_memory (or the default) / bytes per block."""
+        """num_kv_blocks if given, else kv_cache_memory (or the default) / bytes per block.
+
+        kv_cache_memory is per rank (as vLLM's per device); the default shares this machine's
+        free memory between the ranks on it. The executor takes the smallest answer of all ranks.
+        """
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         budget = cache.kv_cache_memory
         if budget is None:
-            budget = min(DEFAULT_KV_CAP, int(available_memory_bytes() * DEFAULT_KV_FRACTION))
+            budget = min(DEFAULT_KV_CAP, int(available_memory_bytes() * DEFAULT_KV_FRACTION)
+                         // self.rank_info.local_world_size)
             # never more than every running sequence at full length could use
             most = (sched.max_num_seqs * -(-sched.max_model_len // cache.block_size) + 1) * self.kv_block_bytes()
             budget = min(budget, most)
@@ -65,8 +102,6 @@ class Worker:
         if num_blocks < 2:
             raise ValidationError.bad_value("kv_cache_memory", budget,
                                             f"at least 2 KV blocks ({2 * self.kv_block_bytes()} bytes)")
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cache.block_size,
-                    num_blocks * self.kv_block_bytes() / 1024**3)
         return num_blocks
 
     def determine_num_host_blocks(self) -> int:
@@ -77,7 +112,35 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.model_runner.initialize_kv_cache(num_blocks, self.dtype, num_host_blocks)
+        tp = self.config.parallel.tensor_parallel_size
+        where = "" if tp == 1 else f"rank {self.rank_info.rank}/{tp}: "
+        cores = "" if self.cores is None else f" on cores {_core_ranges(self.cores)}"
+        logger.info("%sdevice cpu, %d threads%s; KV cache %d blocks of %d tokens, %d KV heads (%.2f GiB)", where,
+                    torch.get_num_threads(), cores, num_blocks, self.config.cache.block_size, self.num_kv_heads,
+                    num_blocks * self.kv_block_bytes() / 1024**3)
+
+    def kv_cache_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of every layer's KV tensor on this rank (tests check the head split)."""
+        return [tuple(t.shape) for t in self.model_runner.kv_caches]
+
+    def request_token_ids(self) -> dict[str, list[int]]:
+        """Every live request's tokens as this rank sampled them (tests check the ranks agree)."""
+        return {req_id: list(state.token_ids) for req_id, state in self.model_runner.requests.items()}
+
+    def shutdown(self) -> None:
+        """Leave the process group."""
+        destroy_distributed()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+
+def _core_ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)

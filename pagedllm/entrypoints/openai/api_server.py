@@ -31,6 +31,10 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger("pagedllm.server")
+DEAD_EXIT_DELAY_S = 2.0
+"""Seconds a server whose engine died keeps answering (503 on /health, errors on requests) before
+it exits with status 1: health checkers see why."""
+
 _SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The signals that start a graceful shutdown."""
 
@@ -217,9 +221,21 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
     keys = ns.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
     metrics = ServerMetrics(names[0])
-    engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step)
+    server: _Server | None = None
+
+    def on_dead(error: BaseException) -> None:  # the engine thread: /health already says 503
+        logger.error("the engine died (%s); the server exits with status 1 in %.0f s", error, DEAD_EXIT_DELAY_S)
+        timer = threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead)
     app = build_app(engine, metrics, names, keys)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
-    _Server(config).run()
-    return 0
+    server = _Server(config)
+    try:
+        server.run()
+    finally:
+        engine.engine.shutdown()  # also when uvicorn could not start (port in use): no worker left behind
+    return 1 if engine.dead_error is not None else 0

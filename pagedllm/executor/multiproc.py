@@ -1,0 +1,263 @@
+"""One worker process per tensor-parallel rank on this machine (``distributed_executor_backend="mp"``).
+
+Workers are started with spawn and join a gloo group through a TCP store on 127.0.0.1. Each
+step's SchedulerOutput is pickled once and the same bytes are written to every worker's pipe
+(pipes, not a shared-memory ring: measured in docs/BENCHMARKS.md, "Tensor parallelism"); only
+rank 0 answers a step. A worker that dies, raises or stops answering fails the engine with an
+error naming its rank, and every worker is stopped; a worker whose engine process is gone
+exits on its own (EOF on its pipe, and the kernel's parent-death signal).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing as mp
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, NoReturn
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.executor.base import Executor, WorkerError, execute_timeout
+from pagedllm.models.config import ArchConfig
+from pagedllm.outputs import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+"""Seconds a worker may take to load its shard (and build the kernels on a fresh machine)."""
+POLL_S = 0.5
+"""How often a wait checks that no worker is stopped (SIGSTOP, a debugger)."""
+_SHUTDOWN = "__shutdown__"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _WorkerHandle:
+    rank: int
+    process: Any  # multiprocessing's SpawnProcess
+    commands: Connection  # engine -> worker
+    results: Connection  # worker -> engine
+
+
+class MultiprocExecutor(Executor):
+    """N local worker processes, one per rank; the engine's process only schedules."""
+
+    def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
+        from pagedllm.worker.worker import RankInfo  # the engine process itself loads no model code
+        tp = config.parallel.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        level = logging.getLogger("pagedllm").getEffectiveLevel()
+        self.failure: WorkerError | None = None
+        self._callbacks: list = []
+        self._closing = False
+        self._lock = threading.Lock()
+        self.workers: list[_WorkerHandle] = []
+        for rank in range(tp):
+            cmd_read, cmd_write = ctx.Pipe(duplex=False)
+            res_read, res_write = ctx.Pipe(duplex=False)
+            info = RankInfo(rank, rank, tp, init_method)
+            proc = ctx.Process(target=_worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
+                               args=(config, arch, eos_token_ids, info, cmd_read, res_write, level))
+            proc.start()
+            cmd_read.close()  # the child's ends: ours closed, so EOF reaches whoever outlives the other
+            res_write.close()
+            self.workers.append(_WorkerHandle(rank, proc, cmd_write, res_read))
+        self._finalizer = weakref.finalize(self, _stop_workers, self.workers)
+        try:
+            self._collect(range(tp), STARTUP_TIMEOUT_S, "start")
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(target=self._watch, name="pagedllm-worker-monitor", daemon=True)
+        self._monitor.start()
+
+    # --------------------------------------------------------------- calls
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        self._broadcast(method, args, reply=True)
+        results = self._collect(range(len(self.workers)), execute_timeout(), method)
+        return [results[rank] for rank in range(len(self.workers))]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._broadcast("execute_model", (scheduler_output,), reply=False)
+        return self._collect((0,), execute_timeout(), "execute_model")[0]
+
+    def register_failure_callback(self, callback: Any) -> None:
+        self._callbacks.append(callback)
+
+    def shutdown(self) -> None:
+        self._closing = True
+        self._finalizer()
+
+    # --------------------------------------------------------------- plumbing
+    def _broadcast(self, method: str, args: tuple, reply: bool) -> None:
+        """One pickle, the same bytes to every worker (nothing per rank is serialized twice)."""
+        if self.failure is not None:
+            raise self.failure
+        data = pickle.dumps((method, args, reply), protocol=pickle.HIGHEST_PROTOCOL)
+        for w in self.workers:
+            try:
+                w.commands.send_bytes(data)
+            except OSError:  # broken pipe: the worker is gone
+                self._fail(self._death(w))
+
+    def _collect(self, ranks: Any, timeout: float, what: str) -> dict[int, Any]:
+        """Wait for the answers of ``ranks``, watching every worker: any error, death or stop fails."""
+        want = set(ranks)
+        results: dict[int, Any] = {}
+        by_conn = {w.results: w for w in self.workers}
+        by_sentinel = {w.process.sentinel: w for w in self.workers}
+        deadline = time.monotonic() + timeout
+        while want - results.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = sorted(want - results.keys())
+                self._fail(WorkerError(f"worker rank {late[0]} did not answer {what!r} within {timeout:.0f} s "
+                                       f"(set {'PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS'} to allow more)", late[0]))
+            ready = wait([*by_conn, *by_sentinel], timeout=min(left, POLL_S))
+            for obj in ready:
+                if obj in by_conn:  # answers first: a dying worker may have reported why
+                    w = by_conn[obj]
+                    try:
+                        status, value = obj.recv()
+                    except (EOFError, OSError):
+                        self._fail(self._death(w))
+                    if status == "error":
+                        self._fail(WorkerError(f"worker rank {w.rank} failed in {what!r}:\n{value}", w.rank))
+                    results[w.rank] = value
+            for obj in ready:
+                if obj in by_sentinel and not by_sentinel[obj].results.poll():
+                    self._fail(self._death(by_sentinel[obj]))
+            if not ready:
+                for w in self.workers:
+                    if _process_state(w.process.pid) == "T":
+                        self._fail(WorkerError(f"worker rank {w.rank} (pid {w.process.pid}) stopped answering: "
+                                               "its process is stopped", w.rank))
+        return results
+
+    def _death(self, w: _WorkerHandle) -> WorkerError:
+        w.process.join(timeout=1.0)
+        code = w.process.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        return WorkerError(f"worker rank {w.rank} (pid {w.process.pid}) {how}", w.rank)
+
+    def _fail(self, error: WorkerError) -> NoReturn:
+        """Remember the first failure, kill every worker, tell the engine, raise (from any thread:
+        the pipes stay open until shutdown, so a wait in another thread only sees EOFs)."""
+        with self._lock:
+            first, self.failure = self.failure is None, self.failure or error
+        if first:
+            logger.error("%s; stopping the engine's workers", error)
+            _kill_workers(self.workers)
+            for callback in self._callbacks:
+                callback(error)
+        raise self.failure
+
+    def _watch(self) -> None:
+        """Between steps too: a worker that dies fails the engine at once."""
+        sentinels = {w.process.sentinel: w for w in self.workers}
+        ready = wait(list(sentinels))
+        if self._closing or self.failure is not None:
+            return
+        with contextlib.suppress(WorkerError):
+            self._fail(self._death(sentinels[ready[0]]))
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat ("R", "S", "T" stopped, "Z" zombie), or "" if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _stop_workers(workers: list[_WorkerHandle]) -> None:
+    """Ask every worker to exit, then terminate and kill whatever is left; close the pipes."""
+    for w in workers:
+        with contextlib.suppress(OSError):
+            w.commands.send_bytes(pickle.dumps((_SHUTDOWN, (), False)))
+    deadline = time.monotonic() + 5.0
+    for w in workers:
+        w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+    _kill_workers(workers)
+    for w in workers:
+        w.commands.close()
+        w.results.close()
+
+
+def _kill_workers(workers: list[_WorkerHandle]) -> None:
+    """SIGTERM, then SIGKILL, every worker still alive; reap them."""
+    for w in workers:
+        if w.process.is_alive():
+            w.process.terminate()
+    for w in workers:
+        w.process.join(timeout=2.0)
+        if w.process.is_alive():
+            w.process.kill()
+            w.process.join(timeout=2.0)
+
+
+# ------------------------------------------------------------------- in the worker process
+def _worker_main(config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...], info: Any,
+                 commands: Connection, results: Connection, log_level: int) -> None:
+    """A worker process: load this rank's shard, then run what the engine sends until told to stop."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine decides
+    _setup_logging(info.rank, log_level)
+    from pagedllm.worker.worker import Worker
+    try:
+        worker = Worker(config, arch, eos_token_ids, info)
+    except BaseException:
+        results.send(("error", traceback.format_exc()))
+        return
+    results.send(("ok", None))
+    try:
+        while True:
+            try:
+                method, args, reply = pickle.loads(commands.recv_bytes())
+            except (EOFError, OSError):
+                return  # the engine is gone
+            if method == _SHUTDOWN:
+                return
+            try:
+                value = getattr(worker, method)(*args)
+            except BaseException:
+                results.send(("error", traceback.format_exc()))
+                continue
+            if reply or info.rank == 0:
+                results.send(("ok", value))
+    finally:
+        worker.shutdown()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the engine's process dies (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _setup_logging(rank: int, level: int) -> None:
+    log = logging.getLogger("pagedllm")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"%(levelname)s %(name)s [rank {rank}]: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
