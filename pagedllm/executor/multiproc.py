@@ -220,7 +220,7 @@ def _worker_main(config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[in
     """A worker process: load this rank's shard, then run what the engine sends until told to stop."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine decides
-    _setup_logging(info.rank, log_level)
+    setup_worker_logging(info.rank, log_level)
     from pagedllm.worker.worker import Worker
     try:
         worker = Worker(config, arch, eos_token_ids, info)
@@ -254,7 +254,8 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _setup_logging(rank: int, level: int) -> None:
+def setup_worker_logging(rank: int, level: int) -> None:
+    """pagedllm's log lines of a worker process, at the engine's level, marked with the rank."""
     log = logging.getLogger("pagedllm")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"%(levelname)s %(name)s [rank {rank}]: %(message)s"))

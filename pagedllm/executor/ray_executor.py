@@ -1,0 +1,233 @@
+"""One Ray actor per tensor-parallel rank, on any number of machines (``distributed_executor_backend="ray"``).
+
+The actors run the same ``Worker`` as the multiprocess executor. They are placed by a placement
+group with one bundle per rank (``PAGEDLLM_RAY_PLACEMENT_STRATEGY``: PACK by default, SPREAD or
+STRICT_SPREAD to put ranks on different machines); the gloo group's store listens on rank 0's
+node IP. With ``RAY_ADDRESS`` set the engine joins that cluster, otherwise it starts a local one
+(and stops it on shutdown). Each step's SchedulerOutput is put in Ray's object store once and
+every actor reads that one object. docs/DISTRIBUTED.md shows a multi-machine set-up.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.errors import ValidationError
+from pagedllm.executor.base import Executor, WorkerError, execute_timeout
+from pagedllm.models.config import ArchConfig
+from pagedllm.outputs import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+STRATEGY_ENV = "PAGEDLLM_RAY_PLACEMENT_STRATEGY"
+"""Placement-group strategy of the rank bundles: PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD."""
+PLACEMENT_TIMEOUT_S = 60.0
+"""Seconds to wait for the cluster to have room for every rank's bundle."""
+STARTUP_TIMEOUT_S = 600.0
+"""Seconds the actors may take to load their shards."""
+POLL_S = 0.5
+#: Environment variables the actors get from the engine's process (Ray starts them elsewhere).
+_FORWARDED_PREFIXES = ("PAGEDLLM_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_", "MKL_ENABLE")
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ValidationError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'",
+                              param="distributed_executor_backend", value="ray") from None
+    return ray
+
+
+class RayWorker:
+    """The Ray actor around a Worker (created empty: the rank is known once every actor is placed)."""
+
+    def __init__(self, log_level: int) -> None:
+        self.worker: Any = None
+        self.rank = -1
+        self.log_level = log_level
+
+    def node(self) -> tuple[str, str, int]:
+        """(node id, node IP, pid) of this actor."""
+        import ray
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def free_port(self) -> int:
+        """A free TCP port on this actor's node (rank 0 hosts the gloo store there)."""
+        from pagedllm.executor.multiproc import free_port
+        import ray
+        return free_port(ray.util.get_node_ip_address())
+
+    def init_worker(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...], info: Any) -> None:
+        from pagedllm.executor.multiproc import setup_worker_logging
+        from pagedllm.worker.worker import Worker
+        setup_worker_logging(info.rank, self.log_level)
+        self.rank = info.rank
+        self.worker = Worker(config, arch, eos_token_ids, info)
+
+    def execute_method(self, method: str, reply: bool, *args: Any) -> Any:
+        value = getattr(self.worker, method)(*args)
+        return value if reply or self.rank == 0 else None
+
+    def watch(self) -> None:
+        """Never returns while the actor lives: the engine's monitor learns of its death through it."""
+        threading.Event().wait()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
+class RayDistributedExecutor(Executor):
+    """N Ray actors, one per rank, in one placement group."""
+
+    def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
+        ray = self.ray = _import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from pagedllm.worker.worker import RankInfo
+        tp = config.parallel.tensor_parallel_size
+        strategy = os.environ.get(STRATEGY_ENV, "PACK")
+        if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValidationError.bad_value(STRATEGY_ENV, strategy, "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+        self.failure: WorkerError | None = None
+        self._callbacks: list[Callable[[WorkerError], None]] = []
+        self._closing = False
+        self._lock = threading.Lock()
+        self.actors: list[Any] = []
+        self.placement_group: Any = None
+        self._started_ray = False
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            if address:
+                logger.info("joining the Ray cluster at %s", address)
+                ray.init(address=address, log_to_driver=True)
+            else:
+                logger.info("starting a local Ray cluster (set RAY_ADDRESS to join one)")
+                ray.init(num_cpus=max(tp, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
+                         _node_ip_address="127.0.0.1")  # a local cluster listens on loopback only
+                self._started_ray = True
+        try:
+            self.placement_group = placement_group([{"CPU": 1.0} for _ in range(tp)], strategy=strategy)
+            ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+            if not ready:
+                raise WorkerError(f"the Ray cluster has no room for {tp} bundles of 1 CPU ({strategy}) after "
+                                  f"{PLACEMENT_TIMEOUT_S:.0f} s: {ray.cluster_resources()}")
+            env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_PREFIXES)}
+            actor_cls = ray.remote(num_cpus=1, concurrency_groups={"watch": 1})(RayWorker)
+            level = logging.getLogger("pagedllm").getEffectiveLevel()
+            self.actors = [actor_cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": env}, name=None).remote(level) for rank in range(tp)]
+            nodes = ray.get([a.node.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
+            self.pids = [pid for _, _, pid in nodes]
+            port = ray.get(self.actors[0].free_port.remote())
+            init_method = f"tcp://{nodes[0][1]}:{port}"  # rank 0's node: the other machines reach it there
+            infos = []
+            for rank, (node_id, _, _) in enumerate(nodes):
+                same = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
+                infos.append(RankInfo(rank, same.index(rank), len(same), init_method))
+            logger.info("Ray actors: %s", ", ".join(f"rank {r} on {ip} (pid {pid})"
+                                                    for r, (_, ip, pid) in enumerate(nodes)))
+            self.node_ids = [n for n, _, _ in nodes]
+            self._wait([a.init_worker.remote(config, arch, eos_token_ids, info)
+                        for a, info in zip(self.actors, infos)], STARTUP_TIMEOUT_S, "start")
+        except BaseException:
+            self.shutdown()
+            raise
+        self._watch_refs = [a.watch.options(concurrency_group="watch").remote() for a in self.actors]
+        self._monitor = threading.Thread(target=self._watch, name="pagedllm-ray-monitor", daemon=True)
+        self._monitor.start()
+
+    # --------------------------------------------------------------- calls
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self._call(method, args, reply=True)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute_model", (scheduler_output,), reply=False)[0]
+
+    def register_failure_callback(self, callback: Callable[[WorkerError], None]) -> None:
+        self._callbacks.append(callback)
+
+    def shutdown(self) -> None:
+        """Kill the actors, remove the placement group, stop the local cluster if this engine started it."""
+        if self._closing:
+            return
+        self._closing = True
+        ray = self.ray
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement_group)
+        if self._started_ray:
+            ray.shutdown()
+
+    # --------------------------------------------------------------- plumbing
+    def _call(self, method: str, args: tuple, reply: bool) -> list[Any]:
+        if self.failure is not None:
+            raise self.failure
+        args = tuple(self.ray.put(a) if isinstance(a, SchedulerOutput) else a for a in args)  # stored once, read by all
+        refs = [a.execute_method.remote(method, reply, *args) for a in self.actors]  # top-level refs: resolved
+        return self._wait(refs, execute_timeout(), method)
+
+    def _wait(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
+        """Every rank's result, in rank order; any rank's error or death fails the engine at once."""
+        ray = self.ray
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                rank = rank_of[pending[0]]
+                self._fail(WorkerError(f"worker rank {rank} did not answer {what!r} within {timeout:.0f} s", rank))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, POLL_S))
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self._fail(WorkerError(f"worker rank {rank} (Ray actor, pid {self._pid(rank)}) died: {e}", rank))
+                except ray.exceptions.RayTaskError as e:
+                    self._fail(WorkerError(f"worker rank {rank} failed in {what!r}:\n{e}", rank))
+            if self.failure is not None:
+                raise self.failure
+        return [results[rank] for rank in range(len(refs))]
+
+    def _pid(self, rank: int) -> Any:
+        pids = getattr(self, "pids", None)
+        return pids[rank] if pids else "?"
+
+    def _fail(self, error: WorkerError) -> NoReturn:
+        with self._lock:
+            first, self.failure = self.failure is None, self.failure or error
+        if first:
+            logger.error("%s; stopping the engine's Ray actors", error)
+            for actor in self.actors:
+                with contextlib.suppress(Exception):
+                    self.ray.kill(actor)
+            for callback in self._callbacks:
+                callback(error)
+        raise self.failure
+
+    def _watch(self) -> None:
+        """A ``watch`` call ends only when its actor dies: then the engine fails, even between steps."""
+        ray = self.ray
+        with contextlib.suppress(Exception):
+            ready, _ = ray.wait(self._watch_refs, num_returns=1)
+            if self._closing or self.failure is not None:
+                return
+            rank = self._watch_refs.index(ready[0])
+            with contextlib.suppress(WorkerError):
+                self._fail(WorkerError(f"worker rank {rank} (Ray actor, pid {self._pid(rank)}) died", rank))

@@ -1,0 +1,113 @@
+"""tensor_parallel_size=2 (mp and ray) gives what tensor_parallel_size=1 gives, on the same weights.
+
+Greedy tokens under preemption (a small KV pool), with prefix-cache hits, n > 1 seeded samples and
+beam search; every rank holds its share of the KV heads (half each, or the one KV head of an MQA
+model replicated), every rank samples the same tokens, and shutdown leaves no process behind.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from tests.distributed.conftest import BACKENDS, descendants
+
+PROMPTS = [f"Prompt number {i} says:" + " more" * i for i in range(8)]
+SHARED = ["A long shared system prefix that fills more than one block of sixteen tokens, surely. " + q
+          for q in ("Question one?", "Question two?", "Question three?")]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7, ignore_eos=True)
+BEAM = BeamSearchParams(beam_width=3, max_tokens=8)
+SMALL_POOL = dict(num_kv_blocks=20, max_num_seqs=8)  # 8 x ~50 tokens need ~32 blocks: preemption
+
+
+def _run(llm: LLM) -> dict[str, Any]:
+    """Everything the comparison looks at, from one engine."""
+    greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    preemptions = llm.get_stats().num_preemptions
+    shared = [o.outputs[0].token_ids for o in llm.generate(SHARED, GREEDY, use_tqdm=False)]
+    sampled = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], SAMPLED, use_tqdm=False)]
+    beams = [[s.tokens for s in o.sequences] for o in llm.beam_search(PROMPTS[:2], BEAM)]
+    return dict(greedy=greedy, shared=shared, sampled=sampled, beams=beams, preemptions=preemptions,
+                prefix_hits=llm.get_stats().prefix_cache_hits)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llm_dir: Path) -> dict[str, Any]:
+    llm = LLM(str(tiny_llm_dir), dtype="float32", **SMALL_POOL)
+    return _run(llm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tp2_matches_tp1(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, reference: dict, backend: str) -> None:
+    llm = tp_llm(tiny_llm_dir, tensor_parallel_size=2, distributed_executor_backend=backend, **SMALL_POOL)
+    got = _run(llm)
+    assert reference["preemptions"] > 0 and got["preemptions"] > 0  # the pool was small enough to matter
+    assert got["prefix_hits"] > 0
+    for key in ("greedy", "shared", "sampled", "beams"):
+        assert got[key] == reference[key], key
+    # every rank holds half of the 2 KV heads of every layer, for the same block ids
+    shapes = llm.llm_engine.executor.collective_rpc("kv_cache_shapes")
+    assert all(shape == (2, 20, 1, 16, 16) for rank in shapes for shape in rank), shapes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_sample_the_same_tokens(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, backend: str) -> None:
+    llm = tp_llm(tiny_llm_dir, tensor_parallel_size=2, distributed_executor_backend=backend)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    rank0, rank1 = engine.executor.collective_rpc("request_token_ids")
+    assert len(rank0) == 4 and rank0 == rank1
+
+
+def test_replicated_kv_head_and_padded_vocabulary(tp_llm: Callable[..., LLM], mqa_model_dir: Path) -> None:
+    prompts = [{"prompt_token_ids": [1 + i, 40 + i, 7, 300 + i, 512]} for i in range(8)]
+    want = [o.outputs[0].token_ids for o in tp_llm(mqa_model_dir).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = tp_llm(mqa_model_dir, tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    # one KV head, on both ranks; each rank holds 2 of the 4 query heads
+    for rank in llm.llm_engine.executor.collective_rpc("kv_cache_shapes"):
+        assert all(shape[2] == 1 for shape in rank)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shutdown_leaves_no_process(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, backend: str) -> None:
+    before = {p.pid for p in descendants()}
+    llm = LLM(str(tiny_llm_dir), dtype="float32", tensor_parallel_size=2, distributed_executor_backend=backend)
+    assert len({p.pid for p in descendants()} - before) >= 2  # the workers (and a local Ray cluster)
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    left = [p for p in descendants() if p.pid not in before]
+    assert not left, [(p.pid, p.name()) for p in left]
+
+
+@pytest.fixture(scope="module")
+def smollm_reference(tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """The default model's prompts (3 to 400 tokens) and its greedy tokens at tp=1, float32."""
+    from tests.models.smollm_prompts import smollm_prompt_ids
+    prompts = smollm_prompt_ids(tokenizer)[:8]
+    llm = LLM(dtype="float32")
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0),
+                           use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_default_model_tp2_greedy(tp_llm: Callable[..., LLM], smollm_reference: tuple, backend: str) -> None:
+    """SmolLM2-135M's 9 heads / 3 KV heads split 6 + 3 / 2 + 1 across the two ranks."""
+    prompts, want = smollm_reference
+    assert len(prompts) == 8
+    llm = tp_llm(None, tensor_parallel_size=2, distributed_executor_backend=backend)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0),
+                       use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    heads = [rank[0][2] for rank in llm.llm_engine.executor.collective_rpc("kv_cache_shapes")]
+    assert heads == [2, 1]
