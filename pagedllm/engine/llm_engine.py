@@ -16,7 +16,7 @@ from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.processor import MAX_LOGPROBS, Processor, PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.distributed.parallel_state import shard_heads
-from pagedllm.executor.base import Executor
+from pagedllm.executor.factory import get_executor_class
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import load_arch_config, load_eos_token_ids, load_tokenizer, resolve_model_path
 from pagedllm.outputs import RequestOutput
@@ -81,7 +81,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         eos = load_eos_token_ids(config.model.model, arch, tokenizer)
         self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos)
-        self.executor = Executor.get_class(config)(config, arch, eos)
+        self.executor = get_executor_class(config)(config, arch, eos)
         try:
             self.num_kv_blocks = self.executor.determine_num_kv_blocks()
             self.num_host_blocks = self.executor.determine_num_host_blocks()

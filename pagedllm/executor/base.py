@@ -1,4 +1,4 @@
-"""The executor interface the engine talks to, and the choice of executor.
+"""The executor interface the engine talks to (executor/factory.py picks the implementation).
 
 Three implementations run the same ``Worker`` (worker/worker.py): ``UniProcExecutor`` (one
 worker in the engine's own process, tp=1), ``MultiprocExecutor`` (one worker process per
@@ -12,14 +12,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import ValidationError
-from pagedllm.models.config import ArchConfig
 from pagedllm.outputs import ModelRunnerOutput
-
-EXECUTOR_BACKENDS = ("uni", "mp", "ray")
-"""Values of ``distributed_executor_backend``."""
 
 EXECUTE_TIMEOUT_ENV = "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
 """Seconds a step may take on a worker before the engine declares it hung (default 300)."""
@@ -35,6 +30,15 @@ def execute_timeout() -> float:
     if value <= 0:
         raise ValidationError.bad_value(EXECUTE_TIMEOUT_ENV, raw, "a positive number of seconds")
     return value
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` of this machine is stopped (SIGSTOP, a debugger): it cannot answer."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 class WorkerError(RuntimeError):
@@ -54,19 +58,6 @@ class Executor(ABC):
 
     failure: WorkerError | None = None
     """Set once a worker failed; every later call raises it."""
-
-    @staticmethod
-    def get_class(config: EngineConfig) -> type["Executor"]:
-        """The executor class for ``config.parallel.distributed_executor_backend``."""
-        backend = config.parallel.distributed_executor_backend
-        if backend == "uni":
-            from pagedllm.executor.uniproc import UniProcExecutor
-            return UniProcExecutor
-        if backend == "mp":
-            from pagedllm.executor.multiproc import MultiprocExecutor
-            return MultiprocExecutor
-        from pagedllm.executor.ray_executor import RayDistributedExecutor
-        return RayDistributedExecutor
 
     def register_failure_callback(self, callback: Callable[[WorkerError], None]) -> None:
         """Call ``callback`` (from any thread) as soon as a worker fails, even between steps."""

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.executor.base import Executor, WorkerError, execute_timeout
+from pagedllm.executor.base import EXECUTE_TIMEOUT_ENV, Executor, WorkerError, execute_timeout, process_stopped
 from pagedllm.models.config import ArchConfig
 from pagedllm.outputs import ModelRunnerOutput
 
@@ -129,7 +129,7 @@ class MultiprocExecutor(Executor):
             if left <= 0:
                 late = sorted(want - results.keys())
                 self._fail(WorkerError(f"worker rank {late[0]} did not answer {what!r} within {timeout:.0f} s "
-                                       f"(set {'PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS'} to allow more)", late[0]))
+                                       f"(set {EXECUTE_TIMEOUT_ENV} to allow more)", late[0]))
             ready = wait([*by_conn, *by_sentinel], timeout=min(left, POLL_S))
             for obj in ready:
                 if obj in by_conn:  # answers first: a dying worker may have reported why
@@ -146,7 +146,7 @@ class MultiprocExecutor(Executor):
                     self._fail(self._death(by_sentinel[obj]))
             if not ready:
                 for w in self.workers:
-                    if _process_state(w.process.pid) == "T":
+                    if process_stopped(w.process.pid):
                         self._fail(WorkerError(f"worker rank {w.rank} (pid {w.process.pid}) stopped answering: "
                                                "its process is stopped", w.rank))
         return results
@@ -177,15 +177,6 @@ class MultiprocExecutor(Executor):
             return
         with contextlib.suppress(WorkerError):
             self._fail(self._death(sentinels[ready[0]]))
-
-
-def _process_state(pid: int) -> str:
-    """The state letter of /proc/<pid>/stat ("R", "S", "T" stopped, "Z" zombie), or "" if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 def _stop_workers(workers: list[_WorkerHandle]) -> None:

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import ValidationError
-from pagedllm.executor.base import Executor, WorkerError, execute_timeout
+from pagedllm.executor.base import EXECUTE_TIMEOUT_ENV, Executor, WorkerError, execute_timeout, process_stopped
 from pagedllm.models.config import ArchConfig
 from pagedllm.outputs import ModelRunnerOutput
 
@@ -102,18 +102,21 @@ class RayDistributedExecutor(Executor):
         self._closing = False
         self._lock = threading.Lock()
         self.actors: list[Any] = []
+        self.pids: list[int] = []  # of each rank's actor process
+        self.node_ids: list[str] = []  # of each rank's Ray node
         self.placement_group: Any = None
-        self._started_ray = False
+        self._connected_ray = False  # this executor called ray.init: shutdown disconnects (and stops a local cluster)
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             if address:
                 logger.info("joining the Ray cluster at %s", address)
                 ray.init(address=address, log_to_driver=True)
+                self._connected_ray = True
             else:
                 logger.info("starting a local Ray cluster (set RAY_ADDRESS to join one)")
                 ray.init(num_cpus=max(tp, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
                          _node_ip_address="127.0.0.1")  # a local cluster listens on loopback only
-                self._started_ray = True
+                self._connected_ray = True
         try:
             self.placement_group = placement_group([{"CPU": 1.0} for _ in range(tp)], strategy=strategy)
             ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
@@ -157,7 +160,8 @@ class RayDistributedExecutor(Executor):
         self._callbacks.append(callback)
 
     def shutdown(self) -> None:
-        """Kill the actors, remove the placement group, stop the local cluster if this engine started it."""
+        """Kill the actors, remove the placement group; if this engine called ray.init, disconnect (which
+        stops a local cluster it started; a cluster it joined keeps running)."""
         if self._closing:
             return
         self._closing = True
@@ -169,7 +173,7 @@ class RayDistributedExecutor(Executor):
             from ray.util.placement_group import remove_placement_group
             with contextlib.suppress(Exception):
                 remove_placement_group(self.placement_group)
-        if self._started_ray:
+        if self._connected_ray:
             ray.shutdown()
 
     # --------------------------------------------------------------- plumbing
@@ -191,8 +195,11 @@ class RayDistributedExecutor(Executor):
             left = deadline - time.monotonic()
             if left <= 0:
                 rank = rank_of[pending[0]]
-                self._fail(WorkerError(f"worker rank {rank} did not answer {what!r} within {timeout:.0f} s", rank))
+                self._fail(WorkerError(f"worker rank {rank} did not answer {what!r} within {timeout:.0f} s "
+                                       f"(set {EXECUTE_TIMEOUT_ENV} to allow more)", rank))
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, POLL_S))
+            if not ready:
+                self._check_stopped()
             for ref in ready:
                 rank = rank_of[ref]
                 try:
@@ -205,9 +212,16 @@ class RayDistributedExecutor(Executor):
                 raise self.failure
         return [results[rank] for rank in range(len(refs))]
 
+    def _check_stopped(self) -> None:
+        """Actors on this machine whose process is stopped cannot answer: fail now, not at the timeout."""
+        here = self.ray.get_runtime_context().get_node_id()
+        for rank, (node_id, pid) in enumerate(zip(self.node_ids, self.pids)):
+            if node_id == here and process_stopped(pid):
+                self._fail(WorkerError(f"worker rank {rank} (Ray actor, pid {pid}) stopped answering: its process "
+                                       "is stopped", rank))
+
     def _pid(self, rank: int) -> Any:
-        pids = getattr(self, "pids", None)
-        return pids[rank] if pids else "?"
+        return self.pids[rank] if self.pids else "?"
 
     def _fail(self, error: WorkerError) -> NoReturn:
         with self._lock:

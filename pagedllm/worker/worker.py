@@ -113,7 +113,7 @@ class Worker:
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.model_runner.initialize_kv_cache(num_blocks, self.dtype, num_host_blocks)
         tp = self.config.parallel.tensor_parallel_size
-        where = "" if tp == 1 else f"rank {self.rank_info.rank}/{tp}: "
+        where = "" if tp == 1 else f"rank {self.rank_info.rank}/{tp} (pid {os.getpid()}): "
         cores = "" if self.cores is None else f" on cores {_core_ranges(self.cores)}"
         logger.info("%sdevice cpu, %d threads%s; KV cache %d blocks of %d tokens, %d KV heads (%.2f GiB)", where,
                     torch.get_num_threads(), cores, num_blocks, self.config.cache.block_size, self.num_kv_heads,

@@ -111,3 +111,18 @@ def test_default_model_tp2_greedy(tp_llm: Callable[..., LLM], smollm_reference: 
     assert [o.outputs[0].token_ids for o in got] == want
     heads = [rank[0][2] for rank in llm.llm_engine.executor.collective_rpc("kv_cache_shapes")]
     assert heads == [2, 1]
+
+
+def test_aborted_requests_leave_every_rank(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
+    llm = tp_llm(tiny_llm_dir, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    for i in range(3):
+        engine.add_request(f"drop{i}", PROMPTS[i], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert all(len(rank) == 3 for rank in engine.executor.collective_rpc("request_token_ids"))
+    engine.abort_request([f"drop{i}" for i in range(3)])
+    assert engine.get_stats().kv_cache_usage == 0.0  # the one pool every rank's blocks mirror
+    engine.add_request("next", PROMPTS[4], SamplingParams(max_tokens=2))
+    engine.step()  # the workers hear of the aborts with the next step
+    assert [sorted(req.split(":", 1)[1] for req in rank) for rank in engine.executor.collective_rpc(
+        "request_token_ids")] == [["next"], ["next"]]

@@ -1,0 +1,139 @@
+"""A worker that dies, raises or stops fails the engine at once, naming its rank; nothing is left behind.
+
+Servers run as real `pagedllm serve --tensor-parallel-size 2` processes on 127.0.0.1 (mp and ray);
+every load here is a handful of bounded requests with timeouts.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.executor.base import WorkerError
+from tests.distributed.conftest import BACKENDS, shm_segments
+from tests.entrypoints.openai.conftest import RemoteServer
+
+
+def _workers(server_pid: int, backend: str) -> list[psutil.Process]:
+    """The server's worker processes: spawned children (mp) or Ray's RayWorker actors."""
+    found = []
+    for p in psutil.Process(server_pid).children(recursive=True):
+        try:
+            cmdline = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if (backend == "mp" and "multiprocessing.spawn" in cmdline) or (backend == "ray" and "RayWorker" in cmdline):
+            found.append(p)
+    return found
+
+
+def _stream_until_error(url: str, i: int, errors: list[float], started: threading.Event) -> None:
+    body = {"prompt": f"fault {i}", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                started.set()
+                if '"error"' in line:
+                    break
+    except httpx.HTTPError:
+        pass
+    errors.append(time.monotonic())
+
+
+def _assert_gone(procs: list[psutil.Process]) -> None:
+    deadline = time.monotonic() + 10
+    left = procs
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    assert not left, [(p.pid, p.name()) for p in left]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killed_worker_fails_the_server(tiny_llm_dir: Path, backend: str) -> None:
+    shm_before = shm_segments()
+    srv = RemoteServer(tiny_llm_dir, "--tensor-parallel-size", "2", "--distributed-executor-backend", backend)
+    try:
+        workers = _workers(srv.proc.pid, backend)
+        assert len(workers) == 2, workers
+        everything = psutil.Process(srv.proc.pid).children(recursive=True)
+        errors: list[float] = []
+        started = threading.Event()
+        clients = [threading.Thread(target=_stream_until_error, args=(srv.url, i, errors, started), daemon=True)
+                   for i in range(4)]
+        for t in clients:
+            t.start()
+        assert started.wait(30)
+        killed_at = time.monotonic()
+        victim = workers[-1].pid
+        workers[-1].send_signal(signal.SIGKILL)
+        health = []
+        while srv.proc.poll() is None and time.monotonic() - killed_at < 15:
+            try:
+                health.append(httpx.get(f"{srv.url}/health", timeout=1).status_code)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        code = srv.proc.wait(timeout=15)
+        for t in clients:
+            t.join(timeout=10)
+        output = srv.proc.stdout.read()
+        assert code != 0, output
+        assert 503 in health, (health, output)
+        assert len(errors) == 4 and max(errors) - killed_at < 10, (errors, killed_at)
+        rank = re.search(rf"rank (\d)/2 \(pid {victim}\)", output).group(1)  # each rank logs its pid
+        assert re.search(rf"worker rank {rank} .*(died|killed)", output), output[-3000:]
+        _assert_gone(everything)
+        assert shm_segments() <= shm_before
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigterm_exits_0_and_leaves_nothing(tiny_llm_dir: Path, backend: str) -> None:
+    shm_before = shm_segments()
+    srv = RemoteServer(tiny_llm_dir, "--tensor-parallel-size", "2", "--distributed-executor-backend", backend)
+    try:
+        everything = psutil.Process(srv.proc.pid).children(recursive=True)
+        assert len(_workers(srv.proc.pid, backend)) == 2
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=20) == 0
+        _assert_gone(everything)
+        assert shm_segments() <= shm_before
+    finally:
+        srv.stop()
+
+
+def test_stopped_worker_and_raising_worker_name_their_rank(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
+    llm = tp_llm(tiny_llm_dir, tensor_parallel_size=2)
+    executor = llm.llm_engine.executor
+    rank1 = executor.workers[1].process.pid
+    os.kill(rank1, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1") as e:
+            llm.generate(["stopped"], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert e.value.rank == 1 and time.monotonic() - started < 10
+    finally:
+        with pytest.raises(ProcessLookupError):  # the executor killed it
+            for _ in range(50):
+                os.kill(rank1, signal.SIGCONT)
+                time.sleep(0.1)
+    with pytest.raises(WorkerError, match="rank 1"):  # the engine stays failed
+        llm.generate(["again"], SamplingParams(max_tokens=4), use_tqdm=False)
+
+    other = tp_llm(tiny_llm_dir, tensor_parallel_size=2)
+    with pytest.raises(WorkerError, match="rank 0 failed") as e:
+        other.llm_engine.executor.collective_rpc("no_such_method")
+    assert "AttributeError" in str(e.value)
