@@ -11,7 +11,11 @@ import datetime
 
 import torch.distributed as dist
 
+from pagedllm.distributed.shm_comm import ShmCommunicator, shm_usable
 from pagedllm.errors import ValidationError
+
+_shm: ShmCommunicator | None = None
+"""This process's shared-memory collectives, when every rank of its group is on this machine."""
 
 
 def get_tp_world_size() -> int:
@@ -24,15 +28,31 @@ def get_tp_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, backend: str = "gloo",
-                     timeout_s: float = 600.0) -> None:
-    """Join the tensor-parallel group (``init_method``: "tcp://host:port", rank 0 hosts the store)."""
+def init_distributed(rank: int, world_size: int, init_method: str, local_world_size: int = 1,
+                     backend: str = "gloo", timeout_s: float = 600.0) -> None:
+    """Join the tensor-parallel group (``init_method``: "tcp://host:port", rank 0 hosts the store).
+
+    When all ``world_size`` ranks are on this machine (``local_world_size``), the collectives go
+    through shared memory (distributed/shm_comm.py) instead of gloo's TCP.
+    """
+    global _shm
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    if shm_usable(world_size, local_world_size):
+        _shm = ShmCommunicator(rank, world_size)
+
+
+def get_shm_communicator() -> ShmCommunicator | None:
+    """The shared-memory collectives of this process's group, if it has them."""
+    return _shm
 
 
 def destroy_distributed() -> None:
     """Leave the group (no-op when there is none)."""
+    global _shm
+    if _shm is not None:
+        _shm.close()
+        _shm = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

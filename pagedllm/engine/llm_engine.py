@@ -163,6 +163,10 @@ class LLMEngine:
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
+    def rank_memory_usage(self) -> list[dict[str, int]]:
+        """Per tensor-parallel rank, in rank order: bytes of weights, of KV pools, and its process's RSS."""
+        return self.executor.collective_rpc("memory_usage")
+
     def shutdown(self) -> None:
         """Stop the executor's workers (processes, Ray actors); idempotent."""
         self.executor.shutdown()

@@ -4,14 +4,15 @@ The actors run the same ``Worker`` as the multiprocess executor. They are placed
 group with one bundle per rank (``PAGEDLLM_RAY_PLACEMENT_STRATEGY``: PACK by default, SPREAD or
 STRICT_SPREAD to put ranks on different machines); the gloo group's store listens on rank 0's
 node IP. With ``RAY_ADDRESS`` set the engine joins that cluster, otherwise it starts a local one
-(and stops it on shutdown). Each step's SchedulerOutput is put in Ray's object store once and
-every actor reads that one object. docs/DISTRIBUTED.md shows a multi-machine set-up.
+(and stops it on shutdown). Each step's SchedulerOutput is pickled once and every actor gets
+those bytes. docs/DISTRIBUTED.md shows a multi-machine set-up.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ STARTUP_TIMEOUT_S = 600.0
 """Seconds the actors may take to load their shards."""
 POLL_S = 0.5
 #: Environment variables the actors get from the engine's process (Ray starts them elsewhere).
-_FORWARDED_PREFIXES = ("PAGEDLLM_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_", "MKL_ENABLE")
+_FORWARDED_PREFIXES = ("PAGEDLLM_", "GLOO_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_", "MKL_ENABLE")
 
 
 def _import_ray() -> Any:
@@ -72,8 +73,9 @@ class RayWorker:
         self.rank = info.rank
         self.worker = Worker(config, arch, eos_token_ids, info)
 
-    def execute_method(self, method: str, reply: bool, *args: Any) -> Any:
-        value = getattr(self.worker, method)(*args)
+    def execute_method(self, method: str, reply: bool, args: bytes) -> Any:
+        """Run ``Worker.<method>(*pickle.loads(args))``; rank 0 (or every rank with ``reply``) answers."""
+        value = getattr(self.worker, method)(*pickle.loads(args))
         return value if reply or self.rank == 0 else None
 
     def watch(self) -> None:
@@ -180,8 +182,9 @@ class RayDistributedExecutor(Executor):
     def _call(self, method: str, args: tuple, reply: bool) -> list[Any]:
         if self.failure is not None:
             raise self.failure
-        args = tuple(self.ray.put(a) if isinstance(a, SchedulerOutput) else a for a in args)  # stored once, read by all
-        refs = [a.execute_method.remote(method, reply, *args) for a in self.actors]  # top-level refs: resolved
+        # pickled once; every actor gets the same bytes (cheaper than ray.put for a step's few KB: measured)
+        data = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
+        refs = [a.execute_method.remote(method, reply, data) for a in self.actors]
         return self._wait(refs, execute_timeout(), method)
 
     def _wait(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
@@ -197,7 +200,8 @@ class RayDistributedExecutor(Executor):
                 rank = rank_of[pending[0]]
                 self._fail(WorkerError(f"worker rank {rank} did not answer {what!r} within {timeout:.0f} s "
                                        f"(set {EXECUTE_TIMEOUT_ENV} to allow more)", rank))
-            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, POLL_S))
+            # all at once (one call per step); a rank that failed is in `ready` after at most POLL_S
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, POLL_S))
             if not ready:
                 self._check_stopped()
             for ref in ready:

@@ -60,7 +60,7 @@ class Worker:
                 os.sched_setaffinity(0, self.cores)
                 torch.set_num_threads(len(self.cores))
             assert info.distributed_init_method is not None, "a tensor-parallel worker needs rank 0's address"
-            init_distributed(info.rank, tp, info.distributed_init_method)
+            init_distributed(info.rank, tp, info.distributed_init_method, info.local_world_size)
         self.num_kv_heads = shard_heads(arch.num_heads, arch.num_kv_heads, tp, info.rank).num_kv_heads
         # the kernels are built (or read from the cache) here, before any request can arrive
         backend = get_attention_backend(resolve_backend_name(config.device.attention_backend))
@@ -122,6 +122,28 @@ class Worker:
     def kv_cache_shapes(self) -> list[tuple[int, ...]]:
         """The shape of every layer's KV tensor on this rank (tests check the head split)."""
         return [tuple(t.shape) for t in self.model_runner.kv_caches]
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this rank holds: weights (packed copies included), its KV pools, and its process's RSS."""
+        seen: set[int] = set()
+        weights = 0
+        for module in self.model_runner.model.modules():
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            tensors += [packed.data for name in ("packed_weight", "silu_packed")
+                        if (packed := getattr(module, name, None)) is not None]
+            for t in tensors:
+                if t.is_mkldnn:  # oneDNN's opaque packed copy: the same size as the plain tensor
+                    size = t.numel() * t.element_size()
+                    key = id(t)
+                else:
+                    size, key = t.untyped_storage().nbytes(), t.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    weights += size
+        kv = sum(t.nbytes for t in self.model_runner.kv_caches + self.model_runner.host_kv_caches)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"weights_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": rss}
 
     def request_token_ids(self) -> dict[str, list[int]]:
         """Every live request's tokens as this rank sampled them (tests check the ranks agree)."""

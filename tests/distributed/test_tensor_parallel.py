@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.distributed.shm_comm import SHM_ENV
 from tests.distributed.conftest import BACKENDS, descendants
 
 PROMPTS = [f"Prompt number {i} says:" + " more" * i for i in range(8)]
@@ -41,8 +42,13 @@ def reference(tiny_llm_dir: Path) -> dict[str, Any]:
     return _run(llm)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tp2_matches_tp1(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, reference: dict, backend: str) -> None:
+@pytest.mark.parametrize("backend", [*BACKENDS, "mp-gloo"])
+def test_tp2_matches_tp1(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, reference: dict, backend: str,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """mp and ray on one machine all-reduce through shared memory; mp-gloo through gloo's TCP."""
+    if backend == "mp-gloo":
+        monkeypatch.setenv(SHM_ENV, "0")  # the spawned workers inherit it
+        backend = "mp"
     llm = tp_llm(tiny_llm_dir, tensor_parallel_size=2, distributed_executor_backend=backend, **SMALL_POOL)
     got = _run(llm)
     assert reference["preemptions"] > 0 and got["preemptions"] > 0  # the pool was small enough to matter

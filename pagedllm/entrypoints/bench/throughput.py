@@ -53,7 +53,7 @@ Datasets (--dataset-name):
 
 The result line (JSON) has vLLM's keys elapsed_time, num_requests, total_num_tokens (prompt +
 generated tokens), requests_per_second, tokens_per_second, plus output_tokens_per_second,
-dataset_name and a few of ours.
+dataset_name and a few of ours (per-rank memory under "ranks").
 """
 
 MAKE_DATASET_DESCRIPTION = f"""\
@@ -146,6 +146,9 @@ def run(ns: argparse.Namespace) -> int:
         "total_output_tokens": output_tokens,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "dtype": llm.llm_engine.config.model.dtype,
+        "tensor_parallel_size": llm.llm_engine.config.parallel.tensor_parallel_size,
+        "ranks": [{k.replace("_bytes", "_mib"): v / 2**20 for k, v in rank.items()}
+                  for rank in llm.llm_engine.rank_memory_usage()],
         "stats": {k: v for k, v in vars(llm.get_stats()).items() if k in ("num_steps", "num_preemptions", "max_num_running")},
     }
     mean_in, mean_out = summarize(requests)
@@ -155,6 +158,10 @@ def run(ns: argparse.Namespace) -> int:
     print(f"Total num output tokens:  {output_tokens}")
     print(f"Requests: {len(outputs)} of dataset {ns.dataset_name} (mean {mean_in:.1f} in / {mean_out:.1f} out), "
           f"elapsed {elapsed:.2f} s, peak RSS {result['peak_rss_mib']:.0f} MiB")
+    for rank, mem in enumerate(result["ranks"]):
+        print(f"Rank {rank}: weights {mem['weights_mib']:.0f} MiB, KV cache {mem['kv_cache_mib']:.0f} MiB, "
+              f"RSS {mem['rss_mib']:.0f} MiB")
+    llm.shutdown()
     emit_json(result, ns.output_json)
     return 0
 
