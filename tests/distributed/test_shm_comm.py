@@ -16,6 +16,7 @@ def _check(rank: int, port: int, results: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     comm = shm_comm.ShmCommunicator(rank, 2)
+    dist.barrier()  # rank 0 unlinks right after every rank mapped the buffer
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("pagedllm-tp-")]  # unlinked once mapped
     torch.manual_seed(rank)
     big_rows = shm_comm.SLOT_BYTES // (576 * 4) + 3  # float32 rows: more than one slot

@@ -72,10 +72,11 @@ def test_ranks_sample_the_same_tokens(tp_llm: Callable[..., LLM], tiny_llm_dir: 
     assert len(rank0) == 4 and rank0 == rank1
 
 
-def test_replicated_kv_head_and_padded_vocabulary(tp_llm: Callable[..., LLM], mqa_model_dir: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replicated_kv_head_and_padded_vocabulary(tp_llm: Callable[..., LLM], mqa_model_dir: Path, backend: str) -> None:
     prompts = [{"prompt_token_ids": [1 + i, 40 + i, 7, 300 + i, 512]} for i in range(8)]
     want = [o.outputs[0].token_ids for o in tp_llm(mqa_model_dir).generate(prompts, GREEDY, use_tqdm=False)]
-    llm = tp_llm(mqa_model_dir, tensor_parallel_size=2)
+    llm = tp_llm(mqa_model_dir, tensor_parallel_size=2, distributed_executor_backend=backend)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     # one KV head, on both ranks; each rank holds 2 of the 4 query heads
     for rank in llm.llm_engine.executor.collective_rpc("kv_cache_shapes"):
