@@ -146,13 +146,15 @@ class DeviceConfig:
     device: str = "cpu"
     """"cpu" (the only device implemented so far)."""
     attention_backend: str = "auto"
-    """"torch" (reference), "cpu" (C++ decode kernel) or "auto" (cpu where it builds)."""
+    """"torch" (reference), "cpu" (compiled CPU kernels), "triton" (Triton kernels: CUDA, or CPU under
+    TRITON_INTERPRET=1) or "auto" (cpu where it builds, else torch)."""
 
     def __post_init__(self) -> None:
         if self.device != "cpu":
             raise ValidationError.bad_value("device", self.device, "'cpu'")
-        if self.attention_backend not in ("auto", "torch", "cpu"):
-            raise ValidationError.bad_value("attention_backend", self.attention_backend, "'auto', 'torch' or 'cpu'")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValidationError.bad_value("attention_backend", self.attention_backend,
+                                            "'auto', 'torch', 'cpu' or 'triton'")
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ class EngineArgs:
     device: str = "cpu"
     """Device to run on."""
     attention_backend: str = "auto"
-    """"auto" (the compiled CPU kernels where they run, else torch), "cpu" or "torch"."""
+    """"auto" (the compiled CPU kernels where they run, else torch), "cpu", "torch" or "triton" (CUDA, or CPU under
+    TRITON_INTERPRET=1)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":

@@ -7,6 +7,8 @@ itself (cache shape, forward). It becomes selectable with one ``register_backend
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,6 +106,13 @@ def always_available() -> bool:
     return True
 
 
+def triton_available() -> bool:
+    """Triton is installed, and there is a CUDA device or Triton's interpreter is on (TRITON_INTERPRET=1)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @dataclass(frozen=True)
 class BackendEntry:
     """A registered backend: where its class is, and whether it can run here (answered without
@@ -113,21 +122,28 @@ class BackendEntry:
     """"module:Class", imported only when the backend is instantiated."""
     is_available: Callable[[], bool]
     """The backend class's own ``is_available`` (tests check they are the same function)."""
+    needs: str = ""
+    """What it takes to make it available, for the error when it is not."""
 
 
 _BACKENDS: dict[str, BackendEntry] = {}
 """In order of preference for "auto"."""
 
 
-def register_backend(name: str, path: str, is_available: Callable[[], bool]) -> None:
-    """Make the backend at ``path`` ("module:Class") selectable as ``name``."""
+def register_backend(name: str, path: str, is_available: Callable[[], bool], needs: str = "") -> None:
+    """Make the backend at ``path`` ("module:Class") selectable as ``name``; ``needs`` says what makes
+    it available (shown when it is asked for and is not)."""
     if not callable(is_available):
         raise TypeError(f"attention backend {name!r}: is_available must be a function answering whether it runs here")
-    _BACKENDS[name] = BackendEntry(path, is_available)
+    _BACKENDS[name] = BackendEntry(path, is_available, needs)
 
 
-register_backend("cpu", "pagedllm.attention.cpu_backend:CpuAttentionBackend", cpu_kernels_available)
+register_backend("cpu", "pagedllm.attention.cpu_backend:CpuAttentionBackend", cpu_kernels_available,
+                 "its compiled kernels: they did not build (see the warning above, or `pagedllm build-kernels`)")
 register_backend("torch", "pagedllm.attention.torch_backend:TorchAttentionBackend", always_available)
+# last: "auto" never takes it on a CPU (under the interpreter it is a test path, not a fast one)
+register_backend("triton", "pagedllm.attention.triton_backend:TritonAttentionBackend", triton_available,
+                 "`pip install triton` and a CUDA device, or TRITON_INTERPRET=1 (Triton's interpreter, slow)")
 
 
 def registered_backends() -> dict[str, BackendEntry]:
@@ -143,8 +159,8 @@ def resolve_backend_name(name: str) -> str:
     if name not in _BACKENDS:
         raise ValidationError.bad_value("attention_backend", name, "'auto' or one of " + ", ".join(sorted(_BACKENDS)))
     if not _BACKENDS[name].is_available():
-        raise ValidationError(f"attention backend {name!r} is not available on this machine (its kernels did not "
-                              "build: see the warning above, or `pagedllm build-kernels`)", param="attention_backend",
+        raise ValidationError(f"attention backend {name!r} is not available on this machine; it needs "
+                              f"{_BACKENDS[name].needs or 'what this machine lacks'}", param="attention_backend",
                               value=name)
     return name
 
