@@ -134,6 +134,6 @@ def test_stopped_worker_and_raising_worker_name_their_rank(tp_llm: Callable[...,
         llm.generate(["again"], SamplingParams(max_tokens=4), use_tqdm=False)
 
     other = tp_llm(tiny_llm_dir, tensor_parallel_size=2)
-    with pytest.raises(WorkerError, match="rank 0 failed") as e:
+    with pytest.raises(WorkerError, match="rank [01] failed") as e:  # both ranks raise; the first report wins
         other.llm_engine.executor.collective_rpc("no_such_method")
-    assert "AttributeError" in str(e.value)
+    assert e.value.rank in (0, 1) and "AttributeError" in str(e.value)
