@@ -1,8 +1,10 @@
 """The triton backend against the torch backend, run under Triton's interpreter in a subprocess of
 tests/attention/test_triton_backend.py (TRITON_INTERPRET=1 must be set before triton is imported,
-and a bad pointer then kills this process, not the test run).
+and a bad pointer then kills this process, not the test run), or compiled on a CUDA device
+(benchmarks/gpu_check.sh). The reference always runs on the CPU.
 
     TRITON_INTERPRET=1 python -m tests.attention.triton_check [--quick]
+    python -m tests.attention.triton_check            # on a CUDA machine: the kernels compiled
 
 Prints one line per case and "ALL OK" at the end; exits 1 on the first mismatch.
 """
@@ -17,6 +19,7 @@ from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.attention.triton_backend import SPLITS_ENV, TritonAttentionBackend
 from tests.attention.batches import make_step
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 """Both absolute and relative (torch.allclose's atol and rtol): a bf16 output of magnitude 2 is
 rounded to 1/64, so either side's rounding alone can differ by 1.6e-2 in absolute terms."""
@@ -41,10 +44,11 @@ def check(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torc
     k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
     results = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        c = cache.clone()
-        out = backend.forward(q, k, v, c, backend.make_builder().build(step), head_dim ** -0.5)
-        results.append((out.float(), c.float()))
+    for backend, device in ((TorchAttentionBackend(), torch.device("cpu")), (TritonAttentionBackend(), DEVICE)):
+        c = cache.clone().to(device)
+        md = backend.make_builder().build(step)
+        out = backend.forward(q.to(device), k.to(device), v.to(device), c, md, head_dim ** -0.5)
+        results.append((out.float().cpu(), c.float().cpu()))
     (want, want_cache), (got, got_cache) = results
     assert torch.equal(want_cache, got_cache), "the K/V written into their slots differ"
     assert not torch.isnan(got).any()
@@ -70,5 +74,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
+    assert DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "no CUDA: run under TRITON_INTERPRET=1"
+    print(f"device: {DEVICE}{' (Triton interpreter)' if DEVICE.type == 'cpu' else ''}")
     sys.exit(main())
