@@ -81,8 +81,13 @@ class CacheConfig:
     """Reuse the K/V of full blocks whose token prefix was seen before."""
     swap_space: float = 4.0
     """GiB of host memory for blocks of requests preempted by swapping."""
+    gpu_memory_utilization: float = 0.9
+    """On a GPU: the share of its memory the engine may use (weights, activations, KV pool)."""
 
     def __post_init__(self) -> None:
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValidationError.bad_value("gpu_memory_utilization", util, "a number in (0, 1]")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValidationError.bad_value("enable_prefix_caching", self.enable_prefix_caching, "true or false")
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
@@ -144,14 +149,14 @@ class DeviceConfig:
     """Where the model runs."""
 
     device: str = "cpu"
-    """"cpu" (the only device implemented so far)."""
+    """"cpu" or "cuda" (resolved from EngineArgs.device "auto")."""
     attention_backend: str = "auto"
     """"torch" (reference), "cpu" (compiled CPU kernels), "triton" (Triton kernels: CUDA, or CPU under
     TRITON_INTERPRET=1) or "auto" (cpu where it builds, else torch)."""
 
     def __post_init__(self) -> None:
-        if self.device != "cpu":
-            raise ValidationError.bad_value("device", self.device, "'cpu'")
+        if self.device not in ("cpu", "cuda"):
+            raise ValidationError.bad_value("device", self.device, "'auto', 'cpu' or 'cuda'")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValidationError.bad_value("attention_backend", self.attention_backend,
                                             "'auto', 'torch', 'cpu' or 'triton'")
@@ -208,8 +213,12 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     """"mp" (worker processes on this machine; the default at tensor_parallel_size > 1), "ray" (Ray
     actors, several machines) or "uni" (in process; tensor_parallel_size 1 only)."""
-    device: str = "cpu"
-    """Device to run on."""
+    device: str = "auto"
+    """"auto" (CUDA when torch sees a GPU, else the CPU), "cpu" or "cuda" (weights, KV pool and sampling on
+    the GPU, attention in the triton backend)."""
+    gpu_memory_utilization: float = 0.9
+    """On a GPU: the share of its memory the engine may use; the KV pool gets what a profiling forward pass
+    at max_num_batched_tokens leaves (kv_cache_memory / num_kv_blocks override it). Unused on a CPU."""
     attention_backend: str = "auto"
     """"auto" (the compiled CPU kernels where they run, else torch), "cpu", "torch" or "triton" (CUDA, or CPU under
     TRITON_INTERPRET=1)."""

@@ -151,13 +151,22 @@ def registered_backends() -> dict[str, BackendEntry]:
     return dict(_BACKENDS)
 
 
-def resolve_backend_name(name: str) -> str:
-    """"auto" -> the first available backend ("cpu" where the compiled kernels run, else "torch");
-    another name is kept if that backend is available here, else a ValidationError."""
+GPU_BACKENDS = ("triton",)
+"""The backends that run on a CUDA device (the others read and write CPU tensors)."""
+
+
+def resolve_backend_name(name: str, device: str = "cpu") -> str:
+    """"auto" -> the first available backend for ``device`` (on a CPU: "cpu" where the compiled
+    kernels run, else "torch"; on CUDA: "triton"); another name is kept if that backend runs on
+    ``device`` here, else a ValidationError."""
     if name == "auto":
-        return next(n for n, entry in _BACKENDS.items() if entry.is_available())
+        fits = [n for n in _BACKENDS if (n in GPU_BACKENDS) == (device == "cuda")]
+        name = next((n for n in fits if _BACKENDS[n].is_available()), fits[0] if fits else "torch")
     if name not in _BACKENDS:
         raise ValidationError.bad_value("attention_backend", name, "'auto' or one of " + ", ".join(sorted(_BACKENDS)))
+    if device == "cuda" and name not in GPU_BACKENDS:
+        raise ValidationError(f"attention backend {name!r} runs on the CPU; on device 'cuda' use "
+                              + " or ".join(repr(n) for n in GPU_BACKENDS), param="attention_backend", value=name)
     if not _BACKENDS[name].is_available():
         raise ValidationError(f"attention backend {name!r} is not available on this machine; it needs "
                               f"{_BACKENDS[name].needs or 'what this machine lacks'}", param="attention_backend",

@@ -38,7 +38,7 @@ def init_distributed(rank: int, world_size: int, init_method: str, local_world_s
     global _shm
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    if shm_usable(world_size, local_world_size):
+    if backend == "gloo" and shm_usable(world_size, local_world_size):  # CPU tensors only
         _shm = ShmCommunicator(rank, world_size)
 
 

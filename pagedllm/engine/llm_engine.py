@@ -38,9 +38,10 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     """Resolve the model path, dtype and max_model_len; build every subsystem's config."""
     path = resolve_model_path(args.model)
     arch = load_arch_config(path)
+    device = resolve_device(args.device)
     dtype = args.dtype
-    if dtype == "auto":
-        dtype = platform.default_dtype()
+    if dtype == "auto":  # a GPU computes in bf16 natively; a CPU: what its kernels run fastest
+        dtype = "bfloat16" if device == "cuda" else platform.default_dtype()
     limit = arch.max_position_embeddings
     if arch.sliding_window is not None and arch.sliding_window < limit:
         logger.warning("sliding-window attention is not implemented: max_model_len capped at the window (%d)",
@@ -59,13 +60,24 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     config = EngineConfig(
         model=ModelConfig(path, dtype, max_model_len, args.seed),
         cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks, args.enable_prefix_caching,
-                          args.swap_space),
+                          args.swap_space, args.gpu_memory_utilization),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len,
                                   args.preemption_mode),
         parallel=parallel,
-        device=DeviceConfig(args.device, args.attention_backend),
+        device=DeviceConfig(device, args.attention_backend),
     )
     return config, arch
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when torch sees a GPU, else "cpu"; "cuda" without one is refused."""
+    import torch
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValidationError("device 'cuda' was asked for but torch sees no CUDA device (this torch build: "
+                              f"{torch.__version__})", param="device", value=device)
+    return device
 
 
 def get_tokenizer(model: str | None = None) -> Any:

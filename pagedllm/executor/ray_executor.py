@@ -129,8 +129,9 @@ class RayDistributedExecutor(Executor):
             actor_cls = ray.remote(num_cpus=1, concurrency_groups={"watch": 1})(RayWorker)
             level = logging.getLogger("pagedllm").getEffectiveLevel()
             self.actors = [actor_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": env}, name=None).remote(level) for rank in range(tp)]
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
+                                                                     placement_group_bundle_index=rank),
+                runtime_env={"env_vars": env}).remote(level) for rank in range(tp)]
             nodes = ray.get([a.node.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
             self.pids = [pid for _, _, pid in nodes]
             port = ray.get(self.actors[0].free_port.remote())

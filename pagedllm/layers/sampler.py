@@ -57,14 +57,15 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def token_counts(token_ids: list[list[int]], vocab_size: int) -> torch.Tensor:
-    """(rows, vocab) int64: how often each token occurs in each row's list."""
-    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.int64)
+def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """(rows, vocab) int64 on ``device``: how often each token occurs in each row's list."""
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.int64, device=device)
     width = max((len(t) for t in token_ids), default=0)
     if width:
         padded = torch.full((len(token_ids), width), vocab_size, dtype=torch.int64)  # pad -> spare column
         for row, ids in enumerate(token_ids):
             padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        padded = padded.to(device)  # built on the host, copied once
         counts.scatter_add_(1, padded, torch.ones_like(padded))
     return counts[:, :vocab_size]
 
@@ -73,12 +74,12 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """vLLM's definitions: repetition (prompt or output tokens), then frequency, then presence."""
     vocab = logits.shape[1]
     if md.repetition_penalty is not None:
-        seen = token_counts([p + o for p, o in zip(md.prompt_token_ids, md.output_token_ids)], vocab) > 0
+        seen = token_counts([p + o for p, o in zip(md.prompt_token_ids, md.output_token_ids)], vocab, logits.device) > 0
         penalty = md.repetition_penalty.unsqueeze(1).expand_as(logits)
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, scaled, logits)
     if md.frequency_penalty is not None or md.presence_penalty is not None:
-        counts = token_counts(md.output_token_ids, vocab).to(logits.dtype)
+        counts = token_counts(md.output_token_ids, vocab, logits.device).to(logits.dtype)
         if md.frequency_penalty is not None:
             logits = logits - md.frequency_penalty.unsqueeze(1) * counts
         if md.presence_penalty is not None:
@@ -129,7 +130,7 @@ def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u * chunk_cdf[:, -1]).unsqueeze(1)  # (rows, 1)
     chunk = torch.searchsorted(chunk_cdf, target).clamp(max=chunk_cdf.shape[1] - 1)  # (rows, 1)
     before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
-    inner_cdf = chunks[torch.arange(rows), chunk.squeeze(1)].cumsum(-1)  # (rows, chunk)
+    inner_cdf = chunks[torch.arange(rows, device=weights.device), chunk.squeeze(1)].cumsum(-1)  # (rows, chunk)
     inner_target = (target - before).clamp(min=torch.finfo(weights.dtype).tiny).minimum(inner_cdf[:, -1:])
     inside = torch.searchsorted(inner_cdf, inner_target).clamp(max=SAMPLE_CHUNK - 1)
     return (chunk * SAMPLE_CHUNK + inside).squeeze(1)
@@ -149,9 +150,10 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _uniforms(rows: int, md: SamplingMetadata) -> torch.Tensor:
     """(rows,) float32 in (0, 1]: seeded rows from their own generators, the rest from the default."""
-    u = 1.0 - torch.rand(rows, generator=md.default_generator)
+    device = md.temperature.device
+    u = 1.0 - torch.rand(rows, generator=md.default_generator, device=device)
     for row, generator in md.generators.items():
-        u[row] = 1.0 - torch.rand(1, generator=generator)
+        u[row] = 1.0 - torch.rand(1, generator=generator, device=device)[0]
     return u
 
 

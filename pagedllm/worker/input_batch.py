@@ -64,13 +64,16 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
 
 
 def build_sampling_metadata(states: list[CachedRequestState], default_generator: torch.Generator,
-                            eos_token_ids: tuple[int, ...]) -> SamplingMetadata:
-    """Sampling settings of the rows that sample (``states`` in row order)."""
+                            eos_token_ids: tuple[int, ...], device: torch.device | None = None) -> SamplingMetadata:
+    """Sampling settings of the rows that sample (``states`` in row order), as tensors on ``device``
+    (the logits')."""
     params = [s.sampling_params for s in states]
+    device = device or torch.device("cpu")
     greedy = [p.greedy for p in params]
     md = SamplingMetadata(
-        temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32),
-        greedy=torch.tensor(greedy, dtype=torch.bool),
+        temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32,
+                                 device=device),
+        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
         all_greedy=all(greedy),
         any_greedy=any(greedy),
         any_temperature=any(p.temperature != 1.0 for p, g in zip(params, greedy) if not g),
@@ -78,18 +81,19 @@ def build_sampling_metadata(states: list[CachedRequestState], default_generator:
     )
     if not md.all_greedy:
         if any(p.top_k > 0 for p in params):
-            md.top_k = torch.tensor([p.top_k if p.top_k > 0 else 1 << 30 for p in params], dtype=torch.int64)
+            md.top_k = torch.tensor([p.top_k if p.top_k > 0 else 1 << 30 for p in params], dtype=torch.int64,
+                                    device=device)
         if any(p.top_p < 1.0 for p in params):
-            md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         if any(p.min_p > 0.0 for p in params):
-            md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
         md.generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
     if any(p.presence_penalty for p in params):
-        md.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+        md.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
     if any(p.frequency_penalty for p in params):
-        md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
     if any(p.repetition_penalty != 1.0 for p in params):
-        md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
         md.prompt_token_ids = [s.token_ids[: s.num_prompt_tokens] for s in states]
     if md.presence_penalty is not None or md.frequency_penalty is not None or md.repetition_penalty is not None:
         md.output_token_ids = [s.output_token_ids for s in states]

@@ -7,7 +7,7 @@ from torch import nn
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
-from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from pagedllm.layers.sampler import Sampler
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams
@@ -18,24 +18,25 @@ def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[t
     """For every layer, blocks ``pairs[i][0]`` of ``src`` -> ``pairs[i][1]`` of ``dst`` (K and V)."""
     if not pairs:
         return
-    from_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-    to_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    from_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src[0].device)
+    to_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst[0].device)
     for s, d in zip(src, dst):  # (2, num_blocks, kv_heads, block_size, head_dim) each
-        d.index_copy_(1, to_ids, s.index_select(1, from_ids))
+        d.index_copy_(1, to_ids, s.index_select(1, from_ids).to(d.device, non_blocking=True))
 
 
 class ModelRunner:
     """Owns the model, its KV cache tensors and the per-request states of one worker."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, seed: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], device: torch.device | None = None) -> None:
         self.model = model
+        self.device = device or torch.device("cpu")
         self.backend = backend
         self.builder = backend.make_builder()
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv_caches: list[torch.Tensor] = []
@@ -47,13 +48,30 @@ class ModelRunner:
         would be pinned CPU memory; here both pools are host memory, the code path is the same).
         """
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_caches, self.host_kv_caches = [], []
+        pinned = self.device.type == "cuda"  # swap copies from pinned host memory run asynchronously
         for layer in layers:
             shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             # zeros, not empty: masked padding keys must not hold NaN bit patterns (0 * NaN = NaN)
-            layer.kv_cache = torch.zeros(shape, dtype=dtype)
+            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
             if num_host_blocks:
-                self.host_kv_caches.append(torch.zeros((shape[0], num_host_blocks, *shape[2:]), dtype=dtype))
+                self.host_kv_caches.append(torch.zeros((shape[0], num_host_blocks, *shape[2:]), dtype=dtype,
+                                                       pin_memory=pinned))
+
+    def profile_run(self, num_tokens: int, dtype: torch.dtype) -> None:
+        """One prompt of ``num_tokens`` tokens through the model and the sampler, on a KV pool just
+        big enough, then everything of it dropped: the peak memory of a full step (GPU sizing)."""
+        blocks = -(-num_tokens // self.block_size)
+        self.initialize_kv_cache(blocks + 1, dtype)
+        req = NewRequestData(req_id="profile", prompt_token_ids=[0] * num_tokens, sampling_params=SamplingParams(),
+                             block_ids=list(range(1, blocks + 1)), num_computed_tokens=0)
+        self.execute_model(SchedulerOutput(scheduled_new_reqs=[req], num_scheduled_tokens={"profile": num_tokens}))
+        self.requests.clear()
+        for layer in self.model.modules():
+            if isinstance(layer, Attention):
+                layer.kv_cache = None
+        self.kv_caches = []
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -69,7 +87,8 @@ class ModelRunner:
         inputs = build_step_inputs(states, [out.num_scheduled_tokens[r] for r in order], self.block_size)
         metadata = self.builder.build(inputs)
         with forward_context(self.backend, metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
+                                inputs.positions.to(self.device, non_blocking=True))
         for state, n in zip(states, (out.num_scheduled_tokens[r] for r in order)):
             state.num_computed_tokens += n
         if not inputs.sample_rows:
@@ -82,15 +101,15 @@ class ModelRunner:
             samplers.append(self.requests[fork.req_id])
             rows.append(row_of[fork.parent_id])
         # only rows that sample; in the model's dtype: the sampler makes a float32 copy only if it must
-        logits = self.model.compute_logits(hidden[inputs.logits_indices], keep_dtype=True)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)], keep_dtype=True)
         if len(rows) > len(inputs.sample_rows):
-            logits = logits[torch.tensor(rows)]
-        md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids)
+            logits = logits[torch.tensor(rows, device=self.device)]
+        md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids, self.device)
         result = self.sampler(logits, md)
-        for state, token in zip(samplers, result.sampled_token_ids.tolist()):
+        sampled = result.sampled_token_ids.tolist()  # the step's one wait for the device
+        for state, token in zip(samplers, sampled):
             state.token_ids.append(token)
-        return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in result.sampled_token_ids.tolist()],
-                                 result.logprobs)
+        return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in sampled], result.logprobs)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
@@ -99,7 +118,7 @@ class ModelRunner:
             prompt = list(new.prompt_token_ids)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, prompt + list(new.output_token_ids), len(prompt), new.sampling_params,
-                _generator(new.sampling_params), list(new.block_ids), new.num_computed_tokens)
+                _generator(new.sampling_params, self.device), list(new.block_ids), new.num_computed_tokens)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replace_table:
@@ -111,8 +130,8 @@ class ModelRunner:
             parent = self.requests[fork.parent_id]
             self.requests[fork.req_id] = CachedRequestState(
                 fork.req_id, list(parent.token_ids), parent.num_prompt_tokens, fork.sampling_params,
-                _generator(fork.sampling_params), list(fork.block_ids), fork.num_computed_tokens)
+                _generator(fork.sampling_params, self.device), list(fork.block_ids), fork.num_computed_tokens)
 
 
-def _generator(params: SamplingParams) -> torch.Generator | None:
-    return torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    return torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None

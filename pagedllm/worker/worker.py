@@ -53,29 +53,36 @@ class Worker:
         self.rank_info = info = rank_info or RankInfo()
         self.dtype = getattr(torch, config.model.dtype)
         tp = config.parallel.tensor_parallel_size
+        on_gpu = config.device.device == "cuda"
+        self.device = torch.device("cuda", info.local_rank) if on_gpu else torch.device("cpu")
+        if on_gpu:
+            torch.cuda.set_device(self.device)
         self.cores: list[int] | None = None
         if tp > 1:  # before torch starts its thread pools: they inherit the affinity
-            self.cores = rank_cores(info.local_rank, info.local_world_size)
+            if not on_gpu:
+                self.cores = rank_cores(info.local_rank, info.local_world_size)
             if self.cores is not None:
                 os.sched_setaffinity(0, self.cores)
                 torch.set_num_threads(len(self.cores))
             assert info.distributed_init_method is not None, "a tensor-parallel worker needs rank 0's address"
-            init_distributed(info.rank, tp, info.distributed_init_method, info.local_world_size)
+            init_distributed(info.rank, tp, info.distributed_init_method, info.local_world_size,
+                             backend="nccl" if on_gpu else "gloo")
         self.num_kv_heads = shard_heads(arch.num_heads, arch.num_kv_heads, tp, info.rank).num_kv_heads
         # the kernels are built (or read from the cache) here, before any request can arrive
-        backend = get_attention_backend(resolve_backend_name(config.device.attention_backend))
+        backend = get_attention_backend(resolve_backend_name(config.device.attention_backend, config.device.device))
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
         model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)
         weights = iter_weights(config.model.model, arch)
         model.load_weights(tqdm(weights, desc="Loading weights", unit=" tensors", leave=False, dynamic_ncols=True,
                                 disable=info.rank != 0 or None))  # one bar, not one per rank
+        model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
         for module in model.modules():  # once the checkpoint is in: e.g. weights packed for the CPU GEMM
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
         model.eval()
         self.model_runner = ModelRunner(model, backend, config.cache.block_size,
-                                        config.model.seed, eos_token_ids)
+                                        config.model.seed, eos_token_ids, self.device)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers (K and V)."""
@@ -92,7 +99,9 @@ class Worker:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         budget = cache.kv_cache_memory
-        if budget is None:
+        if budget is None and self.device.type == "cuda":
+            budget = self._gpu_kv_budget()
+        elif budget is None:
             budget = min(DEFAULT_KV_CAP, int(available_memory_bytes() * DEFAULT_KV_FRACTION)
                          // self.rank_info.local_world_size)
             # never more than every running sequence at full length could use
@@ -103,6 +112,22 @@ class Worker:
             raise ValidationError.bad_value("kv_cache_memory", budget,
                                             f"at least 2 KV blocks ({2 * self.kv_block_bytes()} bytes)")
         return num_blocks
+
+    def _gpu_kv_budget(self) -> int:
+        """gpu_memory_utilization of the GPU, less the weights, the peak activations of a forward pass
+        at max_num_batched_tokens (measured: a profiling step), and what is not torch's (CUDA context)."""
+        sched = self.config.scheduler
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model_runner.profile_run(min(sched.max_num_batched_tokens, sched.max_model_len), self.dtype)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        not_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
+        torch.cuda.empty_cache()
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - not_torch
+        logger.info("GPU memory: %.2f GiB total, peak of a profiling step %.2f GiB, not torch's %.2f GiB: "
+                    "%.2f GiB for the KV pool", total / 1024**3, peak / 1024**3, not_torch / 1024**3, budget / 1024**3)
+        return budget
 
     def determine_num_host_blocks(self) -> int:
         """Blocks of host memory for swapped-out requests (swap_space GiB), when swapping is on."""
@@ -115,9 +140,9 @@ class Worker:
         tp = self.config.parallel.tensor_parallel_size
         where = "" if tp == 1 else f"rank {self.rank_info.rank}/{tp} (pid {os.getpid()}): "
         cores = "" if self.cores is None else f" on cores {_core_ranges(self.cores)}"
-        logger.info("%sdevice cpu, %d threads%s; KV cache %d blocks of %d tokens, %d KV heads (%.2f GiB)", where,
-                    torch.get_num_threads(), cores, num_blocks, self.config.cache.block_size, self.num_kv_heads,
-                    num_blocks * self.kv_block_bytes() / 1024**3)
+        logger.info("%sdevice %s, %d threads%s; KV cache %d blocks of %d tokens, %d KV heads (%.2f GiB)", where,
+                    self.device, torch.get_num_threads(), cores, num_blocks, self.config.cache.block_size,
+                    self.num_kv_heads, num_blocks * self.kv_block_bytes() / 1024**3)
 
     def kv_cache_shapes(self) -> list[tuple[int, ...]]:
         """The shape of every layer's KV tensor on this rank (tests check the head split)."""

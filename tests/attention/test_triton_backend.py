@@ -39,6 +39,16 @@ def test_llm_greedy_tokens_match_the_torch_backend(tiny_llm_dir: Path) -> None:
     _interpret("tests.attention.triton_llm_check", str(tiny_llm_dir))
 
 
+@needs_triton
+def test_backend_choice_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # makes triton available without a GPU
+    assert resolve_backend_name("auto", "cuda") == "triton"
+    for cpu_only in ("cpu", "torch"):
+        with pytest.raises(ValidationError) as e:
+            resolve_backend_name(cpu_only, "cuda")
+        assert e.value.param == "attention_backend" and "triton" in str(e.value)
+
+
 def test_auto_never_picks_triton_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend_name("auto") != "triton"

@@ -104,6 +104,8 @@ def test_unknown_llm_option(tiny_llm_dir: Path) -> None:
     (dict(tensor_parallel_size=0), "tensor_parallel_size"), (dict(tensor_parallel_size=3), "tensor_parallel_size"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "distributed_executor_backend"),
     (dict(distributed_executor_backend="threads"), "distributed_executor_backend"),
+    (dict(device="gpu"), "device"), (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(model="/nonexistent/model"), "model"),
 ])
 def test_bad_engine_options(tiny_llm_dir: Path, kwargs: dict, param: str) -> None:
@@ -156,3 +158,10 @@ def test_user_ids_cannot_collide_with_sample_ids(llm: LLM) -> None:
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert sorted(done) == ["1_y", "y"] and len(done["y"].outputs) == 2
     _assert_clean(llm)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_a_gpu_is_refused(tiny_llm_dir: Path) -> None:
+    with pytest.raises(ValidationError) as err:
+        LLM(str(tiny_llm_dir), device="cuda")
+    assert err.value.param == "device" and "no CUDA device" in str(err.value)
