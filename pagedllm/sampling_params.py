@@ -61,6 +61,15 @@ class SamplingParams:
     """Leave special tokens out of the text."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """Cumulative, delta (streaming) or final-only outputs."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling (OpenAI's range [-100, 100])."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled."""
+    bad_words: list[str] | None = None
+    """Words never generated: the last token of a word is banned where the tokens before it were
+    just generated (each word tokenized with and without a leading space)."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """The tokenized bad_words (set by the engine's processor from the model's tokenizer)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +104,20 @@ class SamplingParams:
             raise bad("stop", self.stop, "non-empty strings")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "a mapping of token id to bias")
+            try:  # OpenAI sends the ids as JSON object keys: strings
+                self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise bad("logit_bias", self.logit_bias, "a mapping of integer token ids to numbers") from None
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", self.bad_words, "a list of non-empty strings")
 
     def _verify_ranges(self) -> None:
         bad = ValidationError.bad_value
@@ -122,6 +145,8 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", self.logprobs, "an integer >= 0")
+        if self.logit_bias and any(not -100.0 <= b <= 100.0 or t < 0 for t, b in self.logit_bias.items()):
+            raise bad("logit_bias", self.logit_bias, "non-negative token ids with biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -62,9 +62,23 @@ class Processor:
             raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValidationError.bad_value("logprobs", params.logprobs, f"<= {MAX_LOGPROBS}")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValidationError.bad_value("stop_token_ids", bad[0], f"a token id below {self.vocab_size}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValidationError.bad_value(name, bad[0], f"a token id below {self.vocab_size}")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as it would start the text and as it would follow a space (vLLM's way)."""
+        found: list[list[int]] = []
+        for word in words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def make_requests(self, seq_ids: list[str], prompt_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, cache_salt: str | None = None) -> list[Request]:

@@ -44,7 +44,11 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]] | None = None
     """Per row, prompt tokens (only when a repetition penalty is used)."""
     blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    """Row -> tokens it may not sample yet (EOS / stop ids before min_tokens)."""
+    """Row -> tokens it may not sample (EOS / stop ids before min_tokens, the last token of a bad word)."""
+    logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Row -> (token ids int64, biases float32) added to its logits."""
+    allowed_token_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Row -> the only token ids (int64) it may sample."""
     max_num_logprobs: int | None = None
     """Largest top-N asked for by any row; None when no row wants logprobs."""
     wants_logprobs: list[bool] = field(default_factory=list)
@@ -139,7 +143,8 @@ def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _plain(md: SamplingMetadata) -> bool:
     """No logprobs, penalties or blocked tokens: the logits are read, never edited."""
     return (md.max_num_logprobs is None and not md.blocked_token_ids and md.repetition_penalty is None
-            and md.frequency_penalty is None and md.presence_penalty is None)
+            and md.frequency_penalty is None and md.presence_penalty is None and not md.logit_bias
+            and not md.allowed_token_ids)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -168,6 +173,12 @@ class Sampler(nn.Module):
         # logprobs are of the model's raw distribution (before penalties and temperature), as vLLM's default
         raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
         logits = apply_penalties(logits, md)
+        for row, (token_ids, biases) in md.logit_bias.items():
+            logits[row, token_ids] += biases
+        for row, token_ids in md.allowed_token_ids.items():
+            allowed = logits[row, token_ids]
+            logits[row] = float("-inf")
+            logits[row, token_ids] = allowed
         for row, token_ids in md.blocked_token_ids.items():
             logits[row, token_ids] = float("-inf")
         if md.all_greedy:

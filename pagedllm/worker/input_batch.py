@@ -99,11 +99,26 @@ def build_sampling_metadata(states: list[CachedRequestState], default_generator:
         md.output_token_ids = [s.output_token_ids for s in states]
     for row, s in enumerate(states):
         p = s.sampling_params
+        blocked = []
         if len(s.output_token_ids) < p.min_tokens:
             blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            if blocked:
-                md.blocked_token_ids[row] = blocked
+        if p.bad_words_token_ids:
+            blocked += _bad_word_tails(p.bad_words_token_ids, s.output_token_ids)
+        if blocked:
+            md.blocked_token_ids[row] = blocked
+        if p.logit_bias:
+            md.logit_bias[row] = (torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device),
+                                  torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device))
+        if p.allowed_token_ids:
+            md.allowed_token_ids[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
     if any(p.logprobs is not None for p in params):
         md.max_num_logprobs = max(p.logprobs or 0 for p in params)
         md.wants_logprobs = [p.logprobs is not None for p in params]
     return md
+
+
+def _bad_word_tails(words: list[list[int]], output: list[int]) -> list[int]:
+    """The last token of every bad word whose other tokens are the end of ``output`` (a one-token
+    word is always banned)."""
+    return [w[-1] for w in words if len(w) == 1 or (len(output) >= len(w) - 1 and output[len(output) - len(w) + 1:]
+                                                     == w[:-1])]

@@ -105,6 +105,9 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names
         param = _field_name(tuple(first.get("loc", ())))
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {first.get('msg')}")
+        if first.get("type") == "extra_forbidden":
+            return error_response(400, f"{param} is not supported by this server (it is not ignored: the request is "
+                                  "refused)", param=param)
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
         return error_response(400, message, param=param)
 

@@ -13,7 +13,9 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as by OpenAI's servers
+    # a field we do not implement is refused (400 naming it), never silently dropped, as OpenAI's
+    # own API answers an unrecognized request argument
+    model_config = ConfigDict(extra="forbid")
 
 
 class ErrorInfo(BaseModel):
@@ -46,6 +48,8 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    """Only {"type": "text"} (the default) is served; structured outputs are refused."""
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -55,6 +59,8 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(SamplingFields):

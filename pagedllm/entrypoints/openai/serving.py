@@ -47,8 +47,10 @@ class OpenAIServing:
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         stream: bool) -> SamplingParams:
         """SamplingParams from the request's fields (SamplingParams names any out-of-range field)."""
-        if req.logit_bias:
-            raise ValidationError("logit_bias is not supported", param="logit_bias", value=req.logit_bias)
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise ValidationError(f"response_format {req.response_format.get('type')!r} is not supported (structured "
+                                  "outputs are not implemented yet); only 'text'", param="response_format",
+                                  value=req.response_format.get("type"))
         return SamplingParams(
             n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -57,7 +59,8 @@ class OpenAIServing:
             min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
             min_tokens=req.min_tokens, logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
     async def add_all(self, request_id: str, prompts: list[PromptType],

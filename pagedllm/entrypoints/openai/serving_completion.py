@@ -46,6 +46,12 @@ class OpenAIServingCompletion(OpenAIServing):
                           ("temperature", req.temperature not in (None, 0, 0.0))):
             if bad:
                 raise ValidationError(f"{name} cannot be used with use_beam_search", param=name)
+        # beam search scores the model's own log-probabilities: fields that edit them or stop early would be ignored
+        defaults = CompletionRequest.model_fields
+        for name in ("logit_bias", "allowed_token_ids", "bad_words", "stop", "stop_token_ids", "top_p", "top_k",
+                     "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "seed"):
+            if getattr(req, name) not in (defaults[name].default, None, [], {}):
+                raise ValidationError(f"{name} cannot be used with use_beam_search", param=name)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                 length_penalty=req.length_penalty)

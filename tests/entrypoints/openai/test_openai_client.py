@@ -136,3 +136,14 @@ def test_beam_search_and_prefix_cache_metrics(server, client: openai.OpenAI) -> 
         client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
     assert server.metric("pagedllm:prefix_cache_hits_total") > 0
     assert server.metric("pagedllm:prefix_cache_queries_total") >= server.metric("pagedllm:prefix_cache_hits_total")
+
+
+def test_logit_bias_forces_and_bans(client: openai.OpenAI, tokenizer: Any) -> None:
+    a, b = 1234, 4321
+    forced = client.completions.create(model=MODEL, prompt="Bias me", max_tokens=4, temperature=0,
+                                       logit_bias={str(a): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == tokenizer.decode([a] * 4)
+    banned = client.completions.create(model=MODEL, prompt="Bias me", max_tokens=4, temperature=1.0, seed=0,
+                                       logit_bias={str(a): -100},
+                                       extra_body={"ignore_eos": True, "allowed_token_ids": [a, b]})
+    assert banned.choices[0].text == tokenizer.decode([b] * 4)  # a is banned: b is all that is left
