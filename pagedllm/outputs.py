@@ -34,6 +34,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    """Request -> (position of the first scored prompt token, one entry per prompt token this step
+    scored): for requests with prompt_logprobs, the prompt tokens their chunk predicts."""
 
 
 @dataclass
@@ -49,6 +52,8 @@ class EngineCoreOutput:
     """time.monotonic() when the request was first scheduled (for queue-time metrics)."""
     num_cached_tokens: int = 0
     """Prompt tokens whose K/V came from the prefix cache."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With a request's first token: the log-probabilities of prompt tokens 1 .. P-1 (prompt_logprobs)."""
 
     @property
     def finished(self) -> bool:
@@ -93,6 +98,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With SamplingParams.prompt_logprobs: per prompt position, the prompt token's and the top-N
+    log-probabilities (None for the first position, which nothing predicts)."""
 
 
 @dataclass

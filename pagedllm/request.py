@@ -76,6 +76,10 @@ class Request:
         """Chained hashes of the full blocks of all_token_ids (filled by the KV cache manager)."""
         self.num_cached_tokens = -1
         """Prompt tokens found in the prefix cache at first scheduling (-1 before)."""
+        self.prompt_logprobs: list | None = (
+            None if sampling_params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1))
+        """With prompt_logprobs: the TokenLogprobs of prompt tokens 1 .. P-1 as the workers score them."""
+        self.prompt_logprobs_sent = False
 
     @property
     def num_prompt_tokens(self) -> int:

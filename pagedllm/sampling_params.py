@@ -55,6 +55,9 @@ class SamplingParams:
     """Generate at least this many tokens before EOS / stop_token_ids / stop strings count."""
     logprobs: int | None = None
     """Return this many top log-probabilities per generated token (plus the sampled one)."""
+    prompt_logprobs: int | None = None
+    """Return this many top log-probabilities per prompt token (plus the prompt token's own); a
+    request asking for them computes its whole prompt (no prefix-cache hit)."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string in the text."""
     skip_special_tokens: bool = True
@@ -93,7 +96,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, value, "an integer")
-        for name in ("max_tokens", "logprobs", "seed"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise bad(name, value, "an integer or None")
@@ -143,8 +146,9 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", self.logprobs, "an integer >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise bad(name, getattr(self, name), "an integer >= 0")
         if self.logit_bias and any(not -100.0 <= b <= 100.0 or t < 0 for t, b in self.logit_bias.items()):
             raise bad("logit_bias", self.logit_bias, "non-negative token ids with biases in [-100, 100]")
 

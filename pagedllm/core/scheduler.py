@@ -108,6 +108,7 @@ class Scheduler:
             for sample in samples:
                 self.requests[sample.request_id] = sample
                 self._leader_of[sample.request_id] = request.request_id
+                sample.prompt_logprobs = None  # the shared prompt is scored once, by the leader
 
     def _check_fits(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
@@ -225,6 +226,8 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         hits, num_hit = kv.get_computed_blocks(request)
+        if request.prompt_logprobs is not None:  # every prompt token must be scored: compute them all
+            hits, num_hit = [], 0
         num_new = self._num_tokens_to_schedule(request, num_hit, plan)
         new_blocks = kv.allocate_slots(request, num_new, hits)
         if new_blocks is None:
@@ -342,6 +345,10 @@ class Scheduler:
         next schedule()'s ``finished_req_ids``.
         """
         results: list[EngineCoreOutput] = []
+        for req_id, (start, entries) in runner_output.prompt_logprobs.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.prompt_logprobs is not None:  # a recompute scores them again
+                request.prompt_logprobs[start - 1:start - 1 + len(entries)] = entries
         for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                runner_output.logprobs):
             request = self.requests.get(req_id)
@@ -354,9 +361,13 @@ class Scheduler:
                 self.stats.num_generated_tokens += 1
                 if self._check_stop(request, token_id):
                     break
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
             results.append(EngineCoreOutput(req_id, new_tokens, [] if logprobs is None else [logprobs],
                                             request.status.finish_reason, request.stop_reason,
-                                            request.first_scheduled_time, max(request.num_cached_tokens, 0)))
+                                            request.first_scheduled_time, max(request.num_cached_tokens, 0),
+                                            prompt_logprobs))
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)

@@ -84,6 +84,8 @@ class RequestState:
     sequences: dict[str, SequenceState]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_reported: bool = False
 
     @property
     def finished(self) -> bool:
@@ -98,8 +100,12 @@ class RequestState:
         completions = [c for c in (s.completion(kind) for s in ordered) if c is not None]
         if not completions:
             return None
+        prompt_logprobs = self.prompt_logprobs
+        if kind == RequestOutputKind.DELTA and self.prompt_logprobs_reported:
+            prompt_logprobs = None  # a stream carries them once
+        self.prompt_logprobs_reported = self.prompt_logprobs is not None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             self.num_cached_tokens, self.metrics)
+                             self.num_cached_tokens, self.metrics, prompt_logprobs)
 
 
 class OutputProcessor:
@@ -163,6 +169,8 @@ class OutputProcessor:
             seq.token_ids.extend(out.new_token_ids)
             if seq.logprobs is not None:
                 self._add_logprobs(seq, out.new_token_ids, out.new_logprobs, state.params.logprobs)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = self._prompt_logprobs(state, out.prompt_logprobs)
             stop = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
             if stop is not None:
                 if out.finish_reason is None:
@@ -206,6 +214,19 @@ class OutputProcessor:
             seq.finish_reason, now - state.metrics.arrival_time,
             None if first is None else first - state.metrics.arrival_time,
             len(state.prompt_token_ids), len(seq.token_ids)))
+
+    def _prompt_logprobs(self, state: RequestState, scored: list[TokenLogprobs | None]
+                         ) -> list[dict[int, Logprob] | None]:
+        """[None (the first token), then per prompt token: it and the top-N, as Logprob entries]."""
+        top_n = state.params.prompt_logprobs or 0
+        entries: list[dict[int, Logprob] | None] = [None]
+        for token_id, lp in zip(state.prompt_token_ids[1:], scored):
+            assert lp is not None, "every prompt token is scored before the first output token"
+            entry = {tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
+                     for rank, (tid, val) in enumerate(zip(lp.top_token_ids[:top_n], lp.top_logprobs[:top_n]))}
+            entry.setdefault(token_id, Logprob(lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token_id])))
+            entries.append(entry)
+        return entries
 
     def _add_logprobs(self, seq: SequenceState, token_ids: list[int], logprobs: list[TokenLogprobs | None],
                       top_n: int) -> None:

@@ -60,8 +60,9 @@ class Processor:
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValidationError.bad_value("logprobs", params.logprobs, f"<= {MAX_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None and getattr(params, name) > MAX_LOGPROBS:
+                raise ValidationError.bad_value(name, getattr(params, name), f"<= {MAX_LOGPROBS}")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
                           ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if t >= self.vocab_size]

@@ -9,7 +9,7 @@ from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from pagedllm.layers.sampler import Sampler
-from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, build_sampling_metadata, build_step_inputs
 
@@ -89,10 +89,12 @@ class ModelRunner:
         with forward_context(self.backend, metadata):
             hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
                                 inputs.positions.to(self.device, non_blocking=True))
-        for state, n in zip(states, (out.num_scheduled_tokens[r] for r in order)):
+        counts = [out.num_scheduled_tokens[r] for r in order]
+        prompt_logprobs = self._prompt_logprobs(states, counts, inputs.query_start_loc.tolist(), hidden)
+        for state, n in zip(states, counts):
             state.num_computed_tokens += n
         if not inputs.sample_rows:
-            return ModelRunnerOutput(inputs.req_ids, [[] for _ in states], [None] * len(states))
+            return ModelRunnerOutput(inputs.req_ids, [[] for _ in states], [None] * len(states), prompt_logprobs)
         # forked samples draw from their parent's logits row: the prompt was computed once
         samplers = [states[i] for i in inputs.sample_rows]
         row_of = {s.req_id: row for row, s in enumerate(samplers)}
@@ -109,7 +111,30 @@ class ModelRunner:
         sampled = result.sampled_token_ids.tolist()  # the step's one wait for the device
         for state, token in zip(samplers, sampled):
             state.token_ids.append(token)
-        return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in sampled], result.logprobs)
+        return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in sampled], result.logprobs,
+                                 prompt_logprobs)
+
+    def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], starts: list[int],
+                         hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """For requests with prompt_logprobs: the log-probabilities of the prompt tokens this step's
+        rows predict (row at position p scores prompt token p + 1), with the top-N of each."""
+        found: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        for i, (state, n) in enumerate(zip(states, counts)):
+            top_n = state.sampling_params.prompt_logprobs
+            first = state.num_computed_tokens  # this chunk's first position (not advanced yet)
+            last = min(first + n, state.num_prompt_tokens - 1)
+            if top_n is None or last <= first:
+                continue
+            logprobs = self.model.compute_logits(hidden[starts[i]:starts[i] + last - first]).log_softmax(-1)
+            targets = torch.tensor(state.token_ids[first + 1:last + 1], dtype=torch.long, device=logprobs.device)
+            chosen = logprobs.gather(1, targets.unsqueeze(1))  # (rows, 1)
+            ranks = ((logprobs > chosen).sum(1) + 1).tolist()
+            top = logprobs.topk(top_n, dim=-1) if top_n else None
+            top_ids = top.indices.tolist() if top is not None else [[] for _ in ranks]
+            top_vals = top.values.tolist() if top is not None else [[] for _ in ranks]
+            found[state.req_id] = (first + 1, [TokenLogprobs(c, r, ids, vals) for c, r, ids, vals in zip(
+                chosen.squeeze(1).tolist(), ranks, top_ids, top_vals)])
+        return found
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:

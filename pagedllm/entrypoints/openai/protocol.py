@@ -72,6 +72,8 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     use_beam_search: bool = False
     """vLLM's extra: beam search with n beams; the n best sequences are the choices."""
+    prompt_logprobs: int | None = None
+    """vLLM's extra: the prompt tokens' log-probabilities (and the top-N) in each choice."""
     length_penalty: float = 1.0
 
 
@@ -108,12 +110,20 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    """vLLM's shape: per prompt position (None first), token id -> its log-probability."""
 
 
 class CompletionResponse(BaseModel):

@@ -45,7 +45,7 @@ class OpenAIServing:
         return model
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        stream: bool) -> SamplingParams:
+                        stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams from the request's fields (SamplingParams names any out-of-range field)."""
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise ValidationError(f"response_format {req.response_format.get('type')!r} is not supported (structured "
@@ -58,7 +58,8 @@ class OpenAIServing:
             top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
-            min_tokens=req.min_tokens, logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+            min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)

@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                                  CompletionResponse, UsageInfo, random_id)
+                                                  CompletionResponse, PromptLogprob, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, final_outputs, merge_streams, sse,
                                                  unless_disconnected)
 from pagedllm.errors import ValidationError
@@ -23,9 +23,12 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ValidationError("suffix is not supported", param="suffix", value=req.suffix)
         if req.best_of is not None and req.best_of != req.n:
             raise ValidationError("best_of other than n is not supported", param="best_of", value=req.best_of)
+        if req.prompt_logprobs is not None and req.stream:
+            raise ValidationError("prompt_logprobs cannot be streamed", param="prompt_logprobs",
+                                  value=req.prompt_logprobs)
         prompts = self._prompts(req.prompt)
         params = self._beam_params(req) if req.use_beam_search else \
-            self.sampling_params(req, req.max_tokens, req.logprobs, req.stream)
+            self.sampling_params(req, req.max_tokens, req.logprobs, req.stream, req.prompt_logprobs)
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, prompts, params)
         echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
@@ -35,7 +38,8 @@ class OpenAIServingCompletion(OpenAIServing):
         outputs = await unless_disconnected(final_outputs(streams), raw)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        choices = [self._choice(i * req.n + c.index, c, echoes[i], None if req.use_beam_search else req.logprobs)
+        choices = [self._choice(i * req.n + c.index, c, echoes[i], None if req.use_beam_search else req.logprobs,
+                                getattr(out, "prompt_logprobs", None))
                    for i, out in enumerate(outputs) for c in out.outputs]
         usage = self._usage(outputs)
         return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump())
@@ -48,8 +52,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise ValidationError(f"{name} cannot be used with use_beam_search", param=name)
         # beam search scores the model's own log-probabilities: fields that edit them or stop early would be ignored
         defaults = CompletionRequest.model_fields
-        for name in ("logit_bias", "allowed_token_ids", "bad_words", "stop", "stop_token_ids", "top_p", "top_k",
-                     "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "seed"):
+        for name in ("logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "stop", "stop_token_ids",
+                     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "seed"):
             if getattr(req, name) not in (defaults[name].default, None, [], {}):
                 raise ValidationError(f"{name} cannot be used with use_beam_search", param=name)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
@@ -71,10 +75,14 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, prompt: PromptType) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt["prompt_token_ids"])
 
-    def _choice(self, index: int, c: CompletionOutput, echo: str, logprobs: int | None) -> CompletionChoice:
+    def _choice(self, index: int, c: CompletionOutput, echo: str, logprobs: int | None,
+                prompt_logprobs: list | None = None) -> CompletionChoice:
         lp = None if c.logprobs is None else self._logprobs(c, len(echo), logprobs or 0)
+        scored = None if prompt_logprobs is None else [
+            None if entry is None else {t: PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.decoded_token)
+                                        for t, e in entry.items()} for entry in prompt_logprobs]
         return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason)
+                                stop_reason=c.stop_reason, prompt_logprobs=scored)
 
     def _logprobs(self, c: CompletionOutput, offset: int, top_n: int) -> CompletionLogprobs:
         out = CompletionLogprobs()

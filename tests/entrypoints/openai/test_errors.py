@@ -40,7 +40,10 @@ CASES = [
     (C, {"prompt": "hi", "bad_words": [""]}, 400, "bad_words"),
     (C, {"prompt": "hi", "use_beam_search": True, "n": 2, "logit_bias": {"5": 1}}, 400, "logit_bias"),
     (C, {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
-    (C, {"prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    (C, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    (C, {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, 400,
+     "prompt_logprobs"),
     (C, {"prompt": "hi", "no_such_field": 1}, 400, "no_such_field"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),

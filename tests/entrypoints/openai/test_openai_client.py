@@ -147,3 +147,15 @@ def test_logit_bias_forces_and_bans(client: openai.OpenAI, tokenizer: Any) -> No
                                        logit_bias={str(a): -100},
                                        extra_body={"ignore_eos": True, "allowed_token_ids": [a, b]})
     assert banned.choices[0].text == tokenizer.decode([b] * 4)  # a is banned: b is all that is left
+
+
+def test_prompt_logprobs(client: openai.OpenAI, tokenizer: Any) -> None:
+    prompt = "Prompt log-probabilities, please"
+    ids = tokenizer.encode(prompt)
+    for _ in range(2):  # the second time its blocks are cached: still scored
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={"prompt_logprobs": 2})
+        scored = out.choices[0].model_extra["prompt_logprobs"]
+        assert scored[0] is None and len(scored) == len(ids)
+        for token, entry in zip(ids[1:], scored[1:]):
+            assert str(token) in entry and len(entry) <= 3 and entry[str(token)]["logprob"] <= 0.0
