@@ -25,6 +25,8 @@ from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
                                                   TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
+from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pagedllm.entrypoints.openai.serving import ModelNotFoundError
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -83,10 +85,10 @@ def _field_name(loc: tuple) -> str | None:
 
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names: list[str],
-              api_keys: list[str]) -> FastAPI:
+              api_keys: list[str], reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine."""
     completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, get_reasoning_parser(reasoning_parser))
     config = engine.engine.config
 
     @contextlib.asynccontextmanager
@@ -195,6 +197,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     parser.add_argument("--uvicorn-log-level", default="info")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="split a reasoning model's <think>...</think> into the chat reply's reasoning_content")
 
 
 class _Server(uvicorn.Server):
@@ -233,7 +237,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         timer.start()
 
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead)
-    app = build_app(engine, metrics, names, keys)
+    app = build_app(engine, metrics, names, keys, ns.reasoning_parser)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     server = _Server(config)

@@ -152,6 +152,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """With --reasoning-parser: the model's <think> part (vLLM's field)."""
 
 
 class ChatChoice(BaseModel):
@@ -174,6 +176,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

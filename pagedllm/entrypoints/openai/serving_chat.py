@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from jinja2.exceptions import TemplateError
 from starlette.requests import Request
@@ -11,6 +12,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequ
                                                   ChatCompletionStreamResponse, ChatLogprobs, ChatMessage,
                                                   ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob,
                                                   DeltaMessage, TopLogprob, UsageInfo, random_id)
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
 from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, final_outputs, merge_streams, sse,
                                                  unless_disconnected)
 from pagedllm.errors import ValidationError
@@ -20,6 +22,15 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: Any, served_model_names: list[str], reasoning_parser: ReasoningParser | None = None
+                 ) -> None:
+        super().__init__(engine, served_model_names)
+        self.reasoning_parser = reasoning_parser
+        """Splits replies into reasoning_content and content (--reasoning-parser); None: all content."""
+
+    def _split(self, text: str) -> ReasoningSplit:
+        return ReasoningSplit(None, text) if self.reasoning_parser is None else self.reasoning_parser.split(text)
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
         text, prompt_ids = self.apply_chat_template(req.messages, req.add_generation_prompt)
@@ -36,9 +47,11 @@ class OpenAIServingChat(OpenAIServing):
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         out = outputs[0]
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+        splits = [self._split(c.text) for c in out.outputs]
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=split.content,
+                                                                         reasoning_content=split.reasoning),
                               logprobs=self._logprobs(c, logprobs), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason) for c in out.outputs]
+                              stop_reason=c.stop_reason) for c, split in zip(out.outputs, splits)]
         completion = sum(len(c.token_ids) for c in out.outputs)
         usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
                           total_tokens=len(prompt_ids) + completion)
@@ -100,11 +113,18 @@ class OpenAIServingChat(OpenAIServing):
             first = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[first]))
         prompt_tokens = completion_tokens = 0
+        parsers: dict[int, ReasoningStream] = {}
         async for _, out in merge_streams(streams):
             prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                if self.reasoning_parser is None:
+                    delta = DeltaMessage(content=c.text)
+                else:
+                    piece = parsers.setdefault(c.index, self.reasoning_parser.stream()).delta(
+                        c.text, c.finish_reason is not None)
+                    delta = DeltaMessage(content=piece.content, reasoning_content=piece.reasoning)
+                choice = ChatStreamChoice(index=c.index, delta=delta,
                                           logprobs=self._logprobs(c, top_n), finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason)
                 yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
