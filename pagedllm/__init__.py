@@ -21,6 +21,7 @@ _PUBLIC = {
     "LLM": "pagedllm.entrypoints.llm",
     "SamplingParams": "pagedllm.sampling_params",
     "BeamSearchParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "BeamSearchOutput": "pagedllm.outputs",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",

@@ -22,6 +22,49 @@ class RequestOutputKind(enum.IntEnum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """One constraint on the generated text (vLLM's names): exactly one of the fields."""
+
+    json: str | dict | None = None
+    """A JSON schema (object or its text): the output is JSON that validates against it."""
+    regex: str | None = None
+    """The output matches this regular expression."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar's GBNF dialect) the output follows."""
+    json_object: bool | None = None
+    """Any JSON object (OpenAI's response_format json_object)."""
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValidationError("structured_outputs takes exactly one of json, regex, choice, grammar, "
+                                  f"json_object; got {given or 'none'}", param="structured_outputs", value=given)
+        bad = ValidationError.bad_value
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise bad("structured_outputs.json", self.json, "a JSON schema (an object or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(f"structured_outputs.{name}", value, "a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise bad("structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
+
+    def cache_key(self) -> str:
+        """The same constraint gives the same key (compiled grammars are cached by it)."""
+        import json as _json
+        return self.kind + ":" + _json.dumps(getattr(self, self.kind), sort_keys=True)
+
+
+@dataclass
 class SamplingParams:
     """Sampling and stopping parameters of one request (field names and defaults as vLLM's)."""
 
@@ -73,6 +116,8 @@ class SamplingParams:
     just generated (each word tokenized with and without a leading space)."""
     bad_words_token_ids: list[list[int]] | None = None
     """The tokenized bad_words (set by the engine's processor from the model's tokenizer)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -118,6 +163,8 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
                 or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
                                            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise bad("bad_words", self.bad_words, "a list of non-empty strings")

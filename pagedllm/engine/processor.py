@@ -20,6 +20,7 @@ class Processor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self._grammars = None  # the structured-output compiler, made on the first constrained request
         self.eos_token_ids = eos_token_ids
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -70,6 +71,11 @@ class Processor:
                 raise ValidationError.bad_value(name, bad[0], f"a token id below {self.vocab_size}")
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None:  # a bad schema / regex is refused here, before queueing
+            from pagedllm.worker.structured_output import GrammarCompiler
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars.compile(params.structured_outputs)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as it would start the text and as it would follow a space (vLLM's way)."""

@@ -1,6 +1,8 @@
 """Per-request state kept by a worker across steps, and the flat batch (``StepInputs``) built from it each step."""
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +25,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    matcher: Any = None
+    """The structured-output grammar matcher (xgrammar), fed every token this request sampled."""
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,6 +1,9 @@
 """Executes one scheduled step: state update, block moves, flat inputs, forward, logits, sampling."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -12,6 +15,7 @@ from pagedllm.layers.sampler import Sampler
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, build_sampling_metadata, build_step_inputs
+from pagedllm.worker.structured_output import GrammarCompiler, apply_masks
 
 
 def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
@@ -28,8 +32,11 @@ class ModelRunner:
     """Owns the model, its KV cache tensors and the per-request states of one worker."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, seed: int,
-                 eos_token_ids: tuple[int, ...], device: torch.device | None = None) -> None:
+                 eos_token_ids: tuple[int, ...], device: torch.device | None = None,
+                 grammars: Callable[[], GrammarCompiler] | None = None) -> None:
         self.model = model
+        self.grammars = grammars
+        """The structured-output compiler (made on the first constrained request)."""
         self.device = device or torch.device("cpu")
         self.backend = backend
         self.builder = backend.make_builder()
@@ -106,11 +113,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)], keep_dtype=True)
         if len(rows) > len(inputs.sample_rows):
             logits = logits[torch.tensor(rows, device=self.device)]
+        matchers = {row: s.matcher for row, s in enumerate(samplers) if s.matcher is not None}
+        if matchers:  # only the constrained rows pay: one bitmask for them all
+            logits = apply_masks(logits, matchers)
         md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids, self.device)
         result = self.sampler(logits, md)
         sampled = result.sampled_token_ids.tolist()  # the step's one wait for the device
         for state, token in zip(samplers, sampled):
             state.token_ids.append(token)
+            if state.matcher is not None and not state.matcher.is_terminated():
+                state.matcher.accept_token(token)
         return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in sampled], result.logprobs,
                                  prompt_logprobs)
 
@@ -143,7 +155,8 @@ class ModelRunner:
             prompt = list(new.prompt_token_ids)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, prompt + list(new.output_token_ids), len(prompt), new.sampling_params,
-                _generator(new.sampling_params, self.device), list(new.block_ids), new.num_computed_tokens)
+                _generator(new.sampling_params, self.device), list(new.block_ids), new.num_computed_tokens,
+                self._matcher(new.sampling_params, list(new.output_token_ids)))
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replace_table:
@@ -155,7 +168,15 @@ class ModelRunner:
             parent = self.requests[fork.parent_id]
             self.requests[fork.req_id] = CachedRequestState(
                 fork.req_id, list(parent.token_ids), parent.num_prompt_tokens, fork.sampling_params,
-                _generator(fork.sampling_params, self.device), list(fork.block_ids), fork.num_computed_tokens)
+                _generator(fork.sampling_params, self.device), list(fork.block_ids), fork.num_computed_tokens,
+                self._matcher(fork.sampling_params, parent.output_token_ids))
+
+    def _matcher(self, params: SamplingParams, accepted: list[int]) -> Any:
+        """A constrained request's grammar matcher, fed its output so far (a resumed request's)."""
+        if params.structured_outputs is None:
+            return None
+        assert self.grammars is not None, "the worker gives the runner its grammar compiler"
+        return self.grammars().matcher(params.structured_outputs, accepted)
 
 
 def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -20,6 +21,7 @@ from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.platform.cpu import rank_cores
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.structured_output import compiler_for
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +83,9 @@ class Worker:
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
         model.eval()
-        self.model_runner = ModelRunner(model, backend, config.cache.block_size,
-                                        config.model.seed, eos_token_ids, self.device)
+        self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
+                                        self.device, functools.partial(compiler_for, config.model.model,
+                                                                       arch.vocab_size, tuple(eos_token_ids)))
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers (K and V)."""

@@ -133,3 +133,16 @@ def test_aborted_requests_leave_every_rank(tp_llm: Callable[..., LLM], tiny_llm_
     engine.step()  # the workers hear of the aborts with the next step
     assert [sorted(req.split(":", 1)[1] for req in rank) for rank in engine.executor.collective_rpc(
         "request_token_ids")] == [["next"], ["next"]]
+
+
+def test_structured_outputs_and_prompt_logprobs_at_tp2(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
+    """Every rank masks with its own matcher (the same tokens), and prompt rows are scored across ranks."""
+    from pagedllm import StructuredOutputsParams
+    params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=4, prompt_logprobs=1,
+                            structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))
+    one = tp_llm(tiny_llm_dir).generate("Color:", params, use_tqdm=False)[0]
+    two = tp_llm(tiny_llm_dir, tensor_parallel_size=2).generate("Color:", params, use_tqdm=False)[0]
+    assert [c.text for c in two.outputs] == [c.text for c in one.outputs]
+    assert all(c.text in ("red", "green", "blue") for c in two.outputs)
+    for a, b, token in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], one.prompt_token_ids[1:]):
+        assert abs(a[token].logprob - b[token].logprob) < 1e-4

@@ -49,7 +49,8 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict | None = None
-    """Only {"type": "text"} (the default) is served; structured outputs are refused."""
+    """{"type": "text"} (default), {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+    {"schema": ...}}."""
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -61,6 +62,9 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: dict | None = None
+    """vLLM's extra: one of {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ebnf},
+    {"json_object": true}."""
 
 
 class CompletionRequest(SamplingFields):

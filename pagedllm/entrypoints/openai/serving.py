@@ -14,7 +14,7 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -47,10 +47,6 @@ class OpenAIServing:
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams from the request's fields (SamplingParams names any out-of-range field)."""
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise ValidationError(f"response_format {req.response_format.get('type')!r} is not supported (structured "
-                                  "outputs are not implemented yet); only 'text'", param="response_format",
-                                  value=req.response_format.get("type"))
         return SamplingParams(
             n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -62,6 +58,7 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            structured_outputs=structured_outputs(req),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
     async def add_all(self, request_id: str, prompts: list[PromptType],
@@ -150,3 +147,26 @@ def sse(payload: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint: OpenAI's response_format or vLLM's structured_outputs (not both)."""
+    fmt = req.response_format
+    kind = None if fmt is None else fmt.get("type", "text")
+    if kind not in (None, "text", "json_object", "json_schema"):
+        raise ValidationError.bad_value("response_format", kind, "'text', 'json_object' or 'json_schema'")
+    if req.structured_outputs is not None:
+        if kind not in (None, "text"):
+            raise ValidationError("give response_format or structured_outputs, not both", param="structured_outputs")
+        try:
+            return StructuredOutputsParams(**req.structured_outputs)
+        except TypeError as e:
+            raise ValidationError(f"structured_outputs: {e}", param="structured_outputs") from None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValidationError.bad_value("response_format.json_schema.schema", schema, "a JSON schema object")
+        return StructuredOutputsParams(json=schema)
+    return None

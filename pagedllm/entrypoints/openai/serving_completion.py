@@ -52,8 +52,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise ValidationError(f"{name} cannot be used with use_beam_search", param=name)
         # beam search scores the model's own log-probabilities: fields that edit them or stop early would be ignored
         defaults = CompletionRequest.model_fields
-        for name in ("logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "stop", "stop_token_ids",
-                     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "seed"):
+        for name in ("logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "structured_outputs",
+                     "response_format", "stop", "stop_token_ids",
+                     "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "min_tokens", "seed"):
             if getattr(req, name) not in (defaults[name].default, None, [], {}):
                 raise ValidationError(f"{name} cannot be used with use_beam_search", param=name)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16

@@ -1,0 +1,134 @@
+"""Structured outputs through xgrammar: a grammar per constraint (compiled once, cached), a matcher
+per constrained request, and each step one token bitmask for the constrained rows only.
+
+The engine's processor compiles a request's constraint once to refuse a bad schema or regex
+before it is queued (400 naming the field); each worker compiles it again from its own cache
+(the compiled grammar does not cross the process seam) and keeps one matcher per request, fed
+every accepted token, so every rank masks the same tokens. A request resumed after a
+recompute preemption gets a new matcher fed its output so far.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from typing import Any
+
+import torch
+
+from pagedllm.errors import ValidationError
+from pagedllm.sampling_params import StructuredOutputsParams
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValidationError("structured outputs need xgrammar: pip install xgrammar",
+                              param="structured_outputs") from None
+    return xgrammar
+
+
+class GrammarCompiler:
+    """One tokenizer's compiler and its cache of compiled grammars."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        xgr = _xgrammar()
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(self.info)
+        self.vocab_size = vocab_size
+        # JSON forbids raw control characters (RFC 8259), xgrammar's string rule lets them through, and
+        # compact JSON needs none outside strings: tokens holding one are banned under a JSON constraint
+        stops = set(stop_token_ids)
+        self.control_token_ids = torch.tensor(
+            [i for i, b in enumerate(self.info.decoded_vocab[:vocab_size])
+             if i not in stops and any(byte < 0x20 for byte in b)], dtype=torch.long)
+        self._lock = threading.Lock()  # the server's event loop and the engine thread both compile
+        self._cache: dict[str, Any] = {}
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of ``spec``; a bad schema, regex or grammar raises ValidationError
+        naming ``structured_outputs.<kind>``."""
+        kind, key = spec.kind, spec.cache_key()
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+        try:
+            # JSON without free whitespace between tokens (one space after ':' and ','): a model cannot
+            # pad its reply with newlines until max_tokens runs out
+            if kind == "json_object":
+                grammar = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "json":
+                grammar = self.compiler.compile_json_schema(spec.json if isinstance(spec.json, str)
+                                                            else json.dumps(spec.json), any_whitespace=False)
+            elif kind == "regex":
+                grammar = self.compiler.compile_regex(spec.regex)
+            elif kind == "choice":
+                grammar = self.compiler.compile_grammar(choice_grammar(spec.choice))
+            else:
+                grammar = self.compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValidationError(f"structured_outputs.{kind} does not compile: {e}".split("\n")[0][:500],
+                                  param=f"structured_outputs.{kind}") from None
+        with self._lock:
+            self._cache[key] = grammar
+        return grammar
+
+    def matcher(self, spec: StructuredOutputsParams, accepted: list[int]) -> "Matcher":
+        """A matcher at the start of ``spec``'s grammar, fed ``accepted`` (a resumed request's output)."""
+        matcher = Matcher(_xgrammar().GrammarMatcher(self.compile(spec)),
+                          self.control_token_ids if spec.kind in ("json", "json_object") else None)
+        for token in accepted:
+            matcher.accept_token(token)
+        return matcher
+
+
+class Matcher:
+    """xgrammar's matcher of one request, plus tokens banned on top of its grammar."""
+
+    def __init__(self, matcher: Any, banned: torch.Tensor | None) -> None:
+        self.matcher = matcher
+        self.banned = banned
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def accept_token(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, index)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF accepting exactly one of ``choices``."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+@functools.lru_cache(maxsize=4)
+def compiler_for(model_path: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> GrammarCompiler:
+    """The compiler of a model's tokenizer (built on first use: most engines never need it)."""
+    from pagedllm.models.loader import load_tokenizer
+    return GrammarCompiler(load_tokenizer(model_path), vocab_size, stop_token_ids)
+
+
+def apply_masks(logits: torch.Tensor, matchers: dict[int, Any]) -> torch.Tensor:
+    """Mask (-inf) in ``logits`` (rows, vocab) every token the matcher of each constrained row
+    forbids; rows without a matcher, and finished grammars, are left alone. Returns float32 logits."""
+    live = {row: m for row, m in matchers.items() if not m.is_terminated()}
+    if not live:
+        return logits
+    xgr = _xgrammar()
+    logits = logits.float() if logits.dtype != torch.float32 else logits
+    rows = sorted(live)
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])  # (rows, ceil(vocab / 32)) int32
+    for i, row in enumerate(rows):
+        live[row].fill_next_token_bitmask(bitmask, i)
+    picked = logits[rows]  # (constrained rows, vocab): a copy; masked, then written back
+    xgr.apply_token_bitmask_inplace(picked, bitmask.to(picked.device))
+    for i, row in enumerate(rows):
+        if live[row].banned is not None:
+            picked[i, live[row].banned.to(picked.device)] = float("-inf")
+    logits[rows] = picked
+    return logits
