@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
 from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pagedllm.entrypoints.openai.serving import ModelNotFoundError
+from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, get_tool_parser
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.errors import ValidationError
@@ -85,10 +86,12 @@ def _field_name(loc: tuple) -> str | None:
 
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names: list[str],
-              api_keys: list[str], reasoning_parser: str | None = None) -> FastAPI:
+              api_keys: list[str], reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine."""
     completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names, get_reasoning_parser(reasoning_parser))
+    chat = OpenAIServingChat(engine, served_model_names, get_reasoning_parser(reasoning_parser),
+                             get_tool_parser(tool_call_parser))
     config = engine.engine.config
 
     @contextlib.asynccontextmanager
@@ -199,6 +202,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="split a reasoning model's <think>...</think> into the chat reply's reasoning_content")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="the model's tool-call format, parsed into tool_calls for tool_choice='auto'")
 
 
 class _Server(uvicorn.Server):
@@ -237,7 +242,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         timer.start()
 
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead)
-    app = build_app(engine, metrics, names, keys, ns.reasoning_parser)
+    app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     server = _Server(config)

@@ -90,10 +90,19 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    """An assistant message's earlier tool calls (passed to the chat template)."""
+    tool_call_id: str | None = None
+    """A "tool" message: the call it answers."""
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    """"none", "auto" (needs --tool-call-parser), "required" or {"type": "function", "function": {"name": ...}};
+    default: "auto" with tools and a parser, else "none"."""
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -153,9 +162,23 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None
+    """Streamed deltas only: the call's position."""
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
     reasoning_content: str | None = None
     """With --reasoning-parser: the model's <think> part (vLLM's field)."""
 
@@ -180,6 +203,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
 
 

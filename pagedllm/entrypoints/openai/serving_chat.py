@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2.exceptions import TemplateError
@@ -11,60 +12,96 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatCompletionStreamResponse, ChatLogprobs, ChatMessage,
                                                   ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob,
-                                                  DeltaMessage, TopLogprob, UsageInfo, random_id)
+                                                  DeltaMessage, FunctionCall, ToolCall, TopLogprob, UsageInfo,
+                                                  random_id)
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
+from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constrained_calls, constraint,
+                                                    tool_functions)
 from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, final_outputs, merge_streams, sse,
                                                  unless_disconnected)
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput
+from pagedllm.sampling_params import StructuredOutputsParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: Any, served_model_names: list[str], reasoning_parser: ReasoningParser | None = None
-                 ) -> None:
+    def __init__(self, engine: Any, served_model_names: list[str], reasoning_parser: ReasoningParser | None = None,
+                 tool_parser: ToolParser | None = None) -> None:
         super().__init__(engine, served_model_names)
         self.reasoning_parser = reasoning_parser
         """Splits replies into reasoning_content and content (--reasoning-parser); None: all content."""
+        self.tool_parser = tool_parser
+        """Finds the model's own tool calls for tool_choice="auto" (--tool-call-parser)."""
 
     def _split(self, text: str) -> ReasoningSplit:
         return ReasoningSplit(None, text) if self.reasoning_parser is None else self.reasoning_parser.split(text)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
-        text, prompt_ids = self.apply_chat_template(req.messages, req.add_generation_prompt)
+        tools = _ToolMode.of(req, self.tool_parser)
+        text, prompt_ids = self.apply_chat_template(req.messages, req.add_generation_prompt, req.tools)
         if req.top_logprobs is not None and not req.logprobs:
             raise ValidationError("top_logprobs needs logprobs=true", param="top_logprobs", value=req.top_logprobs)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, logprobs, req.stream)
+        if tools.constraint is not None:
+            if params.structured_outputs is not None:
+                raise ValidationError("tool_choice 'required' or a named function cannot be combined with "
+                                      "response_format / structured_outputs", param="tool_choice")
+            params.structured_outputs = tools.constraint
         request_id = random_id("chatcmpl")
         streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params)
         if req.stream:
-            return StreamingResponse(self._stream(request_id, model, req, streams), media_type="text/event-stream")
+            return StreamingResponse(self._stream(request_id, model, req, streams, tools),
+                                     media_type="text/event-stream")
         outputs = await unless_disconnected(final_outputs(streams), raw)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         out = outputs[0]
-        splits = [self._split(c.text) for c in out.outputs]
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=split.content,
-                                                                         reasoning_content=split.reasoning),
-                              logprobs=self._logprobs(c, logprobs), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason) for c, split in zip(out.outputs, splits)]
+        choices = []
+        for c in out.outputs:
+            message, finish = self._message(c.text, c.finish_reason, tools)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, logprobs),
+                                      finish_reason=finish, stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
         usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
                           total_tokens=len(prompt_ids) + completion)
         return JSONResponse(ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                                    usage=usage).model_dump())
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """(prompt text, token ids) of a conversation, through the model's chat template."""
+    def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode"
+                 ) -> tuple[ChatResponseMessage, str | None]:
+        """One finished choice: (its message, its finish_reason: "tool_calls" when it called tools)."""
+        split = self._split(text)
+        calls = []
+        content = split.content
+        if tools.constraint is not None and finish_reason == "stop":
+            calls, content = constrained_calls(split.content or "", tools.named), None
+        elif tools.parser is not None:
+            content, calls = tools.parser.parse(split.content or "")
+        calls = calls if tools.parallel else calls[:1]
+        message = ChatResponseMessage(content=content, reasoning_content=split.reasoning, tool_calls=[
+            ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+        return message, "tool_calls" if calls else finish_reason
+
+    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                            tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a conversation (and its tools), through the model's chat template."""
         if not messages:
             raise ValidationError("messages must not be empty", param="messages", value=messages)
-        conversation = [{"role": self._role(i, m), "content": self._content(i, m)} for i, m in enumerate(messages)]
+        conversation = []
+        for i, m in enumerate(messages):
+            entry: dict[str, Any] = {"role": self._role(i, m), "content": self._content(i, m)}
+            if m.tool_calls:
+                entry["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                entry["tool_call_id"] = m.tool_call_id
+            conversation.append(entry)
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+            text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except TemplateError as e:  # the template itself refuses the conversation (e.g. role order)
             raise ValidationError(f"the chat template refused the messages: {e}", param="messages") from e
@@ -106,18 +143,31 @@ class OpenAIServingChat(OpenAIServing):
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    async def _stream(self, request_id: str, model: str, req: ChatCompletionRequest, streams: list
-                      ) -> AsyncIterator[str]:
+    async def _stream(self, request_id: str, model: str, req: ChatCompletionRequest, streams: list,
+                      tools: "_ToolMode") -> AsyncIterator[str]:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         for index in range(req.n):  # the first chunk of each choice names the role
             first = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[first]))
         prompt_tokens = completion_tokens = 0
         parsers: dict[int, ReasoningStream] = {}
+        texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
         async for _, out in merge_streams(streams):
             prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
+                if tools.active:  # tool calls are known once the reply is: it is sent whole, at its end
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                    if c.finish_reason is None:
+                        continue
+                    message, finish = self._message(texts[c.index], c.finish_reason, tools)
+                    calls = [ToolCall(index=i, **call.model_dump(exclude={"index"})) for i, call in
+                             enumerate(message.tool_calls)]
+                    choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(
+                        content=message.content, reasoning_content=message.reasoning_content, tool_calls=calls or None),
+                        finish_reason=finish, stop_reason=c.stop_reason)
+                    yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+                    continue
                 if self.reasoning_parser is None:
                     delta = DeltaMessage(content=c.text)
                 else:
@@ -133,3 +183,43 @@ class OpenAIServingChat(OpenAIServing):
                               total_tokens=prompt_tokens + completion_tokens)
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage))
         yield SSE_DONE
+
+
+@dataclass
+class _ToolMode:
+    """What a request's tools and tool_choice ask of its replies."""
+
+    constraint: StructuredOutputsParams | None = None
+    """"required" or a named function: the reply is constrained to the call(s)."""
+    named: str | None = None
+    parser: ToolParser | None = None
+    """"auto": the model's own calls are parsed from its reply."""
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return self.constraint is not None or self.parser is not None
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, parser: ToolParser | None) -> "_ToolMode":
+        functions = tool_functions(req.tools)
+        choice = req.tool_choice
+        if choice is None:
+            choice = "auto" if functions and parser is not None else "none"
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ValidationError.bad_value("tool_choice", choice, "'none', 'auto', 'required' or a named function")
+        if choice == "auto" and functions:
+            if parser is None:
+                raise ValidationError("tool_choice 'auto' needs the server started with --tool-call-parser",
+                                      param="tool_choice", value=choice)
+            return cls(parser=parser, parallel=req.parallel_tool_calls)
+        constraint, named = _constraint(choice, functions, req.parallel_tool_calls)
+        return cls(constraint, named, None, req.parallel_tool_calls)
+
+
+def _constraint(choice: Any, functions: list[dict], parallel: bool
+                ) -> tuple[StructuredOutputsParams | None, str | None]:
+    spec, named = constraint(choice, functions)
+    if spec is not None and named is None and not parallel:
+        spec = StructuredOutputsParams(json={**spec.json, "maxItems": 1})
+    return spec, named

@@ -51,10 +51,9 @@ CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, 400,
      "prompt_logprobs"),
     (C, {"prompt": "hi", "no_such_field": 1}, 400, "no_such_field"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400,
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": []}, 400, "functions"),
     (C, {"prompt": "hi", "seed": "abc"}, 400, "seed"),
     (C, {"prompt": [10, 99999999]}, 400, "prompt_token_ids"),
     (C, {"prompt": [-1, 5]}, 400, "prompt_token_ids"),

@@ -1,0 +1,116 @@
+"""Tool calling: "required" and a named function always give calls that parse against the tool's
+schema (structured outputs), the "auto" parsers on fixed model replies, tool messages in history."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
+
+MODEL = "tiny"
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _check_calls(calls, names=tuple(SCHEMAS)) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_always_calls_a_tool(client: openai.OpenAI) -> None:
+    for seed in range(5):
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                               max_tokens=150, temperature=1.0, seed=seed).choices[0]
+        assert reply.finish_reason == "tool_calls" and reply.message.content is None
+        _check_calls(reply.message.tool_calls)
+    one = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=150, seed=1).choices[0]
+    assert len(one.message.tool_calls) == 1
+
+
+def test_named_function_streamed_and_not(client: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
+                                           max_tokens=60, temperature=1.0, seed=3).choices[0]
+    _check_calls(reply.message.tool_calls, ("get_time",))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
+                                                 max_tokens=60, temperature=1.0, seed=3, stream=True))
+    calls = [call for c in chunks if c.choices and c.choices[0].delta.tool_calls for call in c.choices[0].delta.tool_calls]
+    assert [c.function.name for c in calls] == ["get_time"] and calls[0].index == 0
+    assert calls[0].function.arguments == reply.message.tool_calls[0].function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tool_results_in_the_history(client: openai.OpenAI) -> None:
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"C\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    reply = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=8).choices[0]
+    assert reply.message.content and not reply.message.tool_calls
+
+
+def test_refusals(client: openai.OpenAI) -> None:
+    for kwargs, param in ((dict(tool_choice="auto"), "tool_choice"),  # this server has no --tool-call-parser
+                          (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+                          (dict(tool_choice="sometimes"), "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4, **kwargs)
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[{"type": "function", "function": {}}])
+    assert e.value.body["param"] == "tools[0]"
+
+
+@pytest.mark.parametrize("name, reply, content, calls", [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
+               '</tool_call>', "Let me check.", [("get_weather", {"city": "Paris", "unit": "C"})]),
+    ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}'
+               '</tool_call>', None, [("a", {}), ("b", {"x": 1})]),
+    ("hermes", "No tools needed: 42.", "No tools needed: 42.", []),
+    ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"y": 2}}', None,
+     [("a", {}), ("b", {"y": 2})]),
+    ("llama3_json", "The time is noon.", "The time is noon.", []),
+])
+def test_auto_parsers_on_fixed_replies(name: str, reply: str, content, calls) -> None:
+    got_content, got_calls = get_tool_parser(name).parse(reply)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+
+
+def test_auto_with_a_parser_serves(tiny_llm_dir) -> None:
+    """A server with --tool-call-parser hermes: tool_choice defaults to auto; a reply without the
+    format's tags stays content (the tiny model writes none)."""
+    from fastapi.testclient import TestClient
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    with TestClient(build_app(engine, ServerMetrics("t"), ["t"], [], tool_call_parser="hermes")) as http:
+        body = {"messages": ASK, "tools": TOOLS, "max_tokens": 6}
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["message"]["tool_calls"] == [] and choice["message"]["content"]
+        stream = http.post("/v1/chat/completions", json={**body, "stream": True}).text
+        assert '"finish_reason":"length"' in stream.replace(" ", "")
