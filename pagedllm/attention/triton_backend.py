@@ -55,15 +55,12 @@ class TritonAttentionMetadata:
     def work_items(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(request, query block) of every program of the varlen kernel at ``block_q`` tokens per program."""
         if block_q not in self._work:
-            reqs: list[int] = []
-            qblocks: list[int] = []
-            for req, n in enumerate(self.query_lens):
-                count = -(-n // block_q)
-                reqs += [req] * count
-                qblocks += range(count)
+            counts = -(-torch.tensor(self.query_lens) // block_q)  # (reqs,) programs per request
+            reqs = torch.repeat_interleave(torch.arange(len(counts)), counts)  # (work items,)
+            first = torch.cumsum(counts, 0) - counts  # each request's first work item
+            qblocks = torch.arange(len(reqs)) - first[reqs]
             device = self._device or torch.device("cpu")
-            self._work[block_q] = (torch.tensor(reqs, dtype=torch.int32, device=device),
-                                   torch.tensor(qblocks, dtype=torch.int32, device=device))
+            self._work[block_q] = (reqs.to(torch.int32).to(device), qblocks.to(torch.int32).to(device))
         return self._work[block_q]
 
     def num_splits(self, num_kv_heads: int, block_size: int) -> int:

@@ -219,21 +219,19 @@ class OutputProcessor:
                          ) -> list[dict[int, Logprob] | None]:
         """[None (the first token), then per prompt token: it and the top-N, as Logprob entries]."""
         top_n = state.params.prompt_logprobs or 0
-        entries: list[dict[int, Logprob] | None] = [None]
-        for token_id, lp in zip(state.prompt_token_ids[1:], scored):
-            assert lp is not None, "every prompt token is scored before the first output token"
-            entry = {tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
-                     for rank, (tid, val) in enumerate(zip(lp.top_token_ids[:top_n], lp.top_logprobs[:top_n]))}
-            entry.setdefault(token_id, Logprob(lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token_id])))
-            entries.append(entry)
-        return entries
+        assert all(lp is not None for lp in scored), "every prompt token is scored before the first output token"
+        return [None, *(self._entry(t, lp, top_n) for t, lp in zip(state.prompt_token_ids[1:], scored))]
+
+    def _entry(self, token_id: int, lp: TokenLogprobs, top_n: int) -> dict[int, Logprob]:
+        """One position: the top-N tokens and the token itself (with its rank), decoded."""
+        entry = {tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
+                 for rank, (tid, val) in enumerate(zip(lp.top_token_ids[:top_n], lp.top_logprobs[:top_n]))}
+        entry.setdefault(token_id, Logprob(lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token_id])))
+        return entry
 
     def _add_logprobs(self, seq: SequenceState, token_ids: list[int], logprobs: list[TokenLogprobs | None],
                       top_n: int) -> None:
         for token_id, lp in zip(token_ids, logprobs):
             assert lp is not None
-            entry = {tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
-                     for rank, (tid, val) in enumerate(zip(lp.top_token_ids[:top_n], lp.top_logprobs[:top_n]))}
-            entry.setdefault(token_id, Logprob(lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token_id])))
-            seq.logprobs.append(entry)
+            seq.logprobs.append(self._entry(token_id, lp, top_n))
             seq.cumulative_logprob += lp.sampled_logprob

@@ -7,14 +7,18 @@ on any number of machines).
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 EXECUTE_TIMEOUT_ENV = "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
 """Seconds a step may take on a worker before the engine declares it hung (default 300)."""
@@ -56,11 +60,29 @@ class Executor(ABC):
     reads rank 0's sampled tokens (every rank samples the same ones).
     """
 
-    failure: WorkerError | None = None
-    """Set once a worker failed; every later call raises it."""
+    def __init__(self) -> None:
+        self.failure: WorkerError | None = None
+        """Set once a worker failed; every later call raises it."""
+        self._failure_callbacks: list[Callable[[WorkerError], None]] = []
+        self._failure_lock = threading.Lock()
 
     def register_failure_callback(self, callback: Callable[[WorkerError], None]) -> None:
         """Call ``callback`` (from any thread) as soon as a worker fails, even between steps."""
+        self._failure_callbacks.append(callback)
+
+    def _fail(self, error: WorkerError) -> NoReturn:
+        """Remember the first failure, stop every worker, tell the engine, raise (from any thread)."""
+        with self._failure_lock:
+            first, self.failure = self.failure is None, self.failure or error
+        if first:
+            logger.error("%s; stopping the engine's workers", error)
+            self._kill_workers()
+            for callback in self._failure_callbacks:
+                callback(error)
+        raise self.failure
+
+    def _kill_workers(self) -> None:
+        """Stop every worker at once, without waiting for an answer (after a failure)."""
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:

@@ -23,7 +23,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, NoReturn
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -64,10 +64,8 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         level = logging.getLogger("pagedllm").getEffectiveLevel()
-        self.failure: WorkerError | None = None
-        self._callbacks: list = []
+        super().__init__()
         self._closing = False
-        self._lock = threading.Lock()
         self.workers: list[_WorkerHandle] = []
         for rank in range(tp):
             cmd_read, cmd_write = ctx.Pipe(duplex=False)
@@ -97,9 +95,6 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast("execute_model", (scheduler_output,), reply=False)
         return self._collect((0,), execute_timeout(), "execute_model")[0]
-
-    def register_failure_callback(self, callback: Any) -> None:
-        self._callbacks.append(callback)
 
     def shutdown(self) -> None:
         self._closing = True
@@ -157,17 +152,8 @@ class MultiprocExecutor(Executor):
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         return WorkerError(f"worker rank {w.rank} (pid {w.process.pid}) {how}", w.rank)
 
-    def _fail(self, error: WorkerError) -> NoReturn:
-        """Remember the first failure, kill every worker, tell the engine, raise (from any thread:
-        the pipes stay open until shutdown, so a wait in another thread only sees EOFs)."""
-        with self._lock:
-            first, self.failure = self.failure is None, self.failure or error
-        if first:
-            logger.error("%s; stopping the engine's workers", error)
-            _kill_workers(self.workers)
-            for callback in self._callbacks:
-                callback(error)
-        raise self.failure
+    def _kill_workers(self) -> None:
+        _kill_workers(self.workers)  # the pipes stay open until shutdown: a wait in another thread sees EOFs
 
     def _watch(self) -> None:
         """Between steps too: a worker that dies fails the engine at once."""

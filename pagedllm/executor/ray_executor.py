@@ -15,8 +15,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -82,10 +81,6 @@ class RayWorker:
         """Never returns while the actor lives: the engine's monitor learns of its death through it."""
         threading.Event().wait()
 
-    def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
-
 
 class RayDistributedExecutor(Executor):
     """N Ray actors, one per rank, in one placement group."""
@@ -99,10 +94,8 @@ class RayDistributedExecutor(Executor):
         strategy = os.environ.get(STRATEGY_ENV, "PACK")
         if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValidationError.bad_value(STRATEGY_ENV, strategy, "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
-        self.failure: WorkerError | None = None
-        self._callbacks: list[Callable[[WorkerError], None]] = []
+        super().__init__()
         self._closing = False
-        self._lock = threading.Lock()
         self.actors: list[Any] = []
         self.pids: list[int] = []  # of each rank's actor process
         self.node_ids: list[str] = []  # of each rank's Ray node
@@ -159,25 +152,19 @@ class RayDistributedExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", (scheduler_output,), reply=False)[0]
 
-    def register_failure_callback(self, callback: Callable[[WorkerError], None]) -> None:
-        self._callbacks.append(callback)
-
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group; if this engine called ray.init, disconnect (which
         stops a local cluster it started; a cluster it joined keeps running)."""
         if self._closing:
             return
         self._closing = True
-        ray = self.ray
-        for actor in self.actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+        self._kill_workers()
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
             with contextlib.suppress(Exception):
                 remove_placement_group(self.placement_group)
         if self._connected_ray:
-            ray.shutdown()
+            self.ray.shutdown()
 
     # --------------------------------------------------------------- plumbing
     def _call(self, method: str, args: tuple, reply: bool) -> list[Any]:
@@ -228,17 +215,10 @@ class RayDistributedExecutor(Executor):
     def _pid(self, rank: int) -> Any:
         return self.pids[rank] if self.pids else "?"
 
-    def _fail(self, error: WorkerError) -> NoReturn:
-        with self._lock:
-            first, self.failure = self.failure is None, self.failure or error
-        if first:
-            logger.error("%s; stopping the engine's Ray actors", error)
-            for actor in self.actors:
-                with contextlib.suppress(Exception):
-                    self.ray.kill(actor)
-            for callback in self._callbacks:
-                callback(error)
-        raise self.failure
+    def _kill_workers(self) -> None:
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor)
 
     def _watch(self) -> None:
         """A ``watch`` call ends only when its actor dies: then the engine fails, even between steps."""

@@ -13,6 +13,7 @@ from pagedllm.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
+        super().__init__()
         self.worker = Worker(config, arch, eos_token_ids)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:

@@ -209,14 +209,17 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, md: SamplingMetadata) -> list[TokenLogprobs | None]:
-        chosen = raw.gather(1, sampled.unsqueeze(1))  # (rows, 1)
-        ranks = (raw > chosen).sum(dim=1) + 1
-        top = raw.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs else None
-        chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-        top_ids = top.indices.tolist() if top is not None else None
-        top_vals = top.values.tolist() if top is not None else None
-        out: list[TokenLogprobs | None] = []
-        for row, wants in enumerate(md.wants_logprobs):
-            out.append(TokenLogprobs(chosen_l[row], ranks_l[row], top_ids[row] if top_ids else [],
-                                     top_vals[row] if top_vals else []) if wants else None)
-        return out
+        gathered = gather_token_logprobs(raw, sampled, md.max_num_logprobs or 0)
+        return [lp if wants else None for lp, wants in zip(gathered, md.wants_logprobs)]
+
+
+def gather_token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[TokenLogprobs]:
+    """Per row of ``logprobs`` (rows, vocab): the log-probability and rank of ``tokens[row]`` and the
+    row's top ``top_n`` (sampled tokens, and prompt tokens for prompt_logprobs)."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))  # (rows, 1)
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    top = logprobs.topk(top_n, dim=-1) if top_n else None
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in ranks]
+    top_vals = top.values.tolist() if top is not None else [[] for _ in ranks]
+    return [TokenLogprobs(c, r, ids, vals) for c, r, ids, vals in zip(chosen.squeeze(1).tolist(), ranks, top_ids,
+                                                                       top_vals)]

@@ -11,7 +11,7 @@ from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
-from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.sampler import Sampler, gather_token_logprobs
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, build_sampling_metadata, build_step_inputs
@@ -97,7 +97,8 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
                                 inputs.positions.to(self.device, non_blocking=True))
         counts = [out.num_scheduled_tokens[r] for r in order]
-        prompt_logprobs = self._prompt_logprobs(states, counts, inputs.query_start_loc.tolist(), hidden)
+        prompt_logprobs = {} if all(s.sampling_params.prompt_logprobs is None for s in states) else \
+            self._prompt_logprobs(states, counts, inputs.query_start_loc, hidden)
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
         if not inputs.sample_rows:
@@ -126,7 +127,7 @@ class ModelRunner:
         return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in sampled], result.logprobs,
                                  prompt_logprobs)
 
-    def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], starts: list[int],
+    def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], starts: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """For requests with prompt_logprobs: the log-probabilities of the prompt tokens this step's
         rows predict (row at position p scores prompt token p + 1), with the top-N of each."""
@@ -137,15 +138,10 @@ class ModelRunner:
             last = min(first + n, state.num_prompt_tokens - 1)
             if top_n is None or last <= first:
                 continue
-            logprobs = self.model.compute_logits(hidden[starts[i]:starts[i] + last - first]).log_softmax(-1)
+            row = int(starts[i])
+            logprobs = self.model.compute_logits(hidden[row:row + last - first]).log_softmax(-1)
             targets = torch.tensor(state.token_ids[first + 1:last + 1], dtype=torch.long, device=logprobs.device)
-            chosen = logprobs.gather(1, targets.unsqueeze(1))  # (rows, 1)
-            ranks = ((logprobs > chosen).sum(1) + 1).tolist()
-            top = logprobs.topk(top_n, dim=-1) if top_n else None
-            top_ids = top.indices.tolist() if top is not None else [[] for _ in ranks]
-            top_vals = top.values.tolist() if top is not None else [[] for _ in ranks]
-            found[state.req_id] = (first + 1, [TokenLogprobs(c, r, ids, vals) for c, r, ids, vals in zip(
-                chosen.squeeze(1).tolist(), ranks, top_ids, top_vals)])
+            found[state.req_id] = (first + 1, gather_token_logprobs(logprobs, targets, top_n))
         return found
 
     def _update_states(self, out: SchedulerOutput) -> None:

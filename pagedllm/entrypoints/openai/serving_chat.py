@@ -213,13 +213,5 @@ class _ToolMode:
                 raise ValidationError("tool_choice 'auto' needs the server started with --tool-call-parser",
                                       param="tool_choice", value=choice)
             return cls(parser=parser, parallel=req.parallel_tool_calls)
-        constraint, named = _constraint(choice, functions, req.parallel_tool_calls)
-        return cls(constraint, named, None, req.parallel_tool_calls)
-
-
-def _constraint(choice: Any, functions: list[dict], parallel: bool
-                ) -> tuple[StructuredOutputsParams | None, str | None]:
-    spec, named = constraint(choice, functions)
-    if spec is not None and named is None and not parallel:
-        spec = StructuredOutputsParams(json={**spec.json, "maxItems": 1})
-    return spec, named
+        spec, named = constraint(choice, functions, req.parallel_tool_calls)
+        return cls(spec, named, None, req.parallel_tool_calls)

@@ -48,8 +48,10 @@ def tool_functions(tools: list[dict] | None) -> list[dict]:
     return functions
 
 
-def constraint(tool_choice: Any, functions: list[dict]) -> tuple[StructuredOutputsParams | None, str | None]:
-    """(the structured-output constraint of ``tool_choice``, the one named function or None)."""
+def constraint(tool_choice: Any, functions: list[dict], parallel: bool = True
+               ) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the structured-output constraint of ``tool_choice``, the one named function or None);
+    ``parallel`` false: "required" allows one call only."""
     if tool_choice in (None, "none", "auto"):
         return None, None
     if not functions:
@@ -59,6 +61,8 @@ def constraint(tool_choice: Any, functions: list[dict]) -> tuple[StructuredOutpu
                   "properties": {"name": {"enum": [fn["name"]]}, "parameters": fn["parameters"]}}
                  for fn in functions]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not parallel:
+            schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema), None
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     match = [fn for fn in functions if fn["name"] == name]
