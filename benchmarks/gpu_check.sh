@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # One call on a fresh GPU machine (torch, triton and transformers installed, no downloads, the
-# working tree only): the triton kernels compiled and checked against the torch backend, then
-# paged vs contiguous (SDPA) kernel timings. Full logs under $OUT; a summary table last.
+# working tree only): the triton kernels compiled and checked against the torch backend; greedy
+# tokens of a tiny random Llama on the GPU equal to transformers' (CUDA graphs and eager); paged vs
+# contiguous (SDPA) kernel timings; decode throughput of a Llama-3-8B-shaped random-weight model
+# (bf16, 128 in / 128 out) at batch 1, 16, 64, 256 next to its memory-bandwidth roofline, with CUDA
+# graphs, and eagerly at batch 1 and 16. Full logs under $OUT; the summary and tables last.
 #
 #   bash benchmarks/gpu_check.sh              # OUT defaults to ./gpu_check_out
 #
 # Without a CUDA device it runs its CPU fallbacks: the kernel check under Triton's interpreter
-# (quick subset) and the timing script's "no CUDA" path.
-#
-# Not here yet (issue 13, items 2-4): greedy equality with transformers on the GPU and the
-# Llama-3-8B-shaped end-to-end decode throughput need the engine's device support (weights, KV
-# pool and sampling on the GPU), which is still to be built.
+# (quick subset), the timing script's "no CUDA" path, and the end-to-end scripts on the CPU with a
+# tiny shape (a dry run of their logic, not a measurement).
 set -u
 OUT=${OUT:-$PWD/gpu_check_out}
 PY=${PY:-python3}
@@ -41,9 +41,16 @@ if $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; 
 else
   run kernels env TRITON_INTERPRET=1 $PY -m tests.attention.triton_check --quick
 fi
+run greedy $PY benchmarks/gpu_e2e.py greedy
 run kernel_timing $PY benchmarks/triton_attention_bench.py
+run decode_graphs $PY benchmarks/gpu_e2e.py decode
+if $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  run decode_eager $PY benchmarks/gpu_e2e.py decode --enforce-eager --batches 1 16
+fi
 
 echo
 echo "== summary (logs in $OUT)"
 for line in "${status[@]}"; do echo "$line"; done
-grep -h "^|" "$OUT/kernel_timing.log" || true
+for name in kernel_timing decode_graphs decode_eager; do
+  [ -f "$OUT/$name.log" ] && { echo; grep -h "^|" "$OUT/$name.log" || true; }
+done

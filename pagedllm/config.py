@@ -59,8 +59,12 @@ class ModelConfig:
     """Most tokens (prompt + output) in one sequence."""
     seed: int = 0
     """Seed of the engine's random generator (requests without their own seed)."""
+    load_format: str = "auto"
+    """"auto" (the checkpoint's weights) or "dummy" (random weights, only config.json read)."""
 
     def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValidationError.bad_value("load_format", self.load_format, "'auto' or 'dummy'")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValidationError.bad_value("dtype", self.dtype, "'auto', 'float32', 'bfloat16' or 'float16'")
         if self.max_model_len < 1:
@@ -153,6 +157,10 @@ class DeviceConfig:
     attention_backend: str = "auto"
     """"torch" (reference), "cpu" (compiled CPU kernels), "triton" (Triton kernels: CUDA, or CPU under
     TRITON_INTERPRET=1) or "auto" (cpu where it builds, else torch)."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs (a CPU always runs eagerly)."""
+    cuda_graph_sizes: tuple[int, ...] = ()
+    """Decode batch sizes captured as CUDA graphs, ascending (resolved by parse_cuda_graph_sizes)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -160,6 +168,34 @@ class DeviceConfig:
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValidationError.bad_value("attention_backend", self.attention_backend,
                                             "'auto', 'torch', 'cpu' or 'triton'")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValidationError.bad_value("enforce_eager", self.enforce_eager, "true or false")
+
+
+#: Largest decode batch the default CUDA-graph ladder captures (vLLM's default stops at 512).
+MAX_DEFAULT_GRAPH_SIZE = 256
+
+
+def parse_cuda_graph_sizes(sizes: str | list[int] | tuple[int, ...] | None, max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes to capture, ascending: ``sizes`` ("1,2,4,8" or a list) or, when None,
+    1, 2, 4, then every multiple of 8, up to min(max_num_seqs, 256), plus max_num_seqs itself below that."""
+    if sizes is None:
+        top = min(max_num_seqs, MAX_DEFAULT_GRAPH_SIZE)
+        ladder = {s for s in (1, 2, 4, *range(8, top + 1, 8)) if s <= top} | {top}
+        return tuple(sorted(ladder))
+    error = ValidationError.bad_value("cuda_graph_sizes", sizes,
+                                      f"batch sizes in [1, max_num_seqs={max_num_seqs}], e.g. '1,2,4,8'")
+    items = sizes.split(",") if isinstance(sizes, str) else sizes
+    if not isinstance(items, (list, tuple)) or not items:
+        raise error
+    parsed = []
+    for item in items:
+        if isinstance(item, str) and item.strip().isdigit():
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= max_num_seqs:
+            raise error
+        parsed.append(item)
+    return tuple(sorted(set(parsed)))
 
 
 @dataclass(frozen=True)
@@ -208,6 +244,9 @@ class EngineArgs:
     """GiB of host memory for swapped-out blocks (used with preemption_mode="swap")."""
     seed: int = 0
     """Seed of the engine's random generator."""
+    load_format: str = "auto"
+    """"auto" (read the checkpoint's weights) or "dummy" (random weights from the seed; only config.json and the
+    tokenizer are read: for benchmarks and memory profiling of a model's shape without its checkpoint)."""
     tensor_parallel_size: int = 1
     """Ranks per layer (each holds its share of the heads, MLP columns and vocabulary, and of the KV cache)."""
     distributed_executor_backend: str | None = None
@@ -222,6 +261,12 @@ class EngineArgs:
     attention_backend: str = "auto"
     """"auto" (the compiled CPU kernels where they run, else torch), "cpu", "torch" or "triton" (CUDA, or CPU under
     TRITON_INTERPRET=1)."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs: every step runs eagerly (on a CPU every step does anyway)."""
+    cuda_graph_sizes: str | list[int] | None = None
+    """On a GPU: decode batch sizes captured as CUDA graphs at start-up, e.g. "1,2,4,8" (a decode step pads up
+    to the next size; larger ones and steps with prompt tokens run eagerly). Default: 1, 2, 4 and every
+    multiple of 8 up to min(max_num_seqs, 256)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":

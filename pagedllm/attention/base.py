@@ -64,12 +64,21 @@ class AttentionMetadataBuilder(ABC):
     def build(self, step: StepInputs) -> Any:
         """This backend's metadata for one step, built once and shared by all layers."""
 
+    def build_for_graph(self, step: StepInputs, max_seq_len: int) -> Any:
+        """Metadata of a decode-only step replayed from a CUDA graph: ``step``'s tensors are the graph's
+        static buffers on the device (used as they are, refilled before each replay), and every choice
+        that depends on lengths is made once for ``max_seq_len``. Only backends with
+        ``supports_cuda_graphs`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no CUDA-graph path")
+
 
 class AttentionBackend(ABC):
     """Computes paged attention; one instance per model runner."""
 
     name: ClassVar[str] = ""
     builder_cls: ClassVar[type[AttentionMetadataBuilder]]
+    supports_cuda_graphs: ClassVar[bool] = False
+    """Its decode steps can be captured in a CUDA graph (its builder implements build_for_graph)."""
 
     @staticmethod
     @abstractmethod

@@ -86,10 +86,19 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             seq_lens=step.seq_lens.to(torch.int32), query_start_loc=step.query_start_loc.to(torch.int32),
             query_lens=step.query_lens.tolist(), max_seq_len=int(step.seq_lens.max()))
 
+    def build_for_graph(self, step: StepInputs, max_seq_len: int) -> TritonAttentionMetadata:
+        # the static buffers already have the kernels' dtypes and live on the device: no copy, so a
+        # replay reads what was written into them; the split count is fixed for the longest context
+        return TritonAttentionMetadata(
+            slot_mapping=step.slot_mapping, block_tables=step.block_tables, seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc, query_lens=[1] * len(step.req_ids), max_seq_len=max_seq_len,
+            _device=step.seq_lens.device)
+
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     builder_cls = TritonMetadataBuilder
+    supports_cuda_graphs = True
     is_available = staticmethod(triton_available)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

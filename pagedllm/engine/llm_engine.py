@@ -9,7 +9,7 @@ from typing import Any
 
 from pagedllm import platform
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, parse_memory)
+                             SchedulerConfig, parse_cuda_graph_sizes, parse_memory)
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.engine.beam_search import BeamSearchManager
@@ -58,13 +58,14 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     config = EngineConfig(
-        model=ModelConfig(path, dtype, max_model_len, args.seed),
+        model=ModelConfig(path, dtype, max_model_len, args.seed, args.load_format),
         cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks, args.enable_prefix_caching,
                           args.swap_space, args.gpu_memory_utilization),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len,
                                   args.preemption_mode),
         parallel=parallel,
-        device=DeviceConfig(device, args.attention_backend),
+        device=DeviceConfig(device, args.attention_backend, args.enforce_eager,
+                            parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs)),
     )
     return config, arch
 

@@ -14,6 +14,7 @@ from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from pagedllm.layers.sampler import Sampler, gather_token_logprobs
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cuda_graph import DecodeGraphs, Graph
 from pagedllm.worker.input_batch import CachedRequestState, build_sampling_metadata, build_step_inputs
 from pagedllm.worker.structured_output import GrammarCompiler, apply_masks
 
@@ -47,6 +48,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
+        """Captured decode graphs (capture_model), or None: every step eager."""
 
     def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype, num_host_blocks: int = 0) -> None:
         """Allocate one (2, num_blocks, kv_heads, block_size, head_dim) tensor per layer and bind it.
@@ -80,6 +83,14 @@ class ModelRunner:
                 layer.kv_cache = None
         self.kv_caches = []
 
+    def capture_model(self, sizes: tuple[int, ...], max_model_len: int,
+                      make_graph: Callable[[], Graph] | None = None) -> None:
+        """Capture the decode forward pass at each batch size of ``sizes`` (after initialize_kv_cache:
+        the graphs hold the KV tensors' addresses). ``make_graph``: a stand-in for CUDA graphs (tests)."""
+        self.graphs = DecodeGraphs(self.model, self.backend, self.builder, sizes, self.block_size, max_model_len,
+                                   self.device, make_graph)
+        self.graphs.capture()
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
@@ -92,10 +103,13 @@ class ModelRunner:
         order = self.builder.order(out.num_scheduled_tokens)  # the batch order the backend wants
         states = [self.requests[r] for r in order]
         inputs = build_step_inputs(states, [out.num_scheduled_tokens[r] for r in order], self.block_size)
-        metadata = self.builder.build(inputs)
-        with forward_context(self.backend, metadata):
-            hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
-                                inputs.positions.to(self.device, non_blocking=True))
+        graph_size = self.graphs.size_for(inputs) if self.graphs is not None else None
+        if graph_size is not None:  # a decode step within the ladder: one graph replay
+            hidden = self.graphs.run(inputs, graph_size)
+        else:
+            with forward_context(self.backend, self.builder.build(inputs)):
+                hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
+                                    inputs.positions.to(self.device, non_blocking=True))
         counts = [out.num_scheduled_tokens[r] for r in order]
         prompt_logprobs = {} if all(s.sampling_params.prompt_logprobs is None for s in states) else \
             self._prompt_logprobs(states, counts, inputs.query_start_loc, hidden)

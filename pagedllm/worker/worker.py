@@ -75,10 +75,14 @@ class Worker:
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
         model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)
-        weights = iter_weights(config.model.model, arch)
-        model.load_weights(tqdm(weights, desc="Loading weights", unit=" tensors", leave=False, dynamic_ncols=True,
-                                disable=info.rank != 0 or None))  # one bar, not one per rank
-        model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
+        if config.model.load_format == "dummy":
+            model.to(self.device)
+            _fill_dummy_weights(model, config.model.seed)
+        else:
+            weights = iter_weights(config.model.model, arch)
+            model.load_weights(tqdm(weights, desc="Loading weights", unit=" tensors", leave=False, dynamic_ncols=True,
+                                    disable=info.rank != 0 or None))  # one bar, not one per rank
+            model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
         for module in model.modules():  # once the checkpoint is in: e.g. weights packed for the CPU GEMM
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
@@ -139,6 +143,7 @@ class Worker:
         return int(self.config.cache.swap_space * 1024**3) // self.kv_block_bytes()
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """Allocate the KV pools, then (on a GPU) capture the decode CUDA graphs, which hold their addresses."""
         self.model_runner.initialize_kv_cache(num_blocks, self.dtype, num_host_blocks)
         tp = self.config.parallel.tensor_parallel_size
         where = "" if tp == 1 else f"rank {self.rank_info.rank}/{tp} (pid {os.getpid()}): "
@@ -146,6 +151,13 @@ class Worker:
         logger.info("%sdevice %s, %d threads%s; KV cache %d blocks of %d tokens, %d KV heads (%.2f GiB)", where,
                     self.device, torch.get_num_threads(), cores, num_blocks, self.config.cache.block_size,
                     self.num_kv_heads, num_blocks * self.kv_block_bytes() / 1024**3)
+        dev = self.config.device
+        if self.device.type == "cuda" and not dev.enforce_eager:
+            if self.model_runner.backend.supports_cuda_graphs:
+                self.model_runner.capture_model(dev.cuda_graph_sizes, self.config.model.max_model_len)
+            elif self.rank_info.rank == 0:
+                logger.warning("the %s attention backend cannot be captured in CUDA graphs: every step runs eagerly",
+                               self.model_runner.backend.name)
 
     def kv_cache_shapes(self) -> list[tuple[int, ...]]:
         """The shape of every layer's KV tensor on this rank (tests check the head split)."""
@@ -183,6 +195,18 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+
+@torch.no_grad()
+def _fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """load_format="dummy": every weight uniform in [-1e-3, 1e-3] (vLLM's range: activations stay finite
+    through any depth), norm weights 1; drawn where the model lives (fast on a GPU)."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.uniform_(-1e-3, 1e-3, generator=generator)
 
 
 def _core_ranges(cores: list[int]) -> str:

@@ -172,3 +172,32 @@ def test_float16_runs_at_every_level(make_llm: Callable[..., LLM], level: str) -
         "half precision", params, use_tqdm=False)[0].outputs[0].token_ids for dtype in ("float16", "float32")}
     assert len(tokens["float16"]) == 6
     assert tokens["float16"][:3] == tokens["float32"][:3]
+
+
+def test_dummy_load_format_reads_no_weights(tiny_llm_dir: Path, tmp_path: Path) -> None:
+    """load_format="dummy": only config.json and the tokenizer are read (the checkpoint may be absent);
+    weights are drawn from the seed in [-1e-3, 1e-3], norms 1; the engine generates as usual."""
+    import shutil
+
+    for f in tiny_llm_dir.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(Exception):
+        LLM(str(tmp_path), dtype="float32", num_kv_blocks=32)  # no checkpoint: the default format fails
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", num_kv_blocks=32, seed=3)
+        model = llm.llm_engine.executor.worker.model_runner.model
+        for name, p in model.named_parameters():
+            if p.numel() == 0:  # packed for the CPU kernels: the packed copy replaced it
+                continue
+            if "norm" in name:
+                assert bool((p == 1).all()), name
+            else:
+                assert 0 < float(p.abs().max()) <= 1.0001e-3, name  # float32 rounding of 1e-3
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+        runs.append((out[0].outputs[0].token_ids, [p.clone() for p in model.parameters()]))
+        llm.shutdown()
+    assert len(runs[0][0]) == 6 and runs[0][0] == runs[1][0]
+    assert all(bool((a == b).all()) for a, b in zip(runs[0][1], runs[1][1]))  # the same seed, the same weights

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams, ValidationError
+from pagedllm.config import parse_cuda_graph_sizes
 
 
 LLM_OPTIONS = dict(max_model_len=64, num_kv_blocks=32, block_size=4)
@@ -106,13 +107,25 @@ def test_unknown_llm_option(tiny_llm_dir: Path) -> None:
     (dict(distributed_executor_backend="threads"), "distributed_executor_backend"),
     (dict(device="gpu"), "device"), (dict(gpu_memory_utilization=0), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(model="/nonexistent/model"), "model"),
+    (dict(model="/nonexistent/model"), "model"), (dict(enforce_eager="yes"), "enforce_eager"),
+    (dict(cuda_graph_sizes="1,x"), "cuda_graph_sizes"), (dict(cuda_graph_sizes=[0, 8]), "cuda_graph_sizes"),
+    (dict(cuda_graph_sizes="512"), "cuda_graph_sizes"), (dict(cuda_graph_sizes=""), "cuda_graph_sizes"),
+    (dict(load_format="pt"), "load_format"),
 ])
 def test_bad_engine_options(tiny_llm_dir: Path, kwargs: dict, param: str) -> None:
     kwargs.setdefault("model", str(tiny_llm_dir))
     with pytest.raises(ValidationError) as err:
         LLM(**kwargs)
     assert err.value.param == param
+
+
+def test_cuda_graph_ladder() -> None:
+    """1, 2, 4, then multiples of 8 up to min(max_num_seqs, 256), max_num_seqs itself included."""
+    default = parse_cuda_graph_sizes(None, 256)
+    assert default[:5] == (1, 2, 4, 8, 16) and default[-1] == 256 and len(default) == 35
+    assert parse_cuda_graph_sizes(None, 20) == (1, 2, 4, 8, 16, 20)
+    assert parse_cuda_graph_sizes(None, 1000)[-1] == 256
+    assert parse_cuda_graph_sizes(" 8, 1,4,8", 16) == (1, 4, 8) == parse_cuda_graph_sizes([4, 1, 8], 16)
 
 
 @pytest.mark.parametrize("kwargs, param", [
