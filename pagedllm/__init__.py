@@ -29,6 +29,7 @@ _PUBLIC = {
     "ValidationError": "pagedllm.errors",
     "EngineArgs": "pagedllm.config",
     "LLMEngine": "pagedllm.engine.llm_engine",
+    "LoRARequest": "pagedllm.lora_request",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -114,6 +114,8 @@ class SchedulerConfig:
     """Most tokens in one sequence (copied from ModelConfig)."""
     preemption_mode: str = "recompute"
     """How a preempted request gives its blocks back: "recompute" (drop the K/V) or "swap" (to host)."""
+    max_loras: int | None = None
+    """Most distinct LoRA adapters among running requests (None: LoRA off)."""
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -199,6 +201,29 @@ def parse_cuda_graph_sizes(sizes: str | list[int] | tuple[int, ...] | None, max_
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters over the base model (present only with enable_lora)."""
+
+    max_loras: int = 1
+    """Adapters in one step (each has a slot of stacked weights in every LoRA layer)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank (slots are this wide; smaller ranks are zero-padded)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept read in host memory (least recently used dropped, read again when asked); None: max_loras."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValidationError.bad_value(name, value, "a positive integer")
+        cpu = self.max_cpu_loras
+        if cpu is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras:
+            raise ValidationError.bad_value("max_cpu_loras", cpu, f"an integer >= max_loras ({self.max_loras})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All subsystem configs of one engine."""
 
@@ -212,6 +237,8 @@ class EngineConfig:
     """Tensor parallelism."""
     device: DeviceConfig
     """The device."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters (None: enable_lora is off)."""
 
 
 @dataclass
@@ -244,6 +271,15 @@ class EngineArgs:
     """GiB of host memory for swapped-out blocks (used with preemption_mode="swap")."""
     seed: int = 0
     """Seed of the engine's random generator."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT format) over the base model: requests name one with a LoRARequest; requests with
+    different adapters (and none) share a step."""
+    max_loras: int = 1
+    """With enable_lora: most adapters in one step (a request whose adapter would exceed it waits)."""
+    max_lora_rank: int = 16
+    """With enable_lora: the largest adapter rank accepted."""
+    max_cpu_loras: int | None = None
+    """With enable_lora: adapters kept read in host memory (default: max_loras; others are read again when asked)."""
     load_format: str = "auto"
     """"auto" (read the checkpoint's weights) or "dummy" (random weights from the seed; only config.json and the
     tokenizer are read: for benchmarks and memory profiling of a model's shape without its checkpoint)."""

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 import enum
 import time
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         assert prompt_token_ids, "validated before a Request is made"
         self.request_id = request_id
@@ -72,6 +74,8 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.cache_salt = cache_salt
         """Mixed into the first block's hash: only requests with the same salt share cached blocks."""
+        self.lora_request = lora_request
+        """The LoRA adapter it runs with (None: the base model)."""
         self.block_hashes: list[int] = []
         """Chained hashes of the full blocks of all_token_ids (filled by the KV cache manager)."""
         self.num_cached_tokens = -1
@@ -80,6 +84,13 @@ class Request:
             None if sampling_params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1))
         """With prompt_logprobs: the TokenLogprobs of prompt tokens 1 .. P-1 as the workers score them."""
         self.prompt_logprobs_sent = False
+
+    @property
+    def block_hash_salt(self) -> str | None:
+        """What the first block's hash mixes in: the cache salt and the adapter (K/V differ per adapter)."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora_request.lora_int_id}"
 
     @property
     def num_prompt_tokens(self) -> int:

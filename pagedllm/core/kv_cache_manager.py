@@ -72,7 +72,7 @@ class KVCacheManager:
             start = len(hashes) * bs
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
                                             request.all_token_ids[start:start + bs],
-                                            None if hashes else request.cache_salt))
+                                            None if hashes else request.block_hash_salt))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -8,7 +8,9 @@
    "swap", while it has room) or are dropped to be recomputed, and it returns to the front of
    the waiting queue.
 2. Unless step 1 preempted, waiting requests are admitted in arrival order while the budget,
-   max_num_seqs and the pool allow; the first that does not fit stops admission. A new request
+   max_num_seqs and the pool allow; the first that does not fit stops admission. A request whose
+   LoRA adapter would make more than max_loras adapters run at once is passed over (it keeps its
+   place in the queue). A new request
    starts after its longest prefix found in the prefix cache; a swapped-out one is swapped back.
 3. The other samples of an n > 1 request fork off their leader once its prompt is computed,
    sharing its blocks (the partly filled last block is copied on write later).
@@ -127,6 +129,7 @@ class Scheduler:
         assert parent.status == RequestStatus.RUNNING and child.request_id not in self.requests
         assert child.all_token_ids[:-1] == parent.all_token_ids[:-1]
         child.num_computed_tokens = parent.num_computed_tokens
+        child.lora_request = parent.lora_request
         self.kv_cache_manager.fork(parent, child)
         child.status = RequestStatus.RUNNING
         child.first_scheduled_time = parent.first_scheduled_time
@@ -205,8 +208,14 @@ class Scheduler:
         return len(self.running) + promised
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped: list[Request] = []  # their adapter would exceed max_loras: they keep their place
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         while self.waiting and plan.token_budget > 0:
             request = self.waiting[0]
+            lora = request.lora_request
+            if lora is not None and lora.lora_int_id not in loras and len(loras) >= (self.config.max_loras or 0):
+                skipped.append(self.waiting.popleft())
+                continue
             group = 1 + len(self.pending_forks.get(request.request_id, ()))
             if self._num_seq_slots_taken() + group > self.config.max_num_seqs:
                 break
@@ -217,7 +226,10 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             self._add_to_batch(request, *admitted, plan)
+        self.waiting.extendleft(reversed(skipped))
 
     def _admit(self, request: Request, plan: _StepPlan) -> tuple[int, list[KVCacheBlock]] | None:
         """Allocate a waiting request's slots, starting after its longest cached prefix.
@@ -317,7 +329,8 @@ class Scheduler:
             req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            num_computed_tokens=request.num_computed_tokens, output_token_ids=request.output_token_ids)
+            num_computed_tokens=request.num_computed_tokens, output_token_ids=request.output_token_ids,
+            lora_request=request.lora_request)
 
     def _cached_request_data(self, request: Request, new_blocks: list[KVCacheBlock]) -> CachedRequestData:
         """A known request's new blocks, or its whole table when the table changed in place."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -20,6 +21,8 @@ class NewRequestData:
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens generated before the workers saw it (beams forked mid-generation)."""
+    lora_request: LoRARequest | None = None
+    """The adapter it runs with (forked samples run with their leader's)."""
 
 
 @dataclass(kw_only=True)

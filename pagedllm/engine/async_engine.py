@@ -21,6 +21,7 @@ from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.engine.output_processor import IterationStats
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -42,11 +43,21 @@ class _Add:
     arrival_time: float
     stream: asyncio.Queue
     accepted: asyncio.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass
 class _Abort:
     request_id: str
+
+
+@dataclasses.dataclass
+class _Call:
+    """Run ``fn(engine)`` between steps (engine state is the engine thread's); its result or ValidationError
+    goes to ``done``."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future
 
 
 class AsyncLLMEngine:
@@ -86,17 +97,29 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
-                          arrival_time: float | None = None) -> "RequestStream":
-        """Queue a request (a beam search with BeamSearchParams); returns its output stream, or
-        raises ValidationError if it is refused."""
+                          arrival_time: float | None = None, lora_request: LoRARequest | None = None
+                          ) -> "RequestStream":
+        """Queue a request (a beam search with BeamSearchParams; with a LoRA adapter: ``lora_request``);
+        returns its output stream, or raises ValidationError if it is refused."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self.dead_error
         assert self._loop is not None
         stream = RequestStream(self, request_id)
         accepted = self._loop.create_future()
-        self._send(_Add(request_id, prompt, params, arrival_time or time.monotonic(), stream.queue, accepted))
+        self._send(_Add(request_id, prompt, params, arrival_time or time.monotonic(), stream.queue, accepted,
+                        lora_request))
         await accepted
         return stream
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` run by the engine thread between two steps (e.g. ``lambda e: e.add_lora(r)``); its
+        result, or the ValidationError it raised."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self.dead_error
+        assert self._loop is not None
+        done = self._loop.create_future()
+        self._send(_Call(fn, done))
+        return await done
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -120,7 +143,7 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout)
         await asyncio.to_thread(self.engine.shutdown)
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _Call) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -152,7 +175,7 @@ class AsyncLLMEngine:
         self.dead_error = self.dead_error or error
         self._wake.set()
 
-    def _pending_commands(self) -> Iterator[_Add | _Abort]:
+    def _pending_commands(self) -> Iterator[_Add | _Abort | _Call]:
         """The commands queued so far, oldest first (taken off the queue)."""
         while True:
             try:
@@ -168,6 +191,14 @@ class AsyncLLMEngine:
                 self.engine.abort_request(command.request_id)
                 aborted = True
                 continue
+            if isinstance(command, _Call):
+                try:
+                    result = command.fn(self.engine)
+                except ValidationError as e:
+                    self._call(command.done.set_exception, e)
+                else:
+                    self._call(command.done.set_result, result)
+                continue
             self._add(command)
         if aborted:
             self._report()  # gauges drop at once, not at the next step
@@ -175,7 +206,7 @@ class AsyncLLMEngine:
     def _add(self, command: _Add) -> None:
         add = self.engine.add_beam_request if isinstance(command.params, BeamSearchParams) else self.engine.add_request
         try:
-            add(command.request_id, command.prompt, command.params, command.arrival_time)
+            add(command.request_id, command.prompt, command.params, command.arrival_time, command.lora_request)
         except ValidationError as e:  # refused: the caller gets the error, the loop goes on
             self._call(command.accepted.set_exception, e)
             return

@@ -8,9 +8,10 @@ import time
 from typing import Any
 
 from pagedllm import platform
-from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, parse_cuda_graph_sizes, parse_memory)
+from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig, parse_cuda_graph_sizes, parse_memory)
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
+from pagedllm.lora_request import LoRARequest
 from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.processor import MAX_LOGPROBS, Processor, PromptType
@@ -57,17 +58,32 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     for rank in range(parallel.tensor_parallel_size):  # refuse a split the model cannot take before any worker starts
         shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
+    lora = _lora_config(args, parallel)
     config = EngineConfig(
         model=ModelConfig(path, dtype, max_model_len, args.seed, args.load_format),
         cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks, args.enable_prefix_caching,
                           args.swap_space, args.gpu_memory_utilization),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len,
-                                  args.preemption_mode),
+                                  args.preemption_mode, lora.max_loras if lora else None),
         parallel=parallel,
         device=DeviceConfig(device, args.attention_backend, args.enforce_eager,
                             parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs)),
+        lora=lora,
     )
     return config, arch
+
+
+def _lora_config(args: EngineArgs, parallel: ParallelConfig) -> LoRAConfig | None:
+    """The LoRA config with enable_lora, else None."""
+    if not isinstance(args.enable_lora, bool):
+        raise ValidationError.bad_value("enable_lora", args.enable_lora, "true or false")
+    if not args.enable_lora:
+        return None
+    if parallel.distributed_executor_backend != "uni":
+        raise ValidationError("enable_lora runs in the in-process executor only (tensor_parallel_size 1, "
+                              "distributed_executor_backend 'uni'): LoRA layers are not split across ranks yet",
+                              param="enable_lora", value=True)
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 def resolve_device(device: str) -> str:
@@ -106,6 +122,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, log_stats)
         self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
         self._seq_counter = itertools.count()
+        self.loras: dict[int, LoRARequest] = {}
+        """LoRA adapters added (checked by the workers), by lora_int_id."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
@@ -115,23 +133,26 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; on ValidationError nothing is queued."""
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        """Validate and queue a request (with a LoRA adapter: ``lora_request``); on ValidationError nothing is
+        queued."""
         self._check_new_id(request_id)
         params = params if params is not None else SamplingParams()
         text, prompt_ids = self.processor.tokenize_prompt(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         arrival_time = arrival_time or time.monotonic()
+        if lora_request is not None:
+            self.add_lora(lora_request)
         # scheduler-side ids are the engine's own: users' ids can never collide with them
         seq_ids = [f"{next(self._seq_counter)}:{request_id}" for _ in range(params.n)]
-        requests = self.processor.make_requests(seq_ids, prompt_ids, params, arrival_time, cache_salt)
+        requests = self.processor.make_requests(seq_ids, prompt_ids, params, arrival_time, cache_salt, lora_request)
         # the n samples of a prompt fork from the first once its prompt is computed (shared blocks)
         self.scheduler.add_request(requests[0], requests[1:])
         self.output_processor.add_request(request_id, text, prompt_ids, params, [r.request_id for r in requests],
                                           arrival_time)
 
     def add_beam_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
-                         arrival_time: float | None = None) -> None:
+                         arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a beam search; its one RequestOutput holds the beam_width best sequences, best first."""
         self._check_new_id(request_id)
         if not isinstance(params, BeamSearchParams):
@@ -140,10 +161,44 @@ class LLMEngine:
         if 2 * params.beam_width > MAX_LOGPROBS:
             raise ValidationError.bad_value("beam_width", params.beam_width, f"<= {MAX_LOGPROBS // 2}")
         seq_params = self.beam_search.sampling_params(params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         first = self.processor.make_requests([f"{next(self._seq_counter)}:{request_id}"], prompt_ids, seq_params,
-                                             arrival_time or time.monotonic())[0]
+                                             arrival_time or time.monotonic(), lora_request=lora_request)[0]
         self.scheduler.add_request(first)
         self.beam_search.add(request_id, text, first, params)
+
+    # ----------------------------------------------------------------------- LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter on every worker (ValidationError if it does not fit the model); True if
+        it was new. Requests naming an adapter not added yet add it first."""
+        if self.config.lora is None:
+            raise ValidationError("LoRA adapters need enable_lora=True", param="lora_request",
+                                  value=getattr(lora_request, "lora_name", lora_request))
+        if not isinstance(lora_request, LoRARequest):
+            raise ValidationError.bad_value("lora_request", lora_request, "a LoRARequest")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known == lora_request:
+            return False
+        self.executor.collective_rpc("add_lora", (lora_request,))  # refuses an id taken by another adapter
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter no live request uses; False if it was not added."""
+        users = [r.request_id for r in self.scheduler.requests.values()
+                 if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
+        if users:
+            raise ValidationError(f"LoRA adapter {lora_int_id} is in use by {len(users)} request(s)",
+                                  param="lora_int_id", value=lora_int_id)
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self.executor.collective_rpc("remove_lora", (lora_int_id,))
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters added."""
+        return set(self.loras)
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.output_processor.requests or request_id in self.beam_search.groups:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.errors import ValidationError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -88,7 +89,8 @@ class Processor:
         return found
 
     def make_requests(self, seq_ids: list[str], prompt_ids: list[int], params: SamplingParams,
-                      arrival_time: float | None = None, cache_salt: str | None = None) -> list[Request]:
+                      arrival_time: float | None = None, cache_salt: str | None = None,
+                      lora_request: LoRARequest | None = None) -> list[Request]:
         """One Request per sample (``params.n`` of them, one per id in ``seq_ids``)."""
         self.check_params(params)
         max_tokens = self.check_length(len(prompt_ids), params)
@@ -96,5 +98,5 @@ class Processor:
             raise ValidationError.bad_value("cache_salt", cache_salt, "a string")
         assert len(seq_ids) == params.n
         each = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
-        return [Request(seq_id, prompt_ids, p, self.eos_token_ids, max_tokens, arrival_time, cache_salt)
+        return [Request(seq_id, prompt_ids, p, self.eos_token_ids, max_tokens, arrival_time, cache_salt, lora_request)
                 for seq_id, p in zip(seq_ids, each)]

@@ -12,6 +12,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -47,8 +48,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (strings or {"prompt_token_ids": [...]}); outputs in input order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or {"prompt_token_ids": [...]}); outputs in input order.
+        ``lora_request``: one adapter for all prompts, or one (or None) per prompt (needs enable_lora)."""
         if not isinstance(prompts, (str, dict, list, tuple)):
             raise ValidationError.bad_value("prompts", prompts, "a prompt or a list of prompts")
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -62,21 +65,22 @@ class LLM:
                 raise ValidationError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts",
                     param="sampling_params", value=len(params_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        return self._run(prompt_list, params_list, use_tqdm, _per_prompt(lora_request, len(prompt_list)))
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": ids, "prompt": text}
                    for text, ids in (self._apply_chat_template(c, chat_template, add_generation_prompt)
                                      for c in conversations)]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """Beam search for each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}).
 
         Each output's ``sequences`` are the beam_width best beams, best first; as in vLLM a
@@ -87,7 +91,7 @@ class LLM:
         ids = [str(next(self._counter)) for _ in prompt_list]
         try:
             for request_id, prompt in zip(ids, prompt_list):
-                engine.add_beam_request(request_id, prompt, params)
+                engine.add_beam_request(request_id, prompt, params, lora_request=lora_request)
         except ValidationError:
             engine.abort_request(ids)
             raise
@@ -114,18 +118,31 @@ class LLM:
                                              add_generation_prompt=add_generation_prompt)
         return text, tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
                 # one output per request, when it finishes: no per-step output objects
-                engine.add_request(request_id, prompt, dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+                engine.add_request(request_id, prompt, dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY),
+                                   lora_request=lora)
         except ValidationError:
             engine.abort_request(ids)  # nothing of this call stays queued
             raise
         finished = self._drain(ids, use_tqdm, "Processed prompts")
         return [finished[i] for i in ids]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (requests naming a new one add it themselves); True if it was new."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter no request uses; False if it was not added."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
 
     def _drain(self, ids: list[str], use_tqdm: bool, desc: str) -> dict[str, RequestOutput]:
         """Step the engine until it is idle; the finished outputs by request id."""
@@ -150,3 +167,16 @@ class LLM:
         finally:
             bar.close()
         return finished
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt from generate's lora_request argument."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if not isinstance(lora_request, (list, tuple)) or not all(r is None or isinstance(r, LoRARequest)
+                                                             for r in lora_request):
+        raise ValidationError.bad_value("lora_request", lora_request, "a LoRARequest or a list of them (or None)")
+    if len(lora_request) != count:
+        raise ValidationError(f"got {len(lora_request)} lora_request for {count} prompts", param="lora_request",
+                              value=len(lora_request))
+    return list(lora_request)

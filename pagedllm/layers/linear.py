@@ -8,6 +8,8 @@ GQA groups, ``shard_heads``): SmolLM2-135M's 9 heads / 3 KV heads run on 2 ranks
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -26,6 +28,16 @@ class _PrepackedLinear(nn.Module):
 
     weight: nn.Parameter
     packed_weight: PackedWeight | None = None
+    lora: Any = None
+    """With enable_lora: the layer's LoRA slots (lora/layers.py LoRALinear), whose ``apply`` adds the step's
+    adapter deltas to the output; None otherwise."""
+
+    def lora_shape(self) -> tuple[int, list[int]]:
+        """(input features, output rows of each packed projection) of this rank's weight: a LoRA slot's shape."""
+        return self.weight.shape[1], [self.weight.shape[0]]
+
+    def _with_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out if self.lora is None or self.lora.step.mask is None else self.lora.apply(x, out)
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for our GEMM or oneDNN (layers/prepack.py) and drop the plain copy."""
@@ -59,7 +71,7 @@ class ColumnParallelLinear(_PrepackedLinear):
         param.data.copy_(loaded.narrow(0, self.output_start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        return self._with_lora(x, self._matmul(x, self.bias))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -79,8 +91,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def pack_for_silu_and_mul(self) -> None:
         """For a [gate, up] pair on a CPU where our GEMM runs: pack the rows interleaved so one
-        GEMM writes silu(gate) * up (no (tokens, 2 * intermediate) array, no separate SiLU pass)."""
-        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1] or self.weight.dim() != 2:
+        GEMM writes silu(gate) * up (no (tokens, 2 * intermediate) array, no separate SiLU pass).
+        Not with a LoRA layer: an adapter's delta must be added before the SiLU."""
+        if self.lora is not None or len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1] or self.weight.dim() != 2:
             return
         packed = silu_pack(self.weight)
         if packed is None:
@@ -97,6 +110,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if self.silu_packed is None:
             return None
         return silu_and_mul_linear(x, self.silu_packed, self.silu_bias)
+
+    def lora_shape(self) -> tuple[int, list[int]]:
+        return self.input_size, [n for _, n in self.shards]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of checkpoint shard ``shard_id`` (an index into output_sizes)."""
@@ -116,6 +132,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads
         rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, dtype, partition=(0, rows))
+
+    def lora_shape(self) -> tuple[int, list[int]]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.input_size, [q, kv, kv]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's heads of checkpoint shard "q", "k" or "v" (replicated KV heads: the same
@@ -152,5 +172,5 @@ class RowParallelLinear(_PrepackedLinear):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(self._matmul(x, None))
+        out = tensor_model_parallel_all_reduce(self._with_lora(x, self._matmul(x, None)))
         return out if self.bias is None else out + self.bias  # bias once, after the sum

@@ -118,6 +118,11 @@ class LlamaForCausalLM(nn.Module):
         """(tokens,) ids and positions -> (tokens, hidden)."""
         return self.model(input_ids, positions)
 
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    """Packed layer -> the checkpoint modules in it, in row order (LoRA adapters name the latter)."""
+    supported_lora_modules = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    """The linear layers LoRA adapters may change."""
+
     def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """(rows, hidden) -> (rows, vocab) float32 (in the model's dtype with ``keep_dtype``)."""
         return self.lm_head.compute_logits(hidden, keep_dtype)

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.attention.base import StepInputs
 from pagedllm.layers.sampler import SamplingMetadata
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class CachedRequestState:
     num_computed_tokens: int = 0
     matcher: Any = None
     """The structured-output grammar matcher (xgrammar), fed every token this request sampled."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter it runs with."""
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from pagedllm.layers.sampler import Sampler, gather_token_logprobs
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import DecodeGraphs, Graph
@@ -34,8 +35,10 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, seed: int,
                  eos_token_ids: tuple[int, ...], device: torch.device | None = None,
-                 grammars: Callable[[], GrammarCompiler] | None = None) -> None:
+                 grammars: Callable[[], GrammarCompiler] | None = None, lora: LoRAManager | None = None) -> None:
         self.model = model
+        self.lora = lora
+        """With enable_lora: the adapters' slots; each step tells it which rows run which adapter."""
         self.grammars = grammars
         """The structured-output compiler (made on the first constrained request)."""
         self.device = device or torch.device("cpu")
@@ -103,7 +106,10 @@ class ModelRunner:
         order = self.builder.order(out.num_scheduled_tokens)  # the batch order the backend wants
         states = [self.requests[r] for r in order]
         inputs = build_step_inputs(states, [out.num_scheduled_tokens[r] for r in order], self.block_size)
-        graph_size = self.graphs.size_for(inputs) if self.graphs is not None else None
+        # the rows of each LoRA adapter (graphs are captured without adapters: such steps run eagerly)
+        adapters = self.lora is not None and self.lora.prepare([s.lora_request for s in states],
+                                                               inputs.query_start_loc.tolist())
+        graph_size = self.graphs.size_for(inputs) if self.graphs is not None and not adapters else None
         if graph_size is not None:  # a decode step within the ladder: one graph replay
             hidden = self.graphs.run(inputs, graph_size)
         else:
@@ -166,7 +172,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, prompt + list(new.output_token_ids), len(prompt), new.sampling_params,
                 _generator(new.sampling_params, self.device), list(new.block_ids), new.num_computed_tokens,
-                self._matcher(new.sampling_params, list(new.output_token_ids)))
+                self._matcher(new.sampling_params, list(new.output_token_ids)), new.lora_request)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replace_table:
@@ -179,7 +185,7 @@ class ModelRunner:
             self.requests[fork.req_id] = CachedRequestState(
                 fork.req_id, list(parent.token_ids), parent.num_prompt_tokens, fork.sampling_params,
                 _generator(fork.sampling_params, self.device), list(fork.block_ids), fork.num_computed_tokens,
-                self._matcher(fork.sampling_params, parent.output_token_ids))
+                self._matcher(fork.sampling_params, parent.output_token_ids), parent.lora_request)
 
     def _matcher(self, params: SamplingParams, accepted: list[int]) -> Any:
         """A constrained request's grammar matcher, fed its output so far (a resumed request's)."""

@@ -14,6 +14,8 @@ from pagedllm.attention.base import get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, available_memory_bytes
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora_request import LoRARequest
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import iter_weights
@@ -83,13 +85,15 @@ class Worker:
             model.load_weights(tqdm(weights, desc="Loading weights", unit=" tensors", leave=False, dynamic_ncols=True,
                                     disable=info.rank != 0 or None))  # one bar, not one per rank
             model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
+        # LoRA layers first: packing leaves gate_up unfused where one is attached
+        lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
         for module in model.modules():  # once the checkpoint is in: e.g. weights packed for the CPU GEMM
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
         model.eval()
         self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
                                         self.device, functools.partial(compiler_for, config.model.model,
-                                                                       arch.vocab_size, tuple(eos_token_ids)))
+                                                                       arch.vocab_size, tuple(eos_token_ids)), lora)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers (K and V)."""
@@ -188,6 +192,17 @@ class Worker:
     def request_token_ids(self) -> dict[str, list[int]]:
         """Every live request's tokens as this rank sampled them (tests check the ranks agree)."""
         return {req_id: list(state.token_ids) for req_id, state in self.model_runner.requests.items()}
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check a LoRA adapter against this rank's model (ValidationError if it does not fit)."""
+        if self.model_runner.lora is None:
+            raise ValidationError("LoRA adapters need enable_lora=True", param="lora_request",
+                                  value=lora_request.lora_name)
+        self.model_runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if it was not added."""
+        return self.model_runner.lora is not None and self.model_runner.lora.remove(lora_int_id)
 
     def shutdown(self) -> None:
         """Leave the process group."""

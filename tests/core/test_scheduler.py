@@ -217,3 +217,27 @@ def test_request_larger_than_the_pool_is_refused() -> None:
     assert s.schedule().is_empty
     add(s, "fits", 10, max_tokens=6)  # 16 tokens: exactly the pool
     assert queues(s) == ([], ["fits"])
+
+
+def test_max_loras_passes_over_a_third_adapter_without_losing_its_place() -> None:
+    """max_loras=2: requests of adapters 1 and 2 (and of none) run together; adapter 3's waits, keeps the
+    head of the queue, and starts once an adapter's requests finish."""
+    from pagedllm.config import CacheConfig, SchedulerConfig
+    from pagedllm.lora_request import LoRARequest
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_loras=2),
+                  CacheConfig(block_size=4, enable_prefix_caching=False), num_kv_blocks=32)
+    lora = {i: LoRARequest(f"a{i}", i, f"/adapters/{i}") for i in (1, 2, 3)}
+    for name, adapter, max_tokens in [("r1", 1, 1), ("r2", 2, 4), ("r3", 3, 4), ("r4", None, 4), ("r5", 1, 4)]:
+        request = make_request(name, 4, max_tokens)
+        request.lora_request = lora[adapter] if adapter else None
+        s.add_request(request)
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["r1", "r2", "r4", "r5"] and queues(s)[1] == ["r3"]
+    assert [n.lora_request for n in out.scheduled_new_reqs] == [lora[1], lora[2], None, lora[1]]
+    out, _ = step(s)  # r1 finished, but r5 still runs adapter 1
+    assert "r3" not in out.num_scheduled_tokens and queues(s)[1] == ["r3"]
+    for _ in range(2):
+        step(s)  # r2, r4, r5 sample their last tokens and finish
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["r3"] and out.scheduled_new_reqs[0].lora_request == lora[3]

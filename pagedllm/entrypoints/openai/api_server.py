@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedllm
@@ -23,11 +23,12 @@ from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-                                                  TokenizeRequest, TokenizeResponse)
+                                                  DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRAAdapterRequest,
+                                                  ModelList, TokenizeRequest, TokenizeResponse, UnloadLoRAAdapterRequest)
 from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
-from pagedllm.entrypoints.openai.serving import ModelNotFoundError
+from pagedllm.entrypoints.openai.serving_models import (LoRAModulePath, ModelNotFoundError, OpenAIServingModels,
+                                                         parse_lora_module)
 from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, get_tool_parser
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -87,11 +88,13 @@ def _field_name(loc: tuple) -> str | None:
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names: list[str],
               api_keys: list[str], reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
-    """The FastAPI application around a (not yet started) async engine."""
-    completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names, get_reasoning_parser(reasoning_parser),
-                             get_tool_parser(tool_call_parser))
+              tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
+    """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
+    here (ValidationError if one does not fit)."""
+    models = OpenAIServingModels(engine, served_model_names)
+    models.add_static(lora_modules or [])
+    completion = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser))
     config = engine.engine.config
 
     @contextlib.asynccontextmanager
@@ -122,7 +125,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names
 
     @app.exception_handler(ModelNotFoundError)
     async def on_model_not_found(_: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return error_response(404, str(exc), param="model", code="model_not_found")
+        return error_response(404, str(exc), param=exc.param, code="model_not_found")
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -152,10 +155,23 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names
         return vars(engine.get_stats())
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        cards = [ModelCard(id=name, root=config.model.model, max_model_len=config.model.max_model_len)
-                 for name in served_model_names]
-        return ModelList(data=cards).model_dump()
+    async def list_models() -> dict:
+        return ModelList(data=models.cards()).model_dump()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's run-time adapter loading: the adapter is served under lora_name from then on."""
+        await models.load(req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        known = models.loras.get(req.lora_name)
+        if known is not None and req.lora_int_id is not None and req.lora_int_id != known.lora_int_id:
+            raise ValidationError(f"adapter {req.lora_name!r} has lora_int_id {known.lora_int_id}",
+                                  param="lora_int_id", value=req.lora_int_id)
+        await models.unload(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -204,6 +220,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="split a reasoning model's <think>...</think> into the chat reply's reasoning_content")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="the model's tool-call format, parsed into tool_calls for tool_choice='auto'")
+    parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) served by name: a request whose model is NAME runs with "
+                             "it; also vLLM's JSON form '{\"name\": ..., \"path\": ...}' (needs --enable-lora)")
 
 
 class _Server(uvicorn.Server):
@@ -231,6 +250,9 @@ class _Server(uvicorn.Server):
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; returns the exit status."""
     names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
+    if ns.lora_modules and not engine_args.enable_lora:
+        raise ValidationError("--lora-modules needs --enable-lora", param="lora_modules",
+                              value=[m.name for m in ns.lora_modules])
     keys = ns.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
     metrics = ServerMetrics(names[0])
     server: _Server | None = None
@@ -242,7 +264,11 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         timer.start()
 
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead)
-    app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser)
+    try:
+        app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules)
+    except BaseException:
+        engine.engine.shutdown()  # an adapter that does not fit: no worker left behind
+        raise
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     server = _Server(config)

@@ -230,6 +230,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str | None = None
+    parent: str | None = None
+    """For a LoRA adapter: the base model it runs over."""
     max_model_len: int | None = None
 
 
@@ -261,3 +263,17 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/unload_lora_adapter body (lora_int_id is accepted and must match, if given)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -13,36 +13,27 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
 
-class ModelNotFoundError(Exception):
-    """The request names a model this server does not serve (HTTP 404)."""
-
-    def __init__(self, model: str) -> None:
-        super().__init__(f"the model {model!r} does not exist on this server")
-        self.model = model
-
-
 class OpenAIServing:
     """What both endpoints need from the engine."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, models: OpenAIServingModels) -> None:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
-        self.served_model_names = served_model_names
+        self.models = models
 
-    def check_model(self, model: str | None) -> str:
-        """The model name to answer with; a name we do not serve raises ModelNotFoundError."""
-        if model is None or model == "":
-            return self.served_model_names[0]
-        if model not in self.served_model_names:
-            raise ModelNotFoundError(model)
-        return model
+    def check_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """(the model name to answer with, the LoRA adapter it names or None); a name we do not serve raises
+        ModelNotFoundError."""
+        return self.models.resolve(model)
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -61,13 +52,14 @@ class OpenAIServing:
             structured_outputs=structured_outputs(req),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
-    async def add_all(self, request_id: str, prompts: list[PromptType],
-                      params: SamplingParams | BeamSearchParams) -> list[RequestStream]:
+    async def add_all(self, request_id: str, prompts: list[PromptType], params: SamplingParams | BeamSearchParams,
+                      lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Queue every prompt; if one is refused, withdraw the others and raise its ValidationError."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params,
+                                                             lora_request=lora_request))
         except BaseException:
             for stream in streams:
                 stream.abort()

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequ
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
 from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constrained_calls, constraint,
                                                     tool_functions)
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, final_outputs, merge_streams, sse,
                                                  unless_disconnected)
 from pagedllm.errors import ValidationError
@@ -27,9 +28,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: Any, served_model_names: list[str], reasoning_parser: ReasoningParser | None = None,
+    def __init__(self, engine: Any, models: OpenAIServingModels, reasoning_parser: ReasoningParser | None = None,
                  tool_parser: ToolParser | None = None) -> None:
-        super().__init__(engine, served_model_names)
+        super().__init__(engine, models)
         self.reasoning_parser = reasoning_parser
         """Splits replies into reasoning_content and content (--reasoning-parser); None: all content."""
         self.tool_parser = tool_parser
@@ -39,7 +40,7 @@ class OpenAIServingChat(OpenAIServing):
         return ReasoningSplit(None, text) if self.reasoning_parser is None else self.reasoning_parser.split(text)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        model = self.check_model(req.model)
+        model, lora = self.check_model(req.model)
         tools = _ToolMode.of(req, self.tool_parser)
         text, prompt_ids = self.apply_chat_template(req.messages, req.add_generation_prompt, req.tools)
         if req.top_logprobs is not None and not req.logprobs:
@@ -53,7 +54,7 @@ class OpenAIServingChat(OpenAIServing):
                                       "response_format / structured_outputs", param="tool_choice")
             params.structured_outputs = tools.constraint
         request_id = random_id("chatcmpl")
-        streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params)
+        streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params, lora)
         if req.stream:
             return StreamingResponse(self._stream(request_id, model, req, streams, tools),
                                      media_type="text/event-stream")

@@ -18,7 +18,7 @@ from pagedllm.sampling_params import BeamSearchParams
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        model = self.check_model(req.model)
+        model, lora = self.check_model(req.model)
         if req.suffix is not None:
             raise ValidationError("suffix is not supported", param="suffix", value=req.suffix)
         if req.best_of is not None and req.best_of != req.n:
@@ -30,7 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self._beam_params(req) if req.use_beam_search else \
             self.sampling_params(req, req.max_tokens, req.logprobs, req.stream, req.prompt_logprobs)
         request_id = random_id("cmpl")
-        streams = await self.add_all(request_id, prompts, params)
+        streams = await self.add_all(request_id, prompts, params, lora)
         echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
         if req.stream:
             return StreamingResponse(self._stream(request_id, model, req, streams, echoes),

@@ -1,0 +1,111 @@
+"""Reading LoRA adapters in PEFT's format: adapter_config.json and adapter_model.safetensors.
+
+PEFT names each matrix after the base model's module (``base_model.model.model.layers.3.
+self_attn.q_proj.lora_A.weight``: A is (rank, in), B is (out, rank)); the delta of a module is
+``scaling * B @ A`` with scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). Our
+models pack q/k/v and gate/up into one matmul each: an adapter's q_proj matrices land in the
+q rows of qkv_proj (the model's ``packed_modules_mapping`` says which).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.errors import ValidationError
+from pagedllm.lora_request import LoRARequest
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """One of the model's linear layers an adapter may change: its input width and, per packed
+    projection (q, k, v / gate, up / the layer itself), the checkpoint name and output rows."""
+
+    in_features: int
+    parts: tuple[tuple[str, int], ...]
+    """(checkpoint module name, output rows) per projection, in the packed layer's row order."""
+
+
+@dataclass
+class LoRAWeights:
+    """An adapter read into host memory: per target layer, per projection, (A (rank, in), B * scaling
+    (out, rank)) or None where the adapter leaves that projection alone."""
+
+    lora_request: LoRARequest
+    rank: int
+    layers: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]
+
+
+def _refuse(lora: LoRARequest, why: str) -> ValidationError:
+    return ValidationError(f"LoRA adapter {lora.lora_name!r} at {lora.lora_path!r}: {why}", param="lora_request",
+                           value=lora.lora_name)
+
+
+def read_config(lora: LoRARequest, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) from adapter_config.json, refusing what we cannot run exactly."""
+    path = os.path.join(lora.lora_path, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise _refuse(lora, f"no {CONFIG_FILE} (a PEFT adapter folder is needed)")
+    if not os.path.isfile(os.path.join(lora.lora_path, WEIGHTS_FILE)):
+        raise _refuse(lora, f"no {WEIGHTS_FILE} (only safetensors weights are read)")
+    with open(path) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise _refuse(lora, f"{CONFIG_FILE} is not valid JSON ({e})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _refuse(lora, f"peft_type {config.get('peft_type')!r} is not LORA")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise _refuse(lora, f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise _refuse(lora, f"rank {rank} is above max_lora_rank={max_rank}")
+    unsupported = {"bias": config.get("bias", "none") != "none", "use_dora": bool(config.get("use_dora")),
+                   "modules_to_save": bool(config.get("modules_to_save")),
+                   "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+                   "rank_pattern": bool(config.get("rank_pattern")), "alpha_pattern": bool(config.get("alpha_pattern"))}
+    if any(unsupported.values()):
+        raise _refuse(lora, f"{[k for k, v in unsupported.items() if v]} are not supported")
+    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    return rank, scaling
+
+
+def load_adapter(lora: LoRARequest, targets: dict[str, LoRATarget], max_rank: int) -> LoRAWeights:
+    """Read and check an adapter against the model's LoRA targets (names, shapes, rank)."""
+    from safetensors.torch import load_file
+
+    rank, scaling = read_config(lora, max_rank)
+    part_of: dict[str, tuple[str, int]] = {}  # checkpoint module name -> (target layer, projection index)
+    for name, target in targets.items():
+        for index, (part, _) in enumerate(target.parts):
+            part_of[part] = (name, index)
+    tensors = load_file(os.path.join(lora.lora_path, WEIGHTS_FILE))
+    found: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        stem = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+        module, _, kind = stem.rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight") or module not in part_of:
+            raise _refuse(lora, f"tensor {key!r} changes no module we can adapt (supported: the linear layers "
+                                f"{sorted({n.rsplit('.', 1)[-1] for n in part_of})})")
+        found.setdefault(part_of[module], {})[kind[0]] = tensor
+    if not found:
+        raise _refuse(lora, f"{WEIGHTS_FILE} holds no LoRA matrices")
+    layers: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+    for (name, index), pair in found.items():
+        target = targets[name]
+        part, rows = target.parts[index]
+        a, b = pair.get("A"), pair.get("B")
+        if a is None or b is None:
+            raise _refuse(lora, f"{part} has only one of lora_A and lora_B")
+        if tuple(a.shape) != (rank, target.in_features) or tuple(b.shape) != (rows, rank):
+            raise _refuse(lora, f"{part}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the model "
+                                f"((r={rank}, {target.in_features}) / ({rows}, r={rank}))")
+        layers.setdefault(name, [None] * len(target.parts))[index] = (a.float(), b.float() * scaling)
+    return LoRAWeights(lora, rank, layers)
