@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.tiny_tokenizer import save_word_tokenizer  # noqa: E402
+
 SHAPES = {  # transformers LlamaConfig fields
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
@@ -35,22 +37,12 @@ SHAPES = {  # transformers LlamaConfig fields
 }
 
 
-def save_tokenizer(path: Path, vocab_size: int) -> None:
-    """A word-level tokenizer over "t0".."t{vocab-1}" (the engine needs one; prompts are token ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
-
-
 def save_config(path: Path, shape: str) -> "object":
     from transformers import LlamaConfig
 
     config = LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
     config.save_pretrained(path)
-    save_tokenizer(path, config.vocab_size)
+    save_word_tokenizer(path, config.vocab_size)
     return config
 
 

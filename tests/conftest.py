@@ -25,6 +25,8 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "llama-attention-bias": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, attention_bias=True),
     "qwen2-qkv-bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    "qwen3-qk-norm": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          tie_word_embeddings=False),
 }
 
 
@@ -87,11 +89,12 @@ def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: 
     """Save a tiny random model of ``variant`` (weights scaled up so logits are not all ~0)."""
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     spec = dict(TINY_VARIANTS[variant])
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                             "mistral": (MistralConfig, MistralForCausalLM)}[spec.pop("arch")]
+                             "mistral": (MistralConfig, MistralForCausalLM),
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[spec.pop("arch")]
     config = config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
                         bos_token_id=1, eos_token_id=2, **spec)
@@ -109,12 +112,15 @@ def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """variant -> folder with a tiny random model (vocab 512, no tokenizer)."""
+    """variant -> folder with a tiny random model (vocab 512) and a word-level tokenizer of its vocabulary."""
+    from tests.tiny_tokenizer import save_word_tokenizer
+
     cache: dict[str, Path] = {}
 
     def make(variant: str) -> Path:
         if variant not in cache:
             cache[variant] = save_tiny_model(tmp_path_factory.mktemp(variant), variant)
+            save_word_tokenizer(cache[variant], 512)
         return cache[variant]
 
     return make

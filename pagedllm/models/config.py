@@ -29,6 +29,8 @@ class ArchConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     """Every id the checkpoint's config names as EOS (Llama 3 lists several)."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before the rotary embedding (Qwen3)."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ArchConfig":
@@ -39,8 +41,9 @@ class ArchConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         num_heads = hf["num_attention_heads"]
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen3 = arch == "Qwen3ForCausalLM"
         eos = hf.get("eos_token_id")
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", not is_qwen2) else None
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", not (is_qwen2 or is_qwen3)) else None
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -61,6 +64,7 @@ class ArchConfig:
             sliding_window=window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=as_id_tuple(eos),
+            qk_norm=is_qwen3,
         )
 
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2 with qkv bias).
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2 with qkv bias, Qwen3
+with q/k norms).
 
 HF module names; Q/K/V and gate/up are packed into one matmul each and loaded through a small
 name mapping.
@@ -38,10 +39,21 @@ class LlamaAttention(nn.Module):
                                         partition=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim))
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, scale=cfg.head_dim ** -0.5)
+        if cfg.qk_norm:  # Qwen3: each head of q and k normalised (over head_dim) before the rotary embedding
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        if hasattr(self, "q_norm"):
+            d = self.head_dim
+            q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+            q = self.q_norm(q.reshape(-1, d)).view(-1, self.num_heads, d)  # (tokens * heads, d) -> (tokens, heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(-1, self.num_kv_heads, d)
+            q, k = self.rotary_emb(positions, q, k)
+            return self.o_proj(self.attn(q, k, v.reshape(-1, self.num_kv_heads, d)))  # v (tokens, kv_heads, d)
         # q (tokens, heads, head_dim); k, v (tokens, kv_heads, head_dim); q and k rotated
-        q, k, v = self.rotary_emb.forward_qkv(positions, self.qkv_proj(hidden), self.num_heads, self.num_kv_heads)
+        q, k, v = self.rotary_emb.forward_qkv(positions, qkv, self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn(q, k, v))
 
 

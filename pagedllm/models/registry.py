@@ -12,6 +12,7 @@ _MODELS = {
     "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
 }
 
 

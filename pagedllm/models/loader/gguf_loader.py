@@ -15,12 +15,12 @@ import torch
 from pagedllm.errors import ValidationError
 from pagedllm.models.config import ArchConfig, as_id_tuple
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -86,6 +86,7 @@ def load_arch_config(path: str) -> ArchConfig:
         sliding_window=None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 
 
