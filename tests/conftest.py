@@ -27,6 +27,10 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
     "qwen3-qk-norm": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                           tie_word_embeddings=False),
+    "gpt2": dict(arch="gpt2", num_attention_heads=4, n_inner=128),
+    "opt-pre-ln": dict(arch="opt", num_attention_heads=4, ffn_dim=128, do_layer_norm_before=True),
+    "opt-350m-style": dict(arch="opt", num_attention_heads=4, ffn_dim=128, do_layer_norm_before=False,
+                           word_embed_proj_dim=32),
 }
 
 
@@ -88,13 +92,15 @@ def tokenizer(default_model: str) -> Any:
 def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: Any = None, seed: int = 0) -> Path:
     """Save a tiny random model of ``variant`` (weights scaled up so logits are not all ~0)."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     spec = dict(TINY_VARIANTS[variant])
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                              "mistral": (MistralConfig, MistralForCausalLM),
-                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[spec.pop("arch")]
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gpt2": (GPT2Config, GPT2LMHeadModel),
+                             "opt": (OPTConfig, OPTForCausalLM)}[spec.pop("arch")]
     config = config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
                         bos_token_id=1, eos_token_id=2, **spec)
@@ -102,7 +108,7 @@ def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: 
     model = model_cls(config).eval()
     with torch.no_grad():  # biases and norms start at 0 / 1: randomise them so they are tested
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith("bias") or "norm" in name or ".ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     if tokenizer is not None:

@@ -19,3 +19,16 @@ class SiluAndMul(nn.Module):
             return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def get_act_fn(name: str) -> nn.Module:
+    """The (ungated) MLP activation a config names: GPT-2's "gelu_new" is GELU's tanh approximation."""
+    from pagedllm.errors import ValidationError
+
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return nn.GELU(approximate="tanh")
+    if name == "gelu":
+        return nn.GELU()
+    if name == "relu":
+        return nn.ReLU()
+    raise ValidationError.bad_value("activation_function", name, "'gelu_new', 'gelu' or 'relu'")

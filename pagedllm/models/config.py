@@ -31,11 +31,23 @@ class ArchConfig:
     """Every id the checkpoint's config names as EOS (Llama 3 lists several)."""
     qk_norm: bool = False
     """RMSNorm over each head of q and k before the rotary embedding (Qwen3)."""
+    hidden_act: str = "silu"
+    """The MLP's activation: "silu" (gated), "gelu_new" (GPT-2's tanh GELU) or "relu" (OPT)."""
+    norm_before: bool = True
+    """LayerNorm before each block (pre-LN); False: after the residual add (OPT-350m's post-LN)."""
+    word_embed_proj_dim: int | None = None
+    """OPT: the embeddings' width when it differs from hidden_size (projected in and out)."""
+    final_norm: bool = True
+    """A norm after the last layer (OPT post-LN models have none)."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ArchConfig":
         """From a config.json dict (transformers 4 ``rope_scaling`` or 5 ``rope_parameters``)."""
         arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch == "GPT2LMHeadModel":
+            return cls._from_gpt2(hf)
+        if arch == "OPTForCausalLM":
+            return cls._from_opt(hf)
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -66,6 +78,48 @@ class ArchConfig:
             eos_token_ids=as_id_tuple(eos),
             qk_norm=is_qwen3,
         )
+
+
+    @classmethod
+    def _learned_positions(cls, arch: str, hf: dict[str, Any], **fields: Any) -> "ArchConfig":
+        """GPT-2 / OPT: multi-head attention, learned positions (no rotary), LayerNorm, biases."""
+        heads = fields.pop("num_heads")
+        return cls(architecture=arch, vocab_size=hf["vocab_size"], num_heads=heads, num_kv_heads=heads,
+                   head_dim=fields["hidden_size"] // heads, rope_theta=10000.0, rope_scaling=None,
+                   tie_word_embeddings=hf.get("tie_word_embeddings", True), sliding_window=None,
+                   bos_token_id=hf.get("bos_token_id"), eos_token_ids=as_id_tuple(hf.get("eos_token_id")), **fields)
+
+    @classmethod
+    def _from_gpt2(cls, hf: dict[str, Any]) -> "ArchConfig":
+        from pagedllm.errors import ValidationError
+
+        for key, want in (("scale_attn_by_inverse_layer_idx", False), ("scale_attn_weights", True),
+                          ("add_cross_attention", False)):
+            if hf.get(key, want) != want:
+                raise ValidationError.bad_value(key, hf[key], f"{want} (GPT-2 variants with it are not supported)")
+        hidden = hf["n_embd"]
+        return cls._learned_positions(
+            "GPT2LMHeadModel", hf, hidden_size=hidden, intermediate_size=hf.get("n_inner") or 4 * hidden,
+            num_layers=hf["n_layer"], num_heads=hf["n_head"], rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            max_position_embeddings=hf.get("n_positions", 1024), qkv_bias=True, o_bias=True, mlp_bias=True,
+            hidden_act=hf.get("activation_function", "gelu_new"))
+
+    @classmethod
+    def _from_opt(cls, hf: dict[str, Any]) -> "ArchConfig":
+        from pagedllm.errors import ValidationError
+
+        if not hf.get("layer_norm_elementwise_affine", True):
+            raise ValidationError.bad_value("layer_norm_elementwise_affine", False, "True (OPT without it is not supported)")
+        hidden, bias = hf["hidden_size"], hf.get("enable_bias", True)
+        proj = hf.get("word_embed_proj_dim", hidden)
+        before = hf.get("do_layer_norm_before", True)
+        return cls._learned_positions(
+            "OPTForCausalLM", hf, hidden_size=hidden, intermediate_size=hf["ffn_dim"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"], rms_norm_eps=1e-5,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048), qkv_bias=bias, o_bias=bias,
+            mlp_bias=bias, hidden_act=hf.get("activation_function", "relu"), norm_before=before,
+            word_embed_proj_dim=None if proj == hidden else proj,
+            final_norm=before and not hf.get("_remove_final_layer_norm", False))
 
 
 def as_id_tuple(value: Any) -> tuple[int, ...]:

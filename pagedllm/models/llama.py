@@ -19,6 +19,7 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.cpu_stack import CpuDecoderStack
+from pagedllm.models.weights import load_into
 
 # checkpoint name part -> (packed module name part, shard id)
 _PACKED = {
@@ -141,24 +142,17 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; every parameter must be filled exactly once."""
-        params = dict(self.named_parameters())
-        unfilled = set(params)
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (name.startswith("lm_head") and self.config.tie_word_embeddings):
-                continue
-            target, shard = name, None
-            for part, (packed, shard_id) in _PACKED.items():
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{packed}."), shard_id
-                    break
-            assert target in params, f"checkpoint tensor {name} has no parameter in the model"
-            param = params[target]
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard)
-            else:
-                param.data.copy_(tensor)
-            unfilled.discard(target)
-        if self.config.tie_word_embeddings:
-            unfilled.discard("lm_head.weight")
-        assert not unfilled, f"parameters missing from the checkpoint: {sorted(unfilled)[:5]}"
+        tied = self.config.tie_word_embeddings
+
+        def targets() -> Iterable[tuple[str, torch.Tensor, object]]:
+            for name, tensor in weights:
+                if "rotary_emb.inv_freq" in name or (name.startswith("lm_head") and tied):
+                    continue
+                target, shard = name, None
+                for part, (packed, shard_id) in _PACKED.items():
+                    if f".{part}." in name:
+                        target, shard = name.replace(f".{part}.", f".{packed}."), shard_id
+                        break
+                yield target, tensor, shard
+
+        load_into(self, targets(), may_be_missing=["lm_head.weight"] if tied else [])

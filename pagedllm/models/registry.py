@@ -13,6 +13,8 @@ _MODELS = {
     "MistralForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "GPT2LMHeadModel": "pagedllm.models.gpt2:GPT2LMHeadModel",
+    "OPTForCausalLM": "pagedllm.models.opt:OPTForCausalLM",
 }
 
 

@@ -1,5 +1,5 @@
-"""Our Llama-family models against transformers on tiny random configs of every variant, at every
-instruction-set level this CPU runs (the portable torch path included).
+"""Our models (Llama family, Qwen3, GPT-2, OPT) against transformers on tiny random configs of every
+variant, at every instruction-set level this CPU runs (the portable torch path included).
 
 The prompt goes through the real paged path: chunked prefill over a cached prefix, single-token
 decodes, two sequences in one step, block tables with scattered physical blocks.
@@ -30,12 +30,13 @@ def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0]  # (len, vocab)
 
 
-def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int]]) -> list[torch.Tensor]:
+def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int]],
+                 dtype: str = "float32") -> list[torch.Tensor]:
     """Run ``sequences`` through our model; ``schedule[step][i]`` tokens of sequence i per step.
 
     Returns each sequence's logits at every position, computed step by step through the cache.
     """
-    config, arch = create_engine_config(EngineArgs(model=str(path), dtype="float32", block_size=BLOCK_SIZE,
+    config, arch = create_engine_config(EngineArgs(model=str(path), dtype=dtype, block_size=BLOCK_SIZE,
                                                    num_kv_blocks=64))
     worker = Worker(config, arch, eos_token_ids=())
     worker.initialize_cache(64)
@@ -56,7 +57,7 @@ def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int
             out = runner.model.compute_logits(runner.model(inputs.input_ids, inputs.positions))
         qsl = inputs.query_start_loc.tolist()
         for row, (s, n) in enumerate(active):
-            logits[int(s.req_id)].append(out[qsl[row]:qsl[row + 1]])
+            logits[int(s.req_id)].append(out[qsl[row]:qsl[row + 1]].float())
             s.num_computed_tokens += n
     return [torch.cat(parts) for parts in logits]
 
@@ -79,6 +80,17 @@ def test_logits_match_transformers(variant: str, tiny_model, level: str) -> None
         assert ref.abs().max() > 0.1, "logits too small for the comparison to mean anything"
 
 
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_bfloat16_logits_stay_close(variant: str, tiny_model) -> None:
+    """Every family runs in bfloat16: its logits within bf16 rounding of transformers' float32 ones."""
+    path = tiny_model(variant)
+    seq = torch.randint(3, 512, (17,), generator=torch.Generator().manual_seed(2)).tolist()
+    (ours,) = paged_logits(path, [seq], [[9], [8]], dtype="bfloat16")
+    ref = hf_logits(path, seq)
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert rel < 5e-2, f"{variant}: bfloat16 relative logits error {rel:.2e}"
+
+
 def test_config_variants_are_what_they_claim(tiny_model) -> None:
     """The tiny configs really exercise GQA, qkv bias, tying and rope scaling in our model."""
     from pagedllm.models.loader import load_arch_config
@@ -91,3 +103,9 @@ def test_config_variants_are_what_they_claim(tiny_model) -> None:
     assert cfgs["llama3-rope-scaling"].rope_scaling["rope_type"] == "llama3"
     assert cfgs["llama-linear-rope"].rope_scaling["rope_type"] == "linear"
     assert cfgs["mistral"].architecture == "MistralForCausalLM"
+    assert cfgs["qwen3-qk-norm"].qk_norm and cfgs["qwen3-qk-norm"].head_dim == 32
+    assert cfgs["gpt2"].architecture == "GPT2LMHeadModel" and cfgs["gpt2"].hidden_act == "gelu_new"
+    assert cfgs["gpt2"].tie_word_embeddings and cfgs["gpt2"].intermediate_size == 128
+    assert cfgs["opt-pre-ln"].norm_before and cfgs["opt-pre-ln"].final_norm and cfgs["opt-pre-ln"].hidden_act == "relu"
+    opt350 = cfgs["opt-350m-style"]
+    assert not opt350.norm_before and not opt350.final_norm and opt350.word_embed_proj_dim == 32

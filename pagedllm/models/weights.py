@@ -1,0 +1,27 @@
+"""Filling a model's parameters from (name, tensor) pairs: shared by every model family."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, object]],
+              may_be_missing: Iterable[str] = ()) -> None:
+    """Copy each (parameter name, tensor, shard id) into the model (through the parameter's
+    ``weight_loader`` when it has one: tensor-parallel slices, packed projections); every parameter
+    must be filled exactly once, except ``may_be_missing`` (e.g. a tied LM head)."""
+    params = dict(model.named_parameters())
+    unfilled = set(params)
+    for name, tensor, shard in weights:
+        assert name in params, f"checkpoint tensor {name} has no parameter in the model"
+        param = params[name]
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:
+            loader(param, tensor, shard)
+        else:
+            param.data.copy_(tensor)
+        unfilled.discard(name)
+    unfilled -= set(may_be_missing)
+    assert not unfilled, f"parameters missing from the checkpoint: {sorted(unfilled)[:5]}"
