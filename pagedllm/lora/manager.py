@@ -37,7 +37,9 @@ class LoRAManager:
             self.targets[name] = LoRATarget(in_features, parts)
             module.lora = self.layers[name] = LoRALinear(in_features, slices, config.max_loras,
                                                          config.max_lora_rank, dtype, device, self.step)
-        assert self.layers, f"{type(model).__name__} names no supported_lora_modules"
+        if not self.layers:
+            raise ValidationError(f"enable_lora: LoRA is not supported for {type(model).__name__} yet",
+                                  param="enable_lora", value=True)
         self.device, self.dtype = device, dtype
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()
         """Adapters read into host memory, least recently used first (at most max_cpu_loras)."""

@@ -150,6 +150,12 @@ def test_lora_needs_enable_lora_and_one_rank(tiny_llm_dir: Path, adapters: Calla
         assert err.value.param == param
 
 
+def test_enable_lora_on_a_family_without_lora_layers(tiny_model: Callable) -> None:
+    with pytest.raises(ValidationError) as err:
+        LLM(str(tiny_model("gpt2")), dtype="float32", enable_lora=True, num_kv_blocks=16)
+    assert err.value.param == "enable_lora" and "GPT2LMHeadModel" in str(err.value)
+
+
 def test_remove_lora(lora_llm: LLM, adapters: Callable) -> None:
     lora = LoRARequest("attn-r2", 9, str(adapters("attn-r2")[0]))
     assert lora_llm.add_lora(lora) and not lora_llm.add_lora(lora) and 9 in lora_llm.list_loras()
