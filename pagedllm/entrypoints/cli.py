@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``generate``, ``serve``, ``bench`` and ``build-kernels``."""
+"""The ``pagedllm`` command: ``generate``, ``serve``, ``models``, ``bench`` and ``build-kernels``."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,18 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _models(ns: argparse.Namespace) -> int:
+    from pagedllm.engine.llm_engine import supported_models
+
+    features = ("gguf", "tensor_parallel", "sliding_window", "moe", "lora")
+    print("| architecture | families | " + " | ".join(features) + " |")
+    print("|---|---|" + "---|" * len(features))
+    for name, entry in sorted(supported_models().items()):
+        marks = " | ".join("yes" if getattr(entry, f) else "-" for f in features)
+        print(f"| {name} | {entry.families} | {marks} |")
+    return 0
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
 
@@ -53,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    models = sub.add_parser("models", help="list the supported model architectures and what each supports")
+    models.set_defaults(func=_models)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     from pagedllm.entrypoints.openai.api_server import add_serve_args
 

@@ -68,8 +68,9 @@ class OPTDecoder(nn.Module):
         self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size,
                                             dtype=dtype)
         if cfg.word_embed_proj_dim is not None:
-            self.project_in = ColumnParallelLinear(width, cfg.hidden_size, bias=False, dtype=dtype)
-            self.project_out = ColumnParallelLinear(cfg.hidden_size, width, bias=False, dtype=dtype)
+            # small and replicated on every rank (a column-parallel split would leave each rank a slice)
+            self.project_in = nn.Linear(width, cfg.hidden_size, bias=False, dtype=dtype)
+            self.project_out = nn.Linear(cfg.hidden_size, width, bias=False, dtype=dtype)
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         if cfg.final_norm:
             self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)

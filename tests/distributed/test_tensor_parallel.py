@@ -146,3 +146,15 @@ def test_structured_outputs_and_prompt_logprobs_at_tp2(tp_llm: Callable[..., LLM
     assert all(c.text in ("red", "green", "blue") for c in two.outputs)
     for a, b, token in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], one.prompt_token_ids[1:]):
         assert abs(a[token].logprob - b[token].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "opt-350m-style", "qwen3-qk-norm"])
+def test_other_families_at_tp2(tp_llm: Callable[..., LLM], tiny_model: Callable, variant: str) -> None:
+    """GPT-2 (packed Conv1D qkv), OPT (replicated projections in and out) and Qwen3 (q/k norms) split across
+    two ranks give the tokens of one rank."""
+    path = tiny_model(variant)
+    prompts = [{"prompt_token_ids": [5 + i, 60 + 3 * i, 7, 100 + i] * (1 + i)} for i in range(4)]
+    want = [o.outputs[0].token_ids for o in tp_llm(path).generate(prompts, GREEDY, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tp_llm(path, tensor_parallel_size=2).generate(prompts, GREEDY,
+                                                                                           use_tqdm=False)]
+    assert got == want

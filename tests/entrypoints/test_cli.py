@@ -77,3 +77,21 @@ def test_a_bad_boolean_is_refused_by_name(capsys: pytest.CaptureFixture) -> None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--enable-prefix-caching", "maybe"])
     assert "--enable-prefix-caching" in capsys.readouterr().err
+
+
+def test_models_lists_the_registry_and_its_flags_hold(capsys: pytest.CaptureFixture) -> None:
+    """`pagedllm models` prints every registered architecture; each feature flag agrees with the code."""
+    import importlib
+
+    from pagedllm.models.loader.gguf_loader import _ARCHITECTURES
+    from pagedllm.models.registry import supported_models
+
+    args = build_parser().parse_args(["models"])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    for name, entry in supported_models().items():
+        row = next(line for line in printed.splitlines() if line.startswith(f"| {name} |"))
+        assert entry.families in row
+        assert entry.gguf == (name in _ARCHITECTURES.values()), name
+        module, cls = entry.path.split(":")
+        assert entry.lora == hasattr(getattr(importlib.import_module(module), cls), "supported_lora_modules"), name
