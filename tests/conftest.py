@@ -31,6 +31,11 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "opt-pre-ln": dict(arch="opt", num_attention_heads=4, ffn_dim=128, do_layer_norm_before=True),
     "opt-350m-style": dict(arch="opt", num_attention_heads=4, ffn_dim=128, do_layer_norm_before=False,
                            word_embed_proj_dim=32),
+    "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=48),
+    "qwen2-moe": dict(arch="qwen2_moe", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3),
 }
 
 
@@ -93,17 +98,19 @@ def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: 
     """Save a tiny random model of ``variant`` (weights scaled up so logits are not all ~0)."""
     import torch
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              MistralForCausalLM, MixtralConfig, MixtralForCausalLM, OPTConfig, OPTForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM)
 
     spec = dict(TINY_VARIANTS[variant])
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                              "mistral": (MistralConfig, MistralForCausalLM),
                              "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gpt2": (GPT2Config, GPT2LMHeadModel),
-                             "opt": (OPTConfig, OPTForCausalLM)}[spec.pop("arch")]
-    config = config_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
-                        bos_token_id=1, eos_token_id=2, **spec)
+                             "opt": (OPTConfig, OPTForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM),
+                             "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}[spec.pop("arch")]
+    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    config = config_cls(**{**fields, **spec})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # biases and norms start at 0 / 1: randomise them so they are tested

@@ -39,6 +39,18 @@ class ArchConfig:
     """OPT: the embeddings' width when it differs from hidden_size (projected in and out)."""
     final_norm: bool = True
     """A norm after the last layer (OPT post-LN models have none)."""
+    num_experts: int = 0
+    """Mixture of experts: experts per MoE layer (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's intermediate size."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE: the always-on shared expert's intermediate size (0: none)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (Mixtral always; Qwen2-MoE per config)."""
+    moe_layers: tuple[int, ...] = ()
+    """The layers whose MLP is the mixture (the others are dense)."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ArchConfig":
@@ -52,7 +64,7 @@ class ArchConfig:
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         num_heads = hf["num_attention_heads"]
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         is_qwen3 = arch == "Qwen3ForCausalLM"
         eos = hf.get("eos_token_id")
         window = hf.get("sliding_window") if hf.get("use_sliding_window", not (is_qwen2 or is_qwen3)) else None
@@ -77,6 +89,7 @@ class ArchConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=as_id_tuple(eos),
             qk_norm=is_qwen3,
+            **_moe_fields(arch, hf),
         )
 
 
@@ -120,6 +133,23 @@ class ArchConfig:
             mlp_bias=bias, hidden_act=hf.get("activation_function", "relu"), norm_before=before,
             word_embed_proj_dim=None if proj == hidden else proj,
             final_norm=before and not hf.get("_remove_final_layer_norm", False))
+
+
+def _moe_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of Mixtral's and Qwen2-MoE's configs (none for dense models)."""
+    layers = hf["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"], moe_layers=tuple(range(layers)))
+    if arch == "Qwen2MoeForCausalLM":
+        step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+        experts = hf["num_experts"]
+        moe = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["moe_intermediate_size"],
+                    shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0),
+                    norm_topk_prob=hf.get("norm_topk_prob", False), moe_layers=moe)
+    return {}
 
 
 def as_id_tuple(value: Any) -> tuple[int, ...]:

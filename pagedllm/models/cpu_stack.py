@@ -16,6 +16,7 @@ import ctypes
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from pagedllm import platform
 from pagedllm.attention.context import get_forward_context
@@ -118,7 +119,9 @@ class CpuDecoderStack:
 
 
 def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
-    a, m = layer.self_attn, layer.mlp
+    a, m = layer.self_attn, getattr(layer, "mlp", None)
+    if not isinstance(getattr(m, "down_proj", None), nn.Module):  # a mixture of experts: not in the stack
+        return False
     packed = [a.qkv_proj.packed_weight, a.o_proj.packed_weight, m.gate_up_proj.silu_packed, m.down_proj.packed_weight]
     return (all(p is not None and p.kernels is kernels for p in packed) and a.o_proj.tp_size == 1
             and not hasattr(a, "q_norm")  # the stack has no per-head q/k norms (Qwen3)

@@ -6,6 +6,7 @@ name mapping.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -26,6 +27,21 @@ _PACKED = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# one expert's matrix of a mixture-of-experts block -> the stacked parameter (layers/moe.py) and its part
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+def _target(name: str) -> tuple[str, object]:
+    """(our parameter name, shard id) of a checkpoint tensor."""
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        part = _EXPERT_PART[expert[3]]
+        return f"{expert[1]}.{'w2' if part == 'down' else 'w13'}", (int(expert[2]), part)
+    for part, (packed, shard_id) in _PACKED.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{packed}."), shard_id
+    return name, None
 
 
 class LlamaAttention(nn.Module):
@@ -59,9 +75,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = cfg.intermediate_size
+        size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias, dtype=dtype)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
         self.act_fn = SiluAndMul()
@@ -76,10 +92,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    mlp_name = "mlp"
+    """The checkpoint's name of the feed-forward block (Mixtral: block_sparse_moe)."""
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, mlp: nn.Module | None = None
+                 ) -> None:
+        """``mlp``: the feed-forward block (default: the dense gated MLP)."""
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        setattr(self, self.mlp_name, mlp if mlp is not None else LlamaMLP(cfg, dtype))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -91,17 +112,25 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return getattr(self, self.mlp_name)(hidden), residual
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, rotary, dtype, self.make_mlp(cfg, dtype, index))
+                                    for index in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self._stack: CpuDecoderStack | None | bool = False  # False: not built yet (weights and caches come later)
+
+    @staticmethod
+    def make_mlp(cfg: ArchConfig, dtype: torch.dtype, index: int) -> nn.Module | None:
+        """Layer ``index``'s feed-forward block; None: the dense gated MLP (mixture-of-experts models override)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._stack is False:
@@ -119,10 +148,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Flat batch in (input_ids, positions: (tokens,)), hidden states out; logits on request."""
 
+    model_cls: type[LlamaModel] = LlamaModel
+
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, max(max_position, cfg.max_position_embeddings))
+        self.model = self.model_cls(cfg, dtype, max(max_position, cfg.max_position_embeddings))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -148,11 +179,7 @@ class LlamaForCausalLM(nn.Module):
             for name, tensor in weights:
                 if "rotary_emb.inv_freq" in name or (name.startswith("lm_head") and tied):
                     continue
-                target, shard = name, None
-                for part, (packed, shard_id) in _PACKED.items():
-                    if f".{part}." in name:
-                        target, shard = name.replace(f".{part}.", f".{packed}."), shard_id
-                        break
+                target, shard = _target(name)
                 yield target, tensor, shard
 
         load_into(self, targets(), may_be_missing=["lm_head.weight"] if tied else [])

@@ -34,6 +34,9 @@ _MODELS: dict[str, ModelEntry] = {
     "MistralForCausalLM": ModelEntry(_LLAMA, "Mistral (max_model_len capped at the window)", lora=True),
     "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2, Qwen2.5", gguf=True, lora=True),
     "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3", gguf=True, lora=True),
+    "MixtralForCausalLM": ModelEntry("pagedllm.models.mixtral:MixtralForCausalLM", "Mixtral", moe=True, lora=True),
+    "Qwen2MoeForCausalLM": ModelEntry("pagedllm.models.qwen2_moe:Qwen2MoeForCausalLM", "Qwen1.5-MoE, Qwen2-MoE",
+                                      moe=True, lora=True),
     "GPT2LMHeadModel": ModelEntry("pagedllm.models.gpt2:GPT2LMHeadModel", "GPT-2"),
     "OPTForCausalLM": ModelEntry("pagedllm.models.opt:OPTForCausalLM", "OPT (pre-LN, and opt-350m's post-LN)"),
 }

@@ -148,10 +148,10 @@ def test_structured_outputs_and_prompt_logprobs_at_tp2(tp_llm: Callable[..., LLM
         assert abs(a[token].logprob - b[token].logprob) < 1e-4
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "opt-350m-style", "qwen3-qk-norm"])
+@pytest.mark.parametrize("variant", ["gpt2", "opt-350m-style", "qwen3-qk-norm", "mixtral", "qwen2-moe"])
 def test_other_families_at_tp2(tp_llm: Callable[..., LLM], tiny_model: Callable, variant: str) -> None:
-    """GPT-2 (packed Conv1D qkv), OPT (replicated projections in and out) and Qwen3 (q/k norms) split across
-    two ranks give the tokens of one rank."""
+    """GPT-2 (packed Conv1D qkv), OPT (replicated projections in and out), Qwen3 (q/k norms) and the
+    mixtures of experts (each expert's intermediate size split) across two ranks give one rank's tokens."""
     path = tiny_model(variant)
     prompts = [{"prompt_token_ids": [5 + i, 60 + 3 * i, 7, 100 + i] * (1 + i)} for i in range(4)]
     want = [o.outputs[0].token_ids for o in tp_llm(path).generate(prompts, GREEDY, use_tqdm=False)]
