@@ -23,8 +23,24 @@ def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> tor
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "freq_factors":  # GGUF's rope_freqs tensor: one divisor per frequency
         return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
-    raise ValidationError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)",
+    raise ValidationError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3, longrope)",
                           param="rope_scaling", value=scaling)
+
+
+def _longrope_angles(head_dim: int, max_position: int, base: float, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: (angles (max_position, head_dim / 2), attention factor). Positions below the
+    pretrained length use the short factors, the others the long ones (per position, so cached keys
+    never change; a sequence that fits the pretrained length gets exactly transformers' values)."""
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or s["max_position_embeddings"] / original
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    positions = torch.arange(max_position, dtype=torch.float32)
+    short = torch.outer(positions, 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * base ** exponent))
+    long = torch.outer(positions, 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32) * base ** exponent))
+    return torch.where((positions < original)[:, None], short, long), attention
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -46,12 +62,15 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict[str, Any] | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = _inv_freq(head_dim, base, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (max_pos, head_dim/2)
+        scale = 1.0
+        if (scaling or {}).get("rope_type", (scaling or {}).get("type")) == "longrope":
+            freqs, scale = _longrope_angles(head_dim, max_position, base, scaling)
+        else:
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), _inv_freq(head_dim, base, scaling))
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, head_dim)
         # Cached in the run dtype: transformers casts cos/sin to the activations' dtype too.
-        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("cos_cache", (emb.cos() * scale).to(dtype), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * scale).to(dtype), persistent=False)
         self._positions: torch.Tensor | None = None
         self._cos = self._sin = torch.empty(0)
 

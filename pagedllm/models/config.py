@@ -63,6 +63,13 @@ class ArchConfig:
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "longrope":  # transformers 4 keeps these beside rope_scaling
+            rope.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+            rope.setdefault("max_position_embeddings", hf.get("max_position_embeddings"))
+        partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            from pagedllm.errors import ValidationError
+            raise ValidationError.bad_value("partial_rotary_factor", partial, "1.0 (partial rotary is not supported yet)")
         num_heads = hf["num_attention_heads"]
         is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         is_qwen3 = arch == "Qwen3ForCausalLM"

@@ -1,4 +1,5 @@
-"""Rotary frequencies: GGUF's per-frequency divisors reproduce Llama 3.1 scaling; unknown types are refused."""
+"""Rotary frequencies: GGUF's per-frequency divisors reproduce Llama 3.1 scaling; LongRoPE's short and long
+factors per position equal transformers'; unknown types are refused."""
 from __future__ import annotations
 
 import pytest
@@ -22,5 +23,26 @@ def test_gguf_freq_factors_equal_llama3_scaling() -> None:
 
 def test_unsupported_rope_type_is_refused() -> None:
     with pytest.raises(ValidationError) as err:
-        _inv_freq(64, 10000.0, {"rope_type": "longrope", "factor": 4.0})
+        _inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
     assert err.value.param == "rope_scaling"
+
+
+def test_longrope_short_below_the_pretrained_length_long_above() -> None:
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import _compute_longrope_parameters
+
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    short, long = [1.0 + i / 8 for i in range(8)], [2.0 + i / 4 for i in range(8)]
+    hf = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
+                    original_max_position_embeddings=64, pad_token_id=0,
+                    rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long})
+    ours = RotaryEmbedding(16, 512, 10000.0, {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                                              "original_max_position_embeddings": 64, "max_position_embeddings": 512},
+                           torch.float32)
+    for position, seq_len in ((10, 64), (63, 64), (64, 65), (300, 400)):
+        inv_freq, attention = _compute_longrope_parameters(hf, seq_len=seq_len)
+        angles = position * inv_freq
+        want = torch.cat((angles, angles)).cos() * attention
+        torch.testing.assert_close(ours.cos_cache[position], want)
+    assert attention > 1.0  # factor 8: the attention factor is not a no-op here

@@ -110,5 +110,6 @@ def test_config_variants_are_what_they_claim(tiny_model) -> None:
     opt350 = cfgs["opt-350m-style"]
     assert not opt350.norm_before and not opt350.final_norm and opt350.word_embed_proj_dim == 32
     assert cfgs["mixtral"].num_experts == 4 and cfgs["mixtral"].moe_layers == (0, 1) and cfgs["mixtral"].norm_topk_prob
+    assert cfgs["phi3-longrope"].rope_scaling["rope_type"] == "longrope"
     moe = cfgs["qwen2-moe"]
     assert moe.moe_layers == (0, 2) and moe.shared_expert_intermediate_size == 48 and not moe.norm_topk_prob
