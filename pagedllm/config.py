@@ -87,6 +87,9 @@ class CacheConfig:
     """GiB of host memory for blocks of requests preempted by swapping."""
     gpu_memory_utilization: float = 0.9
     """On a GPU: the share of its memory the engine may use (weights, activations, KV pool)."""
+    sliding_window: int | None = None
+    """The model's every layer attends to this many last positions only: blocks before a request's window
+    go back to the pool (set from the model, not an option)."""
 
     def __post_init__(self) -> None:
         util = self.gpu_memory_utilization

@@ -25,6 +25,7 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "llama-attention-bias": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, attention_bias=True),
     "qwen2-qkv-bias": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    "mistral-sliding-window": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=10),
     "qwen3-qk-norm": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                           tie_word_embeddings=False),
     "gpt2": dict(arch="gpt2", num_attention_heads=4, n_inner=128),

@@ -17,7 +17,7 @@ backend.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,14 @@ class CpuAttentionMetadata:
     """(num_tokens, max_blocks) int32: each query row's request's block table (contiguous)."""
     row_seq_lens: torch.Tensor
     """(num_tokens,) int32: how many positions each query row attends to."""
+    _starts: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_starts(self, window: int) -> torch.Tensor:
+        """(num_tokens,) int32 first position each row attends to under a sliding window (made once per
+        step and window: every layer with that window shares it)."""
+        if window not in self._starts:
+            self._starts[window] = (self.row_seq_lens - window).clamp_(min=0).to(torch.int32)
+        return self._starts[window]
 
 
 class CpuMetadataBuilder(AttentionMetadataBuilder):
@@ -83,12 +91,13 @@ class CpuAttentionBackend(AttentionBackend):
         return torch.stack([k.reshape(blocks, heads, bs, d), kv_cache[1]])  # (2, blocks, heads, bs, d)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: CpuAttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, kv_heads, block_size, head_dim)
         self.kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)  # one copy per (token, head)
         if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()  # the kernel reads strided rows (qkv views) but not strided heads
         out = q.new_empty(q.shape)  # (tokens, heads, head_dim)
+        starts = None if sliding_window is None else metadata.window_starts(sliding_window)
         self.kernels.paged_attention(q, key_cache, value_cache, metadata.row_tables, metadata.row_seq_lens,
-                                     out, scale)
+                                     out, scale, starts)
         return out

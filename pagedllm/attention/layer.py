@@ -10,14 +10,17 @@ from pagedllm.attention.context import get_forward_context
 class Attention(nn.Module):
     """Paged attention over this layer's KV cache (bound by the model runner)."""
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: each query attends to the last this many positions only (None: all)."""
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (tokens, heads, head_dim), k/v (tokens, kv_heads, head_dim) -> (tokens, heads * head_dim)."""
         assert self.kv_cache is not None, "the model runner binds KV caches before the first forward"
         ctx = get_forward_context()
-        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.metadata, self.scale)
+        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.metadata, self.scale, self.sliding_window)
         return out.reshape(-1, self.num_heads * self.head_dim)  # (tokens, heads * head_dim)

@@ -8,7 +8,7 @@ prefix plus the chunk.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,29 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None
     """(num_decodes, 1, 1, max_blocks * block_size) bool: True for real keys."""
     prefills: list[PrefillChunk]
+    _windowed: dict[int, "TorchAttentionMetadata"] = field(default_factory=dict)
+
+    def windowed(self, window: int) -> "TorchAttentionMetadata":
+        """The same step with every query restricted to the last ``window`` positions (made once per step
+        and window)."""
+        if window not in self._windowed:
+            decode_mask = self.decode_mask
+            if decode_mask is not None:  # a decode query sits at position len - 1: keys [len - window, len)
+                lens = decode_mask.sum(-1, keepdim=True)  # (nd, 1, 1, 1)
+                keys = torch.arange(decode_mask.shape[-1])
+                decode_mask = decode_mask & (keys >= lens - window)
+            prefills = []
+            for c in self.prefills:
+                query_len = c.end - c.start
+                # row r at position seq_len - query_len + r sees keys (p - window, p]
+                pos = torch.arange(c.seq_len - query_len, c.seq_len)[:, None]
+                keys = torch.arange(c.seq_len)[None, :]
+                mask = (keys <= pos) & (keys > pos - window)  # (query_len, seq_len)
+                prefills.append(PrefillChunk(c.start, c.end, c.seq_len, c.context_blocks, mask))
+            self._windowed[window] = TorchAttentionMetadata(
+                slot_blocks=self.slot_blocks, slot_offsets=self.slot_offsets, num_decodes=self.num_decodes,
+                decode_blocks=self.decode_blocks, decode_mask=decode_mask, prefills=prefills)
+        return self._windowed[window]
 
 
 class TorchMetadataBuilder(AttentionMetadataBuilder):
@@ -88,8 +111,10 @@ class TorchAttentionBackend(AttentionBackend):
     is_available = staticmethod(always_available)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: TorchAttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         key_cache, value_cache = self.write_kv(kv_cache, k, v, metadata)
+        if sliding_window is not None:
+            metadata = metadata.windowed(sliding_window)
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         if nd:

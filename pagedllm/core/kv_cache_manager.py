@@ -35,15 +35,20 @@ class KVCacheManager:
     """Block tables of all requests, over one BlockPool."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, sliding_window: int | None = None) -> None:
+        """``sliding_window``: every layer of the model attends to the last this many positions only, so a
+        request's blocks that fall wholly before its window go back to the pool (the null block takes
+        their place in its table)."""
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         """Free blocks of the host (swap) pool; taken from the end."""
         self.num_host_blocks = num_host_blocks
-        self.req_to_host_blocks: dict[str, list[int]] = {}
-        """Swapped-out requests -> the host blocks holding their K/V, in table order."""
+        self.req_to_host_blocks: dict[str, list[int | None]] = {}
+        """Swapped-out requests -> the host blocks holding their K/V, in table order (None: a block freed
+        outside a sliding window)."""
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         """Request id -> how many of its leading blocks are already in the prefix cache."""
@@ -112,6 +117,8 @@ class KVCacheManager:
         assert num_new_tokens > 0
         held = self.req_to_blocks.get(request.request_id, [])
         assert not (held and computed_blocks), "cache hits only for a request without blocks"
+        if held and self.sliding_window is not None:
+            self._free_outside_window(request, held)
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # cached but free: they leave the free queue
@@ -132,6 +139,27 @@ class KVCacheManager:
         self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
 
+    def _free_outside_window(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Return the blocks no query of this step or later can see: the step's first new token sits at
+        num_computed_tokens and sees positions from num_computed_tokens - window + 1 on."""
+        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        null = self.block_pool.null_block
+        gone = [i for i in range(min(first_needed, len(blocks) - 1)) if blocks[i] is not null]
+        if not gone:
+            return
+        self.block_pool.free_blocks(blocks[i] for i in reversed(gone))  # cached ones stay findable until reused
+        for i in gone:
+            blocks[i] = null
+        self._replaced_tables.add(request.request_id)
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens ever holds at once (computed ``max_chunk`` tokens
+        per step at most): all of them, or under a sliding window the window's and one chunk's."""
+        blocks = self.num_blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return blocks
+        return min(blocks, self.num_blocks_needed(self.sliding_window - 1 + max_chunk) + 1)
+
     def _writes_into_shared_block(self, held: list[KVCacheBlock], num_computed: int) -> bool:
         """The next token lands in a partly filled last block that other sequences also hold."""
         return bool(held) and num_computed % self.block_size != 0 and held[-1].ref_cnt > 1
@@ -147,7 +175,7 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's blocks by reference (it continues from the same K/V)."""
         blocks = self.req_to_blocks[parent.request_id]
-        self.block_pool.touch(blocks)
+        self.block_pool.touch(b for b in blocks if b is not self.block_pool.null_block)
         self.req_to_blocks[child.request_id] = list(blocks)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes[: len(child.all_token_ids) // self.block_size])
@@ -157,7 +185,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self._replaced_tables.discard(request.request_id)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not self.block_pool.null_block)
 
     # -------------------------------------------------------------------- swap
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
@@ -165,12 +193,14 @@ class KVCacheManager:
 
         Its device blocks are released (blocks shared with others stay theirs).
         """
+        null = self.block_pool.null_block
         blocks = self.req_to_blocks.get(request.request_id, [])
-        if len(blocks) > len(self.host_free):
+        live = [b for b in blocks if b is not null]  # blocks freed outside a sliding window stay null
+        if len(live) > len(self.host_free):
             return None
-        host = [self.host_free.pop() for _ in blocks]
+        host = [None if b is null else self.host_free.pop() for b in blocks]
         self.req_to_host_blocks[request.request_id] = host
-        mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
+        mapping = [(b.block_id, h) for b, h in zip(blocks, host) if h is not None]
         self.free(request)
         return mapping
 
@@ -180,15 +210,17 @@ class KVCacheManager:
         Returns (host, device) pairs to copy, or None (nothing changes) if the device pool is short.
         """
         host = self.req_to_host_blocks[request.request_id]
-        total = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
-        if max(total, len(host)) > self.block_pool.num_free_blocks:
+        live = [h for h in host if h is not None]
+        total = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - (len(host) - len(live))
+        if max(total, len(live)) > self.block_pool.num_free_blocks:
             return None
-        blocks = self.block_pool.get_new_blocks(len(host))
+        fresh = iter(self.block_pool.get_new_blocks(len(live)))
+        blocks = [self.block_pool.null_block if h is None else next(fresh) for h in host]
         del self.req_to_host_blocks[request.request_id]
-        self.host_free.extend(reversed(host))
+        self.host_free.extend(reversed(live))
         self.req_to_blocks[request.request_id] = blocks
         self._replaced_tables.add(request.request_id)
-        return [(h, b.block_id) for h, b in zip(host, blocks)]
+        return [(h, b.block_id) for h, b in zip(host, blocks) if h is not None]
 
     def is_swapped(self, request_id: str) -> bool:
         """The request's K/V wait in the host pool (it was preempted by swapping)."""
@@ -196,7 +228,7 @@ class KVCacheManager:
 
     def free_host(self, request: Request) -> None:
         """Drop a swapped-out request's host blocks (it was aborted while swapped out)."""
-        self.host_free.extend(reversed(self.req_to_host_blocks.pop(request.request_id, [])))
+        self.host_free.extend(h for h in reversed(self.req_to_host_blocks.pop(request.request_id, [])) if h is not None)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write work for the workers since the last call."""
@@ -223,12 +255,16 @@ class KVCacheManager:
         """Assert the pool's invariants; True when they hold.
 
         Every reference in a block table is counted in ref_cnt; the free queue holds exactly
-        the blocks with ref_cnt 0; the null block is in no table and not in the free queue;
+        the blocks with ref_cnt 0; the null block is not in the free queue and in tables only as
+        the placeholder of blocks freed outside a sliding window (never last);
         the prefix cache maps each hash to a block carrying that hash; free + used == usable.
         """
         pool = self.block_pool
-        refs = Counter(b.block_id for blocks in self.req_to_blocks.values() for b in blocks)
-        assert pool.null_block.ref_cnt == 0 and 0 not in refs, "null block handed out"
+        # a sliding window's freed blocks are null placeholders in tables: not references
+        refs = Counter(b.block_id for blocks in self.req_to_blocks.values() for b in blocks if b is not pool.null_block)
+        assert pool.null_block.ref_cnt == 0, "null block handed out"
+        assert all(blocks[-1] is not pool.null_block for blocks in self.req_to_blocks.values() if blocks), \
+            "a table ends in the null block"
         assert pool.null_block not in pool.free_queue, "null block in the free queue"
         for block in pool.blocks[1:]:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
@@ -240,7 +276,7 @@ class KVCacheManager:
         used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
         assert used + pool.num_free_blocks == pool.num_usable_blocks
         assert self._replaced_tables <= set(self.req_to_blocks), "a replaced table nobody holds"
-        host_used = [h for blocks in self.req_to_host_blocks.values() for h in blocks]
+        host_used = [h for blocks in self.req_to_host_blocks.values() for h in blocks if h is not None]
         assert len(set(host_used)) == len(host_used) and not set(host_used) & set(self.host_free)
         assert len(host_used) + len(self.host_free) == self.num_host_blocks, "host blocks leaked"
         return True

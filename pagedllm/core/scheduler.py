@@ -80,7 +80,8 @@ class Scheduler:
                  num_host_blocks: int = 0) -> None:
         self.config = scheduler_config
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching, num_host_blocks)
+                                               cache_config.enable_prefix_caching, num_host_blocks,
+                                               cache_config.sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -115,7 +116,7 @@ class Scheduler:
     def _check_fits(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         max_len = request.num_prompt_tokens + request.max_tokens
-        needed = self.kv_cache_manager.num_blocks_needed(max_len)
+        needed = self.kv_cache_manager.max_blocks_held(max_len, self.config.max_num_batched_tokens)
         usable = self.kv_cache_manager.block_pool.num_usable_blocks
         if needed > usable:
             raise ValidationError(

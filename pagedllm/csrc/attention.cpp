@@ -21,6 +21,7 @@
 // same tokens are prefetched while one is read (random block order defeats the hardware
 // prefetcher at every block boundary; 256 x 330 tokens: 1.65 ms per layer against 1.98 one
 // ahead, 4.1 before), as are the next task's first K blocks.
+#include <limits>
 #include <vector>
 #include "common.h"
 
@@ -93,14 +94,38 @@ struct Shape {
 };
 
 // ------------------------------------------------------------------ scalar path (any shape)
+// A row with a sliding window starts at position starts[row]: its table is read from the block
+// holding that position (the row sees len - skipped positions) and the `masked` positions before
+// the start inside that block get no weight.
+struct Window {
+  const int32_t* table;
+  int64_t len, masked;
+};
+
+inline Window window_of(const int32_t* tables, const int32_t* lens, const int32_t* starts, int64_t seq,
+                        const Shape& s) {
+  const int32_t* table = tables + seq * s.maxb;
+  if (starts == nullptr || starts[seq] <= 0) return {table, lens[seq], 0};
+  const int64_t skip = starts[seq] / s.bs;
+  return {table + skip, lens[seq] - skip * s.bs, starts[seq] - skip * s.bs};
+}
+
+// scores of the positions before a window's start: -inf (softmax gives them weight 0)
+inline void mask_head(float* scores, int64_t group, int64_t len, int64_t masked) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t t = 0; t < masked; ++t) scores[g * len + t] = -std::numeric_limits<float>::infinity();
+}
+
 template <typename T>
-void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, T* out,
-                  int64_t begin, int64_t end, const Shape& s) {
+void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
+                  const int32_t* starts, T* out, int64_t begin, int64_t end, const Shape& s) {
   const int64_t D = s.D, bs = s.bs, group = s.group;
   std::vector<float> qf(group * D), acc(group * D), scores, kbuf(bs * D);
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t seq = task / s.nkv, h = task % s.nkv, len = lens[seq];
-    const int32_t* table = tables + seq * s.maxb;
+    const int64_t seq = task / s.nkv, h = task % s.nkv;
+    const Window w = window_of(tables, lens, starts, seq, s);
+    const int64_t len = w.len;
+    const int32_t* table = w.table;
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f32(q[seq * s.q_stride + (h * group + g) * D + d]) * s.scale;
     scores.resize(group * len);
@@ -116,6 +141,7 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
           scores[g * len + t0 + o] = dot;
         }
     }
+    mask_head(scores.data(), group, len, w.masked);
     softmax_rows(scores.data(), group, len);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
@@ -267,12 +293,13 @@ void pv_slice(const float* p, const T* vc, const int32_t* table, int64_t len, co
 }
 
 template <int kDim, typename T>
-void decode_task_fma(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, const Shape& s,
-                     int64_t head_off, T* out, std::vector<float>& qf, std::vector<float>& scores) {
+void decode_task_fma(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t masked,
+                     const Shape& s, int64_t head_off, T* out, std::vector<float>& qf, std::vector<float>& scores) {
   const int64_t group = s.group;
   for (int64_t i = 0; i < group * kDim; ++i) qf[i] = to_f32(q[i]);
   scores.resize(group * len);
   qk_fma<kDim, T>(qf.data(), kc, vc, table, len, group, s, head_off, scores.data());
+  mask_head(scores.data(), group, len, masked);
   softmax_rows(scores.data(), group, len);
   constexpr int kW = kDim < kPassDims ? kDim : kPassDims;
   constexpr int kMaxG = std::max(1, kAccRegs / (kW / kLanes));
@@ -359,10 +386,11 @@ void qk_dot(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* table,
 }
 
 template <int kDim>
-void decode_task_dot(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* table, int64_t len,
+void decode_task_dot(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* table, int64_t len, int64_t masked,
                      const Shape& s, int64_t head_off, bf16* out, std::vector<float>& scores) {
   scores.resize(s.group * len);
   qk_dot<kDim>(q, kc, vc, table, len, s, head_off, scores.data());
+  mask_head(scores.data(), s.group, len, masked);
   softmax_rows(scores.data(), s.group, len);
   constexpr int kMaxG = kDim == 64 ? 4 : 2;  // kMaxG * kDim / 16 accumulators + kDim / 16 values fit in 32 registers
   for (int64_t g0 = 0; g0 < s.group; g0 += kMaxG) {
@@ -379,13 +407,14 @@ void decode_task_dot(const bf16* q, const bf16* kc, const bf16* vc, const int32_
 #endif  // __AVX512BF16__
 
 template <typename T>
-void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, T* out, int64_t rows,
-              const Shape& s, int threads) {
+void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, const int32_t* starts,
+              T* out, int64_t rows, const Shape& s, int threads) {
   const int64_t items = rows * s.nkv, D = s.D, bs = s.bs;
   const bool fast = (D == 64 || D == 128) && bs % kLanes == 0;  // runs of kLanes tokens never straddle a block
   if (!fast) {
-    parallel_by_length(lens, s.nkv, items, threads,
-                       [&](int64_t begin, int64_t end) { decode_range<T>(q, kc, vc, tables, lens, out, begin, end, s); });
+    parallel_by_length(lens, s.nkv, items, threads, [&](int64_t begin, int64_t end) {
+      decode_range<T>(q, kc, vc, tables, lens, starts, out, begin, end, s);
+    });
     return;
   }
   parallel_by_length(lens, s.nkv, items, threads, [&](int64_t begin, int64_t end) {
@@ -398,19 +427,19 @@ void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables, const
       }
       const int64_t seq = task / s.nkv, h = task % s.nkv, head_off = h * bs * D;
       const T* qrow = q + seq * s.q_stride + h * s.group * D;
-      const int32_t* table = tables + seq * s.maxb;
+      const Window w = window_of(tables, lens, starts, seq, s);
       T* orow = out + (seq * s.nh + h * s.group) * D;
 #ifdef __AVX512BF16__
       if constexpr (std::is_same<T, bf16>::value) {
         if (bs % 16 == 0) {
-          if (D == 64) decode_task_dot<64>(qrow, kc, vc, table, lens[seq], s, head_off, orow, scores);
-          else decode_task_dot<128>(qrow, kc, vc, table, lens[seq], s, head_off, orow, scores);
+          if (D == 64) decode_task_dot<64>(qrow, kc, vc, w.table, w.len, w.masked, s, head_off, orow, scores);
+          else decode_task_dot<128>(qrow, kc, vc, w.table, w.len, w.masked, s, head_off, orow, scores);
           continue;
         }
       }
 #endif
-      if (D == 64) decode_task_fma<64, T>(qrow, kc, vc, table, lens[seq], s, head_off, orow, qf, scores);
-      else decode_task_fma<128, T>(qrow, kc, vc, table, lens[seq], s, head_off, orow, qf, scores);
+      if (D == 64) decode_task_fma<64, T>(qrow, kc, vc, w.table, w.len, w.masked, s, head_off, orow, qf, scores);
+      else decode_task_fma<128, T>(qrow, kc, vc, w.table, w.len, w.masked, s, head_off, orow, qf, scores);
     }
   });
 }
@@ -429,10 +458,12 @@ inline void scatter_pairs(const char* src, char* dst, int64_t pairs, int64_t str
 
 // q (rows, nh, D), row stride q_stride, heads contiguous; key/value cache (blocks, nkv, bs, D), K
 // pair-interleaved within each block; tables (rows, maxb) int32; lens (rows,) int32; out
-// (rows, nh, D) contiguous. Every row attends to the first lens[row] positions of its table.
-PL_EXPORT int pl_paged_attention(const void* q, int64_t q_stride, const void* kc, const void* vc, const int32_t* tables,
-                                 int64_t maxb, const int32_t* lens, void* out, int64_t rows, int64_t nh, int64_t nkv,
-                                 int64_t bs, int64_t D, float scale, int dtype, int threads) {
+// (rows, nh, D) contiguous. Every row attends to positions [starts[row], lens[row]) of its table
+// (starts may be null: from 0; a sliding window otherwise).
+PL_EXPORT int pl_paged_attention_window(const void* q, int64_t q_stride, const void* kc, const void* vc,
+                                        const int32_t* tables, int64_t maxb, const int32_t* lens, const int32_t* starts,
+                                        void* out, int64_t rows, int64_t nh, int64_t nkv, int64_t bs, int64_t D,
+                                        float scale, int dtype, int threads) {
   if (nkv <= 0 || nh % nkv != 0) {
     pl::set_error("query heads (%lld) must be a multiple of KV heads (%lld)", static_cast<long long>(nh),
                   static_cast<long long>(nkv));
@@ -441,10 +472,18 @@ PL_EXPORT int pl_paged_attention(const void* q, int64_t q_stride, const void* kc
   const Shape s{nh, nkv, D, bs, maxb, q_stride, nh / nkv, nkv * bs * D, scale};
   return pl::with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    dispatch<T>(static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), tables, lens,
+    dispatch<T>(static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), tables, lens, starts,
                 static_cast<T*>(out), rows, s, threads);
     return 0;
   });
+}
+
+// Every row from position 0 (the decoder stack's entry point).
+PL_EXPORT int pl_paged_attention(const void* q, int64_t q_stride, const void* kc, const void* vc, const int32_t* tables,
+                                 int64_t maxb, const int32_t* lens, void* out, int64_t rows, int64_t nh, int64_t nkv,
+                                 int64_t bs, int64_t D, float scale, int dtype, int threads) {
+  return pl_paged_attention_window(q, q_stride, kc, vc, tables, maxb, lens, nullptr, out, rows, nh, nkv, bs, D, scale,
+                                   dtype, threads);
 }
 
 // Stores each new token's K and V (tokens, nkv, D; row strides ks / vs, head strides khs / vhs,

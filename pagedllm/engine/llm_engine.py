@@ -45,10 +45,6 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     if dtype == "auto":  # a GPU computes in bf16 natively; a CPU: what its kernels run fastest
         dtype = "bfloat16" if device == "cuda" else platform.default_dtype()
     limit = arch.max_position_embeddings
-    if arch.sliding_window is not None and arch.sliding_window < limit:
-        logger.warning("sliding-window attention is not implemented: max_model_len capped at the window (%d)",
-                       arch.sliding_window)
-        limit = arch.sliding_window
     max_model_len = limit if args.max_model_len is None else args.max_model_len
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
         raise ValidationError.bad_value("max_model_len", max_model_len,
@@ -63,7 +59,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     config = EngineConfig(
         model=ModelConfig(path, dtype, max_model_len, args.seed, args.load_format),
         cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks, args.enable_prefix_caching,
-                          args.swap_space, args.gpu_memory_utilization),
+                          args.swap_space, args.gpu_memory_utilization, arch.sliding_window),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len,
                                   args.preemption_mode, lora.max_loras if lora else None),
         parallel=parallel,

@@ -125,5 +125,6 @@ def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
     packed = [a.qkv_proj.packed_weight, a.o_proj.packed_weight, m.gate_up_proj.silu_packed, m.down_proj.packed_weight]
     return (all(p is not None and p.kernels is kernels for p in packed) and a.o_proj.tp_size == 1
             and not hasattr(a, "q_norm")  # the stack has no per-head q/k norms (Qwen3)
+            and a.attn.sliding_window is None  # nor sliding windows
             and a.attn.kv_cache is not None and a.attn.kv_cache.is_contiguous()
             and layer.input_layernorm.weight.dtype == dtype == layer.post_attention_layernorm.weight.dtype)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2 with qkv bias, Qwen3
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral with its sliding window, Qwen2 with qkv bias, Qwen3
 with q/k norms).
 
 HF module names; Q/K/V and gate/up are packed into one matmul each and loaded through a small
@@ -55,7 +55,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype,
                                         partition=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim))
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, scale=cfg.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, scale=cfg.head_dim ** -0.5,
+                              sliding_window=cfg.sliding_window)
         if cfg.qk_norm:  # Qwen3: each head of q and k normalised (over head_dim) before the rotary embedding
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)

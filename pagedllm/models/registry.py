@@ -31,10 +31,11 @@ class ModelEntry:
 _LLAMA = "pagedllm.models.llama:LlamaForCausalLM"
 _MODELS: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry(_LLAMA, "Llama 2/3, SmolLM2", gguf=True, lora=True),
-    "MistralForCausalLM": ModelEntry(_LLAMA, "Mistral (max_model_len capped at the window)", lora=True),
+    "MistralForCausalLM": ModelEntry(_LLAMA, "Mistral", sliding_window=True, lora=True),
     "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2, Qwen2.5", gguf=True, lora=True),
     "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3", gguf=True, lora=True),
-    "Phi3ForCausalLM": ModelEntry("pagedllm.models.phi3:Phi3ForCausalLM", "Phi-3 (LongRoPE)", lora=True),
+    "Phi3ForCausalLM": ModelEntry("pagedllm.models.phi3:Phi3ForCausalLM", "Phi-3 (LongRoPE)", sliding_window=True,
+                                  lora=True),
     "MixtralForCausalLM": ModelEntry("pagedllm.models.mixtral:MixtralForCausalLM", "Mixtral", moe=True, lora=True),
     "Qwen2MoeForCausalLM": ModelEntry("pagedllm.models.qwen2_moe:Qwen2MoeForCausalLM", "Qwen1.5-MoE, Qwen2-MoE",
                                       moe=True, lora=True),

@@ -65,3 +65,26 @@ def test_prompt_chunks_are_kernel_rows(kernels, dtype: torch.dtype) -> None:
         c = CpuAttentionBackend.to_kernel_layout(cache) if md is not None else cache.clone()
         outs.append(backend.forward(q, k, v, c, md or backend.make_builder().build(common), 0.125).float())
     torch.testing.assert_close(outs[1], outs[0], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (48, 16), (128, 8)])
+@pytest.mark.parametrize("window", [5, 16, 37])
+def test_sliding_window_matches_torch_backend(kernels, dtype: torch.dtype, head_dim: int, block_size: int,
+                                              window: int) -> None:
+    """Decodes and prompt chunks under a sliding window (shorter than a block, one block, several): the
+    kernel skips whole blocks before the window and masks the rest of the first one (fast and scalar paths)."""
+    common = _batch([1, 5, block_size + 1, 37, 200], 0, block_size=block_size, num_blocks=120, seed=5,
+                    chunks=[(9, 9), (12, 60), (40, 40)])
+    g = torch.Generator().manual_seed(11)
+    cache = torch.randn(TorchAttentionBackend.kv_cache_shape(120, block_size, 2, head_dim), generator=g).to(dtype)
+    n = common.slot_mapping.shape[0]
+    q, k, v = (torch.randn(n, h, head_dim, generator=g).to(dtype) for h in (6, 2, 2))
+    outs = []
+    for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
+        c = CpuAttentionBackend.to_kernel_layout(cache) if isinstance(backend, CpuAttentionBackend) else cache.clone()
+        outs.append(backend.forward(q, k, v, c, backend.make_builder().build(common), head_dim ** -0.5, window).float())
+    full = TorchAttentionBackend().forward(q, k, v, cache.clone(), TorchAttentionBackend().make_builder().build(common),
+                                           head_dim ** -0.5).float()
+    torch.testing.assert_close(outs[1], outs[0], atol=TOL[dtype], rtol=TOL[dtype])
+    assert not torch.allclose(outs[0], full, atol=1e-2)  # the window changed the result: the test bites

@@ -3,6 +3,7 @@ import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
 from tests.core.conftest import make_request
 
 
@@ -108,3 +109,26 @@ def test_a_table_changed_in_place_is_reported_once() -> None:
     manager.free(b)
     assert not manager.take_replaced_table("a") and not manager.take_replaced_table("b")
     assert manager.check_integrity()
+
+
+def test_sliding_window_swap_keeps_the_null_placeholders() -> None:
+    """A request with blocks freed outside its window swaps out only its live blocks and comes back with
+    the null block in the same table positions."""
+    manager = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False, num_host_blocks=4, sliding_window=5)
+    request = Request("a", list(range(1, 13)), SamplingParams(max_tokens=20), 0, 20)
+    manager.allocate_slots(request, 12)  # 3 blocks, positions 0..11
+    request.num_computed_tokens = 12
+    request.append_output_token(7)
+    manager.allocate_slots(request, 1)  # the next query (position 12) sees 8..12: blocks 0 and 1 go back
+    null = manager.block_pool.null_block
+    table = manager.req_to_blocks["a"]
+    assert table[0] is null and table[1] is null and table[2] is not null and manager.take_replaced_table("a")
+    live = [b.block_id for b in table if b is not null]
+    out = manager.swap_out(request)
+    assert [d for d, _ in out] == live and manager.req_to_host_blocks["a"][:2] == [None, None]
+    assert manager.check_integrity() and manager.block_pool.num_free_blocks == 9
+    back = manager.swap_in(request, 1)
+    assert len(back) == len(live) and manager.req_to_blocks["a"][:2] == [null, null]
+    assert manager.check_integrity() and len(manager.host_free) == 4
+    manager.free(request)
+    assert manager.check_integrity() and manager.block_pool.num_free_blocks == 9

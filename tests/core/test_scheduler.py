@@ -241,3 +241,30 @@ def test_max_loras_passes_over_a_third_adapter_without_losing_its_place() -> Non
         step(s)  # r2, r4, r5 sample their last tokens and finish
     out, _ = step(s)
     assert list(out.num_scheduled_tokens) == ["r3"] and out.scheduled_new_reqs[0].lora_request == lora[3]
+
+
+def test_sliding_window_returns_blocks_before_the_window() -> None:
+    """Every layer slides (window 6, blocks of 4): a 48-token request runs in a pool of 5 usable blocks
+    (12 without the window), holding at most the window's blocks and one chunk's; the freed blocks are
+    null placeholders in the table the workers get whole."""
+    from pagedllm.config import CacheConfig, SchedulerConfig
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8),
+                  CacheConfig(block_size=4, enable_prefix_caching=False, sliding_window=6), num_kv_blocks=6)
+    request = make_request("a", 8, max_tokens=40)
+    s.add_request(request)
+    kv = s.kv_cache_manager
+    most, nulls_seen = 0, False
+    while s.requests:
+        out, _ = step(s)
+        table = kv.req_to_blocks.get("a", [])
+        live = [b for b in table if b is not kv.block_pool.null_block]
+        most = max(most, len(live))
+        if any(b is kv.block_pool.null_block for b in table):
+            nulls_seen = True
+            cached = {c.req_id: c for c in out.scheduled_cached_reqs}
+            if "a" in cached and cached["a"].replace_table:
+                assert 0 in cached["a"].new_block_ids  # the workers see the null block in its place
+    assert request.num_output_tokens == 40 and nulls_seen
+    assert most <= kv.max_blocks_held(48, 8) == 5
+    assert kv.block_pool.num_free_blocks == 5  # everything back

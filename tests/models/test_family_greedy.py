@@ -38,8 +38,10 @@ def test_greedy_tokens_match_transformers(variant: str, backend: str, tiny_model
         pytest.skip(f"the {backend} attention backend does not run here")
     path = str(tiny_model(variant))
     want = [hf_greedy(path, p, STEPS) for p in prompts()]
-    # 24 blocks of 4 tokens: the four sequences (up to 64 tokens each) cannot all stay
-    llm = LLM(path, dtype="float32", attention_backend=backend, block_size=4, num_kv_blocks=24,
+    # 24 blocks of 4 tokens: the four sequences (up to 64 tokens each) cannot all stay (a sliding window
+    # frees blocks as the sequences grow: a smaller pool)
+    blocks = 12 if "sliding" in variant else 24
+    llm = LLM(path, dtype="float32", attention_backend=backend, block_size=4, num_kv_blocks=blocks,
               max_num_batched_tokens=16, enable_prefix_caching=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
                         SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -47,3 +49,29 @@ def test_greedy_tokens_match_transformers(variant: str, backend: str, tiny_model
     llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == want
     assert stats.num_preemptions > 0 and stats.num_chunked_prefills > 0 and stats.prefix_cache_hits > 0, stats
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_sliding_window_bounds_the_blocks_and_matches_transformers(backend: str, tiny_model) -> None:
+    """Mistral with a 10-token window: a 48-token sequence (4.8 windows) in a pool of 7 usable 4-token blocks
+    (12 without the window), token for token with transformers, blocks outside the window returned."""
+    if not registered_backends()[backend].is_available():
+        pytest.skip(f"the {backend} attention backend does not run here")
+    path = str(tiny_model("mistral-sliding-window"))
+    prompt = torch.randint(3, 500, (8,), generator=torch.Generator().manual_seed(9)).tolist()
+    want = hf_greedy(path, prompt, 40)
+    llm = LLM(path, dtype="float32", attention_backend=backend, block_size=4, num_kv_blocks=8,
+              max_num_batched_tokens=8, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                          ignore_eos=True))
+    kv, most, out = engine.scheduler.kv_cache_manager, 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        assert kv.check_integrity()
+        live = [b for blocks in kv.req_to_blocks.values() for b in blocks if b is not kv.block_pool.null_block]
+        most = max(most, len(live))
+    llm.shutdown()
+    assert out.outputs[0].token_ids == want
+    assert most <= 6 < 12
