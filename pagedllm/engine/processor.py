@@ -14,6 +14,24 @@ MAX_LOGPROBS = 20
 PromptType = str | dict[str, Any]
 
 
+def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], chat_template: str | None,
+                add_generation_prompt: bool, tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of a conversation through ``chat_template`` or the model's own template
+    (which sees bos_token and the other special tokens; the text is then encoded without adding them
+    again). ValidationError when there is no template, or the template refuses the messages."""
+    from jinja2.exceptions import TemplateError
+
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValidationError("this model has no chat template: pass one (chat_template= in LLM.chat, "
+                              "--chat-template FILE for the server) or send plain prompts", param="chat_template")
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except TemplateError as e:  # the template itself refuses the conversation (e.g. role order)
+        raise ValidationError(f"the chat template refused the messages: {e}", param="messages") from e
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
 class Processor:
     """Tokenizes and validates; everything it refuses raises ValidationError naming the parameter."""
 

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
-from pagedllm.engine.processor import PromptType
+from pagedllm.engine.processor import PromptType, render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -113,10 +113,7 @@ class LLM:
                              add_generation_prompt: bool) -> tuple[str, list[int]]:
         if not conversation or not all(isinstance(m, dict) and "role" in m for m in conversation):
             raise ValidationError.bad_value("messages", conversation, "a non-empty list of {'role', 'content'} dicts")
-        tokenizer = self.get_tokenizer()
-        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return render_chat(self.get_tokenizer(), conversation, chat_template, add_generation_prompt)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
              loras: list[LoRARequest | None]) -> list[RequestOutput]:

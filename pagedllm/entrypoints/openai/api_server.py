@@ -88,13 +88,15 @@ def _field_name(loc: tuple) -> str | None:
 
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names: list[str],
               api_keys: list[str], reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None,
+              chat_template: str | None = None) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
     here (ValidationError if one does not fit)."""
     models = OpenAIServingModels(engine, served_model_names)
     models.add_static(lora_modules or [])
     completion = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser))
+    chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
+                             chat_template)
     config = engine.engine.config
 
     @contextlib.asynccontextmanager
@@ -220,9 +222,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="split a reasoning model's <think>...</think> into the chat reply's reasoning_content")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="the model's tool-call format, parsed into tool_calls for tool_choice='auto'")
+    parser.add_argument("--chat-template", type=read_chat_template, default=None, metavar="FILE",
+                        help="a Jinja chat template (a file, or the template itself) used instead of the model's own")
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
                         help="LoRA adapters (PEFT folders) served by name: a request whose model is NAME runs with "
                              "it; also vLLM's JSON form '{\"name\": ..., \"path\": ...}' (needs --enable-lora)")
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the argument itself when it is a template (has "{%" or "{{")."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{%" in value or "{{" in value:
+        return value
+    raise argparse.ArgumentTypeError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 class _Server(uvicorn.Server):
@@ -265,7 +279,8 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
 
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead)
     try:
-        app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules)
+        app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules,
+                        ns.chat_template)
     except BaseException:
         engine.engine.shutdown()  # an adapter that does not fit: no worker left behind
         raise

@@ -5,7 +5,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -20,6 +19,7 @@ from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constra
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, final_outputs, merge_streams, sse,
                                                  unless_disconnected)
+from pagedllm.engine.processor import render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -29,8 +29,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: Any, models: OpenAIServingModels, reasoning_parser: ReasoningParser | None = None,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None, chat_template: str | None = None) -> None:
         super().__init__(engine, models)
+        self.chat_template = chat_template
+        """--chat-template: used instead of the model's own (None: the model's)."""
         self.reasoning_parser = reasoning_parser
         """Splits replies into reasoning_content and content (--reasoning-parser); None: all content."""
         self.tool_parser = tool_parser
@@ -101,12 +103,7 @@ class OpenAIServingChat(OpenAIServing):
             if m.tool_call_id is not None:
                 entry["tool_call_id"] = m.tool_call_id
             conversation.append(entry)
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        except TemplateError as e:  # the template itself refuses the conversation (e.g. role order)
-            raise ValidationError(f"the chat template refused the messages: {e}", param="messages") from e
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return render_chat(self.tokenizer, conversation, self.chat_template, add_generation_prompt, tools)
 
     @staticmethod
     def _role(index: int, message: ChatMessage) -> str:
