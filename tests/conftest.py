@@ -35,6 +35,9 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "phi3-longrope": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2, original_max_position_embeddings=64,
                           rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
                                         "long_factor": [2.0 + i / 4 for i in range(8)]}, sliding_window=None, pad_token_id=0),
+    "gemma2": dict(arch="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                   num_hidden_layers=3),
     "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                     num_experts_per_tok=2, intermediate_size=48),
     "qwen2-moe": dict(arch="qwen2_moe", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
@@ -101,7 +104,7 @@ def tokenizer(default_model: str) -> Any:
 def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: Any = None, seed: int = 0) -> Path:
     """Save a tiny random model of ``variant`` (weights scaled up so logits are not all ~0)."""
     import torch
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                               MistralForCausalLM, MixtralConfig, MixtralForCausalLM, OPTConfig, OPTForCausalLM,
                               Phi3Config, Phi3ForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
@@ -113,7 +116,7 @@ def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: 
                              "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gpt2": (GPT2Config, GPT2LMHeadModel),
                              "opt": (OPTConfig, OPTForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM),
                              "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
-                             "phi3": (Phi3Config, Phi3ForCausalLM)}[spec.pop("arch")]
+                             "phi3": (Phi3Config, Phi3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM)}[spec.pop("arch")]
     fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
     config = config_cls(**{**fields, **spec})

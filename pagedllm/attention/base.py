@@ -97,12 +97,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: Any, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                metadata: Any, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """q (tokens, heads, head_dim), k/v (tokens, kv_heads, head_dim) -> (tokens, heads, head_dim).
 
         ``metadata`` is what this backend's builder built for the step. Writes k/v into their
         slots of ``kv_cache`` first. With ``sliding_window`` W, the query at position p attends to
-        positions p - W + 1 .. p only (a per-layer choice: Gemma alternates).
+        positions p - W + 1 .. p only (a per-layer choice: Gemma alternates). ``logits_soft_cap`` c:
+        each scaled score s becomes c * tanh(s / c) before the softmax (Gemma 2).
         """
 
 

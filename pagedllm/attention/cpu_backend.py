@@ -91,7 +91,8 @@ class CpuAttentionBackend(AttentionBackend):
         return torch.stack([k.reshape(blocks, heads, bs, d), kv_cache[1]])  # (2, blocks, heads, bs, d)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: CpuAttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                metadata: CpuAttentionMetadata, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, kv_heads, block_size, head_dim)
         self.kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)  # one copy per (token, head)
         if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
@@ -99,5 +100,5 @@ class CpuAttentionBackend(AttentionBackend):
         out = q.new_empty(q.shape)  # (tokens, heads, head_dim)
         starts = None if sliding_window is None else metadata.window_starts(sliding_window)
         self.kernels.paged_attention(q, key_cache, value_cache, metadata.row_tables, metadata.row_seq_lens,
-                                     out, scale, starts)
+                                     out, scale, starts, logits_soft_cap)
         return out

@@ -8,6 +8,8 @@ prefix plus the chunk.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -111,14 +113,17 @@ class TorchAttentionBackend(AttentionBackend):
     is_available = staticmethod(always_available)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                metadata: TorchAttentionMetadata, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         key_cache, value_cache = self.write_kv(kv_cache, k, v, metadata)
         if sliding_window is not None:
             metadata = metadata.windowed(sliding_window)
+        attend = F.scaled_dot_product_attention if logits_soft_cap is None else \
+            functools.partial(_capped_attention, cap=logits_soft_cap)  # SDPA has no soft cap
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale)
+            out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale, attend)
         for chunk in metadata.prefills:
             s, e = chunk.start, chunk.end
             if chunk.context_blocks is None:  # no cached prefix: the chunk's own K/V are the context
@@ -129,9 +134,11 @@ class TorchAttentionBackend(AttentionBackend):
             group = q.shape[1] // keys.shape[1]
             if group > 1:  # repeated K/V + a batch dim take SDPA's fused CPU kernel (enable_gqa falls back to math)
                 keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-            out[s:e] = F.scaled_dot_product_attention(
+            mask = chunk.mask if chunk.mask is not None or logits_soft_cap is None else \
+                torch.ones(e - s, chunk.seq_len, dtype=torch.bool).tril()  # the capped path takes masks only
+            out[s:e] = attend(
                 q[s:e].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),  # (1, heads, len, head_dim)
-                values.transpose(0, 1).unsqueeze(0), attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
+                values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
             ).squeeze(0).transpose(0, 1)  # (query_len, heads, head_dim)
         return out
 
@@ -146,7 +153,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: TorchAttentionMetadata, scale: float, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         nd, num_heads, head_dim = q.shape
         num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
         max_len = metadata.decode_mask.shape[-1]
@@ -160,9 +167,19 @@ class TorchAttentionBackend(AttentionBackend):
 
         # the query heads that share a KV head become that head's query rows: GQA without repeating K/V
         grouped = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (nd, kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(grouped, gather(key_cache), gather(value_cache),
-                                             attn_mask=metadata.decode_mask, scale=scale)
+        out = attend(grouped, gather(key_cache), gather(value_cache), attn_mask=metadata.decode_mask, scale=scale)
         return out.view(nd, num_heads, head_dim)  # (nd, heads, head_dim)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float,
+                      cap: float, is_causal: bool = False) -> torch.Tensor:
+    """SDPA's arithmetic with Gemma 2's soft cap on the scores: softmax(cap * tanh(q k^T * scale / cap) + mask) v,
+    in float32. q (..., lq, d), k and v (..., lk, d), attn_mask broadcastable to (..., lq, lk), True: allowed."""
+    assert not is_causal, "callers pass an explicit mask"
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (..., lq, lk)
+    scores = cap * torch.tanh(scores / cap)
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
 def _context(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -102,7 +102,8 @@ class TritonAttentionBackend(AttentionBackend):
     is_available = staticmethod(triton_available)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TritonAttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                metadata: TritonAttentionMetadata, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         from pagedllm.attention import triton_ops  # imports triton: only when this backend runs
         md = metadata.on(q.device)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # kernels step head_dim by 1
@@ -113,8 +114,9 @@ class TritonAttentionBackend(AttentionBackend):
             splits = md.num_splits(num_kv_heads, block_size)
             if splits > 1:
                 return triton_ops.split_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, splits, scale, out,
-                                                         sliding_window or 0)
+                                                         sliding_window or 0, logits_soft_cap or 0.0)
         block_q = triton_ops.block_q_for(q.shape[1], num_kv_heads)
         work_req, work_qblock = md.work_items(block_q)
         return triton_ops.varlen_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                                           work_req, work_qblock, block_q, scale, out, sliding_window or 0)
+                                           work_req, work_qblock, block_q, scale, out, sliding_window or 0,
+                                           logits_soft_cap or 0.0)

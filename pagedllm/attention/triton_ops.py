@@ -43,14 +43,14 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
 
 @triton.jit
 def _attend_blocks(q, acc, m_i, l_i, cache_ptr, table_ptr, kv_head, first_block, last_block,
-                   row_pos, row_valid, seq_len, scale, window,
+                   row_pos, row_valid, seq_len, scale, window, softcap,
                    stride_c_kv, stride_c_b, stride_c_h, stride_c_t,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     """Online softmax over KV blocks [first_block, last_block) of one sequence: the running row
     maxima m_i, sums l_i and weighted values acc (all float32) after them; with ``window`` > 0 a row
-    at position p sees keys p - window + 1 .. p only. ``DOT_F32``: both dots in float32 (the
-    interpreter's half-precision tl.dot multiplies raw bits)."""
+    at position p sees keys p - window + 1 .. p only; ``softcap`` > 0 caps the scores. ``DOT_F32``:
+    both dots in float32 (the interpreter's half-precision tl.dot multiplies raw bits)."""
     t = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM_P2)
     dmask = d < HEAD_DIM
@@ -63,6 +63,8 @@ def _attend_blocks(q, acc, m_i, l_i, cache_ptr, table_ptr, kv_head, first_block,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_SIZE) float32
+        cap = tl.where(softcap > 0, softcap, 1.0)
+        s = tl.where(softcap > 0, cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0), s)  # cap * tanh(s / cap) (Gemma 2)
         key_pos = j * BLOCK_SIZE + t
         allowed = row_valid[:, None] & (key_pos[None, :] < seq_len) & (key_pos[None, :] <= row_pos[:, None])
         allowed = allowed & ((window <= 0) | (key_pos[None, :] > row_pos[:, None] - window))  # sliding window
@@ -79,7 +81,7 @@ def _attend_blocks(q, acc, m_i, l_i, cache_ptr, table_ptr, kv_head, first_block,
 
 @triton.jit
 def _varlen_kernel(q_ptr, out_ptr, cache_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, work_req_ptr, work_qblock_ptr,
-                   scale, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                   scale, window, softcap, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                    stride_c_kv, stride_c_b, stride_c_h, stride_c_t,
                    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
@@ -114,9 +116,10 @@ def _varlen_kernel(q_ptr, out_ptr, cache_ptr, tables_ptr, seq_lens_ptr, qsl_ptr,
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     # with a window, blocks wholly before the first row's window are skipped (window 0: from block 0)
-    first_block = (window > 0).to(tl.int32) * (tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0) // BLOCK_SIZE)
+    first_window_pos = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+    first_block = (window > 0).to(tl.int32) * (first_window_pos // BLOCK_SIZE)
     acc, m_i, l_i = _attend_blocks(q, acc, m_i, l_i, cache_ptr, tables_ptr + req * stride_table, kv_head, first_block,
-                                   num_blocks, row_pos, row_valid, seq_len, scale, window,
+                                   num_blocks, row_pos, row_valid, seq_len, scale, window, softcap,
                                    stride_c_kv, stride_c_b, stride_c_h, stride_c_t,
                                    BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P2, PRECISION, DOT_F32)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -125,7 +128,7 @@ def _varlen_kernel(q_ptr, out_ptr, cache_ptr, tables_ptr, seq_lens_ptr, qsl_ptr,
 
 
 @triton.jit
-def _split_decode_kernel(q_ptr, part_acc_ptr, part_ml_ptr, cache_ptr, tables_ptr, seq_lens_ptr, scale, window,
+def _split_decode_kernel(q_ptr, part_acc_ptr, part_ml_ptr, cache_ptr, tables_ptr, seq_lens_ptr, scale, window, softcap,
                          stride_qt, stride_qh, stride_table, stride_c_kv, stride_c_b, stride_c_h, stride_c_t,
                          NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
@@ -156,7 +159,7 @@ def _split_decode_kernel(q_ptr, part_acc_ptr, part_ml_ptr, cache_ptr, tables_ptr
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     row_pos = tl.zeros((BLOCK_M,), dtype=tl.int32) + seq_len - 1  # the decode token sees every key
     acc, m_i, l_i = _attend_blocks(q, acc, m_i, l_i, cache_ptr, tables_ptr + req * stride_table, kv_head, first,
-                                   last, row_pos, row_valid, seq_len, scale, window,
+                                   last, row_pos, row_valid, seq_len, scale, window, softcap,
                                    stride_c_kv, stride_c_b, stride_c_h, stride_c_t,
                                    BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P2, PRECISION, DOT_F32)
     # partials laid out (request, head, split, ...): (num_reqs, heads, NUM_SPLITS, HEAD_DIM_P2) and (.., 2)
@@ -211,18 +214,19 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 def varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, work_req: torch.Tensor, work_qblock: torch.Tensor,
-                     block_q: int, scale: float, out: torch.Tensor, window: int = 0) -> torch.Tensor:
+                     block_q: int, scale: float, out: torch.Tensor, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """Paged attention of every query row (q (tokens, heads, head_dim)) into ``out``.
 
     ``work_req``/``work_qblock``: one entry per (request, block of ``block_q`` query tokens);
-    ``window`` > 0: a sliding window of that many positions."""
+    ``window`` > 0: a sliding window of that many positions; ``softcap`` > 0: scores capped (Gemma 2)."""
     _, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[2]
     group = heads // kv_heads
     block_m = max(16, _p2(group) * block_q)
     assert block_m // _p2(group) == block_q, "block_q must be block_m // next_pow2(group)"
     _varlen_kernel[(work_req.numel(), kv_heads)](
-        q, out, kv_cache, block_tables, seq_lens, query_start_loc, work_req, work_qblock, scale, window,
+        q, out, kv_cache, block_tables, seq_lens, query_start_loc, work_req, work_qblock, scale, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         GROUP=group, GROUP_P2=_p2(group), BLOCK_M=block_m, BLOCK_SIZE=kv_cache.shape[3], HEAD_DIM=head_dim,
@@ -237,7 +241,7 @@ def block_q_for(num_heads: int, num_kv_heads: int) -> int:
 
 def split_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, num_splits: int, scale: float, out: torch.Tensor,
-                           window: int = 0) -> torch.Tensor:
+                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode-only steps (one query token per request, q (reqs, heads, head_dim)): each request's KV
     blocks split ``num_splits`` ways (a power of 2) across programs, then one reduction."""
     reqs, heads, head_dim = q.shape
@@ -247,7 +251,7 @@ def split_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     part_acc = torch.empty(reqs, heads, num_splits, hd, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(reqs, heads, num_splits, 2, dtype=torch.float32, device=q.device)
     _split_decode_kernel[(reqs, kv_heads, num_splits)](
-        q, part_acc, part_ml, kv_cache, block_tables, seq_lens, scale, window,
+        q, part_acc, part_ml, kv_cache, block_tables, seq_lens, scale, window, softcap,
         q.stride(0), q.stride(1), block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_SPLITS=num_splits, GROUP=group, BLOCK_M=max(16, _p2(group)), BLOCK_SIZE=kv_cache.shape[3],

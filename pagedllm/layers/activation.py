@@ -21,6 +21,14 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluAndMul(nn.Module):
+    """(tokens, 2*d) packed [gate, up] -> (tokens, d) gelu_tanh(gate) * up (Gemma's GeGLU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 def get_act_fn(name: str) -> nn.Module:
     """The (ungated) MLP activation a config names: GPT-2's "gelu_new" is GELU's tanh approximation."""
     from pagedllm.errors import ValidationError

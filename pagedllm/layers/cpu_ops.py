@@ -36,8 +36,8 @@ _SIGNATURES = {
     "pl_sample": [_P, _I64, _P, _P, _P, _I64, _I64, _I32, _I32],
     "pl_argmax": [_P, _I64, _P, _I64, _I64, _I32, _I32],
     "pl_paged_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I32, _I32],
-    "pl_paged_attention_window": [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I32,
-                                  _I32],
+    "pl_paged_attention_window": [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32,
+                                  _I32, _I32],
     "pl_write_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32],
     "pl_llama_stack": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I32],
 }
@@ -182,10 +182,10 @@ class CpuKernels:
 
     def paged_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
-                        starts: torch.Tensor | None = None) -> None:
+                        starts: torch.Tensor | None = None, softcap: float | None = None) -> None:
         """q (rows, heads, head_dim; rows may be strided) attends to positions [starts[row], lens[row])
-        of its block table row (from 0 without ``starts``: a sliding window otherwise); out (rows, heads,
-        head_dim) contiguous."""
+        of its block table row (from 0 without ``starts``: a sliding window otherwise), scores capped at
+        ``softcap`` (cap * tanh(score / cap)) if given; out (rows, heads, head_dim) contiguous."""
         rows, nh, d = q.shape
         blocks, nkv, bs, _ = key_cache.shape
         assert q.stride(2) == 1 and q.stride(1) == d and out.is_contiguous() and out.shape == q.shape
@@ -195,8 +195,8 @@ class CpuKernels:
         assert starts is None or (starts.dtype == torch.int32 and starts.is_contiguous() and starts.shape == lens.shape)
         self._check(self._lib.pl_paged_attention_window(
             q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), _ptr(starts), out.data_ptr(), rows, nh, nkv, bs, d, scale, DTYPE_CODES[q.dtype],
-            torch.get_num_threads()))
+            lens.data_ptr(), _ptr(starts), out.data_ptr(), rows, nh, nkv, bs, d, scale, softcap or 0.0,
+            DTYPE_CODES[q.dtype], torch.get_num_threads()))
 
     def llama_stack(self, plan: int, hidden: torch.Tensor, residual: torch.Tensor, work: torch.Tensor,
                     positions: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,

@@ -51,6 +51,29 @@ class ArchConfig:
     """Renormalise the top-k routing weights to sum to 1 (Mixtral always; Qwen2-MoE per config)."""
     moe_layers: tuple[int, ...] = ()
     """The layers whose MLP is the mixture (the others are dense)."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer "sliding_attention" or "full_attention" (Gemma 2 alternates); empty: every layer the same."""
+    query_pre_attn_scalar: float | None = None
+    """Gemma 2: attention scores are scaled by this ** -0.5 instead of head_dim ** -0.5."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2: attention scores capped as c * tanh(s / c)."""
+    final_logit_softcapping: float | None = None
+    """Gemma 2: the output logits capped the same way."""
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it attends to everything)."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
+
+    @property
+    def every_layer_slides(self) -> bool:
+        """All layers have the sliding window: blocks before a request's window can go back to the pool."""
+        return all(self.window_of(i) is not None for i in range(self.num_layers))
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ArchConfig":
@@ -97,6 +120,7 @@ class ArchConfig:
             eos_token_ids=as_id_tuple(eos),
             qk_norm=is_qwen3,
             **_moe_fields(arch, hf),
+            **_gemma_fields(arch, hf),
         )
 
 
@@ -140,6 +164,18 @@ class ArchConfig:
             mlp_bias=bias, hidden_act=hf.get("activation_function", "relu"), norm_before=before,
             word_embed_proj_dim=None if proj == hidden else proj,
             final_norm=before and not hf.get("_remove_final_layer_norm", False))
+
+
+def _gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's fields: GeGLU, alternating sliding layers, scores and logits soft-capped."""
+    if arch != "Gemma2ForCausalLM":
+        return {}
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return dict(hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                layer_types=tuple(types), query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+                attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+                final_logit_softcapping=hf.get("final_logit_softcapping"))
 
 
 def _moe_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.layer import Attention
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
@@ -45,7 +45,8 @@ def _target(name: str) -> tuple[str, object]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, index: int = 0) -> None:
+        """``index``: the layer's index (its sliding window, where layers differ)."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           bias=cfg.qkv_bias, dtype=dtype)
@@ -55,8 +56,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype,
                                         partition=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim))
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, scale=cfg.head_dim ** -0.5,
-                              sliding_window=cfg.sliding_window)
+        self.attn = Attention(self.num_heads, cfg.head_dim, self.num_kv_heads, scale=cfg.attention_scale,
+                              sliding_window=cfg.window_of(index), logits_soft_cap=cfg.attn_logit_softcapping)
         if cfg.qk_norm:  # Qwen3: each head of q and k normalised (over head_dim) before the rotary embedding
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
@@ -81,11 +82,12 @@ class LlamaMLP(nn.Module):
         size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias, dtype=dtype)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul() if cfg.hidden_act == "silu" else GeluAndMul()  # GeGLU: Gemma
 
     def process_weights_after_loading(self) -> None:
         """Fuse silu(gate) * up into the gate_up GEMM where our bf16 GEMM serves (layers/prepack.py)."""
-        self.gate_up_proj.pack_for_silu_and_mul()
+        if isinstance(self.act_fn, SiluAndMul):
+            self.gate_up_proj.pack_for_silu_and_mul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up_proj.silu_and_mul(x)  # (tokens, intermediate), or None
@@ -96,11 +98,11 @@ class LlamaDecoderLayer(nn.Module):
     mlp_name = "mlp"
     """The checkpoint's name of the feed-forward block (Mixtral: block_sparse_moe)."""
 
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, mlp: nn.Module | None = None
-                 ) -> None:
-        """``mlp``: the feed-forward block (default: the dense gated MLP)."""
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, mlp: nn.Module | None = None,
+                 index: int = 0) -> None:
+        """``mlp``: the feed-forward block (default: the dense gated MLP); ``index``: the layer's index."""
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, dtype)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, index)
         setattr(self, self.mlp_name, mlp if mlp is not None else LlamaMLP(cfg, dtype))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -123,7 +125,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, rotary, dtype, self.make_mlp(cfg, dtype, index))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, rotary, dtype, self.make_mlp(cfg, dtype, index), index)
                                     for index in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self._stack: CpuDecoderStack | None | bool = False  # False: not built yet (weights and caches come later)

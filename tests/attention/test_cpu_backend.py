@@ -69,11 +69,13 @@ def test_prompt_chunks_are_kernel_rows(kernels, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (48, 16), (128, 8)])
-@pytest.mark.parametrize("window", [5, 16, 37])
-def test_sliding_window_matches_torch_backend(kernels, dtype: torch.dtype, head_dim: int, block_size: int,
-                                              window: int) -> None:
-    """Decodes and prompt chunks under a sliding window (shorter than a block, one block, several): the
-    kernel skips whole blocks before the window and masks the rest of the first one (fast and scalar paths)."""
+@pytest.mark.parametrize("window, softcap", [(5, None), (16, None), (37, None), (None, 2.0), (16, 2.0)])
+def test_sliding_window_and_soft_cap_match_torch_backend(kernels, dtype: torch.dtype, head_dim: int,
+                                                         block_size: int, window: int | None,
+                                                         softcap: float | None) -> None:
+    """Decodes and prompt chunks under a sliding window (shorter than a block, one block, several) and/or
+    Gemma 2's soft cap: the kernel skips whole blocks before the window and masks the rest of the first
+    one, and caps the scores (fast and scalar paths)."""
     common = _batch([1, 5, block_size + 1, 37, 200], 0, block_size=block_size, num_blocks=120, seed=5,
                     chunks=[(9, 9), (12, 60), (40, 40)])
     g = torch.Generator().manual_seed(11)
@@ -83,8 +85,9 @@ def test_sliding_window_matches_torch_backend(kernels, dtype: torch.dtype, head_
     outs = []
     for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
         c = CpuAttentionBackend.to_kernel_layout(cache) if isinstance(backend, CpuAttentionBackend) else cache.clone()
-        outs.append(backend.forward(q, k, v, c, backend.make_builder().build(common), head_dim ** -0.5, window).float())
+        outs.append(backend.forward(q, k, v, c, backend.make_builder().build(common), head_dim ** -0.5, window,
+                                    softcap).float())
     full = TorchAttentionBackend().forward(q, k, v, cache.clone(), TorchAttentionBackend().make_builder().build(common),
                                            head_dim ** -0.5).float()
     torch.testing.assert_close(outs[1], outs[0], atol=TOL[dtype], rtol=TOL[dtype])
-    assert not torch.allclose(outs[0], full, atol=1e-2)  # the window changed the result: the test bites
+    assert not torch.allclose(outs[0], full, atol=1e-2)  # the window / cap changed the result: the test bites

@@ -28,7 +28,7 @@ SHAPES = [(4, 4, 64, 16), (8, 2, 64, 32), (8, 1, 128, 16), (6, 2, 128, 32), (9, 
 
 
 def check(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, decode_only: bool,
-          splits: int, window: int | None = None) -> tuple[float, float]:
+          splits: int, window: int | None = None, softcap: float | None = None) -> tuple[float, float]:
     """(largest difference, largest difference / (tol + tol * |reference|)) between the backends'
     outputs on one random step; the written caches must be equal."""
     os.environ[SPLITS_ENV] = str(splits)
@@ -47,7 +47,7 @@ def check(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torc
     for backend, device in ((TorchAttentionBackend(), torch.device("cpu")), (TritonAttentionBackend(), DEVICE)):
         c = cache.clone().to(device)
         md = backend.make_builder().build(step)
-        out = backend.forward(q.to(device), k.to(device), v.to(device), c, md, head_dim ** -0.5, window)
+        out = backend.forward(q.to(device), k.to(device), v.to(device), c, md, head_dim ** -0.5, window, softcap)
         results.append((out.float().cpu(), c.float().cpu()))
     (want, want_cache), (got, got_cache) = results
     assert torch.equal(want_cache, got_cache), "the K/V written into their slots differ"
@@ -69,11 +69,12 @@ def main() -> int:
                 if ratio > 1.0:
                     print(f"MISMATCH {label}: {err:.3e} beyond atol=rtol={TOL[dtype]}")
                     return 1
-    for shape in SHAPES[:2]:  # sliding windows: shorter than a block, and spanning blocks
-        for window in (7, 20):
+    for shape in SHAPES[:2]:  # sliding windows (shorter than a block, spanning blocks) and Gemma 2's soft cap
+        for window, softcap in ((7, None), (20, None), (None, 2.0)):
             for decode_only, splits in ((False, 1), (True, 4)):
-                err, ratio = check(*shape, torch.float32, decode_only, splits, window)
-                label = f"{shape} float32 {'decode' if decode_only else 'mixed'} splits={splits} window={window}"
+                err, ratio = check(*shape, torch.float32, decode_only, splits, window, softcap)
+                label = (f"{shape} float32 {'decode' if decode_only else 'mixed'} splits={splits} window={window} "
+                         f"softcap={softcap}")
                 print(f"{label}: max diff {err:.2e} ({ratio:.2f} of the tolerance)", flush=True)
                 if ratio > 1.0:
                     print(f"MISMATCH {label}: {err:.3e} beyond atol=rtol={TOL[torch.float32]}")

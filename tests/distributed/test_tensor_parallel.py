@@ -148,7 +148,7 @@ def test_structured_outputs_and_prompt_logprobs_at_tp2(tp_llm: Callable[..., LLM
         assert abs(a[token].logprob - b[token].logprob) < 1e-4
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "opt-350m-style", "qwen3-qk-norm", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("variant", ["gpt2", "opt-350m-style", "qwen3-qk-norm", "mixtral", "qwen2-moe", "gemma2"])
 def test_other_families_at_tp2(tp_llm: Callable[..., LLM], tiny_model: Callable, variant: str) -> None:
     """GPT-2 (packed Conv1D qkv), OPT (replicated projections in and out), Qwen3 (q/k norms) and the
     mixtures of experts (each expert's intermediate size split) across two ranks give one rank's tokens."""

@@ -94,4 +94,4 @@ def test_models_lists_the_registry_and_its_flags_hold(capsys: pytest.CaptureFixt
         assert entry.families in row
         assert entry.gguf == (name in _ARCHITECTURES.values()), name
         module, cls = entry.path.split(":")
-        assert entry.lora == hasattr(getattr(importlib.import_module(module), cls), "supported_lora_modules"), name
+        assert entry.lora == bool(getattr(getattr(importlib.import_module(module), cls), "supported_lora_modules", ())), name

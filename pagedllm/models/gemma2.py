@@ -1,0 +1,71 @@
+"""Gemma 2 (``Gemma2ForCausalLM``): Llama's attention with a sliding window on alternate layers, scores
+scaled by ``query_pre_attn_scalar`` and soft-capped, four norms per layer (their weights stored as
+offsets from 1), a GeGLU MLP, embeddings scaled by sqrt(hidden) and soft-capped output logits.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.embedding import VocabParallelEmbedding
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.config import ArchConfig
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in float32, cast back at the end (Gemma's order of rounding)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, index: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, index)
+        self.mlp = LlamaMLP(cfg, dtype)
+        norm = lambda: GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(hidden)))
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        # the scale rounded to the run dtype first, as transformers does (sqrt(3072) is 55.5 in bf16)
+        self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype), persistent=False)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, rotary, dtype, i) for i in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) * self.normalizer
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    model_cls = Gemma2Model
+    supported_lora_modules = ()
+    """No LoRA for Gemma 2 yet (enable_lora is refused)."""
+
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """(rows, hidden) -> (rows, vocab), capped as c * tanh(logits / c)."""
+        logits = self.lm_head.compute_logits(hidden, keep_dtype=True)
+        cap = self.config.final_logit_softcapping
+        capped = logits.float() if cap is None else cap * torch.tanh(logits.float() / cap)
+        return capped.to(logits.dtype) if keep_dtype else capped
