@@ -32,12 +32,18 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "opt-pre-ln": dict(arch="opt", num_attention_heads=4, ffn_dim=128, do_layer_norm_before=True),
     "opt-350m-style": dict(arch="opt", num_attention_heads=4, ffn_dim=128, do_layer_norm_before=False,
                            word_embed_proj_dim=32),
-    "phi3-longrope": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2, original_max_position_embeddings=64,
+    "phi3-longrope": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2,
+                          original_max_position_embeddings=64, sliding_window=None, pad_token_id=0,
                           rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
-                                        "long_factor": [2.0 + i / 4 for i in range(8)]}, sliding_window=None, pad_token_id=0),
+                                        "long_factor": [2.0 + i / 4 for i in range(8)]}),
     "gemma2": dict(arch="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                    num_hidden_layers=3),
+    "gemma3": dict(arch="gemma3", num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                   query_pre_attn_scalar=24, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                     num_experts_per_tok=2, intermediate_size=48),
     "qwen2-moe": dict(arch="qwen2_moe", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
@@ -104,11 +110,11 @@ def tokenizer(default_model: str) -> Any:
 def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: Any = None, seed: int = 0) -> Path:
     """Save a tiny random model of ``variant`` (weights scaled up so logits are not all ~0)."""
     import torch
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, MixtralConfig, MixtralForCausalLM, OPTConfig, OPTForCausalLM,
-                              Phi3Config, Phi3ForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
+                              GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              MixtralConfig, MixtralForCausalLM, OPTConfig, OPTForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     spec = dict(TINY_VARIANTS[variant])
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -116,7 +122,8 @@ def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: 
                              "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gpt2": (GPT2Config, GPT2LMHeadModel),
                              "opt": (OPTConfig, OPTForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM),
                              "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
-                             "phi3": (Phi3Config, Phi3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM)}[spec.pop("arch")]
+                             "phi3": (Phi3Config, Phi3ForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+                             "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[spec.pop("arch")]
     fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
     config = config_cls(**{**fields, **spec})

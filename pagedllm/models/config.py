@@ -59,6 +59,8 @@ class ArchConfig:
     """Gemma 2: attention scores capped as c * tanh(s / c)."""
     final_logit_softcapping: float | None = None
     """Gemma 2: the output logits capped the same way."""
+    local_rope_theta: float | None = None
+    """Gemma 3: the sliding layers' rope base (their rope is unscaled); None: every layer uses rope_theta."""
 
     @property
     def attention_scale(self) -> float:
@@ -84,6 +86,10 @@ class ArchConfig:
         if arch == "OPTForCausalLM":
             return cls._from_opt(hf)
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        local_theta = hf.get("rope_local_base_freq")
+        if "full_attention" in rope:  # transformers 5, Gemma 3: one rope per layer type
+            local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
+            rope = dict(rope["full_attention"])
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "longrope":  # transformers 4 keeps these beside rope_scaling
@@ -118,9 +124,9 @@ class ArchConfig:
             sliding_window=window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=as_id_tuple(eos),
-            qk_norm=is_qwen3,
+            qk_norm=is_qwen3 or arch == "Gemma3ForCausalLM",
             **_moe_fields(arch, hf),
-            **_gemma_fields(arch, hf),
+            **_gemma_fields(arch, hf, local_theta),
         )
 
 
@@ -166,16 +172,20 @@ class ArchConfig:
             final_norm=before and not hf.get("_remove_final_layer_norm", False))
 
 
-def _gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2's fields: GeGLU, alternating sliding layers, scores and logits soft-capped."""
-    if arch != "Gemma2ForCausalLM":
+def _gemma_fields(arch: str, hf: dict[str, Any], local_theta: float | None) -> dict[str, Any]:
+    """Gemma 2 / 3: GeGLU, sliding layers among full ones (every other one; Gemma 3: five of six), scores
+    and logits soft-capped (Gemma 2), the sliding layers' own rope base (Gemma 3)."""
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         return {}
     layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    pattern = 2 if arch == "Gemma2ForCausalLM" else hf.get("sliding_window_pattern") or 6
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                      for i in range(layers)]
     return dict(hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
                 layer_types=tuple(types), query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
                 attn_logit_softcapping=hf.get("attn_logit_softcapping"),
-                final_logit_softcapping=hf.get("final_logit_softcapping"))
+                final_logit_softcapping=hf.get("final_logit_softcapping"),
+                local_rope_theta=None if local_theta is None else float(local_theta))
 
 
 def _moe_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:

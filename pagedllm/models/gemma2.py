@@ -1,6 +1,8 @@
-"""Gemma 2 (``Gemma2ForCausalLM``): Llama's attention with a sliding window on alternate layers, scores
-scaled by ``query_pre_attn_scalar`` and soft-capped, four norms per layer (their weights stored as
-offsets from 1), a GeGLU MLP, embeddings scaled by sqrt(hidden) and soft-capped output logits.
+"""Gemma 2 and 3 (``Gemma2ForCausalLM``, text-only ``Gemma3ForCausalLM``): Llama's attention with a
+sliding window on some layers (every other one; Gemma 3: five of six, with their own rope base),
+scores scaled by ``query_pre_attn_scalar`` (and soft-capped: Gemma 2), q/k norms per head (Gemma 3),
+four norms per layer (their weights stored as offsets from 1), a GeGLU MLP, embeddings scaled by
+sqrt(hidden) and soft-capped output logits (Gemma 2).
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ class Gemma2DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, dtype, index)
+        if cfg.qk_norm:  # Gemma 3: the per-head norms are Gemma's (1 + w) ones
+            self.self_attn.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.self_attn.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
         norm = lambda: GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
@@ -48,7 +53,10 @@ class Gemma2Model(nn.Module):
         # the scale rounded to the run dtype first, as transformers does (sqrt(3072) is 55.5 in bf16)
         self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype), persistent=False)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, rotary, dtype, i) for i in range(cfg.num_layers))
+        local = rotary if cfg.local_rope_theta is None else \
+            RotaryEmbedding(cfg.head_dim, max_position, cfg.local_rope_theta, None, dtype)  # Gemma 3's sliding layers
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, local if cfg.window_of(i) else rotary, dtype, i)
+                                    for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -61,7 +69,7 @@ class Gemma2Model(nn.Module):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     model_cls = Gemma2Model
     supported_lora_modules = ()
-    """No LoRA for Gemma 2 yet (enable_lora is refused)."""
+    """No LoRA for Gemma yet (enable_lora is refused)."""
 
     def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """(rows, hidden) -> (rows, vocab), capped as c * tanh(logits / c)."""

@@ -40,6 +40,8 @@ _MODELS: dict[str, ModelEntry] = {
     "Qwen2MoeForCausalLM": ModelEntry("pagedllm.models.qwen2_moe:Qwen2MoeForCausalLM", "Qwen1.5-MoE, Qwen2-MoE",
                                       moe=True, lora=True),
     "Gemma2ForCausalLM": ModelEntry("pagedllm.models.gemma2:Gemma2ForCausalLM", "Gemma 2", sliding_window=True),
+    "Gemma3ForCausalLM": ModelEntry("pagedllm.models.gemma2:Gemma2ForCausalLM", "Gemma 3 (text-only)",
+                                    sliding_window=True),
     "GPT2LMHeadModel": ModelEntry("pagedllm.models.gpt2:GPT2LMHeadModel", "GPT-2"),
     "OPTForCausalLM": ModelEntry("pagedllm.models.opt:OPTForCausalLM", "OPT (pre-LN, and opt-350m's post-LN)"),
 }

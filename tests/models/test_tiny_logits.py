@@ -111,5 +111,9 @@ def test_config_variants_are_what_they_claim(tiny_model) -> None:
     assert not opt350.norm_before and not opt350.final_norm and opt350.word_embed_proj_dim == 32
     assert cfgs["mixtral"].num_experts == 4 and cfgs["mixtral"].moe_layers == (0, 1) and cfgs["mixtral"].norm_topk_prob
     assert cfgs["phi3-longrope"].rope_scaling["rope_type"] == "longrope"
+    g2, g3 = cfgs["gemma2"], cfgs["gemma3"]
+    assert g2.window_of(0) == 6 and g2.window_of(1) is None and g2.attn_logit_softcapping == 2.0
+    assert not g2.every_layer_slides and g2.attention_scale == 24 ** -0.5
+    assert g3.qk_norm and g3.local_rope_theta == 10000.0 and g3.rope_theta == 1000000.0 and g3.window_of(1) is None
     moe = cfgs["qwen2-moe"]
     assert moe.moe_layers == (0, 2) and moe.shared_expert_intermediate_size == 48 and not moe.norm_topk_prob
