@@ -102,7 +102,8 @@ class KVCacheManager:
         full = min(num_tokens, request.num_tokens) // self.block_size
         hashes = self.block_hashes(request)
         for i in range(done, full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            if blocks[i] is not self.block_pool.null_block:  # a placeholder outside a sliding window holds nothing
+                self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = max(done, full)
 
     # -------------------------------------------------------------------- allocation
@@ -210,6 +211,12 @@ class KVCacheManager:
         Returns (host, device) pairs to copy, or None (nothing changes) if the device pool is short.
         """
         host = self.req_to_host_blocks[request.request_id]
+        if self.sliding_window is not None:  # what fell out of the window meanwhile is not brought back
+            first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+            for i in range(min(first_needed, len(host) - 1)):
+                if host[i] is not None:
+                    self.host_free.append(host[i])
+                    host[i] = None
         live = [h for h in host if h is not None]
         total = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - (len(host) - len(live))
         if max(total, len(live)) > self.block_pool.num_free_blocks:

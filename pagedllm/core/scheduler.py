@@ -214,7 +214,10 @@ class Scheduler:
         while self.waiting and plan.token_budget > 0:
             request = self.waiting[0]
             lora = request.lora_request
-            if lora is not None and lora.lora_int_id not in loras and len(loras) >= (self.config.max_loras or 0):
+            # an adapter that would exceed max_loras waits; once one waits, no other adapter's request passes it
+            # (a busy adapter could otherwise keep its slot forever): only base-model requests go on
+            if lora is not None and (skipped or (lora.lora_int_id not in loras
+                                                 and len(loras) >= (self.config.max_loras or 0))):
                 skipped.append(self.waiting.popleft())
                 continue
             group = 1 + len(self.pending_forks.get(request.request_id, ()))

@@ -104,6 +104,11 @@ class ArchConfig:
         is_qwen3 = arch == "Qwen3ForCausalLM"
         eos = hf.get("eos_token_id")
         window = hf.get("sliding_window") if hf.get("use_sliding_window", not (is_qwen2 or is_qwen3)) else None
+        layer_types = tuple(hf.get("layer_types") or ())
+        if window is not None and (is_qwen2 or is_qwen3) and not layer_types:  # only the layers from max_window_layers
+            first = hf.get("max_window_layers", hf["num_hidden_layers"])
+            layer_types = tuple("sliding_attention" if i >= first else "full_attention"
+                                for i in range(hf["num_hidden_layers"]))
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -117,7 +122,8 @@ class ArchConfig:
             rope_theta=float(rope_theta),
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            # Gemma's configs leave it out: transformers' Gemma classes default to tied
+            tie_word_embeddings=hf.get("tie_word_embeddings", arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")),
             qkv_bias=is_qwen2 or hf.get("attention_bias", False),
             o_bias=(not is_qwen2) and hf.get("attention_bias", False),
             mlp_bias=hf.get("mlp_bias", False),
@@ -125,8 +131,7 @@ class ArchConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=as_id_tuple(eos),
             qk_norm=is_qwen3 or arch == "Gemma3ForCausalLM",
-            **_moe_fields(arch, hf),
-            **_gemma_fields(arch, hf, local_theta),
+            **{"layer_types": layer_types, **_moe_fields(arch, hf), **_gemma_fields(arch, hf, local_theta)},
         )
 
 

@@ -26,3 +26,5 @@ class MixtralForCausalLM(LlamaForCausalLM):
     model_cls = MixtralModel
     supported_lora_modules = ("qkv_proj", "o_proj")
     """Adapters on the attention projections (not on the experts)."""
+    supports_cuda_graphs = False
+    """The experts' loop reads each expert's token count back to the host: not capturable."""

@@ -37,3 +37,5 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     model_cls = Qwen2MoeModel
     supported_lora_modules = ("qkv_proj", "o_proj")
     """Adapters on the attention projections (not on the experts)."""
+    supports_cuda_graphs = False
+    """The experts' loop reads each expert's token count back to the host: not capturable."""

@@ -157,7 +157,12 @@ class Worker:
                     self.num_kv_heads, num_blocks * self.kv_block_bytes() / 1024**3)
         dev = self.config.device
         if self.device.type == "cuda" and not dev.enforce_eager:
-            if self.model_runner.backend.supports_cuda_graphs:
+            model = self.model_runner.model
+            if not getattr(model, "supports_cuda_graphs", True):
+                if self.rank_info.rank == 0:
+                    logger.warning("%s cannot be captured in CUDA graphs (its steps read data-dependent sizes back "
+                                   "to the host): every step runs eagerly", type(model).__name__)
+            elif self.model_runner.backend.supports_cuda_graphs:
                 self.model_runner.capture_model(dev.cuda_graph_sizes, self.config.model.max_model_len)
             elif self.rank_info.rank == 0:
                 logger.warning("the %s attention backend cannot be captured in CUDA graphs: every step runs eagerly",

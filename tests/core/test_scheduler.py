@@ -6,6 +6,7 @@ from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import EngineCoreOutput
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
 from tests.core.conftest import EOS, TOKEN, fake_runner_output, make_request, make_scheduler
 
 
@@ -219,9 +220,10 @@ def test_request_larger_than_the_pool_is_refused() -> None:
     assert queues(s) == ([], ["fits"])
 
 
-def test_max_loras_passes_over_a_third_adapter_without_losing_its_place() -> None:
+def test_max_loras_holds_back_a_third_adapter_and_everything_after_it() -> None:
     """max_loras=2: requests of adapters 1 and 2 (and of none) run together; adapter 3's waits, keeps the
-    head of the queue, and starts once an adapter's requests finish."""
+    head of the queue, and later requests with an adapter (even a running one) wait behind it, so a busy
+    adapter cannot keep a slot forever; base-model requests go on."""
     from pagedllm.config import CacheConfig, SchedulerConfig
     from pagedllm.lora_request import LoRARequest
 
@@ -233,14 +235,16 @@ def test_max_loras_passes_over_a_third_adapter_without_losing_its_place() -> Non
         request.lora_request = lora[adapter] if adapter else None
         s.add_request(request)
     out, _ = step(s)
-    assert list(out.num_scheduled_tokens) == ["r1", "r2", "r4", "r5"] and queues(s)[1] == ["r3"]
-    assert [n.lora_request for n in out.scheduled_new_reqs] == [lora[1], lora[2], None, lora[1]]
-    out, _ = step(s)  # r1 finished, but r5 still runs adapter 1
-    assert "r3" not in out.num_scheduled_tokens and queues(s)[1] == ["r3"]
+    assert list(out.num_scheduled_tokens) == ["r1", "r2", "r4"] and queues(s)[1] == ["r3", "r5"]
+    assert [n.lora_request for n in out.scheduled_new_reqs] == [lora[1], lora[2], None]
+    out, _ = step(s)  # r1 finished: adapter 3 takes its slot; r5 (adapter 1) now waits for one
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["r3"] and queues(s)[1] == ["r5"]
+    assert out.scheduled_new_reqs[0].lora_request == lora[3]
     for _ in range(2):
-        step(s)  # r2, r4, r5 sample their last tokens and finish
-    out, _ = step(s)
-    assert list(out.num_scheduled_tokens) == ["r3"] and out.scheduled_new_reqs[0].lora_request == lora[3]
+        out, _ = step(s)
+        assert "r5" not in out.num_scheduled_tokens  # adapters 2 and 3 still run
+    out, _ = step(s)  # r2 sampled its last token in the step before: adapter 1 gets a slot back
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["r5"] and out.scheduled_new_reqs[0].lora_request == lora[1]
 
 
 def test_sliding_window_returns_blocks_before_the_window() -> None:
@@ -268,3 +272,29 @@ def test_sliding_window_returns_blocks_before_the_window() -> None:
     assert request.num_output_tokens == 40 and nulls_seen
     assert most <= kv.max_blocks_held(48, 8) == 5
     assert kv.block_pool.num_free_blocks == 5  # everything back
+
+
+def test_sliding_window_with_swap_and_prefix_caching() -> None:
+    """Every layer slides, preemption swaps, prefix caching is on, prompts share a prefix: requests are swapped
+    out and back while their early blocks are null placeholders; the null block never enters the prefix cache,
+    no swapped-in block is freed and handed out again in the same step, and every block comes back."""
+    from pagedllm.config import CacheConfig, SchedulerConfig
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, preemption_mode="swap"),
+                  CacheConfig(block_size=4, enable_prefix_caching=True, sliding_window=6),
+                  num_kv_blocks=9, num_host_blocks=12)
+    kv = s.kv_cache_manager
+    for i in range(4):
+        request = Request(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8] + [20 + i] * (3 + i), SamplingParams(max_tokens=30),
+                          EOS, 30)
+        s.add_request(request)
+    swapped_in = 0
+    while s.requests:
+        out, _ = step(s)
+        targets = [d for _, d in out.blocks_to_swap_in]
+        assert len(targets) == len(set(targets)) and 0 not in targets  # no block copied into twice, nor the null one
+        swapped_in += len(out.blocks_to_swap_in)
+        assert kv.block_pool.null_block.block_hash is None and kv.block_pool.null_block not in \
+            kv.block_pool.cached_blocks.values()
+    assert s.stats.num_swapped_out > 0 and swapped_in > 0
+    assert kv.block_pool.num_free_blocks == 8 and len(kv.host_free) == 12

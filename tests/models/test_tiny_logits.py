@@ -117,3 +117,16 @@ def test_config_variants_are_what_they_claim(tiny_model) -> None:
     assert g3.qk_norm and g3.local_rope_theta == 10000.0 and g3.rope_theta == 1000000.0 and g3.window_of(1) is None
     moe = cfgs["qwen2-moe"]
     assert moe.moe_layers == (0, 2) and moe.shared_expert_intermediate_size == 48 and not moe.norm_topk_prob
+
+
+def test_config_details_from_real_checkpoints() -> None:
+    """Qwen2's use_sliding_window applies from max_window_layers on (only those layers slide); Gemma's
+    configs leave tie_word_embeddings out (tied)."""
+    from pagedllm.models.config import ArchConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)
+    qwen = ArchConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+                               "sliding_window": 8, "max_window_layers": 2})
+    assert [qwen.window_of(i) for i in range(4)] == [None, None, 8, 8] and not qwen.every_layer_slides
+    gemma = ArchConfig.from_hf({**base, "architectures": ["Gemma2ForCausalLM"], "head_dim": 8})
+    assert gemma.tie_word_embeddings and gemma.layer_types == ("sliding_attention", "full_attention") * 2
