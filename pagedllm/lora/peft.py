@@ -4,7 +4,9 @@ PEFT names each matrix after the base model's module (``base_model.model.model.l
 self_attn.q_proj.lora_A.weight``: A is (rank, in), B is (out, rank)); the delta of a module is
 ``scaling * B @ A`` with scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). Our
 models pack q/k/v and gate/up into one matmul each: an adapter's q_proj matrices land in the
-q rows of qkv_proj (the model's ``packed_modules_mapping`` says which).
+q rows of qkv_proj (the model's ``packed_modules_mapping`` says which); an adapter of the packed
+layer itself (Phi-3's checkpoints have qkv_proj / gate_up_proj) shares its A between the parts and
+splits its B by their rows.
 """
 from __future__ import annotations
 
@@ -88,13 +90,26 @@ def load_adapter(lora: LoRARequest, targets: dict[str, LoRATarget], max_rank: in
             part_of[part] = (name, index)
     tensors = load_file(os.path.join(lora.lora_path, WEIGHTS_FILE))
     found: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}  # adapters of a packed layer as one module (Phi-3's qkv_proj)
     for key, tensor in tensors.items():
         stem = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
         module, _, kind = stem.rpartition(".lora_")
-        if kind not in ("A.weight", "B.weight") or module not in part_of:
-            raise _refuse(lora, f"tensor {key!r} changes no module we can adapt (supported: the linear layers "
-                                f"{sorted({n.rsplit('.', 1)[-1] for n in part_of})})")
-        found.setdefault(part_of[module], {})[kind[0]] = tensor
+        if kind in ("A.weight", "B.weight") and module in part_of:
+            found.setdefault(part_of[module], {})[kind[0]] = tensor
+        elif kind in ("A.weight", "B.weight") and module in targets and len(targets[module].parts) > 1:
+            fused.setdefault(module, {})[kind[0]] = tensor
+        else:
+            names = sorted({n.rsplit(".", 1)[-1] for n in [*part_of, *targets]})
+            raise _refuse(lora, f"tensor {key!r} changes no module we can adapt (supported: the linear layers {names})")
+    for name, pair in fused.items():  # one A for every projection, B split by their rows
+        if any(key[0] == name for key in found):
+            raise _refuse(lora, f"{name} is adapted both whole and by its projections")
+        a, b = pair.get("A"), pair.get("B")
+        rows = [r for _, r in targets[name].parts]
+        if a is None or b is None or b.shape[0] != sum(rows):
+            raise _refuse(lora, f"{name}: lora_A / lora_B missing or lora_B not {sum(rows)} rows")
+        for index, piece in enumerate(b.split(rows, dim=0)):
+            found[(name, index)] = {"A": a, "B": piece}
     if not found:
         raise _refuse(lora, f"{WEIGHTS_FILE} holds no LoRA matrices")
     layers: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}

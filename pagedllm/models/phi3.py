@@ -11,9 +11,6 @@ from pagedllm.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    supported_lora_modules = ()
-    """No LoRA yet: Phi-3 adapters name the fused qkv_proj / gate_up_proj, which peft.py does not split."""
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -23,9 +23,9 @@ def make_adapter(base_dir: Path, out: Path, seed: int, **fields: Any) -> tuple[P
     greedy tokens) and return its folder and the merged transformers model (float32)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    base = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
     torch.manual_seed(seed)
     model = get_peft_model(base, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **fields))
     with torch.no_grad():

@@ -150,6 +150,22 @@ def test_lora_needs_enable_lora_and_one_rank(tiny_llm_dir: Path, adapters: Calla
         assert err.value.param == param
 
 
+def test_phi3_adapters_of_the_fused_layers(tiny_model: Callable, tmp_path: Path) -> None:
+    """Phi-3's checkpoint has qkv_proj and gate_up_proj: its PEFT adapters name those, and must equal
+    transformers + peft's merged model."""
+    from tests.lora.conftest import make_adapter
+
+    base = tiny_model("phi3-longrope")
+    folder, merged = make_adapter(base, tmp_path / "phi3", seed=5, r=8, lora_alpha=16,
+                                  target_modules=["qkv_proj", "gate_up_proj", "o_proj", "down_proj"])
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    prompts = [[5, 9, 13, 200, 7], [40, 41, 42]]
+    got = _tokens(llm, prompts, LoRARequest("phi3", 1, str(folder)))
+    base_tokens = _tokens(llm, prompts)
+    llm.shutdown()
+    assert got == [greedy_reference(merged, p, GREEDY.max_tokens) for p in prompts] and got != base_tokens
+
+
 def test_enable_lora_on_a_family_without_lora_layers(tiny_model: Callable) -> None:
     with pytest.raises(ValidationError) as err:
         LLM(str(tiny_model("gpt2")), dtype="float32", enable_lora=True, num_kv_blocks=16)
