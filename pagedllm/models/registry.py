@@ -42,7 +42,7 @@ _MODELS: dict[str, ModelEntry] = {
     "Gemma2ForCausalLM": ModelEntry("pagedllm.models.gemma2:Gemma2ForCausalLM", "Gemma 2", sliding_window=True),
     "Gemma3ForCausalLM": ModelEntry("pagedllm.models.gemma2:Gemma2ForCausalLM", "Gemma 3 (text-only)",
                                     sliding_window=True),
-    "GPT2LMHeadModel": ModelEntry("pagedllm.models.gpt2:GPT2LMHeadModel", "GPT-2"),
+    "GPT2LMHeadModel": ModelEntry("pagedllm.models.gpt2:GPT2LMHeadModel", "GPT-2", gguf=True),
     "OPTForCausalLM": ModelEntry("pagedllm.models.opt:OPTForCausalLM", "OPT (pre-LN, and opt-350m's post-LN)"),
 }
 

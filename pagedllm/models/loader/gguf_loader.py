@@ -15,7 +15,8 @@ import torch
 from pagedllm.errors import ValidationError
 from pagedllm.models.config import ArchConfig, as_id_tuple
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gpt2": "GPT2LMHeadModel"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -24,6 +25,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GPT-2: llama.cpp's names -> transformers' (its Conv1D weights are stored (out, in), as linear layers)
+_GPT2_LAYER_NAMES = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+                     "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+_GPT2_TOP_NAMES = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+                   "output_norm": "transformer.ln_f", "output": "lm_head"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,6 +60,18 @@ def load_arch_config(path: str) -> ArchConfig:
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
+    tensor_shapes = {t.name: list(reversed(t.shape.tolist())) for t in reader.tensors}  # torch order
+    if arch == "gpt2":  # the HF config's fields, read by the same code as an HF folder's
+        return ArchConfig._from_gpt2({
+            "n_embd": get("embedding_length"), "n_layer": get("block_count"), "n_head": get("attention.head_count"),
+            # the converter writes 4 * n_embd here whatever n_inner is: the tensor says
+            "n_inner": tensor_shapes["blk.0.ffn_up.weight"][0], "n_positions": get("context_length", 1024),
+            "layer_norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5)),
+            "vocab_size": tensor_shapes["token_embd.weight"][0],
+            "tie_word_embeddings": "output.weight" not in tensor_shapes,
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        })
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     scaling = None
@@ -90,13 +108,16 @@ def load_arch_config(path: str) -> ArchConfig:
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")  # suffix: weight / bias
     parts = base.split(".")
-    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    if base in _TOP_NAMES:
-        return f"{_TOP_NAMES[base]}.{suffix}"
+    gpt2 = architecture == "GPT2LMHeadModel"
+    layer_names, top_names, prefix = ((_GPT2_LAYER_NAMES, _GPT2_TOP_NAMES, "transformer.h") if gpt2 else
+                                      (_LAYER_NAMES, _TOP_NAMES, "model.layers"))
+    if parts[0] == "blk" and parts[2] in layer_names:
+        return f"{prefix}.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
+    if base in top_names:
+        return f"{top_names[base]}.{suffix}"
     return None
 
 
@@ -114,11 +135,14 @@ def iter_weights(path: str, config: ArchConfig) -> Iterator[tuple[str, torch.Ten
     reader = _reader(path)
     permuted = config.architecture == "LlamaForCausalLM"
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.architecture)
         if name is None:
             continue
         # GGUF stores dims fastest-first: reverse them to get torch's (out, in) order.
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(list(reversed(tensor.shape.tolist())))
+        if config.architecture == "GPT2LMHeadModel" and weight.ndim == 2 and any(
+                f".{m}." in name for m in ("c_attn", "c_proj", "c_fc")):
+            weight = weight.T  # back to transformers' Conv1D (in, out), as an HF folder has it
         if permuted and name.endswith("q_proj.weight"):
             weight = _unpermute(weight, config.num_heads)
         elif permuted and name.endswith("k_proj.weight"):
