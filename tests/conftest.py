@@ -107,8 +107,10 @@ def tokenizer(default_model: str) -> Any:
     return load_tokenizer(default_model)
 
 
-def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: Any = None, seed: int = 0) -> Path:
-    """Save a tiny random model of ``variant`` (weights scaled up so logits are not all ~0)."""
+def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: Any = None, seed: int = 0,
+                    **overrides: Any) -> Path:
+    """Save a tiny random model of ``variant`` (weights scaled up so logits are not all ~0); ``overrides``
+    change config fields of the variant."""
     import torch
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
                               GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
@@ -116,7 +118,7 @@ def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: 
                               Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
-    spec = dict(TINY_VARIANTS[variant])
+    spec = {**TINY_VARIANTS[variant], **overrides}
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                              "mistral": (MistralConfig, MistralForCausalLM),
                              "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gpt2": (GPT2Config, GPT2LMHeadModel),

@@ -1,6 +1,8 @@
 """GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py, fetched by `make`: see
-tests/tools/fetch_gguf_converter.sh) from tiny random transformers models: loaded by us, the same greedy
-tokens as transformers on the original weights. The reference GGUF layout is llama.cpp's, not ours."""
+tests/tools/fetch_gguf_converter.sh) from tiny random transformers models — Llama (q/k rows permuted),
+Qwen3, GPT-2, and the mixtures of experts (Mixtral as llama.cpp's "llama" with experts, Qwen2-MoE; each
+expert's matrices stacked in one tensor) — loaded by us: the same greedy tokens as transformers on the
+original weights. The reference GGUF layout is llama.cpp's, not ours."""
 from __future__ import annotations
 
 import json
@@ -29,13 +31,17 @@ def convert(hf_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.skipif(not (CONVERTER / "convert_hf_to_gguf.py").exists(),
-                    reason="llama.cpp's converter is not fetched: `make test` (tests/tools/fetch_gguf_converter.sh) does")
-@pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen3-qk-norm", "gpt2"])
+NOT_FETCHED = "llama.cpp's converter is not fetched (`make test` runs tests/tools/fetch_gguf_converter.sh)"
+
+
+@pytest.mark.skipif(not (CONVERTER / "convert_hf_to_gguf.py").exists(), reason=NOT_FETCHED)
+@pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen3-qk-norm", "gpt2", "mixtral", "qwen2-moe"])
 def test_llama_cpp_gguf_matches_transformers(variant: str, tokenizer: Any, tmp_path: Path) -> None:
     """The default model's tokenizer (one llama.cpp's converter knows) on a tiny model of each family (its
     Qwen2 converter does not know this tokenizer: Qwen2 GGUF is covered by the same code as Llama's and Qwen3's)."""
-    hf_dir = save_tiny_model(tmp_path / variant, variant, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    # the converter maps no dense layer of Qwen2-MoE (mlp_only_layers): every layer a mixture here
+    overrides = dict(mlp_only_layers=[], num_hidden_layers=2) if variant == "qwen2-moe" else {}
+    hf_dir = save_tiny_model(tmp_path / variant, variant, vocab_size=len(tokenizer), tokenizer=tokenizer, **overrides)
     if variant == "gpt2":  # the converter reads GPT-2's context length from the old n_ctx key
         config = json.loads((hf_dir / "config.json").read_text())
         (hf_dir / "config.json").write_text(json.dumps({**config, "n_ctx": config["n_positions"]}))

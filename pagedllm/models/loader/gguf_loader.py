@@ -16,7 +16,8 @@ from pagedllm.errors import ValidationError
 from pagedllm.models.config import ArchConfig, as_id_tuple
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gpt2": "GPT2LMHeadModel"}
+                  "gpt2": "GPT2LMHeadModel", "qwen2moe": "Qwen2MoeForCausalLM"}
+"""GGUF architecture -> ours ("llama" with experts is Mixtral: see _architecture)."""
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -25,6 +26,20 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# mixtures of experts: the router, the shared expert (Qwen2-MoE), and every expert's matrices stacked in
+# one tensor ({e}: split per expert on load, under transformers' per-expert names)
+_MOE_NAMES = {
+    "MixtralForCausalLM": {"ffn_gate_inp": "block_sparse_moe.gate",
+                           "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+                           "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+                           "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
+    "Qwen2MoeForCausalLM": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+                            "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj",
+                            "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                            "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                            "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                            "ffn_gate_inp_shexp": "mlp.shared_expert_gate"},
+}
 # GPT-2: llama.cpp's names -> transformers' (its Conv1D weights are stored (out, in), as linear layers)
 _GPT2_LAYER_NAMES = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
                      "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
@@ -56,6 +71,8 @@ def load_arch_config(path: str) -> ArchConfig:
     if arch not in _ARCHITECTURES:
         raise ValidationError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}",
                               param="model", value=arch)
+    experts = meta.get(f"{arch}.expert_count") or 0
+    architecture = "MixtralForCausalLM" if arch == "llama" and experts else _ARCHITECTURES[arch]
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -84,8 +101,16 @@ def load_arch_config(path: str) -> ArchConfig:
         tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         factors = dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
         scaling = {"rope_type": "freq_factors", "freq_factors": factors}
+    moe = {}
+    if experts:
+        layers = get("block_count")
+        moe = dict(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
+                   moe_intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
+                   shared_expert_intermediate_size=get("expert_shared_feed_forward_length") or 0,
+                   # llama.cpp renormalises Mixtral's top-k weights, not Qwen2-MoE's
+                   norm_topk_prob=architecture == "MixtralForCausalLM", moe_layers=tuple(range(layers)))
     return ArchConfig(
-        architecture=_ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
@@ -105,6 +130,7 @@ def load_arch_config(path: str) -> ArchConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=as_id_tuple(meta.get("tokenizer.ggml.eos_token_id")),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        **moe,
     )
 
 
@@ -113,7 +139,8 @@ def _hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | No
     parts = base.split(".")
     gpt2 = architecture == "GPT2LMHeadModel"
     layer_names, top_names, prefix = ((_GPT2_LAYER_NAMES, _GPT2_TOP_NAMES, "transformer.h") if gpt2 else
-                                      (_LAYER_NAMES, _TOP_NAMES, "model.layers"))
+                                      ({**_LAYER_NAMES, **_MOE_NAMES.get(architecture, {})}, _TOP_NAMES,
+                                       "model.layers"))
     if parts[0] == "blk" and parts[2] in layer_names:
         return f"{prefix}.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     if base in top_names:
@@ -133,7 +160,7 @@ def iter_weights(path: str, config: ArchConfig) -> Iterator[tuple[str, torch.Ten
     from gguf.quants import dequantize
 
     reader = _reader(path)
-    permuted = config.architecture == "LlamaForCausalLM"
+    permuted = config.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama" layout
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, config.architecture)
         if name is None:
@@ -147,4 +174,8 @@ def iter_weights(path: str, config: ArchConfig) -> Iterator[tuple[str, torch.Ten
             weight = _unpermute(weight, config.num_heads)
         elif permuted and name.endswith("k_proj.weight"):
             weight = _unpermute(weight, config.num_kv_heads)
+        if "{e}" in name:  # (experts, rows, cols): one tensor per expert
+            for expert in range(weight.shape[0]):
+                yield name.format(e=expert), torch.from_numpy(np.array(weight[expert], dtype=np.float32))
+            continue
         yield name, torch.from_numpy(np.array(weight, dtype=np.float32))  # a writable copy (the file is memory-mapped)
