@@ -145,10 +145,14 @@ class KVCacheManager:
         num_computed_tokens and sees positions from num_computed_tokens - window + 1 on."""
         first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
         null = self.block_pool.null_block
-        gone = [i for i in range(min(first_needed, len(blocks) - 1)) if blocks[i] is not null]
+        gone = []  # the freed blocks are a prefix: walk back from the window's start to the last placeholder
+        i = min(first_needed, len(blocks) - 1) - 1
+        while i >= 0 and blocks[i] is not null:
+            gone.append(i)
+            i -= 1
         if not gone:
             return
-        self.block_pool.free_blocks(blocks[i] for i in reversed(gone))  # cached ones stay findable until reused
+        self.block_pool.free_blocks(blocks[i] for i in gone)  # cached ones stay findable until reused
         for i in gone:
             blocks[i] = null
         self._replaced_tables.add(request.request_id)

@@ -19,7 +19,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.executor.factory import get_executor_class
 from pagedllm.models.config import ArchConfig
-from pagedllm.models.registry import ModelEntry, supported_models  # noqa: F401  (re-exported for the CLI)
+from pagedllm.models.registry import supported_models  # noqa: F401  (re-exported for the CLI)
 from pagedllm.models.loader import load_arch_config, load_eos_token_ids, load_tokenizer, resolve_model_path
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus

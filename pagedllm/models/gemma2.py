@@ -10,23 +10,10 @@ import torch
 from torch import nn
 
 from pagedllm.layers.embedding import VocabParallelEmbedding
+from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-
-
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), all in float32, cast back at the end (Gemma's order of rounding)."""
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class Gemma2DecoderLayer(nn.Module):

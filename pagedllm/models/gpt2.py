@@ -19,22 +19,34 @@ from pagedllm.models.config import ArchConfig
 from pagedllm.models.weights import load_into
 
 
-class GPT2Attention(nn.Module):
+class PackedMHAttention(nn.Module):
+    """Multi-head attention without rotary (GPT-2, OPT): one packed q | k | v projection and the output
+    projection, registered under the checkpoint's names (``names``), biases as the config says."""
+
+    names = ("qkv_proj", "out_proj")
+
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.c_attn = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_heads, bias=True,
-                                        dtype=dtype)
-        self.num_heads, self.head_dim = self.c_attn.num_heads, cfg.head_dim
-        heads = self.c_attn.heads
-        self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=True, dtype=dtype,
-                                        partition=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim))
+        qkv = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_heads, bias=cfg.qkv_bias,
+                                dtype=dtype)
+        heads = qkv.heads
+        out = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype,
+                                partition=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim))
+        for name, module in zip(self.names, (qkv, out)):
+            setattr(self, name, module)
+        self.num_heads, self.head_dim = qkv.num_heads, cfg.head_dim
         self.attn = Attention(self.num_heads, cfg.head_dim, self.num_heads, scale=cfg.head_dim ** -0.5)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)
+        qkv_proj, out_proj = (getattr(self, name) for name in self.names)
+        q, k, v = qkv_proj(hidden).chunk(3, dim=-1)
         # q, k, v (tokens, heads, head_dim)
         shape = (-1, self.num_heads, self.head_dim)
-        return self.c_proj(self.attn(q.reshape(shape), k.reshape(shape), v.reshape(shape)))
+        return out_proj(self.attn(q.reshape(shape), k.reshape(shape), v.reshape(shape)))
+
+
+class GPT2Attention(PackedMHAttention):
+    names = ("c_attn", "c_proj")
 
 
 class GPT2Block(nn.Module):

@@ -10,11 +10,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedllm.attention.layer import Attention
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.models.config import ArchConfig
+from pagedllm.models.gpt2 import PackedMHAttention
 from pagedllm.models.weights import load_into
 
 POSITION_OFFSET = 2
@@ -23,22 +23,8 @@ POSITION_OFFSET = 2
 _PACKED = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 
 
-class OPTAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_heads,
-                                          bias=cfg.qkv_bias, dtype=dtype)
-        self.num_heads, self.head_dim = self.qkv_proj.num_heads, cfg.head_dim
-        heads = self.qkv_proj.heads
-        self.out_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype,
-                                          partition=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim))
-        self.attn = Attention(self.num_heads, cfg.head_dim, self.num_heads, scale=cfg.head_dim ** -0.5)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
-        # q, k, v (tokens, heads, head_dim)
-        shape = (-1, self.num_heads, self.head_dim)
-        return self.out_proj(self.attn(q.reshape(shape), k.reshape(shape), v.reshape(shape)))
+class OPTAttention(PackedMHAttention):
+    names = ("qkv_proj", "out_proj")
 
 
 class OPTDecoderLayer(nn.Module):
