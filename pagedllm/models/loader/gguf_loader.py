@@ -16,7 +16,8 @@ from pagedllm.errors import ValidationError
 from pagedllm.models.config import ArchConfig, as_id_tuple
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gpt2": "GPT2LMHeadModel", "qwen2moe": "Qwen2MoeForCausalLM"}
+                  "gpt2": "GPT2LMHeadModel", "qwen2moe": "Qwen2MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 """GGUF architecture -> ours ("llama" with experts is Mixtral: see _architecture)."""
 
 _LAYER_NAMES = {
@@ -26,9 +27,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# mixtures of experts: the router, the shared expert (Qwen2-MoE), and every expert's matrices stacked in
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+# per architecture, where its names differ from Llama's. Phi-3: q|k|v and gate|up packed as in its checkpoints.
+# Mixtures of experts: the router, the shared expert (Qwen2-MoE), and every expert's matrices stacked in
 # one tensor ({e}: split per expert on load, under transformers' per-expert names)
-_MOE_NAMES = {
+_ARCH_NAMES = {
+    "Phi3ForCausalLM": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "Gemma2ForCausalLM": _GEMMA_NAMES, "Gemma3ForCausalLM": _GEMMA_NAMES,
     "MixtralForCausalLM": {"ffn_gate_inp": "block_sparse_moe.gate",
                            "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
                            "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
@@ -89,6 +95,8 @@ def load_arch_config(path: str) -> ArchConfig:
             "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         })
+    if arch in ("phi3", "gemma2", "gemma3"):  # as the HF config's fields, read by the same code as an HF folder's
+        return ArchConfig.from_hf(_hf_config(reader, meta, arch, architecture, tensor_shapes))
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     scaling = None
@@ -96,11 +104,7 @@ def load_arch_config(path: str) -> ArchConfig:
         scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")}
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:  # llama.cpp keeps Llama 3.1 rope scaling as per-frequency divisors
-        from gguf.quants import dequantize
-
-        tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        factors = dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
-        scaling = {"rope_type": "freq_factors", "freq_factors": factors}
+        scaling = {"rope_type": "freq_factors", "freq_factors": _small_tensor(reader, "rope_freqs.weight")}
     moe = {}
     if experts:
         layers = get("block_count")
@@ -134,12 +138,65 @@ def load_arch_config(path: str) -> ArchConfig:
     )
 
 
+def _small_tensor(reader, name: str) -> list[float]:
+    """A small tensor of the file (rope factors) as a list."""
+    from gguf.quants import dequantize
+
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
+
+
+def _hf_config(reader, meta: dict[str, Any], arch: str, architecture: str,
+               shapes: dict[str, list[int]]) -> dict[str, Any]:
+    """Phi-3 and Gemma 2/3 metadata as their HF config.json fields. What llama.cpp's converter leaves out is
+    what llama.cpp itself assumes: Gemma 2 slides on every other layer, Gemma 3 on five of six with a rope
+    base of 10000 there, and scores scaled by head_dim ** -0.5 (hidden / heads for the 27B models)."""
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    layers, heads, hidden = get("block_count"), get("attention.head_count"), get("embedding_length")
+    head_dim = get("attention.key_length") or hidden // heads
+    hf: dict[str, Any] = {
+        "architectures": [architecture], "vocab_size": shapes["token_embd.weight"][0], "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"), "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads), "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": get("context_length", 4096), "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "sliding_window": get("attention.sliding_window") or None,
+    }
+    theta = float(get("rope.freq_base", 10000.0))
+    rope_dims = get("rope.dimension_count") or head_dim
+    if rope_dims != head_dim:
+        hf["partial_rotary_factor"] = rope_dims / head_dim  # refused by from_hf with the parameter's name
+    if arch == "phi3":
+        hf["rope_theta"] = theta
+        if "rope_factors_long.weight" in shapes:  # LongRoPE: per-frequency factors before/after the original length
+            hf["rope_scaling"] = {"rope_type": "longrope", "long_factor": _small_tensor(reader, "rope_factors_long.weight"),
+                                  "short_factor": _small_tensor(reader, "rope_factors_short.weight"),
+                                  "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+        return hf
+    big = layers == (46 if arch == "gemma2" else 62)  # llama.cpp's test for the 27B models
+    pattern = get("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    slides = (list(pattern) if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(layers)])
+    hf.update(query_pre_attn_scalar=hidden / heads if big else head_dim, hidden_activation="gelu_pytorch_tanh",
+              layer_types=["sliding_attention" if s else "full_attention" for s in slides],
+              attn_logit_softcapping=get("attn_logit_softcapping"),
+              final_logit_softcapping=get("final_logit_softcapping"))
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if get("rope.scaling.type") not in (None, "none"):
+        full.update(rope_type=get("rope.scaling.type"), factor=get("rope.scaling.factor"))
+    hf["rope_parameters"] = {"full_attention": full} if arch == "gemma2" else {
+        "full_attention": full, "sliding_attention": {"rope_theta": float(get("rope.freq_base_swa", 10000.0))}}
+    return hf
+
+
 def _hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")  # suffix: weight / bias
     parts = base.split(".")
     gpt2 = architecture == "GPT2LMHeadModel"
     layer_names, top_names, prefix = ((_GPT2_LAYER_NAMES, _GPT2_TOP_NAMES, "transformer.h") if gpt2 else
-                                      ({**_LAYER_NAMES, **_MOE_NAMES.get(architecture, {})}, _TOP_NAMES,
+                                      ({**_LAYER_NAMES, **_ARCH_NAMES.get(architecture, {})}, _TOP_NAMES,
                                        "model.layers"))
     if parts[0] == "blk" and parts[2] in layer_names:
         return f"{prefix}.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
@@ -167,6 +224,8 @@ def iter_weights(path: str, config: ArchConfig) -> Iterator[tuple[str, torch.Ten
             continue
         # GGUF stores dims fastest-first: reverse them to get torch's (out, in) order.
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(list(reversed(tensor.shape.tolist())))
+        if config.architecture.startswith("Gemma") and name.endswith("norm.weight"):
+            weight = weight - 1  # llama.cpp stores Gemma's norms as 1 + w, ours add the 1 themselves
         if config.architecture == "GPT2LMHeadModel" and weight.ndim == 2 and any(
                 f".{m}." in name for m in ("c_attn", "c_proj", "c_fc")):
             weight = weight.T  # back to transformers' Conv1D (in, out), as an HF folder has it
