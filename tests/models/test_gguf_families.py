@@ -1,6 +1,6 @@
 """GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py, fetched by `make`: see
 tests/tools/fetch_gguf_converter.sh) from tiny random transformers models — Llama (q/k rows permuted),
-Qwen3, GPT-2, and the mixtures of experts (Mixtral as llama.cpp's "llama" with experts, Qwen2-MoE; each
+Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, and the mixtures of experts (Mixtral as llama.cpp's "llama" with experts, Qwen2-MoE; each
 expert's matrices stacked in one tensor) — loaded by us: the same greedy tokens as transformers on the
 original weights. The reference GGUF layout is llama.cpp's, not ours."""
 from __future__ import annotations
@@ -38,7 +38,7 @@ NOT_FETCHED = "llama.cpp's converter is not fetched (`make test` runs tests/tool
 @pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen3-qk-norm", "gpt2", "mixtral", "qwen2-moe"])
 def test_llama_cpp_gguf_matches_transformers(variant: str, tokenizer: Any, tmp_path: Path) -> None:
     """The default model's tokenizer (one llama.cpp's converter knows) on a tiny model of each family (its
-    Qwen2 converter does not know this tokenizer: Qwen2 GGUF is covered by the same code as Llama's and Qwen3's)."""
+    Qwen2 converter does not know this tokenizer: Qwen2 is converted with a SentencePiece one below)."""
     # the converter maps no dense layer of Qwen2-MoE (mlp_only_layers): every layer a mixture here
     overrides = dict(mlp_only_layers=[], num_hidden_layers=2) if variant == "qwen2-moe" else {}
     hf_dir = save_tiny_model(tmp_path / variant, variant, vocab_size=len(tokenizer), tokenizer=tokenizer, **overrides)
@@ -86,12 +86,13 @@ def hf_logprobs(path: str, prompt: list[int], tokens: list[int]) -> list[float]:
 
 
 @pytest.mark.skipif(not (CONVERTER / "convert_hf_to_gguf.py").exists(), reason=NOT_FETCHED)
-@pytest.mark.parametrize("variant", ["phi3-longrope", "gemma2", "gemma3"])
-def test_llama_cpp_gguf_phi3_and_gemma(variant: str, tokenizer: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["phi3-longrope", "gemma2", "gemma3", "qwen2-qkv-bias"])
+def test_llama_cpp_gguf_sentencepiece_phi3_gemma_qwen2(variant: str, tokenizer: Any, tmp_path: Path) -> None:
     """Phi-3 (q|k|v and gate|up packed, LongRoPE's factors as tensors) and Gemma 2/3 (norms stored as 1 + w,
     what the file leaves out taken as llama.cpp does: the sliding layers' pattern, the score scale), with a
     SentencePiece tokenizer.model as theirs (Gemma 3: the default model's tokenizer.json, which the converter
-    also takes): greedy tokens and their log-probabilities equal transformers'."""
+    also takes), and Qwen2 (qkv biases; through a tokenizer.model, which its converter takes too): greedy tokens
+    and their log-probabilities equal transformers'."""
     hf_dir = tmp_path / variant
     hf_dir.mkdir()
     if variant == "gemma3":  # llama.cpp assumes Gemma 3's five sliding layers in six: six layers here
@@ -119,6 +120,8 @@ def test_llama_cpp_gguf_phi3_and_gemma(variant: str, tokenizer: Any, tmp_path: P
         got = [entry[t].logprob for t, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
         assert got == pytest.approx(hf_logprobs(str(hf_dir), prompt, want[prompts.index(prompt)]), abs=1e-4)
     assert arch.architecture == hf_config["architectures"][0] and round_trip == text
+    if variant.startswith("qwen2"):
+        return
     if variant == "phi3-longrope":
         scaling = hf_config.get("rope_parameters") or hf_config["rope_scaling"]
         assert arch.rope_scaling["long_factor"] == pytest.approx(scaling["long_factor"])
