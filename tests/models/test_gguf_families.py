@@ -1,8 +1,8 @@
 """GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py, fetched by `make`: see
 tests/tools/fetch_gguf_converter.sh) from tiny random transformers models — Llama (q/k rows permuted),
 Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, and the mixtures of experts (Mixtral as llama.cpp's "llama" with
-experts, Qwen2-MoE; each expert's matrices stacked in one tensor) — loaded by us: the same greedy tokens as transformers on the
-original weights. The reference GGUF layout is llama.cpp's, not ours."""
+experts, Qwen2-MoE; each expert's matrices stacked in one tensor) — loaded by us: the same greedy tokens as
+transformers on the original weights. The reference GGUF layout is llama.cpp's, not ours."""
 from __future__ import annotations
 
 import json

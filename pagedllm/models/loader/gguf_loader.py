@@ -162,7 +162,8 @@ def _hf_config(reader, meta: dict[str, Any], arch: str, architecture: str,
         "num_key_value_heads": get("attention.head_count_kv", heads), "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": get("context_length", 4096), "tie_word_embeddings": "output.weight" not in shapes,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "sliding_window": get("attention.sliding_window") or None,
     }
     theta = float(get("rope.freq_base", 10000.0))
@@ -172,7 +173,8 @@ def _hf_config(reader, meta: dict[str, Any], arch: str, architecture: str,
     if arch == "phi3":
         hf["rope_theta"] = theta
         if "rope_factors_long.weight" in shapes:  # LongRoPE: per-frequency factors before/after the original length
-            hf["rope_scaling"] = {"rope_type": "longrope", "long_factor": _small_tensor(reader, "rope_factors_long.weight"),
+            hf["rope_scaling"] = {"rope_type": "longrope",
+                                  "long_factor": _small_tensor(reader, "rope_factors_long.weight"),
                                   "short_factor": _small_tensor(reader, "rope_factors_short.weight"),
                                   "original_max_position_embeddings": get("rope.scaling.original_context_length")}
         return hf
