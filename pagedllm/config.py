@@ -61,10 +61,17 @@ class ModelConfig:
     """Seed of the engine's random generator (requests without their own seed)."""
     load_format: str = "auto"
     """"auto" (the checkpoint's weights) or "dummy" (random weights, only config.json read)."""
+    quantization: str | None = None
+    """"gguf": a GGUF file's quantized weights stay in their formats; None: dequantized to dtype."""
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
             raise ValidationError.bad_value("load_format", self.load_format, "'auto' or 'dummy'")
+        if self.quantization not in (None, "gguf"):
+            raise ValidationError.bad_value("quantization", self.quantization, "None or 'gguf'")
+        if self.quantization == "gguf" and not self.model.endswith(".gguf"):
+            raise ValidationError.bad_value("quantization", self.quantization,
+                                            "None for a model that is not a .gguf file")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValidationError.bad_value("dtype", self.dtype, "'auto', 'float32', 'bfloat16' or 'float16'")
         if self.max_model_len < 1:
@@ -286,6 +293,10 @@ class EngineArgs:
     load_format: str = "auto"
     """"auto" (read the checkpoint's weights) or "dummy" (random weights from the seed; only config.json and the
     tokenizer are read: for benchmarks and memory profiling of a model's shape without its checkpoint)."""
+    quantization: str | None = None
+    """"gguf": run a GGUF file's quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) in their own formats through
+    int8 kernels, ~3.5x fewer bytes per decode step than bf16 (other tensors, and every weight where the compiled
+    kernels do not run, are dequantized to dtype). None: every weight dequantized to dtype."""
     tensor_parallel_size: int = 1
     """Ranks per layer (each holds its share of the heads, MLP columns and vocabulary, and of the KV cache)."""
     distributed_executor_backend: str | None = None

@@ -10,6 +10,10 @@
 
 PL_EXPORT int pl_gemm(const void* x, int64_t lda, const void* packed, const float* bias, void* out, int64_t ldc,
                       int64_t M, int64_t N, int64_t K, int dtype, int silu, int threads);
+PL_EXPORT int pl_qgemm(const void* x, int64_t lda, const void* w, int packed, void* out, int64_t ldc, int64_t M,
+                       int64_t N, int64_t K, int qtype, int dtype, int threads);
+PL_EXPORT int pl_silu_and_mul(const void* x, int64_t xs, void* out, int64_t os, int64_t rows, int64_t D, int dtype,
+                              int threads);
 PL_EXPORT int pl_rms_norm(const void* x, int64_t xs, void* residual, int64_t rs, const void* weight, void* out,
                           int64_t os, int64_t rows, int64_t H, float eps, int dtype, int threads);
 PL_EXPORT int pl_rotary(const int64_t* positions, void* qkv, int64_t stride, const void* cos, const void* sin,
@@ -23,7 +27,9 @@ PL_EXPORT int pl_paged_attention(const void* q, int64_t q_stride, const void* kc
 
 // One layer's weights: GEMM weights packed by pl_gemm_pack (gate_up in the fused-SiLU order),
 // column-parallel biases as float32 (added inside the GEMM), row-parallel ones in the storage
-// type (added after it), null where there is none.
+// type (added after it), null where there is none. A weight whose qtype is not 0 is a GGUF format
+// packed by pl_qpack (quant.cpp; gate_up then [gate; up], SiLU-and-mul a separate pass), its bias
+// in the storage type, added after the GEMM as the layers do.
 struct LayerPlan {
   const void* input_norm;
   const void* post_norm;
@@ -37,6 +43,7 @@ struct LayerPlan {
   const void* down_bias;
   void* k_cache;
   void* v_cache;
+  int qkv_qtype, o_qtype, gate_up_qtype, down_qtype;
 };
 
 struct StackPlan {
@@ -51,6 +58,13 @@ struct StackPlan {
 
 namespace {
 using namespace pl;
+
+// out (M, N; row stride ldc) = x W^T (+ float32 bias, our GEMM only) by our GEMM or the quantized one
+int linear(const void* x, int64_t lda, const void* w, int qtype, const float* bias, void* out, int64_t ldc, int64_t M,
+           int64_t N, int64_t K, int dt, int threads) {
+  if (qtype) return pl_qgemm(x, lda, w, 1, out, ldc, M, N, K, qtype, dt, threads);
+  return pl_gemm(x, lda, w, bias, out, ldc, M, N, K, dt, 0, threads);
+}
 
 // out[r] = T(out[r] + bias), as torch's `out + bias` after the GEMM's own rounding
 template <typename T>
@@ -67,6 +81,7 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
   T* qkv = work;                 // (M, qkv_cols)
   T* attn = qkv + M * qkv_cols;  // (M, nh * D)
   T* mlp = attn + M * nh * D;    // (M, I)
+  T* gate_up = mlp + M * I;      // (M, 2 I): only for a quantized gate_up (no fused SiLU)
   const int dt = p.dtype;
   for (int64_t l = 0; l < p.layers; ++l) {
     const LayerPlan& w = p.layer[l];
@@ -77,7 +92,9 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
     } else {
       rc = pl_rms_norm(hidden, H, residual, H, w.input_norm, hidden, H, M, H, p.eps, dt, threads);
     }
-    if (rc || (rc = pl_gemm(hidden, H, w.qkv, w.qkv_bias, qkv, qkv_cols, M, qkv_cols, H, dt, 0, threads))) return rc;
+    if (rc || (rc = linear(hidden, H, w.qkv, w.qkv_qtype, w.qkv_bias, qkv, qkv_cols, M, qkv_cols, H, dt, threads)))
+      return rc;
+    if (w.qkv_qtype && w.qkv_bias) add_bias(qkv, reinterpret_cast<const T*>(w.qkv_bias), M, qkv_cols);
     if ((rc = pl_rotary(positions, qkv, qkv_cols, p.cos, p.sin, M, nh + nkv, D, p.max_pos, dt, threads))) return rc;
     const T* k = qkv + nh * D;
     const T* v = k + nkv * D;
@@ -87,11 +104,18 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
     if ((rc = pl_paged_attention(qkv, qkv_cols, w.k_cache, w.v_cache, tables, maxb, lens, attn, M, nh, nkv,
                                  p.block_size, D, p.scale, dt, threads)))
       return rc;
-    if ((rc = pl_gemm(attn, nh * D, w.o, nullptr, hidden, H, M, H, nh * D, dt, 0, threads))) return rc;
+    if ((rc = linear(attn, nh * D, w.o, w.o_qtype, nullptr, hidden, H, M, H, nh * D, dt, threads))) return rc;
     if (w.o_bias) add_bias(hidden, static_cast<const T*>(w.o_bias), M, H);
     if ((rc = pl_rms_norm(hidden, H, residual, H, w.post_norm, hidden, H, M, H, p.eps, dt, threads))) return rc;
-    if ((rc = pl_gemm(hidden, H, w.gate_up, w.gate_up_bias, mlp, I, M, 2 * I, H, dt, 1, threads))) return rc;
-    if ((rc = pl_gemm(mlp, I, w.down, nullptr, hidden, H, M, H, I, dt, 0, threads))) return rc;
+    if (w.gate_up_qtype) {
+      if ((rc = pl_qgemm(hidden, H, w.gate_up, 1, gate_up, 2 * I, M, 2 * I, H, w.gate_up_qtype, dt, threads)))
+        return rc;
+      if (w.gate_up_bias) add_bias(gate_up, reinterpret_cast<const T*>(w.gate_up_bias), M, 2 * I);
+      if ((rc = pl_silu_and_mul(gate_up, 2 * I, mlp, I, M, I, dt, threads))) return rc;
+    } else if ((rc = pl_gemm(hidden, H, w.gate_up, w.gate_up_bias, mlp, I, M, 2 * I, H, dt, 1, threads))) {
+      return rc;
+    }
+    if ((rc = linear(mlp, I, w.down, w.down_qtype, nullptr, hidden, H, M, H, I, dt, threads))) return rc;
     if (w.down_bias) add_bias(hidden, static_cast<const T*>(w.down_bias), M, H);
   }
   return pl_rms_norm(hidden, H, residual, H, p.final_norm, hidden, H, M, H, p.eps, dt, threads);
@@ -99,7 +123,8 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
 }  // namespace
 
 // Runs the whole stack on M rows. hidden (M, H): the embeddings in, the final norm's output out;
-// residual (M, H) and work (M, (heads + 2 kv_heads) * D + heads * D + intermediate) are scratch.
+// residual (M, H) and work (M, (heads + 2 kv_heads) * D + heads * D + intermediate, + 2 intermediate with a
+// quantized gate_up) are scratch.
 // positions, slots (M,) int64; tables (M, maxb) and lens (M,) int32 as for pl_paged_attention.
 PL_EXPORT int pl_llama_stack(const StackPlan* plan, int64_t M, void* hidden, void* residual, void* work,
                              const int64_t* positions, const int64_t* slots, const int32_t* tables, int64_t maxb,

@@ -57,7 +57,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     lora = _lora_config(args, parallel)
     config = EngineConfig(
-        model=ModelConfig(path, dtype, max_model_len, args.seed, args.load_format),
+        model=ModelConfig(path, dtype, max_model_len, args.seed, args.load_format, args.quantization),
         cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks, args.enable_prefix_caching,
                           args.swap_space, args.gpu_memory_utilization,
                           arch.sliding_window if arch.every_layer_slides else None),

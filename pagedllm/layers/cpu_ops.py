@@ -14,13 +14,28 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
 from pagedllm import platform
+
+
+class QuantMatrix(Protocol):
+    """What the quantized kernels read of a matrix in a GGUF format (layers/quant.py's QuantTensor)."""
+
+    qtype: int
+    rows: int
+    cols: int
+    data: torch.Tensor
+    packed: bool
+
+
+Q = TypeVar("Q", bound=QuantMatrix)
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Storage dtypes the kernels take, and their codes in the C interface."""
@@ -40,6 +55,10 @@ _SIGNATURES = {
                                   _I32, _I32],
     "pl_write_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32],
     "pl_llama_stack": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I32],
+    "pl_qtype_layout": [_I32, ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.POINTER(_I32)],
+    "pl_qpack": [_P, _P, _I64, _I64, _I32, _I32],
+    "pl_qgemm": [_P, _I64, _P, _I32, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32],
+    "pl_qrows": [_P, _I32, _P, _I64, _I64, _I64, _I32, _P, _I32, _I32],
 }
 
 
@@ -73,6 +92,7 @@ class CpuKernels:
             fn = getattr(self._lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib.pl_last_error.restype = ctypes.c_char_p
+        self._lib.pl_qpack_size.argtypes, self._lib.pl_qpack_size.restype = [_I32, _I64, _I64], _I64
         self._layouts = {dtype: self._layout(code) for dtype, code in DTYPE_CODES.items()}
 
     def _check(self, rc: int) -> None:
@@ -116,6 +136,35 @@ class CpuKernels:
                                       cols, rows, out_features, k, DTYPE_CODES[x.dtype], int(silu_and_mul),
                                       torch.get_num_threads()))
         return out if x.dim() == 2 else out.view(*x.shape[:-1], cols)  # (..., cols)
+
+    def qpack(self, w: Q) -> Q:
+        """W in the layout the kernels read fastest: the packed copy for the formats they pack (Q4_0, Q4_1,
+        Q8_0: csrc/quant.cpp), else W itself."""
+        block, nbytes, packs = _I64(), _I64(), _I32()
+        self._check(self._lib.pl_qtype_layout(w.qtype, block, nbytes, packs))
+        if w.packed or not packs.value:
+            return w
+        out = torch.empty(self._lib.pl_qpack_size(w.qtype, w.rows, w.cols), dtype=torch.uint8)
+        self._check(self._lib.pl_qpack(w.data.contiguous().data_ptr(), out.data_ptr(), w.rows, w.cols, w.qtype,
+                                       torch.get_num_threads()))
+        return dataclasses.replace(w, data=out, packed=True)
+
+    def qgemm(self, x: torch.Tensor, w: QuantMatrix, out: torch.Tensor) -> None:
+        """out (rows, w.rows; rows may be strided, e.g. a column slice) = x (rows, w.cols) W^T, W in its
+        GGUF format (layers/quant.py), packed or not; x's values quantized to int8 per 32 on the way."""
+        assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == w.cols and x.dtype == out.dtype
+        assert out.shape == (x.shape[0], w.rows) and out.stride(1) == 1 and w.data.is_contiguous()
+        self._check(self._lib.pl_qgemm(x.data_ptr(), x.stride(0), w.data.data_ptr(), int(w.packed), out.data_ptr(),
+                                       out.stride(0), x.shape[0], w.rows, w.cols, w.qtype, DTYPE_CODES[x.dtype],
+                                       torch.get_num_threads()))
+
+    def qrows(self, w: QuantMatrix, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the quantized table (packed or not), dequantized: (len(ids), w.cols) of ``dtype``."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), w.cols, dtype=dtype)  # (ids, cols)
+        self._check(self._lib.pl_qrows(w.data.data_ptr(), int(w.packed), ids.data_ptr(), ids.numel(), w.rows, w.cols,
+                                       w.qtype, out.data_ptr(), DTYPE_CODES[dtype], torch.get_num_threads()))
+        return out
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                  eps: float) -> None:

@@ -11,11 +11,16 @@ from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_world_size
+from pagedllm.layers.cpu_ops import fused_ops
 from pagedllm.layers.prepack import PackedWeight, can_prepack, linear, prepack
+from pagedllm.layers.quant import QuantWeight, kept_quantized, quant_linear, store_rows
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows (token ids) are split across ranks; the lookups are summed."""
+
+    quant: QuantWeight | None = None
+    """The table's rows kept in their GGUF format (quantization="gguf" where the kernels run), else None."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -28,18 +33,31 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.rows_per_partition, embedding_dim, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.takes_quantized = True
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of the full embedding matrix."""
         assert loaded.shape[0] == self.num_embeddings, (loaded.shape, self.num_embeddings)
-        param.data[:self.num_real_rows].copy_(loaded.narrow(0, self.vocab_start, self.num_real_rows))
+        store_rows(param, loaded.narrow(0, self.vocab_start, self.num_real_rows))
+
+    def process_weights_after_loading(self) -> None:
+        """Keep the quantized rows where the kernels run (a lookup decodes its rows), else dequantize."""
+        self.quant = kept_quantized(self.weight)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        kernels = fused_ops(self.weight)
+        assert kernels is not None and len(self.quant.pieces) == 1
+        rows = kernels.qrows(self.quant.pieces[0], ids.reshape(-1), self.weight.dtype)  # (ids, hidden)
+        return rows.view(*ids.shape, rows.shape[-1])  # (..., hidden)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows_per_partition)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)  # other ranks hold these rows
         return tensor_model_parallel_all_reduce(out)
 
@@ -50,15 +68,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: PackedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the CPU weight for our GEMM or oneDNN (layers/prepack.py). The plain weight stays:
-        with tied embeddings it is the embedding table."""
-        if can_prepack(self.weight):
+        """Keep quantized rows for the quantized kernels, or pack the CPU weight for our GEMM or oneDNN
+        (layers/prepack.py). The plain weight stays: with tied embeddings it is the embedding table."""
+        super().process_weights_after_loading()
+        if self.quant is None and can_prepack(self.weight):
             self.packed_weight = prepack(self.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """(tokens, hidden) -> (tokens, vocab) logits in float32, or in the weights' dtype with
         ``keep_dtype`` (the sampler reads bf16 directly: no float32 copy of a (256, 49k) array)."""
-        logits = tensor_model_parallel_all_gather(linear(hidden_states, self.weight, self.packed_weight), dim=-1)
+        local = (quant_linear(hidden_states, self.quant) if self.quant is not None
+                 else linear(hidden_states, self.weight, self.packed_weight))
+        logits = tensor_model_parallel_all_gather(local, dim=-1)
         if logits.shape[-1] != self.num_embeddings:  # the padding rows of the last rank
             logits = logits[:, :self.num_embeddings].contiguous()
         return logits if keep_dtype else logits.float()

@@ -17,10 +17,18 @@ from pagedllm.distributed.ops import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_world_size, shard_heads, split_evenly
 from pagedllm.layers.prepack import (PackedWeight, can_prepack, linear, prepack, silu_and_mul_linear, silu_interleave,
                                      silu_pack)
+from pagedllm.layers.quant import QuantWeight, kept_quantized, quant_linear, store_rows
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _weight(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    """A layer's (out, in) weight: it may also take a GGUF file's quantized rows (layers/quant.py)."""
+    param = _param(*shape, dtype=dtype)
+    param.takes_quantized = True
+    return param
 
 
 class _PrepackedLinear(nn.Module):
@@ -28,6 +36,8 @@ class _PrepackedLinear(nn.Module):
 
     weight: nn.Parameter
     packed_weight: PackedWeight | None = None
+    quant: QuantWeight | None = None
+    """The weight's rows kept in their GGUF formats (quantization="gguf" where the kernels run), else None."""
     lora: Any = None
     """With enable_lora: the layer's LoRA slots (lora/layers.py LoRALinear), whose ``apply`` adds the step's
     adapter deltas to the output; None otherwise."""
@@ -40,12 +50,16 @@ class _PrepackedLinear(nn.Module):
         return out if self.lora is None or self.lora.step.mask is None else self.lora.apply(x, out)
 
     def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for our GEMM or oneDNN (layers/prepack.py) and drop the plain copy."""
-        if can_prepack(self.weight):
+        """Keep quantized rows for the quantized kernels, or pack the loaded weight for our GEMM or oneDNN
+        (layers/prepack.py); either replaces the plain copy."""
+        self.quant = kept_quantized(self.weight)
+        if self.quant is None and can_prepack(self.weight):
             self.packed_weight = prepack(self.weight)
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_linear(x, self.quant, bias)
         return linear(x, self.weight, self.packed_weight, bias)
 
 
@@ -60,7 +74,7 @@ class ColumnParallelLinear(_PrepackedLinear):
         self.input_size = input_size
         self.output_start, self.output_size_per_partition = (
             partition if partition is not None else split_evenly(output_size, self.tp_size, self.tp_rank))
-        self.weight = _param(self.output_size_per_partition, input_size, dtype=dtype)
+        self.weight = _weight(self.output_size_per_partition, input_size, dtype=dtype)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(self.output_size_per_partition, dtype=dtype) if bias else None
         if self.bias is not None:
@@ -68,7 +82,7 @@ class ColumnParallelLinear(_PrepackedLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of a full checkpoint tensor."""
-        param.data.copy_(loaded.narrow(0, self.output_start, param.shape[0]))
+        store_rows(param, loaded.narrow(0, self.output_start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._with_lora(x, self._matmul(x, self.bias))
@@ -92,8 +106,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def pack_for_silu_and_mul(self) -> None:
         """For a [gate, up] pair on a CPU where our GEMM runs: pack the rows interleaved so one
         GEMM writes silu(gate) * up (no (tokens, 2 * intermediate) array, no separate SiLU pass).
-        Not with a LoRA layer: an adapter's delta must be added before the SiLU."""
-        if self.lora is not None or len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1] or self.weight.dim() != 2:
+        Not with a LoRA layer (an adapter's delta must be added before the SiLU), nor quantized rows."""
+        if self.lora is not None or getattr(self.weight, "quant", None) is not None or len(self.output_sizes) != 2 \
+                or self.output_sizes[0] != self.output_sizes[1] or self.weight.dim() != 2:
             return
         packed = silu_pack(self.weight)
         if packed is None:
@@ -119,7 +134,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int)
         start, size = self.shards[shard_id]
         offset = sum(n for _, n in self.shards[:shard_id])
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        store_rows(param, loaded.narrow(0, start, size), offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -144,7 +159,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size, kv_size = h.num_heads * d, h.num_kv_heads * d
         offset, start, size = {"q": (0, h.q_start * d, q_size), "k": (q_size, h.kv_start * d, kv_size),
                                "v": (q_size + kv_size, h.kv_start * d, kv_size)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        store_rows(param, loaded.narrow(0, start, size), offset)
 
 
 class RowParallelLinear(_PrepackedLinear):
@@ -158,15 +173,16 @@ class RowParallelLinear(_PrepackedLinear):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.input_start, self.input_size_per_partition = (
             partition if partition is not None else split_evenly(input_size, self.tp_size, self.tp_rank))
-        self.weight = _param(output_size, self.input_size_per_partition, dtype=dtype)
+        self.weight = _weight(output_size, self.input_size_per_partition, dtype=dtype)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(output_size, dtype=dtype) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self._bias_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        """Copy this rank's columns of a full checkpoint tensor."""
-        param.data.copy_(loaded.narrow(1, self.input_start, param.shape[1]))
+        """Copy this rank's columns of a full checkpoint tensor (quantized rows: cut on block edges, else
+        dequantized)."""
+        store_rows(param, loaded.narrow(1, self.input_start, param.shape[1]))
 
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         param.data.copy_(loaded)

@@ -22,6 +22,7 @@ from pagedllm import platform
 from pagedllm.attention.context import get_forward_context
 from pagedllm.attention.cpu_backend import CpuAttentionMetadata
 from pagedllm.layers.cpu_ops import DTYPE_CODES, CpuKernels, fused_ops
+from pagedllm.layers.quant import QuantTensor
 
 
 class DecoderModel(Protocol):
@@ -36,8 +37,9 @@ _P = ctypes.c_void_p
 
 
 class _LayerPlan(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
-                                        "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]
+    _fields_ = [*[(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+                                          "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")],
+                *[(name, ctypes.c_int) for name in ("qkv_qtype", "o_qtype", "gate_up_qtype", "down_qtype")]]
 
 
 class _StackPlan(ctypes.Structure):
@@ -49,6 +51,14 @@ class _StackPlan(ctypes.Structure):
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _quant(linear: nn.Module) -> QuantTensor | None:
+    """The layer's weight when it is one packed GGUF segment (layers/quant.py), the form the stack takes."""
+    quant = getattr(linear, "quant", None)
+    if quant is None or len(quant.pieces) != 1 or not quant.pieces[0].packed:
+        return None
+    return quant.pieces[0]
 
 
 class CpuDecoderStack:
@@ -64,10 +74,16 @@ class CpuDecoderStack:
         for plan, layer in zip(layers, model.layers):
             a, m = layer.self_attn, layer.mlp
             plan.input_norm, plan.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
-            plan.qkv, plan.qkv_bias = _ptr(a.qkv_proj.packed_weight.data), self._float(a.qkv_proj.bias)
-            plan.o, plan.o_bias = _ptr(a.o_proj.packed_weight.data), _ptr(a.o_proj.bias)
-            plan.gate_up, plan.gate_up_bias = _ptr(m.gate_up_proj.silu_packed.data), self._float(m.gate_up_proj.silu_bias)
-            plan.down, plan.down_bias = _ptr(m.down_proj.packed_weight.data), _ptr(m.down_proj.bias)
+            plan.o, plan.o_bias = self._weight(a.o_proj, plan, "o"), _ptr(a.o_proj.bias)
+            plan.down, plan.down_bias = self._weight(m.down_proj, plan, "down"), _ptr(m.down_proj.bias)
+            plan.qkv = self._weight(a.qkv_proj, plan, "qkv")  # column-parallel biases: float32 in our GEMM
+            plan.qkv_bias = _ptr(a.qkv_proj.bias) if plan.qkv_qtype else self._float(a.qkv_proj.bias)
+            if _quant(m.gate_up_proj) is not None:  # [gate; up], then SiLU-and-mul as a pass of its own
+                plan.gate_up = self._weight(m.gate_up_proj, plan, "gate_up")
+                plan.gate_up_bias = _ptr(m.gate_up_proj.bias)
+            else:
+                plan.gate_up = _ptr(m.gate_up_proj.silu_packed.data)
+                plan.gate_up_bias = self._float(m.gate_up_proj.silu_bias)
             plan.k_cache, plan.v_cache = _ptr(a.attn.kv_cache[0]), _ptr(a.attn.kv_cache[1])
         cache = attn.attn.kv_cache  # (2, num_blocks, kv_heads, block_size, head_dim)
         rotary = attn.rotary_emb
@@ -78,8 +94,16 @@ class CpuDecoderStack:
             eps=first.input_layernorm.eps, scale=attn.attn.scale, dtype=DTYPE_CODES[dtype], cos=_ptr(rotary.cos_cache),
             sin=_ptr(rotary.sin_cache), final_norm=_ptr(model.norm.weight), layer=layers)
         self._layers = layers
+        intermediate = mlp.down_proj.input_size_per_partition
         self.work_cols = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim + attn.num_heads * attn.head_dim \
-            + mlp.down_proj.input_size_per_partition
+            + intermediate + (2 * intermediate if any(p.gate_up_qtype for p in layers) else 0)
+
+    @staticmethod
+    def _weight(linear: nn.Module, plan: _LayerPlan, name: str) -> int:
+        """The pointer to a linear layer's packed weight; its GGUF type into the plan (0: our GEMM's)."""
+        quant = _quant(linear)
+        setattr(plan, f"{name}_qtype", 0 if quant is None else quant.qtype)
+        return quant.data.data_ptr() if quant is not None else linear.packed_weight.data.data_ptr()
 
     def _float(self, bias: torch.Tensor | None) -> int | None:
         if bias is None:
@@ -123,7 +147,9 @@ def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
     if not isinstance(getattr(m, "down_proj", None), nn.Module):  # a mixture of experts: not in the stack
         return False
     packed = [a.qkv_proj.packed_weight, a.o_proj.packed_weight, m.gate_up_proj.silu_packed, m.down_proj.packed_weight]
-    return (all(p is not None and p.kernels is kernels for p in packed) and a.o_proj.tp_size == 1
+    linears = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
+    return (all((p is not None and p.kernels is kernels) or _quant(lin) is not None for p, lin in zip(packed, linears))
+            and a.o_proj.tp_size == 1
             and not hasattr(a, "q_norm")  # the stack has no per-head q/k norms (Qwen3)
             and a.attn.sliding_window is None  # nor sliding windows
             and a.attn.kv_cache is not None and a.attn.kv_cache.is_contiguous()

@@ -17,12 +17,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
         def unpacked() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
+                # narrow, not split: a GGUF file's quantized rows (layers/quant.py) slice the same way
                 if ".qkv_proj." in name:  # rows: q | k | v
-                    for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv], dim=0)):
-                        yield name.replace(".qkv_proj.", f".{part}."), piece
+                    for part, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                        yield name.replace(".qkv_proj.", f".{part}."), tensor.narrow(0, start, rows)
                 elif ".gate_up_proj." in name:  # rows: gate | up
-                    for part, piece in zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=0)):
-                        yield name.replace(".gate_up_proj.", f".{part}."), piece
+                    half = tensor.shape[0] // 2
+                    for part, start in (("gate_proj", 0), ("up_proj", half)):
+                        yield name.replace(".gate_up_proj.", f".{part}."), tensor.narrow(0, start, half)
                 else:
                     yield name, tensor
 

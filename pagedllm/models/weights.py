@@ -12,11 +12,15 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, objec
     """Copy each (parameter name, tensor, shard id) into the model (through the parameter's
     ``weight_loader`` when it has one: tensor-parallel slices, packed projections); every parameter
     must be filled exactly once, except ``may_be_missing`` (e.g. a tied LM head)."""
+    from pagedllm.layers.quant import QuantTensor
+
     params = dict(model.named_parameters())
     unfilled = set(params)
     for name, tensor, shard in weights:
         assert name in params, f"checkpoint tensor {name} has no parameter in the model"
         param = params[name]
+        if isinstance(tensor, QuantTensor) and not getattr(param, "takes_quantized", False):
+            tensor = tensor.dequantize()  # a parameter that keeps no quantized rows (e.g. a mixture's experts)
         loader = getattr(param, "weight_loader", None)
         if loader is not None:
             loader(param, tensor, shard)

@@ -41,7 +41,7 @@ _AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": _AVX2,
     "avx512": _AVX512,
-    "avx512_bf16": _AVX512 + ("-mavx512bf16",),
+    "avx512_bf16": _AVX512 + ("-mavx512bf16", "-mavx512vnni"),
 }
 """Compiler flags per level; "amx" runs the avx512_bf16 library (its GEMMs go to oneDNN's AMX path)."""
 

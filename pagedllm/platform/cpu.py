@@ -2,7 +2,7 @@
 
 Levels, lowest first: ``portable`` (torch's own ops only: any CPU torch runs on, aarch64
 included), ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (AVX-512 F/BW/VL/DQ), ``avx512_bf16``
-(+ AVX512-BF16 dot products), ``amx`` (+ AMX-BF16 tiles, used through oneDNN). A CPU runs its
+(+ AVX512-BF16 and VNNI dot products), ``amx`` (+ AMX-BF16 tiles, used through oneDNN). A CPU runs its
 own level and every level below it; ``PAGEDLLM_ISA`` forces a lower one (a higher one is an error).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ _X86 = ("x86_64", "amd64", "i686", "i386")
 _LEVEL_FLAGS = {  # /proc/cpuinfo flags each level needs on top of the level below
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
-    "avx512_bf16": {"avx512_bf16"},
+    "avx512_bf16": {"avx512_bf16", "avx512_vnni"},  # every CPU with BF16 dot products has VNNI's int8 ones
     "amx": {"amx_bf16", "amx_tile"},
 }
 

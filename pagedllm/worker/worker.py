@@ -14,6 +14,7 @@ from pagedllm.attention.base import get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, available_memory_bytes
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
+from pagedllm.layers.quant import describe_quantized
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora_request import LoRARequest
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -81,7 +82,7 @@ class Worker:
             model.to(self.device)
             _fill_dummy_weights(model, config.model.seed)
         else:
-            weights = iter_weights(config.model.model, arch)
+            weights = iter_weights(config.model.model, arch, config.model.quantization == "gguf")
             model.load_weights(tqdm(weights, desc="Loading weights", unit=" tensors", leave=False, dynamic_ncols=True,
                                     disable=info.rank != 0 or None))  # one bar, not one per rank
             model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
@@ -91,6 +92,8 @@ class Worker:
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
         model.eval()
+        if config.model.quantization and info.rank == 0:
+            logger.info("quantization=%s: %s", config.model.quantization, describe_quantized(model))
         self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
                                         self.device, functools.partial(compiler_for, config.model.model,
                                                                        arch.vocab_size, tuple(eos_token_ids)), lora)

@@ -31,13 +31,14 @@ def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
 
 
 def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int]],
-                 dtype: str = "float32") -> list[torch.Tensor]:
-    """Run ``sequences`` through our model; ``schedule[step][i]`` tokens of sequence i per step.
+                 dtype: str = "float32", **options: object) -> list[torch.Tensor]:
+    """Run ``sequences`` through our model; ``schedule[step][i]`` tokens of sequence i per step; ``options``
+    are more engine options (e.g. quantization).
 
     Returns each sequence's logits at every position, computed step by step through the cache.
     """
     config, arch = create_engine_config(EngineArgs(model=str(path), dtype=dtype, block_size=BLOCK_SIZE,
-                                                   num_kv_blocks=64))
+                                                   num_kv_blocks=64, **options))
     worker = Worker(config, arch, eos_token_ids=())
     worker.initialize_cache(64)
     runner = worker.model_runner

@@ -57,9 +57,10 @@ def load_arch_config(path: str) -> ArchConfig:
     return gguf_loader.load_arch_config(path) if is_gguf(path) else hf_loader.load_arch_config(path)
 
 
-def iter_weights(path: str, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, tensor) pairs; GGUF tensors come dequantized (float32)."""
-    return gguf_loader.iter_weights(path, config) if is_gguf(path) else hf_loader.iter_weights(path)
+def iter_weights(path: str, config: ArchConfig, quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF parameter name, tensor) pairs; GGUF tensors come dequantized (float32), or with ``quantized``
+    the matrices of a kept format as QuantTensors (layers/quant.py)."""
+    return gguf_loader.iter_weights(path, config, quantized) if is_gguf(path) else hf_loader.iter_weights(path)
 
 
 def load_eos_token_ids(path: str, arch: ArchConfig, tokenizer: Any) -> tuple[int, ...]:

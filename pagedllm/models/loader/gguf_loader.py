@@ -214,15 +214,28 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_weights(path: str, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of the file."""
+def iter_weights(path: str, config: ArchConfig, quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, float32 tensor) for every tensor of the file; with ``quantized``, matrices of the formats
+    layers/quant.py keeps come as QuantTensors (their rows as the file has them)."""
     from gguf.quants import dequantize
+
+    from pagedllm.layers.quant import GGML_TYPES, QuantTensor
 
     reader = _reader(path)
     permuted = config.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")  # llama.cpp's "llama" layout
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, config.architecture)
         if name is None:
+            continue
+        shape = list(reversed(tensor.shape.tolist()))  # torch's (out, in)
+        if (quantized and len(shape) == 2 and int(tensor.tensor_type) in GGML_TYPES.values()
+                and config.architecture != "GPT2LMHeadModel"):  # GPT-2's Conv1D weights are transposed below
+            rows = np.asarray(tensor.data).reshape(shape[0], -1)  # (out, bytes of a row): rows as stored
+            if permuted and name.endswith("q_proj.weight"):
+                rows = _unpermute(rows, config.num_heads)
+            elif permuted and name.endswith("k_proj.weight"):
+                rows = _unpermute(rows, config.num_kv_heads)
+            yield name, QuantTensor(int(tensor.tensor_type), shape[0], shape[1], torch.from_numpy(np.array(rows)))
             continue
         # GGUF stores dims fastest-first: reverse them to get torch's (out, in) order.
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(list(reversed(tensor.shape.tolist())))

@@ -1,0 +1,543 @@
+// GEMM / GEMV over weights kept in GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K),
+// never dequantized to memory: each 32-weight chunk is decoded to 32 int8 in a register and
+// multiplied by the activations quantized the same way (per 32 values: scale amax / 127, int8
+// values rounded to nearest even, and their sum for the formats with a per-chunk offset), as
+// llama.cpp does on CPUs. A chunk's product is one integer dot (vpmaddubsw + vpmaddwd: 32 int8
+// products in two instructions, where float32 FMA does 8) scaled by the two chunks' scales.
+//
+// Every level runs the same 256-bit integer code (AVX2 is every level's base); a decode step
+// reads ~4.5 bits per weight (Q4_1) instead of 16 (bf16), which is what a memory-bound decode
+// step is paid in.
+//
+// Chunk c of a row of K weights (K a multiple of the format's block: 32, or 256 for the K-quants):
+//   value j = scale[j / 16 within the chunk] * q[j] + offset, q int8 (signed or 0..15 unsigned).
+#include <algorithm>
+#include <vector>
+#include "common.h"
+
+namespace {
+using namespace pl;
+
+enum QType : int { kQ8_0 = 8, kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 12, kQ6_K = 14 };  // GGML's type numbers
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One decoded chunk: 32 int8 weights, the scales of its two halves, and the offset of every value.
+struct Chunk {
+  __m256i q;
+  float scale_lo, scale_hi, offset;
+};
+
+inline __m256i nibbles(__m128i bytes) {  // 16 bytes -> 32 values: the 16 low nibbles, then the 16 high ones
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m), _mm_and_si128(bytes, m));
+}
+
+template <int QT> struct Format;
+
+template <> struct Format<kQ8_0> {  // d (f16), 32 x int8
+  static constexpr int64_t kBlock = 32, kBytes = 34;
+  static constexpr bool kUnsigned = false;
+  static Chunk decode(const uint8_t* row, int64_t c) {
+    const uint8_t* b = row + c * kBytes;
+    const float d = half(b);
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), d, d, 0.f};
+  }
+};
+
+template <> struct Format<kQ4_0> {  // d (f16), 16 bytes of nibbles; value = d * (q - 8)
+  static constexpr int64_t kBlock = 32, kBytes = 18;
+  static constexpr bool kUnsigned = false;
+  static Chunk decode(const uint8_t* row, int64_t c) {
+    const uint8_t* b = row + c * kBytes;
+    const float d = half(b);
+    const __m256i q = nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+    return {_mm256_sub_epi8(q, _mm256_set1_epi8(8)), d, d, 0.f};
+  }
+};
+
+template <> struct Format<kQ4_1> {  // d, m (f16), 16 bytes of nibbles; value = d * q + m
+  static constexpr int64_t kBlock = 32, kBytes = 20;
+  static constexpr bool kUnsigned = true;
+  static Chunk decode(const uint8_t* row, int64_t c) {
+    const uint8_t* b = row + c * kBytes;
+    const float d = half(b);
+    return {nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4))), d, d, half(b + 2)};
+  }
+};
+
+// Q4_K: super-blocks of 256 = d, dmin (f16), 12 bytes of 6-bit scales and mins for its 8 chunks,
+// 128 bytes of nibbles (chunk 2i: the low nibbles of bytes 32i..32i+31, chunk 2i+1 their high ones);
+// value = d * scale * q - dmin * min.
+template <> struct Format<kQ4_K> {
+  static constexpr int64_t kBlock = 256, kBytes = 144;
+  static constexpr bool kUnsigned = true;
+  static Chunk decode(const uint8_t* row, int64_t c) {
+    const uint8_t* b = row + (c / 8) * kBytes;
+    const int j = static_cast<int>(c % 8);
+    const uint8_t* s = b + 4;
+    int sc, mn;
+    if (j < 4) {
+      sc = s[j] & 63, mn = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (j / 2)));
+    const __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+    const float scale = half(b) * sc;
+    return {q, scale, scale, -half(b + 2) * mn};
+  }
+};
+
+// Q6_K: super-blocks of 256 = 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales (one
+// per 16 values), d (f16); value = d * scale * (q - 32). In each half of 128 values, chunk p takes
+// ql[l + 32 (p & 1)]'s low (p < 2) or high nibble and bits 2p, 2p + 1 of qh[l], l = 0..31.
+template <> struct Format<kQ6_K> {
+  static constexpr int64_t kBlock = 256, kBytes = 210;
+  static constexpr bool kUnsigned = false;
+  static Chunk decode(const uint8_t* row, int64_t c) {
+    const uint8_t* b = row + (c / 8) * kBytes;
+    const int half_i = static_cast<int>(c % 8) / 4, p = static_cast<int>(c % 4);
+    const uint8_t* ql = b + 64 * half_i + 32 * (p & 1);
+    const uint8_t* qh = b + 128 + 32 * half_i;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * half_i + 2 * p;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+    const __m256i lo = _mm256_and_si256(p < 2 ? l : _mm256_srli_epi16(l, 4), low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * p), low2);
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    const float d = half(b + 208);
+    return {q, d * sc[0], d * sc[1], 0.f};
+  }
+};
+
+// Activations quantized per chunk of 32: int8 values, their scale, and scale * sum(values).
+struct QRow {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t lda, int64_t M, int64_t K, QRow& out, int threads) {
+  const int64_t chunks = K / 32;
+  out.q.resize(M * K);
+  out.d.resize(M * chunks);
+  out.s.resize(M * chunks);
+  parallel_for(M * chunks, threads, 256, [&](int64_t begin, int64_t end) {
+    alignas(32) float v[32];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / chunks, c = i % chunks;
+      const T* src = x + r * lda + c * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) v[j] = to_f32(src[j]), amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = out.q.data() + r * K + c * 32;
+      int sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));  // nearest even, as torch.round
+        sum += q[j];
+      }
+      out.d[i] = d;
+      out.s[i] = d * static_cast<float>(sum);
+    }
+  });
+}
+
+// 8 int32 sums of 4 products each: lanes 0-3 cover values 0-15, lanes 4-7 values 16-31.
+template <bool kUnsigned>
+inline __m256i dot32(__m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (kUnsigned) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  // signed x signed: |w| as the unsigned operand, x carrying w's sign
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+}
+
+inline float hsum(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// MR rows x NC output features, every chunk of K.
+template <int QT, int MR, int NC, typename T>
+void tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t K, T* out,
+          int64_t ldc) {
+  using F = Format<QT>;
+  const int64_t chunks = K / 32;
+  __m256 acc[MR][NC];
+  float off[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NC; ++n) acc[r][n] = _mm256_setzero_ps(), off[r][n] = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    Chunk ch[NC];
+    for (int n = 0; n < NC; ++n) ch[n] = F::decode(w + (n0 + n) * row_bytes, c);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * chunks + c;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (m0 + r) * K + c * 32));
+      const float dx = xq.d[i];
+      for (int n = 0; n < NC; ++n) {
+        const __m256 scale = _mm256_set_m128(_mm_set1_ps(ch[n].scale_hi * dx), _mm_set1_ps(ch[n].scale_lo * dx));
+        acc[r][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32<F::kUnsigned>(ch[n].q, x)), scale, acc[r][n]);
+        if (F::kUnsigned) off[r][n] += ch[n].offset * xq.s[i];
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NC; ++n) out[(m0 + r) * ldc + n0 + n] = from_f32<T>(hsum(acc[r][n]) + off[r][n]);
+}
+
+template <int QT, int MR, typename T>
+void tile_cols(int nc, const QRow& xq, int64_t m0, const uint8_t* w, int64_t rb, int64_t n0, int64_t K, T* out,
+               int64_t ldc) {
+  switch (nc) {
+    case 1: tile<QT, MR, 1>(xq, m0, w, rb, n0, K, out, ldc); break;
+    case 2: tile<QT, MR, 2>(xq, m0, w, rb, n0, K, out, ldc); break;
+    case 3: tile<QT, MR, 3>(xq, m0, w, rb, n0, K, out, ldc); break;
+    default: tile<QT, MR, 4>(xq, m0, w, rb, n0, K, out, ldc); break;
+  }
+}
+
+constexpr int64_t kCols = 16;  // output features per unit of work: their weights stay in L1 across row tiles
+constexpr int64_t kRows = 64;  // rows per unit (their quantized activations stay in L2)
+
+// out (M, N; row stride ldc) = x (M, K, quantized in q) W^T, W (N rows of row_bytes) in format QT as
+// the file has it (the K-quants; the other formats run packed).
+template <int QT, typename T>
+void rows_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t row_bytes = K / Format<QT>::kBlock * Format<QT>::kBytes;
+  const int64_t col_units = (N + kCols - 1) / kCols, row_units = (M + kRows - 1) / kRows;
+  parallel_for(col_units * row_units, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t m0 = (u / col_units) * kRows, n0 = (u % col_units) * kCols;
+      const int64_t m1 = std::min(M, m0 + kRows), n1 = std::min(N, n0 + kCols);
+      // 4 rows x 2 features: 8 accumulators, 2 decoded chunks and a row of x in 16 registers
+      const int64_t full = m0 + (m1 - m0) / 4 * 4;
+      for (int64_t n = n0; n < n1; n += 2)
+        for (int64_t m = m0; m < full; m += 4)
+          tile_cols<QT, 4>(static_cast<int>(std::min<int64_t>(2, n1 - n)), q, m, w, row_bytes, n, K, out, ldc);
+      // the last 1-3 rows (all of a decode step's one row): 4 features at a time, 4 independent sums
+      for (int64_t n = n0; n < n1; n += 4)
+        for (int64_t m = full; m < m1; ++m)
+          tile_cols<QT, 1>(static_cast<int>(std::min<int64_t>(4, n1 - n)), q, m, w, row_bytes, n, K, out, ldc);
+    }
+  });
+}
+
+
+// ------------------------------------------------------------------ packed layout (Q4_0, Q4_1, Q8_0)
+// Packed once at load: rows in groups of 8, and per (group, chunk of 32) the 8 rows' scales and
+// offsets as f16 vectors, then their values with 4 consecutive k of a row side by side: 32 bytes
+// hold "quad" t (k = 4t..4t+3) of all 8 rows. One broadcast of x's quad t against them gives the
+// group's 8 partial sums in one register (vpdpbusd, or vpmaddubsw + vpmaddwd): the scale multiply,
+// the f16 conversions and the int -> float conversion serve 8 outputs at a time, not one.
+// 4-bit values are stored as nibbles (register s: low nibbles quad 2s, high nibbles quad 2s + 1),
+// unsigned with the format's zero point folded into the offset (Q4_0: value = d u - 8 d, u in 0..15);
+// Q8_0 stays signed (no offset).
+constexpr int kGroup = 8;
+
+template <int QT> struct Packed {  // Q4_0, Q4_1: f16 scales x 8, f16 offsets x 8, 128 bytes of nibbles
+  static constexpr int64_t kChunkBytes = 16 + 16 + 128;
+  static constexpr bool kOffsets = true;
+};
+template <> struct Packed<kQ8_0> {  // f16 scales x 8, 256 bytes of int8
+  static constexpr int64_t kChunkBytes = 16 + 256;
+  static constexpr bool kOffsets = false;
+};
+template <int QT> constexpr bool kPackable = QT == kQ4_0 || QT == kQ4_1 || QT == kQ8_0;
+
+template <int QT>
+int64_t packed_bytes(int64_t N, int64_t K) {
+  return (N + kGroup - 1) / kGroup * (K / 32) * Packed<QT>::kChunkBytes;
+}
+
+template <int QT>
+void pack(const uint8_t* raw, uint8_t* out, int64_t N, int64_t K, int threads) {
+  using F = Format<QT>;
+  const int64_t chunks = K / 32, row_bytes = K / F::kBlock * F::kBytes;
+  const int64_t groups = (N + kGroup - 1) / kGroup;
+  parallel_for(groups * chunks, threads, 64, [&](int64_t begin, int64_t end) {
+    alignas(32) int8_t q[kGroup][32];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / chunks, c = i % chunks;
+      uint8_t* dst = out + i * Packed<QT>::kChunkBytes;
+      uint16_t scales[kGroup], offsets[kGroup];
+      for (int j = 0; j < kGroup; ++j) {
+        const int64_t n = g * kGroup + j;
+        float scale = 0.f, offset = 0.f;
+        if (n < N) {
+          const Chunk ch = F::decode(raw + n * row_bytes, c);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q[j]), ch.q);
+          scale = ch.scale_lo, offset = ch.offset;
+          if (QT == kQ4_0) {  // back to unsigned 0..15: value = d (u - 8) = d u - 8 d (exact in f16)
+            for (int k = 0; k < 32; ++k) q[j][k] = static_cast<int8_t>(q[j][k] + 8);
+            offset = -8.f * scale;
+          }
+        } else {
+          std::memset(q[j], 0, 32);  // rows past N: zero weights
+        }
+        scales[j] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
+        offsets[j] = _cvtss_sh(offset, _MM_FROUND_TO_NEAREST_INT);
+      }
+      std::memcpy(dst, scales, 16);
+      uint8_t* values = dst + 16;
+      if (Packed<QT>::kOffsets) {
+        std::memcpy(dst + 16, offsets, 16);
+        values = dst + 32;
+      }
+      for (int t = 0; t < 8; ++t)  // quad t, row j, k = 4t + b
+        for (int j = 0; j < kGroup; ++j)
+          for (int b = 0; b < 4; ++b) {
+            const uint8_t v = static_cast<uint8_t>(q[j][4 * t + b]);
+            if (QT == kQ8_0) {
+              values[t * 32 + 4 * j + b] = v;
+            } else {  // nibble register t / 2: low nibble for even t, high for odd
+              uint8_t& byte = values[(t / 2) * 32 + 4 * j + b];
+              byte = t % 2 ? static_cast<uint8_t>(byte | (v << 4)) : v;
+            }
+          }
+    }
+  });
+}
+
+// u (unsigned 8-bit) . x (signed 8-bit), 4 products per int32 lane, added to acc
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i x) {
+#ifdef __AVX512VNNI__
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// MR rows of x x G groups of 8 output features, every chunk of K.
+template <int QT, int MR, int G, typename T>
+void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t N, int64_t K,
+                 T* out, int64_t ldc) {
+  using P = Packed<QT>;
+  const int64_t chunks = K / 32;
+  __m256 acc[MR][G];
+  for (int r = 0; r < MR; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m256i isum[MR][G];
+    for (int r = 0; r < MR; ++r)
+      for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
+    const int32_t* xs[MR];
+    for (int r = 0; r < MR; ++r) xs[r] = reinterpret_cast<const int32_t*>(xq.q.data() + (m0 + r) * K + c * 32);
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* v = w + (g0 + g) * group_bytes + c * P::kChunkBytes + (P::kOffsets ? 32 : 16);
+      if constexpr (QT == kQ8_0) {
+        for (int t = 0; t < 8; ++t) {
+          const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * t));
+          const __m256i u = _mm256_sign_epi8(s, s);  // |w| unsigned, x taking w's sign
+          for (int r = 0; r < MR; ++r)
+            isum[r][g] = dot_u8s8(isum[r][g], u, _mm256_sign_epi8(_mm256_set1_epi32(xs[r][t]), s));
+        }
+      } else {
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        for (int t = 0; t < 8; t += 2) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * t));
+          const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+          for (int r = 0; r < MR; ++r) {
+            isum[r][g] = dot_u8s8(isum[r][g], lo, _mm256_set1_epi32(xs[r][t]));
+            isum[r][g] = dot_u8s8(isum[r][g], hi, _mm256_set1_epi32(xs[r][t + 1]));
+          }
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* head = w + (g0 + g) * group_bytes + c * P::kChunkBytes;
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
+      __m256 offset = _mm256_setzero_ps();
+      if (P::kOffsets) offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 16)));
+      for (int r = 0; r < MR; ++r) {
+        const int64_t i = (m0 + r) * chunks + c;
+        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), _mm256_mul_ps(scale, _mm256_set1_ps(xq.d[i])),
+                                    acc[r][g]);
+        if (P::kOffsets) acc[r][g] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xq.s[i]), acc[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int g = 0; g < G; ++g) {
+      alignas(32) float y[kGroup];
+      _mm256_store_ps(y, acc[r][g]);
+      const int64_t n0 = (g0 + g) * kGroup;
+      for (int j = 0; j < kGroup && n0 + j < N; ++j) out[(m0 + r) * ldc + n0 + j] = from_f32<T>(y[j]);
+    }
+}
+
+template <int QT, typename T>
+void packed_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t groups = (N + kGroup - 1) / kGroup, group_bytes = (K / 32) * Packed<QT>::kChunkBytes;
+  const int64_t col_units = (groups + 1) / 2, row_units = (M + kRows - 1) / kRows;  // 2 groups (16 features) a unit
+  parallel_for(col_units * row_units, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t m0 = (u / col_units) * kRows, g0 = (u % col_units) * 2;
+      const int64_t m1 = std::min(M, m0 + kRows), two = std::min<int64_t>(2, groups - g0);
+      const int64_t full = m0 + (m1 - m0) / 4 * 4;
+      for (int64_t g = g0; g < g0 + two; ++g)  // 4 rows x 1 group: 4 int + 4 float sums, 2 weight registers
+        for (int64_t m = m0; m < full; m += 4) packed_tile<QT, 4, 1>(q, m, w, group_bytes, g, N, K, out, ldc);
+      for (int64_t m = full; m < m1; ++m) {  // the last 1-3 rows (a decode step's one row): both groups at once
+        if (two == 2) packed_tile<QT, 1, 2>(q, m, w, group_bytes, g0, N, K, out, ldc);
+        else packed_tile<QT, 1, 1>(q, m, w, group_bytes, g0, N, K, out, ldc);
+      }
+    }
+  });
+}
+
+template <typename Fn>
+int with_qtype(int qtype, const Fn& fn) {
+  switch (qtype) {
+    case kQ8_0: return fn(std::integral_constant<int, kQ8_0>{});
+    case kQ4_0: return fn(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
+    case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
+    case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
+    default:
+      set_error("quantized type %d is not supported by the kernels", qtype);
+      return -1;
+  }
+}
+}  // namespace
+
+// Block size and bytes per block of GGML type `qtype`, and whether pl_qpack packs it (0: the kernels
+// read its rows as the file has them).
+PL_EXPORT int pl_qtype_layout(int qtype, int64_t* block, int64_t* bytes, int* packs) {
+  *block = 0, *bytes = 0, *packs = 0;
+  return with_qtype(qtype, [&](auto qt) {
+    constexpr int QT = decltype(qt)::value;
+    *block = Format<QT>::kBlock, *bytes = Format<QT>::kBytes, *packs = kPackable<QT>;
+    return 0;
+  });
+}
+
+// Bytes of the packed copy of an (N, K) matrix of a packable type.
+PL_EXPORT int64_t pl_qpack_size(int qtype, int64_t N, int64_t K) {
+  int64_t size = -1;
+  with_qtype(qtype, [&](auto qt) {
+    constexpr int QT = decltype(qt)::value;
+    if constexpr (kPackable<QT>) size = packed_bytes<QT>(N, K);
+    return 0;
+  });
+  return size;
+}
+
+// (N, K) matrix as the file has it -> the packed copy (pl_qpack_size bytes) pl_qgemm reads with packed = 1.
+PL_EXPORT int pl_qpack(const void* raw, void* out, int64_t N, int64_t K, int qtype, int threads) {
+  return with_qtype(qtype, [&](auto qt) {
+    constexpr int QT = decltype(qt)::value;
+    if constexpr (kPackable<QT>) {
+      pack<QT>(static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(out), N, K, threads);
+      return 0;
+    } else {
+      set_error("quantized type %d is not packed", qtype);
+      return -1;
+    }
+  });
+}
+
+// out (M, N; row stride ldc) = x (M, K; row stride lda) W^T with W (N, K) in GGML type qtype: rows of
+// K / block * bytes bytes as the file has them (packed = 0), or pl_qpack's copy (packed = 1); x and out of
+// storage dtype `dtype`.
+PL_EXPORT int pl_qgemm(const void* x, int64_t lda, const void* w, int packed, void* out, int64_t ldc, int64_t M,
+                       int64_t N, int64_t K, int qtype, int dtype, int threads) {
+  if (M == 0 || N == 0) return 0;
+  return with_qtype(qtype, [&](auto qt) {
+    constexpr int QT = decltype(qt)::value;
+    if (K % Format<QT>::kBlock) {
+      set_error("in_features %lld is not a multiple of the format's block of %lld", static_cast<long long>(K),
+                static_cast<long long>(Format<QT>::kBlock));
+      return -1;
+    }
+    if (packed && !kPackable<QT>) {
+      set_error("quantized type %d is not packed", qtype);
+      return -1;
+    }
+    return with_dtype(dtype, [&](auto t) {
+      using T = decltype(t);
+      thread_local QRow xq;  // the calling thread's buffer, read by every worker
+      quantize_rows(static_cast<const T*>(x), lda, M, K, xq, threads);
+      const uint8_t* wb = static_cast<const uint8_t*>(w);
+      if constexpr (kPackable<QT>) {
+        if (packed) {
+          packed_gemm<QT, T>(xq, wb, static_cast<T*>(out), ldc, M, N, K, threads);
+          return 0;
+        }
+      }
+      rows_gemm<QT, T>(xq, wb, static_cast<T*>(out), ldc, M, N, K, threads);
+      return 0;
+    });
+  });
+}
+
+// Row n, chunk c of a packed matrix as 32 floats.
+template <int QT>
+void packed_chunk(const uint8_t* w, int64_t n, int64_t c, int64_t K, float* y) {
+  using P = Packed<QT>;
+  const uint8_t* head = w + (n / kGroup) * (K / 32) * P::kChunkBytes + c * P::kChunkBytes;
+  const int j = static_cast<int>(n % kGroup);
+  const float scale = half(head + 2 * j), offset = P::kOffsets ? half(head + 16 + 2 * j) : 0.f;
+  const uint8_t* v = head + (P::kOffsets ? 32 : 16);
+  for (int k = 0; k < 32; ++k) {
+    const int t = k / 4, b = k % 4;
+    float q;
+    if (QT == kQ8_0) {
+      q = static_cast<float>(static_cast<int8_t>(v[t * 32 + 4 * j + b]));
+    } else {
+      const uint8_t byte = v[(t / 2) * 32 + 4 * j + b];
+      q = static_cast<float>(t % 2 ? byte >> 4 : byte & 0x0F);
+    }
+    y[k] = scale * q + offset;
+  }
+}
+
+// out (M, K) = rows ids[0..M) of the quantized (rows, K) table (as the file has it, or packed), dequantized:
+// an embedding lookup.
+PL_EXPORT int pl_qrows(const void* w, int packed, const int64_t* ids, int64_t M, int64_t rows, int64_t K, int qtype,
+                       void* out, int dtype, int threads) {
+  for (int64_t i = 0; i < M; ++i)
+    if (ids[i] < 0 || ids[i] >= rows) {
+      set_error("row %lld outside the table of %lld rows", static_cast<long long>(ids[i]),
+                static_cast<long long>(rows));
+      return -1;
+    }
+  return with_qtype(qtype, [&](auto qt) {
+    constexpr int QT = decltype(qt)::value;
+    using F = Format<QT>;
+    const int64_t row_bytes = K / F::kBlock * F::kBytes;
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    return with_dtype(dtype, [&](auto t) {
+      using T = decltype(t);
+      parallel_for(M, threads, 16, [&](int64_t begin, int64_t end) {
+        alignas(32) int8_t q[32];
+        float y[32];
+        for (int64_t i = begin; i < end; ++i) {
+          T* dst = static_cast<T*>(out) + i * K;
+          for (int64_t c = 0; c < K / 32; ++c) {
+            bool done = false;
+            if constexpr (kPackable<QT>) {
+              if (packed) packed_chunk<QT>(wb, ids[i], c, K, y), done = true;
+            }
+            if (!done) {
+              const Chunk ch = F::decode(wb + ids[i] * row_bytes, c);
+              _mm256_store_si256(reinterpret_cast<__m256i*>(q), ch.q);
+              for (int j = 0; j < 32; ++j) {
+                const float v = F::kUnsigned ? static_cast<float>(static_cast<uint8_t>(q[j]))
+                                             : static_cast<float>(q[j]);
+                y[j] = (j < 16 ? ch.scale_lo : ch.scale_hi) * v + ch.offset;
+              }
+            }
+            for (int j = 0; j < 32; ++j) dst[c * 32 + j] = from_f32<T>(y[j]);
+          }
+        }
+      });
+      return 0;
+    });
+  });
+}

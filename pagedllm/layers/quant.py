@@ -1,0 +1,169 @@
+"""Weights kept in GGUF's quantized formats (``quantization="gguf"``): Q8_0, Q4_0, Q4_1, Q4_K, Q6_K.
+
+The loader hands a layer's weight loader ``QuantTensor`` s (whole rows of quantized blocks, as the
+file has them) instead of float tensors. A linear layer, the embedding table and the LM head
+collect their rows (tensor-parallel slices and packed projections such as q|k|v included) in a
+``QuantWeight`` on the parameter, and after loading either keep it, when the compiled kernels run
+here (csrc/quant.cpp: int8 dot products on the quantized blocks), or dequantize it into the
+parameter (the portable level, other devices), which is then packed as any float weight.
+A tensor-parallel split of the input features that falls inside a quantization block, and every
+other tensor (norms, biases), is dequantized at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedllm.layers.cpu_ops import fused_ops
+
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+"""The formats kept quantized, by GGML's type numbers (csrc/quant.cpp's QType)."""
+_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+"""GGML type -> (values per block, bytes per block)."""
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A (rows, cols) matrix of one GGML format: ``data`` (rows, cols / block * bytes) uint8 as the file
+    has it, or (``packed``) the kernels' packed copy of it (``CpuKernels.qpack``)."""
+
+    qtype: int
+    rows: int
+    cols: int
+    data: torch.Tensor
+    packed: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def type_name(self) -> str:
+        return next(name for name, code in GGML_TYPES.items() if code == self.qtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantTensor | torch.Tensor":
+        """Rows (dim 0) or columns (dim 1) [start, start + length); columns that cut a block come back
+        dequantized (float32)."""
+        assert not self.packed
+        if dim == 0:
+            return QuantTensor(self.qtype, length, self.cols, self.data.narrow(0, start, length))
+        block, nbytes = _BLOCKS[self.qtype]
+        if start % block or length % block:
+            return self.dequantize().narrow(1, start, length)
+        return QuantTensor(self.qtype, self.rows, length,
+                           self.data.narrow(1, start // block * nbytes, length // block * nbytes).contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """(rows, cols) float32, by the gguf package's reference decoders."""
+        assert not self.packed
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.data.numpy(), GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.rows, self.cols)
+
+
+@dataclass
+class QuantWeight:
+    """A layer's (rows, cols) weight assembled from quantized pieces of rows, each at its row offset."""
+
+    rows: int
+    cols: int
+    pieces: dict[int, QuantTensor] = field(default_factory=dict)
+    ready: bool = False
+    """The pieces are the kernels' segments (joined by format, packed): set once, after loading."""
+
+    def place(self, offset: int, piece: QuantTensor) -> None:
+        assert piece.cols == self.cols and 0 <= offset and offset + piece.rows <= self.rows, (offset, piece.shape)
+        self.pieces[offset] = piece
+
+    def complete(self) -> bool:
+        covered = 0
+        for offset in sorted(self.pieces):
+            if offset != covered:
+                return False
+            covered += self.pieces[offset].rows
+        return covered == self.rows
+
+    def segments(self) -> list[tuple[int, QuantTensor]]:
+        """(row offset, rows) in order, neighbours of one format joined (one kernel call each)."""
+        out: list[tuple[int, QuantTensor]] = []
+        for offset in sorted(self.pieces):
+            piece = self.pieces[offset]
+            if out and out[-1][1].qtype == piece.qtype:
+                first, prev = out[-1]
+                out[-1] = (first, QuantTensor(piece.qtype, prev.rows + piece.rows, self.cols,
+                                              torch.cat([prev.data, piece.data])))
+            else:
+                out.append((offset, piece))
+        return out
+
+    def nbytes(self) -> int:
+        return sum(p.data.numel() for p in self.pieces.values())
+
+    def dequantize_into(self, param: torch.Tensor) -> None:
+        for offset, piece in self.pieces.items():
+            param.data.narrow(0, offset, piece.rows).copy_(piece.dequantize())
+
+
+def store_rows(param: torch.nn.Parameter, loaded: "torch.Tensor | QuantTensor", offset: int = 0) -> None:
+    """Rows [offset, offset + loaded rows) of ``param`` from a float tensor (copied) or a quantized one
+    (kept in the parameter's QuantWeight)."""
+    if isinstance(loaded, QuantTensor):
+        if getattr(param, "quant", None) is None:
+            param.quant = QuantWeight(*param.shape)
+        param.quant.place(offset, loaded)
+    else:
+        param.data.narrow(0, offset, loaded.shape[0]).copy_(loaded)
+
+
+def kept_quantized(param: torch.nn.Parameter) -> "QuantWeight | None":
+    """After loading: the parameter's QuantWeight when the kernels run it here; otherwise it is
+    dequantized into the parameter now (and None)."""
+    quant = getattr(param, "quant", None)
+    if quant is None:
+        return None
+    kernels = fused_ops(param)
+    if quant.ready or (kernels is not None and quant.complete()):
+        if not quant.ready:  # once: a tied embedding and LM head share the parameter
+            quant.pieces = {offset: kernels.qpack(seg) for offset, seg in quant.segments()}
+            quant.ready = True
+        param.data = torch.empty(0, dtype=param.dtype)  # the quantized rows replace it
+        return quant
+    quant.dequantize_into(param)
+    param.quant = None
+    return None
+
+
+def quant_linear(x: torch.Tensor, quant: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., cols) W^T + b -> (..., rows), each segment of W's rows by its format's kernel."""
+    kernels = fused_ops(x)
+    assert kernels is not None, "quantized weights are kept only where the kernels run"
+    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (tokens, cols)
+    out = torch.empty(x2.shape[0], quant.rows, dtype=x.dtype)  # (tokens, rows)
+    for offset, seg in quant.pieces.items():
+        kernels.qgemm(x2, seg, out[:, offset:offset + seg.rows])
+    if bias is not None:
+        out += bias
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], quant.rows)  # (..., rows)
+
+
+def describe_quantized(model: torch.nn.Module) -> str:
+    """One line: how many matrices (and bytes) the model keeps in each GGUF format."""
+    count: dict[str, int] = {}
+    size: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if not isinstance(quant, QuantWeight) or id(quant) in seen:
+            continue
+        seen.add(id(quant))  # a tied embedding and LM head: once
+        for piece in quant.pieces.values():
+            count[piece.type_name] = count.get(piece.type_name, 0) + 1
+            size[piece.type_name] = size.get(piece.type_name, 0) + piece.data.numel()
+    if not count:
+        return "no weight kept quantized (no compiled kernels here): every weight dequantized"
+    return ", ".join(f"{count[t]} matrices in {t} ({size[t] / 2 ** 20:.1f} MiB)" for t in sorted(count)) + \
+        "; the other tensors dequantized"

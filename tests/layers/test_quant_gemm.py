@@ -1,0 +1,126 @@
+"""The quantized GEMM / GEMV (pagedllm/csrc/quant.cpp) at every kernel level this CPU runs, for each
+GGUF format it keeps (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), against the gguf package's reference decoder.
+
+Weights are random blocks (random bytes, the f16 scale fields set to sane values): every bit
+pattern of the quantized values is as likely as in a real file. Two references: the exact one —
+x quantized to int8 per 32 values as the kernel does it (scale amax / 127, round to nearest even),
+times the dequantized weight, in float64 — which the kernel meets to float32 summation error; and
+the plain float product, which it meets within the activations' quantization error. Shapes
+cover the 4-row register tiles and their 1-3 row remainders, 1-4 feature remainders, several
+units of 16 features and 64 rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.layers.quant import _BLOCKS, GGML_TYPES, QuantTensor, QuantWeight
+
+# byte offsets of each format's f16 scale fields within a block (d; and m / dmin)
+_SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_quant(name: str, rows: int, cols: int, seed: int = 0) -> QuantTensor:
+    """A (rows, cols) matrix of random blocks of format ``name``."""
+    qtype = GGML_TYPES[name]
+    block, nbytes = _BLOCKS[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+    for offset in _SCALE_FIELDS[name]:  # scales of either sign, around 1 / 64 (Q4_K's mins too)
+        scales = (rng.uniform(0.5, 1.5, size=data.shape[:2]) * rng.choice([-1, 1], size=data.shape[:2]) / 64)
+        data[:, :, offset:offset + 2] = scales.astype(np.float16).view(np.uint8).reshape(*data.shape[:2], 2)
+    return QuantTensor(qtype, rows, cols, torch.from_numpy(data.reshape(rows, -1)))
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: per 32 values, int8 round(x / d) * d with d = amax / 127 (float64)."""
+    chunks = x.double().view(x.shape[0], -1, 32)  # (rows, chunks, 32)
+    d = chunks.abs().amax(-1, keepdim=True).float().double() / 127  # float32 scale, as the kernel's
+    q = torch.where(d > 0, torch.round((chunks.float() * (1 / d.float())).double()), torch.zeros_like(chunks))
+    return (q * d).view_as(x)
+
+
+FORMATS = sorted(GGML_TYPES)
+
+
+def layouts(kernels, w: QuantTensor) -> list[QuantTensor]:
+    """W as the file has it, and packed where the kernels pack its format."""
+    packed = kernels.qpack(w)
+    assert packed.packed == (w.type_name in ("Q4_0", "Q4_1", "Q8_0"))
+    return [w, packed] if packed.packed else [w]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 70])
+@pytest.mark.parametrize("out_features,in_features", [(37, 512), (16, 256), (3, 768)])
+def test_quant_gemm_matches_dequantized_product(kernels, name: str, rows: int, out_features: int,
+                                                in_features: int) -> None:
+    raw = random_quant(name, out_features, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    for w in layouts(kernels, raw):
+        out = torch.empty(rows, out_features)
+        kernels.qgemm(x, w, out)
+        check_product(out, x, raw)
+
+
+def check_product(out: torch.Tensor, x: torch.Tensor, w: QuantTensor) -> None:
+    dense = w.dequantize().double()
+    exact = quantized_activations(x) @ dense.t()
+    plain = x.double() @ dense.t()
+    scale = plain.abs().max()
+    assert ((out.double() - exact).abs() <= 1e-5 * scale).all()
+    # int8 activations: each product off by up to half a step of its chunk; summed, ~1% of the result's scale
+    assert ((out.double() - plain).abs() <= 0.03 * scale).all()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quant_gemm_reads_and_writes_16_bit_storage(kernels, name: str, dtype: torch.dtype) -> None:
+    """bf16 / f16 activations in, the same storage out (float32 sums, one rounding at the end), into a
+    column slice of a wider output (row stride != width), from strided input rows."""
+    w = random_quant(name, 48, 512)
+    wide = torch.randn(9, 600).to(dtype)
+    x = wide[:, :512]  # rows 600 apart
+    for w in layouts(kernels, w):
+        out = torch.full((9, 80), 7.0, dtype=dtype)
+        kernels.qgemm(x, w, out[:, 16:64])
+        want = torch.empty(9, 48)
+        kernels.qgemm(x.float(), w, want)
+        assert torch.equal(out[:, 16:64], want.to(dtype))
+        assert (out[:, :16] == 7).all() and (out[:, 64:] == 7).all()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quant_rows_equal_the_reference_decoder(kernels, name: str) -> None:
+    raw = random_quant(name, 50, 512)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    for w in layouts(kernels, raw):
+        got = kernels.qrows(w, ids, torch.float32)
+        assert torch.allclose(got, raw.dequantize()[ids], rtol=1e-6, atol=1e-7)
+        with pytest.raises(RuntimeError, match="row 50 outside"):
+            kernels.qrows(w, torch.tensor([50]), torch.float32)
+
+
+def test_quant_gemm_refuses_a_width_off_the_block(kernels) -> None:
+    w = random_quant("Q4_K", 16, 256)
+    bad = QuantTensor(w.qtype, 16, 128, w.data[:, :72].contiguous())
+    with pytest.raises(RuntimeError, match="multiple of the format's block of 256"):
+        kernels.qgemm(torch.randn(2, 128), bad, torch.empty(2, 16))
+
+
+def test_mixed_formats_and_tensor_parallel_slices() -> None:
+    """A q|k|v weight of two formats keeps one segment per format; a column slice inside a block comes
+    back dequantized, one on block edges stays quantized."""
+    q, k, v = random_quant("Q4_K", 32, 512), random_quant("Q4_K", 16, 512, 1), random_quant("Q6_K", 16, 512, 2)
+    weight = QuantWeight(64, 512)
+    for offset, piece in ((32, k), (0, q), (48, v)):
+        weight.place(offset, piece)
+    assert weight.complete()
+    segments = weight.segments()
+    assert [(o, s.type_name, s.rows) for o, s in segments] == [(0, "Q4_K", 48), (48, "Q6_K", 16)]
+    assert torch.equal(segments[0][1].dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    kept = q.narrow(1, 256, 256)
+    assert isinstance(kept, QuantTensor) and torch.equal(kept.dequantize(), q.dequantize()[:, 256:])
+    cut = q.narrow(1, 128, 256)
+    assert isinstance(cut, torch.Tensor) and torch.equal(cut, q.dequantize()[:, 128:384])

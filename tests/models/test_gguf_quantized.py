@@ -1,0 +1,135 @@
+"""quantization="gguf": GGUF files whose matrices are Q8_0, Q4_0, Q4_1, Q4_K or Q6_K (written by the gguf
+package in the test from a tiny model converted by llama.cpp's converter) run with their weights kept in
+those formats, at every kernel level this CPU runs: the layers hold the quantized rows, the logits stay
+within the activations' int8 error of the same file dequantized, the compiled decoder stack equals the
+layers one by one bit for bit, and the portable level falls back to the dequantized weights."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import ValidationError
+from pagedllm.layers.quant import QuantWeight
+from tests.conftest import save_tiny_model
+from tests.gguf_quant import quantize_matrix, requantize
+from tests.models.test_gguf_families import CONVERTER, NOT_FETCHED, convert, train_sentencepiece
+from tests.models.test_tiny_logits import paged_logits
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+pytestmark = pytest.mark.skipif(not (CONVERTER / "convert_hf_to_gguf.py").exists(), reason=NOT_FETCHED)
+
+
+@pytest.fixture(scope="module")
+def f32_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama (widths multiples of 256, as the K-quants' blocks) as a float32 GGUF file."""
+    folder = tmp_path_factory.mktemp("quant-llama")
+    vocab = train_sentencepiece(folder / "tokenizer.model")
+    save_tiny_model(folder, "llama-gqa-untied", vocab_size=vocab, hidden_size=256, intermediate_size=512,
+                    bos_token_id=2, eos_token_id=1)
+    return convert(folder, folder.parent / "f32.gguf")
+
+
+@pytest.fixture(scope="module")
+def quantized(f32_gguf: Path) -> dict[str, Path]:
+    return {name: requantize(f32_gguf, f32_gguf.parent / f"{name}.gguf", GGMLQuantizationType[name])
+            for name in TYPES}
+
+
+@pytest.mark.parametrize("name,bound", [("Q8_0", 0.01), ("Q6_K", 0.03), ("Q4_K", 0.1), ("Q4_1", 0.1)])
+def test_quantizers_round_trip(name: str, bound: float) -> None:
+    """The test's own Q4_K / Q6_K writers against the gguf package's decoders (and its Q8_0 / Q4_1)."""
+    from gguf.quants import dequantize
+
+    x = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32)
+    y = dequantize(quantize_matrix(x, GGMLQuantizationType[name]), GGMLQuantizationType[name])
+    assert np.sqrt(((y - x) ** 2).mean() / (x ** 2).mean()) < bound
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_quantized_logits_stay_near_the_dequantized_ones(kernels, quantized: dict[str, Path], name: str) -> None:
+    """Prefill in chunks, then decodes: every position's logits within 5% of the logits' scale of the same
+    file dequantized (float32 both), nearly every argmax the same, and every linear layer holding its rows
+    in the file's format."""
+    seq = torch.randint(4, 319, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    schedule = [[8], [6]] + [[1]] * 7
+    want = paged_logits(quantized[name], [seq], schedule, quantization=None)[0]
+    got = paged_logits(quantized[name], [seq], schedule, quantization="gguf")[0]
+    rel = (got - want).abs().max() / want.abs().max()
+    assert rel < 0.05, f"{name}: relative logits error {rel:.3f}"
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    llm = LLM(str(quantized[name]), quantization="gguf", dtype="float32", num_kv_blocks=16)
+    model = llm.llm_engine.executor.worker.model_runner.model
+    llm.shutdown()
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                   model.lm_head):
+        assert isinstance(linear.quant, QuantWeight) and linear.weight.numel() == 0
+        assert {piece.type_name for piece in linear.quant.pieces.values()} == {name}
+    assert model.model.embed_tokens.quant is not None
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+def test_quantized_stack_equals_the_layers(kernels, quantized: dict[str, Path], name: str) -> None:
+    """The compiled decoder stack with packed quantized weights: the same floats as the layers one by one."""
+    llm = LLM(str(quantized[name]), quantization="gguf", dtype="bfloat16", num_kv_blocks=64,
+              enable_prefix_caching=False)
+    model = llm.llm_engine.executor.worker.model_runner.model.model
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
+    stacked = llm.generate(prompts, params, use_tqdm=False)
+    assert model._stack is not None, "every piece runs on the kernels here: the stack should have served"
+    model._stack = None
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
+    for a, b in zip(stacked, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_portable_level_dequantizes(quantized: dict[str, Path]) -> None:
+    """Where no compiled kernels run, quantization="gguf" runs the dequantized weights (the same results as
+    quantization=None)."""
+    from pagedllm.layers import cpu_ops
+
+    prompt = [{"prompt_token_ids": list(range(4, 30))}]
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=2, ignore_eos=True)
+    outs = []
+    with cpu_ops.use_level("portable"):
+        for quantization in ("gguf", None):
+            llm = LLM(str(quantized["Q4_K"]), quantization=quantization, dtype="float32", num_kv_blocks=16)
+            outs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
+            assert llm.llm_engine.executor.worker.model_runner.model.lm_head.quant is None
+            llm.shutdown()
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
+
+
+def test_quantization_option_is_checked(tiny_llm_dir: Path, quantized: dict[str, Path]) -> None:
+    with pytest.raises(ValidationError, match="quantization") as err:
+        LLM(str(tiny_llm_dir), quantization="gguf")
+    assert err.value.param == "quantization"
+    with pytest.raises(ValidationError, match="quantization"):
+        LLM(str(quantized["Q8_0"]), quantization="awq")
+
+
+def test_default_model_quantized_agrees_with_dequantized(default_model: str, tokenizer: Any) -> None:
+    """SmolLM2-135M-Instruct (Q4_1 matrices, Q8_0 embeddings and LM head) quantized against the same file
+    dequantized, float32 both: greedy tokens on 8 prompts. The agreement is printed; at least half of the
+    tokens agree before the first divergence on average, and every first token is the same."""
+    from tests.models.smollm_prompts import smollm_prompt_ids
+
+    prompts = [{"prompt_token_ids": ids} for ids in smollm_prompt_ids(tokenizer)[:8]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    runs: list[Any] = []
+    for quantization in ("gguf", None):
+        llm = LLM(default_model, quantization=quantization, dtype="float32")
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.shutdown()
+    prefix = [next((i for i, (a, b) in enumerate(zip(q, d)) if a != b), len(q)) for q, d in zip(*runs)]
+    agreement = sum(prefix) / (32 * len(prefix))
+    print(f"greedy agreement quantized vs dequantized: {agreement:.2f} (common prefixes {prefix})")
+    assert all(p > 0 for p in prefix) and agreement >= 0.5
