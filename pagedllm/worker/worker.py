@@ -183,6 +183,8 @@ class Worker:
             tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             tensors += [packed.data for name in ("packed_weight", "silu_packed")
                         if (packed := getattr(module, name, None)) is not None]
+            if (quant := getattr(module, "quant", None)) is not None:  # rows kept in GGUF formats
+                tensors += [piece.data for piece in quant.pieces.values()]
             for t in tensors:
                 if t.is_mkldnn:  # oneDNN's opaque packed copy: the same size as the plain tensor
                     size = t.numel() * t.element_size()

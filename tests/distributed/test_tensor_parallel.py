@@ -158,3 +158,21 @@ def test_other_families_at_tp2(tp_llm: Callable[..., LLM], tiny_model: Callable,
     got = [o.outputs[0].token_ids for o in tp_llm(path, tensor_parallel_size=2).generate(prompts, GREEDY,
                                                                                            use_tqdm=False)]
     assert got == want
+
+
+@pytest.mark.slow
+def test_quantized_default_model_at_tp2(tp_llm: Callable[..., LLM], tokenizer: Any) -> None:
+    """quantization="gguf" across two ranks: each rank keeps its share of the Q4_1 / Q8_0 rows (the splits
+    fall on block edges: heads 6 + 3 of 64 columns, the MLP's 768 + 768), and the greedy tokens are one
+    rank's (the row-parallel sums only add in another order)."""
+    from tests.models.smollm_prompts import smollm_prompt_ids
+
+    prompts = [{"prompt_token_ids": ids} for ids in smollm_prompt_ids(tokenizer)[:6]]
+    params = SamplingParams(max_tokens=16, temperature=0)
+    one = tp_llm(None, quantization="gguf")
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    whole = one.llm_engine.executor.collective_rpc("memory_usage")[0]["weights_bytes"]
+    two = tp_llm(None, quantization="gguf", tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == want
+    shares = [rank["weights_bytes"] for rank in two.llm_engine.executor.collective_rpc("memory_usage")]
+    assert all(share < 0.7 * whole for share in shares) and sum(shares) < 1.1 * whole, (shares, whole)

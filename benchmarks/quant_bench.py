@@ -1,0 +1,167 @@
+"""Quantized GGUF weights against llama.cpp on the same files, in one run with engines alternating:
+single-request decode next to its memory roofline, batched throughput, and peak RSS.
+
+    .venv/bin/python benchmarks/quant_bench.py --rounds 2
+    .venv/bin/python benchmarks/quant_bench.py --parts single --rounds 3 --engines pagedllm-Q4_1 llama.cpp-Q4_1
+
+Engines (--engines): pagedllm-Q4_1 (the default model's own GGUF, quantization="gguf"), pagedllm-Q8_0
+(a Q8_0 copy made by llama.cpp's quantizer, quantization="gguf"), pagedllm-bf16 (the default GGUF
+dequantized to bfloat16: today's default), and llama.cpp-Q4_1 / -Q8_0 / -BF16 on the same files
+(../shared/peers/llama-cpp, llama-cpp-python built for this CPU).
+
+Parts (--parts):
+  single   one sequence, the same 128 random prompt ids (numpy seed 0, ids 1000..40000) for every
+           engine, --gen (256) greedy tokens, EOS ignored, decode timed from the first generated
+           token to the last. pagedllm reports its roofline: the bytes one decode step reads (every
+           matmul weight once, as stored: quantized rows, packed bf16) divided by the copy bandwidth
+           measured in the same process just before (a 1 GiB float32 copy_, best of 5).
+  batched  random 128 in / 128 out x 256: `pagedllm bench throughput` (temperature 1.0, EOS ignored)
+           and llama.cpp's batched mode (64 sequences per llama_decode, greedy), total tokens/s.
+Every run's peak RSS is its process's (GNU time's maximum resident set size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from compare import engine_env  # noqa: E402  (benchmarks/ is not a package)
+from isa_levels import LLAMA_CPP, _result, gguf_files  # noqa: E402
+
+SINGLE = """\
+import json, sys, time
+import torch
+from pagedllm import LLM, SamplingParams
+
+def copy_gbps(n=2**28, reps=5):  # bytes read per second by a large copy
+    src = torch.ones(n, dtype=torch.float32); dst = torch.empty_like(src); dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    return src.numel() * 4 / best / 1e9
+
+def _timed(fn):
+    t = time.perf_counter(); fn(); return time.perf_counter() - t
+
+def weight_bytes(model):  # one decode step reads every matmul weight once, as stored
+    total, seen = 0, set()
+    for m in model.modules():
+        quant = getattr(m, "quant", None)
+        if quant is not None and type(m).__name__ != "VocabParallelEmbedding":
+            if id(quant) not in seen:
+                seen.add(id(quant)); total += sum(p.data.numel() for p in quant.pieces.values())
+            continue
+        packed = [p for p in (getattr(m, a, None) for a in ("packed_weight", "silu_packed")) if p is not None]
+        total += sum(p.data.numel() * p.data.element_size() for p in packed)
+        w = getattr(m, "weight", None)
+        if not packed and isinstance(w, torch.Tensor) and w.dim() == 2 and type(m).__name__ != "VocabParallelEmbedding":
+            total += w.numel() * w.element_size()
+    return total
+
+prompt, gen, model, quantization, dtype = json.load(open(sys.argv[1]))[0], int(sys.argv[2]), sys.argv[3], \\
+    sys.argv[4], sys.argv[5]
+llm = LLM(model, dtype=dtype, quantization=None if quantization == "none" else quantization,
+          kv_cache_memory="256MiB")  # peak RSS: weights and a pool that fits the sequence
+engine = llm.llm_engine
+params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eos=True)
+
+def decode_tok_s(i):
+    engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    engine.step()  # the prompt and the first token
+    start, n = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step(); n += 1
+    return n / (time.perf_counter() - start)
+
+decode_tok_s(-1)  # warm-up
+bw = copy_gbps()
+tok_s = decode_tok_s(0)
+print("RESULT " + json.dumps({"decode_tok_per_s": tok_s, "copy_gbps": bw,
+                              "weight_bytes": weight_bytes(engine.executor.worker.model_runner.model)}))
+"""
+
+ENGINES = ["pagedllm-Q4_1", "pagedllm-Q8_0", "pagedllm-bf16", "llama.cpp-Q4_1", "llama.cpp-Q8_0", "llama.cpp-BF16"]
+
+
+def files() -> dict[str, str]:
+    from pagedllm.models.loader import default_model_path
+
+    return {"Q4_1": default_model_path(), **gguf_files()}
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[dict, float]:
+    """Run ``cmd`` under GNU time: its RESULT line and its peak RSS in MiB."""
+    with tempfile.NamedTemporaryFile(suffix=".txt") as rss:
+        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss.name, *cmd], capture_output=True, text=True,
+                              env=env, cwd=ROOT)
+        if proc.returncode != 0:
+            raise SystemExit(f"{cmd[:4]} failed:\n{proc.stderr[-3000:]}")
+        return _result(proc.stdout), int(open(rss.name).read().split()[-1]) / 1024
+
+
+def command(engine: str, part: str, ggufs: dict[str, str], prompt_file: str, gen: int, script: str) -> list[str]:
+    kind, fmt = engine.split("-")
+    if kind == "llama.cpp":
+        work = (["--mode", "single", "--prompts", prompt_file, "--num-prompts", "1", "--gen", str(gen)]
+                if part == "single" else ["--mode", "batched", "--parallel", "64", "--num-prompts", "256"])
+        return [LLAMA_CPP, "bench", "--gguf", ggufs[fmt], *work]
+    model = ggufs["Q4_1" if fmt == "bf16" else fmt]
+    quant, dtype = ("none", "bfloat16") if fmt == "bf16" else ("gguf", "auto")
+    if part == "single":
+        return [sys.executable, script, prompt_file, str(gen), model, quant, dtype]
+    flags = ["--quantization", "gguf"] if quant == "gguf" else []
+    return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--model", model, "--dtype", dtype,
+            *flags, "--input-len", "128", "--output-len", "128", "--num-prompts", "256",
+            "--kv-cache-memory", "1.5GiB"]  # all 256 sequences at once (23 KB a token), not the 4 GiB default
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    ap.add_argument("--parts", nargs="+", default=["single", "batched"], choices=["single", "batched"])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--gen", type=int, default=256)
+    args = ap.parse_args()
+    ggufs = files()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        prompt_file, script = os.path.join(tmp, "prompt.json"), os.path.join(tmp, "single.py")
+        with open(prompt_file, "w") as f:
+            json.dump([np.random.default_rng(0).integers(1000, 40000, 128).tolist()], f)
+        with open(script, "w") as f:
+            f.write(SINGLE)
+        for part in args.parts:
+            for rnd in range(args.rounds):
+                for engine in args.engines:  # alternating: every engine once per round
+                    env = engine_env("pagedllm", os.environ.get("PAGEDLLM_ISA")) if engine.startswith("pagedllm") \
+                        else dict(os.environ)
+                    result, rss = timed(command(engine, part, ggufs, prompt_file, args.gen, script), env)
+                    row = {"part": part, "round": rnd, "engine": engine, "peak_rss_mib": round(rss)}
+                    if part == "single":
+                        row["decode_tok_per_s"] = round(result["decode_tok_per_s"], 1)
+                        if "copy_gbps" in result:
+                            roof = result["copy_gbps"] * 1e9 / result["weight_bytes"]
+                            row.update(copy_gbps=round(result["copy_gbps"], 1),
+                                       weight_mb=round(result["weight_bytes"] / 1e6, 1),
+                                       roofline_tok_per_s=round(roof, 1),
+                                       of_roofline=round(result["decode_tok_per_s"] / roof, 3))
+                    else:
+                        row["total_tok_per_s"] = round(result.get("total_tok_per_s") or result["tokens_per_second"], 1)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    print("\n| part | round | engine | tok/s | copy GB/s | weights MB | roofline tok/s | % of roofline | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        value = r.get("decode_tok_per_s", r.get("total_tok_per_s"))
+        roof = (f"{r['copy_gbps']} | {r['weight_mb']} | {r['roofline_tok_per_s']} | {100 * r['of_roofline']:.0f}%"
+                if "copy_gbps" in r else " | | ")
+        print(f"| {r['part']} | {r['round']} | {r['engine']} | {value} | {roof} | {r['peak_rss_mib']} |")
+
+
+if __name__ == "__main__":
+    main()
