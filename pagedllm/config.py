@@ -62,13 +62,14 @@ class ModelConfig:
     load_format: str = "auto"
     """"auto" (the checkpoint's weights) or "dummy" (random weights, only config.json read)."""
     quantization: str | None = None
-    """"gguf": a GGUF file's quantized weights stay in their formats; None: dequantized to dtype."""
+    """"gguf": a GGUF file's quantized weights stay in their formats; "int8": weights quantized to int8 per
+    output channel at load; None: every weight in dtype."""
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
             raise ValidationError.bad_value("load_format", self.load_format, "'auto' or 'dummy'")
-        if self.quantization not in (None, "gguf"):
-            raise ValidationError.bad_value("quantization", self.quantization, "None or 'gguf'")
+        if self.quantization not in (None, "gguf", "int8"):
+            raise ValidationError.bad_value("quantization", self.quantization, "None, 'gguf' or 'int8'")
         if self.quantization == "gguf" and not self.model.endswith(".gguf"):
             raise ValidationError.bad_value("quantization", self.quantization,
                                             "None for a model that is not a .gguf file")
@@ -296,7 +297,9 @@ class EngineArgs:
     quantization: str | None = None
     """"gguf": run a GGUF file's quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) in their own formats through
     int8 kernels, ~3.5x fewer bytes per decode step than bf16 (other tensors, and every weight where the compiled
-    kernels do not run, are dequantized to dtype). None: every weight dequantized to dtype."""
+    kernels do not run, are dequantized to dtype). "int8": every linear weight (and the embedding table)
+    quantized at load to int8 with one scale per output channel, run by the same kernels (HF checkpoints,
+    or any model). None: every weight dequantized to dtype."""
     tensor_parallel_size: int = 1
     """Ranks per layer (each holds its share of the heads, MLP columns and vocabulary, and of the KV cache)."""
     distributed_executor_backend: str | None = None

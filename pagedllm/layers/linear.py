@@ -17,7 +17,7 @@ from pagedllm.distributed.ops import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_world_size, shard_heads, split_evenly
 from pagedllm.layers.prepack import (PackedWeight, can_prepack, linear, prepack, silu_and_mul_linear, silu_interleave,
                                      silu_pack)
-from pagedllm.layers.quant import QuantWeight, kept_quantized, quant_linear, store_rows
+from pagedllm.layers.quant import QuantWeight, kept_quantized, quant_linear, store_rows, will_quantize
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
@@ -107,8 +107,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """For a [gate, up] pair on a CPU where our GEMM runs: pack the rows interleaved so one
         GEMM writes silu(gate) * up (no (tokens, 2 * intermediate) array, no separate SiLU pass).
         Not with a LoRA layer (an adapter's delta must be added before the SiLU), nor quantized rows."""
-        if self.lora is not None or getattr(self.weight, "quant", None) is not None or len(self.output_sizes) != 2 \
-                or self.output_sizes[0] != self.output_sizes[1] or self.weight.dim() != 2:
+        quantized = getattr(self.weight, "quant", None) is not None or will_quantize(self.weight)
+        pair = len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
+        if self.lora is not None or quantized or not pair or self.weight.dim() != 2:
             return
         packed = silu_pack(self.weight)
         if packed is None:

@@ -11,6 +11,8 @@ other tensor (norms, biases), is dequantized at load.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,9 +121,47 @@ def store_rows(param: torch.nn.Parameter, loaded: "torch.Tensor | QuantTensor", 
         param.data.narrow(0, offset, loaded.shape[0]).copy_(loaded)
 
 
+_int8_on_load = False
+"""quantization="int8": the layers quantize their float weights as they are processed after loading."""
+
+
+@contextlib.contextmanager
+def int8_on_load(enabled: bool) -> Iterator[None]:
+    """Inside (with ``enabled``): ``kept_quantized`` turns float weights into per-channel int8 rows."""
+    global _int8_on_load
+    before, _int8_on_load = _int8_on_load, enabled
+    try:
+        yield
+    finally:
+        _int8_on_load = before
+
+
+def will_quantize(param: torch.nn.Parameter) -> bool:
+    """True when ``kept_quantized`` will turn this float weight into int8 rows (quantization="int8")."""
+    return (_int8_on_load and getattr(param, "quant", None) is None and getattr(param, "takes_quantized", False)
+            and param.dim() == 2 and param.numel() > 0 and param.shape[1] % 32 == 0 and fused_ops(param) is not None)
+
+
+def int8_rows(weight: torch.Tensor) -> QuantTensor:
+    """(rows, cols) float -> int8 weights with one scale per row (per output channel: amax / 127, an f16), in
+    Q8_0's block format (the same scale in every block of a row) so that the Q8_0 kernels run them."""
+    w = weight.detach().float()
+    rows, cols = w.shape
+    scale = (w.abs().amax(1) / 127).to(torch.float16)  # (rows,)
+    inv = torch.where(scale > 0, 1 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+    q = torch.round(w * inv[:, None]).clamp(-127, 127).to(torch.int8)  # (rows, cols)
+    blocks = q.view(torch.uint8).view(rows, cols // 32, 32)  # (rows, blocks, 32)
+    d = scale.view(torch.uint8).view(rows, 1, 2).expand(rows, cols // 32, 2)  # (rows, blocks, 2)
+    return QuantTensor(GGML_TYPES["Q8_0"], rows, cols, torch.cat([d, blocks], dim=2).reshape(rows, -1))
+
+
 def kept_quantized(param: torch.nn.Parameter) -> "QuantWeight | None":
     """After loading: the parameter's QuantWeight when the kernels run it here; otherwise it is
-    dequantized into the parameter now (and None)."""
+    dequantized into the parameter now (and None). With quantization="int8", a float weight the kernels
+    take becomes per-channel int8 rows first."""
+    if will_quantize(param):
+        param.quant = QuantWeight(*param.shape)
+        param.quant.place(0, int8_rows(param))
     quant = getattr(param, "quant", None)
     if quant is None:
         return None

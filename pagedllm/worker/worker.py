@@ -14,7 +14,7 @@ from pagedllm.attention.base import get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, available_memory_bytes
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
-from pagedllm.layers.quant import describe_quantized
+from pagedllm.layers.quant import describe_quantized, int8_on_load
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora_request import LoRARequest
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -88,9 +88,10 @@ class Worker:
             model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
         # LoRA layers first: packing leaves gate_up unfused where one is attached
         lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
-        for module in model.modules():  # once the checkpoint is in: e.g. weights packed for the CPU GEMM
-            if hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading()
+        with int8_on_load(config.model.quantization == "int8"):
+            for module in model.modules():  # once the checkpoint is in: e.g. weights packed for the CPU GEMM
+                if hasattr(module, "process_weights_after_loading"):
+                    module.process_weights_after_loading()
         model.eval()
         if config.model.quantization and info.rank == 0:
             logger.info("quantization=%s: %s", config.model.quantization, describe_quantized(model))

@@ -1,4 +1,4 @@
-"""quantization="gguf": GGUF files whose matrices are Q8_0, Q4_0, Q4_1, Q4_K or Q6_K (written by the gguf
+"""quantization="int8" (an HF checkpoint quantized at load) and quantization="gguf": GGUF files whose matrices are Q8_0, Q4_0, Q4_1, Q4_K or Q6_K (written by the gguf
 package in the test from a tiny model converted by llama.cpp's converter) run with their weights kept in
 those formats, at every kernel level this CPU runs: the layers hold the quantized rows, the logits stay
 within the activations' int8 error of the same file dequantized, the compiled decoder stack equals the
@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ValidationError
-from pagedllm.layers.quant import QuantWeight
+from pagedllm.layers.quant import QuantWeight, int8_rows
 from tests.conftest import save_tiny_model
 from tests.gguf_quant import quantize_matrix, requantize
 from tests.models.test_gguf_families import CONVERTER, NOT_FETCHED, convert, train_sentencepiece
@@ -133,3 +133,28 @@ def test_default_model_quantized_agrees_with_dequantized(default_model: str, tok
     agreement = sum(prefix) / (32 * len(prefix))
     print(f"greedy agreement quantized vs dequantized: {agreement:.2f} (common prefixes {prefix})")
     assert all(p > 0 for p in prefix) and agreement >= 0.5
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen2-qkv-bias"])
+def test_int8_quantization_of_an_hf_checkpoint(kernels, tiny_model, variant: str) -> None:
+    """quantization="int8": safetensors weights quantized at load, one scale per output channel, run by the Q8_0
+    kernels: every weight within half a step of its row's scale, the logits within 5% of the float model's."""
+    from safetensors.torch import load_file
+
+    path = tiny_model(variant)
+    seq = torch.randint(3, 500, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    schedule = [[8], [6]] + [[1]] * 7
+    want = paged_logits(path, [seq], schedule)[0]
+    got = paged_logits(path, [seq], schedule, quantization="int8")[0]
+    assert (got - want).abs().max() / want.abs().max() < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    llm = LLM(str(path), quantization="int8", dtype="float32", num_kv_blocks=16)
+    model = llm.llm_engine.executor.worker.model_runner.model
+    llm.shutdown()
+    original = load_file(str(path / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
+    (piece,) = model.model.layers[0].mlp.down_proj.quant.pieces.values()
+    assert piece.type_name == "Q8_0" and piece.packed and model.lm_head.quant is not None
+    step = (original.abs().amax(1, keepdim=True) / 127).half().float()  # the scale as stored (f16)
+    layer = QuantWeight(*original.shape)
+    layer.place(0, int8_rows(original))
+    assert ((layer.pieces[0].dequantize() - original).abs() <= step * 0.501).all()
