@@ -17,6 +17,8 @@ Parts (--parts):
            measured in the same process just before (a 1 GiB float32 copy_, best of 5).
   batched  random 128 in / 128 out x 256: `pagedllm bench throughput` (temperature 1.0, EOS ignored)
            and llama.cpp's batched mode (64 sequences per llama_decode, greedy), total tokens/s.
+  perplexity  on tests/data/prose.txt (3,133 tokens of public-domain prose, our tokenizer's ids given
+           to both), windows of 512 tokens: `pagedllm bench perplexity` and benchmarks/llamacpp_perplexity.py.
 Every run's peak RSS is its process's (GNU time's maximum resident set size; pagedllm's single run:
 getrusage just before the bandwidth probe, whose two 1 GiB tensors would count otherwise).
 """
@@ -34,7 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from compare import engine_env  # noqa: E402  (benchmarks/ is not a package)
-from isa_levels import LLAMA_CPP, _result, gguf_files  # noqa: E402
+from isa_levels import LLAMA_CPP, gguf_files  # noqa: E402
 
 SINGLE = """\
 import json, sys, time
@@ -97,6 +99,14 @@ def files() -> dict[str, str]:
     return {"Q4_1": default_model_path(), **gguf_files()}
 
 
+def _result(stdout: str) -> dict:
+    """The RESULT {json} line of the peers' scripts, or the JSON line `pagedllm bench` prints."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("RESULT ") or line.startswith("{"):
+            return json.loads(line.removeprefix("RESULT "))
+    raise SystemExit(f"no result in:\n{stdout[-2000:]}")
+
+
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[dict, float]:
     """Run ``cmd`` under GNU time: its RESULT line and its peak RSS in MiB."""
     with tempfile.NamedTemporaryFile(suffix=".txt") as rss:
@@ -107,8 +117,14 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[dict, float]:
         return _result(proc.stdout), int(open(rss.name).read().split()[-1]) / 1024
 
 
+PROSE = os.path.join(ROOT, "tests", "data", "prose.txt")
+
+
 def command(engine: str, part: str, ggufs: dict[str, str], prompt_file: str, gen: int, script: str) -> list[str]:
     kind, fmt = engine.split("-")
+    if kind == "llama.cpp" and part == "perplexity":
+        return [LLAMA_CPP, "python", os.path.join(ROOT, "benchmarks", "llamacpp_perplexity.py"), "--gguf", ggufs[fmt],
+                "--tokens", os.path.join(os.path.dirname(prompt_file), "prose_ids.json")]
     if kind == "llama.cpp":
         work = (["--mode", "single", "--prompts", prompt_file, "--num-prompts", "1", "--gen", str(gen)]
                 if part == "single" else ["--mode", "batched", "--parallel", "64", "--num-prompts", "256"])
@@ -118,6 +134,9 @@ def command(engine: str, part: str, ggufs: dict[str, str], prompt_file: str, gen
     if part == "single":
         return [sys.executable, script, prompt_file, str(gen), model, quant, dtype]
     flags = ["--quantization", "gguf"] if quant == "gguf" else []
+    if part == "perplexity":
+        return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "perplexity", "--file", PROSE, "--model",
+                model, "--dtype", dtype, *flags, "--kv-cache-memory", "256MiB"]
     return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--model", model, "--dtype", dtype,
             *flags, "--input-len", "128", "--output-len", "128", "--num-prompts", "256",
             "--kv-cache-memory", "1.5GiB"]  # all 256 sequences at once (23 KB a token), not the 4 GiB default
@@ -126,7 +145,8 @@ def command(engine: str, part: str, ggufs: dict[str, str], prompt_file: str, gen
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
-    ap.add_argument("--parts", nargs="+", default=["single", "batched"], choices=["single", "batched"])
+    ap.add_argument("--parts", nargs="+", default=["single", "batched", "perplexity"],
+                    choices=["single", "batched", "perplexity"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--gen", type=int, default=256)
     args = ap.parse_args()
@@ -138,6 +158,10 @@ def main() -> None:
             json.dump([np.random.default_rng(0).integers(1000, 40000, 128).tolist()], f)
         with open(script, "w") as f:
             f.write(SINGLE)
+        from pagedllm.models.loader import load_tokenizer
+
+        with open(os.path.join(tmp, "prose_ids.json"), "w") as f, open(PROSE, encoding="utf-8") as text:
+            json.dump(load_tokenizer(ggufs["Q4_1"]).encode(text.read(), add_special_tokens=False), f)
         for part in args.parts:
             for rnd in range(args.rounds):
                 for engine in args.engines:  # alternating: every engine once per round
@@ -155,14 +179,16 @@ def main() -> None:
                                        weight_mb=round(result["weight_bytes"] / 1e6, 1),
                                        roofline_tok_per_s=round(roof, 1),
                                        of_roofline=round(result["decode_tok_per_s"] / roof, 3))
+                    elif part == "perplexity":
+                        row["perplexity"] = round(result["perplexity"], 3)
                     else:
                         row["total_tok_per_s"] = round(result.get("total_tok_per_s") or result["tokens_per_second"], 1)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    print("\n| part | round | engine | tok/s | copy GB/s | weights MB | roofline tok/s | % of roofline | peak RSS MiB |")
+    print("\n| part | round | engine | tok/s (perplexity) | copy GB/s | weights MB | roofline tok/s | % of roofline | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        value = r.get("decode_tok_per_s", r.get("total_tok_per_s"))
+        value = r.get("decode_tok_per_s", r.get("total_tok_per_s", r.get("perplexity")))
         roof = (f"{r['copy_gbps']} | {r['weight_mb']} | {r['roofline_tok_per_s']} | {100 * r['of_roofline']:.0f}%"
                 if "copy_gbps" in r else " | | ")
         print(f"| {r['part']} | {r['round']} | {r['engine']} | {value} | {roof} | {r['peak_rss_mib']} |")

@@ -76,13 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     build_kernels.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.entrypoints.bench import memory
+    from pagedllm.entrypoints.bench import memory, perplexity
     from pagedllm.entrypoints.bench import serve as bench_serve
     from pagedllm.entrypoints.bench import throughput
 
     throughput.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
     memory.add_parser(bench_sub)
+    perplexity.add_parser(bench_sub)
     return parser
 
 
