@@ -123,6 +123,41 @@ struct QRow {
   std::vector<float> d, s;
 };
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// 32 values -> 32 int8 round(v / d) (nearest even, as torch.round), d = amax / 127; returns d and the int sum.
+template <typename T>
+inline float quantize_chunk(const T* src, int8_t* q, int& sum) {
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int i = 0; i < 4; ++i) v[i] = load8(src + 8 * i), amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.f;
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i)
+    n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  sum = _mm_cvtsi128_si32(t);
+  // packs work per 128-bit half: 4-byte groups come out as values 0-3 of n[0..3], then values 4-7 of each;
+  // the permute puts each vector's two groups together
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return d;
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t lda, int64_t M, int64_t K, QRow& out, int threads) {
   const int64_t chunks = K / 32;
@@ -130,19 +165,10 @@ void quantize_rows(const T* x, int64_t lda, int64_t M, int64_t K, QRow& out, int
   out.d.resize(M * chunks);
   out.s.resize(M * chunks);
   parallel_for(M * chunks, threads, 256, [&](int64_t begin, int64_t end) {
-    alignas(32) float v[32];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / chunks, c = i % chunks;
-      const T* src = x + r * lda + c * 32;
-      float amax = 0.f;
-      for (int j = 0; j < 32; ++j) v[j] = to_f32(src[j]), amax = std::max(amax, std::fabs(v[j]));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int8_t* q = out.q.data() + r * K + c * 32;
-      int sum = 0;
-      for (int j = 0; j < 32; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));  // nearest even, as torch.round
-        sum += q[j];
-      }
+      int sum;
+      const float d = quantize_chunk(x + r * lda + c * 32, out.q.data() + r * K + c * 32, sum);
       out.d[i] = d;
       out.s[i] = d * static_cast<float>(sum);
     }
