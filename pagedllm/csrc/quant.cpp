@@ -257,23 +257,79 @@ void rows_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, 
 
 
 // ------------------------------------------------------------------ packed layout (Q4_0, Q4_1, Q8_0)
-// Packed once at load: rows in groups of 8, and per (group, chunk of 32) the 8 rows' scales and
-// offsets as f16 vectors, then their values with 4 consecutive k of a row side by side: 32 bytes
-// hold "quad" t (k = 4t..4t+3) of all 8 rows. One broadcast of x's quad t against them gives the
-// group's 8 partial sums in one register (vpdpbusd, or vpmaddubsw + vpmaddwd): the scale multiply,
-// the f16 conversions and the int -> float conversion serve 8 outputs at a time, not one.
-// 4-bit values are stored as nibbles (register s: low nibbles quad 2s, high nibbles quad 2s + 1),
-// unsigned with the format's zero point folded into the offset (Q4_0: value = d u - 8 d, u in 0..15);
-// Q8_0 stays signed (no offset).
+// Packed once at load: rows in groups of kGroup (8 with 256-bit registers, 16 with AVX-512's), and
+// per (group, chunk of 32) the group's scales and offsets as f16 vectors, then their values with 4
+// consecutive k of a row side by side: 4 * kGroup bytes hold "quad" t (k = 4t..4t+3) of all the
+// group's rows. One broadcast of x's quad t against them gives the group's kGroup partial sums in
+// one register (vpdpbusd, or vpmaddubsw + vpmaddwd): the scale multiply, the f16 conversions and the
+// int -> float conversion serve kGroup outputs at a time, not one. 4-bit values are stored as
+// nibbles (register s: low nibbles quad 2s, high nibbles quad 2s + 1), unsigned with the format's
+// zero point folded into the offset (Q4_0: value = d u - 8 d, u in 0..15); Q8_0 stays signed (no
+// offset). The layout depends on the level: a weight is packed by the kernels that run it.
+#ifdef PL_AVX512
+constexpr int kGroup = 16;
+using VI = __m512i;
+using VF = __m512;
+inline VI vi_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VI vi_and(VI a, VI b) { return _mm512_and_si512(a, b); }
+inline VI vi_high_nibbles(VI a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
+inline VI vi_bcast(int32_t v) { return _mm512_set1_epi32(v); }
+inline VI vi_set1_8(char v) { return _mm512_set1_epi8(v); }
+inline VI vi_zero() { return _mm512_setzero_si512(); }
+inline VI vi_abs8(VI w) { return _mm512_abs_epi8(w); }
+inline VI vi_sign8(VI x, VI w) {  // x negated where w < 0 (w == 0: |w| = 0 makes the product 0 anyway)
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+inline VI vi_dot(VI acc, VI u, VI x) {  // u unsigned 8-bit . x signed 8-bit, 4 products per int32 lane
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, u, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
+#endif
+}
+inline VF vf_halfs(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline VF vf_zero() { return _mm512_setzero_ps(); }
+inline VF vf_set1(float v) { return _mm512_set1_ps(v); }
+inline VF vf_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF vf_mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF vf_int(VI a) { return _mm512_cvtepi32_ps(a); }
+inline void vf_store(float* p, VF v) { _mm512_storeu_ps(p, v); }
+#else
 constexpr int kGroup = 8;
+using VI = __m256i;
+using VF = __m256;
+inline VI vi_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VI vi_and(VI a, VI b) { return _mm256_and_si256(a, b); }
+inline VI vi_high_nibbles(VI a) { return _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_set1_epi8(0x0F)); }
+inline VI vi_bcast(int32_t v) { return _mm256_set1_epi32(v); }
+inline VI vi_set1_8(char v) { return _mm256_set1_epi8(v); }
+inline VI vi_zero() { return _mm256_setzero_si256(); }
+inline VI vi_abs8(VI w) { return _mm256_sign_epi8(w, w); }
+inline VI vi_sign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
+inline VI vi_dot(VI acc, VI u, VI x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+}
+inline VF vf_halfs(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VF vf_zero() { return _mm256_setzero_ps(); }
+inline VF vf_set1(float v) { return _mm256_set1_ps(v); }
+inline VF vf_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF vf_mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF vf_int(VI a) { return _mm256_cvtepi32_ps(a); }
+inline void vf_store(float* p, VF v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int64_t kQuad = 4 * kGroup;  // bytes of one quad of a group: 4 k of each of its rows
 
-template <int QT> struct Packed {  // Q4_0, Q4_1: f16 scales x 8, f16 offsets x 8, 128 bytes of nibbles
-  static constexpr int64_t kChunkBytes = 16 + 16 + 128;
+template <int QT> struct Packed {  // Q4_0, Q4_1: f16 scales, f16 offsets, 16 kGroup bytes of nibbles
   static constexpr bool kOffsets = true;
+  static constexpr int64_t kValues = 2 * kGroup + 2 * kGroup;  // where the values start
+  static constexpr int64_t kChunkBytes = kValues + 16 * kGroup;
 };
-template <> struct Packed<kQ8_0> {  // f16 scales x 8, 256 bytes of int8
-  static constexpr int64_t kChunkBytes = 16 + 256;
+template <> struct Packed<kQ8_0> {  // f16 scales, 32 kGroup bytes of int8
   static constexpr bool kOffsets = false;
+  static constexpr int64_t kValues = 2 * kGroup;
+  static constexpr int64_t kChunkBytes = kValues + 32 * kGroup;
 };
 template <int QT> constexpr bool kPackable = QT == kQ4_0 || QT == kQ4_1 || QT == kQ8_0;
 
@@ -282,16 +338,23 @@ int64_t packed_bytes(int64_t N, int64_t K) {
   return (N + kGroup - 1) / kGroup * (K / 32) * Packed<QT>::kChunkBytes;
 }
 
+// Where value k (0..31) of row j of a group sits among a packed chunk's values (4-bit: its byte).
+inline int64_t packed_pos(int QT, int j, int k) {
+  const int t = k / 4, b = k % 4;
+  return (QT == kQ8_0 ? t : t / 2) * kQuad + 4 * j + b;
+}
+
 template <int QT>
 void pack(const uint8_t* raw, uint8_t* out, int64_t N, int64_t K, int threads) {
   using F = Format<QT>;
+  using P = Packed<QT>;
   const int64_t chunks = K / 32, row_bytes = K / F::kBlock * F::kBytes;
   const int64_t groups = (N + kGroup - 1) / kGroup;
   parallel_for(groups * chunks, threads, 64, [&](int64_t begin, int64_t end) {
     alignas(32) int8_t q[kGroup][32];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i / chunks, c = i % chunks;
-      uint8_t* dst = out + i * Packed<QT>::kChunkBytes;
+      uint8_t* dst = out + i * P::kChunkBytes;
       uint16_t scales[kGroup], offsets[kGroup];
       for (int j = 0; j < kGroup; ++j) {
         const int64_t n = g * kGroup + j;
@@ -310,89 +373,75 @@ void pack(const uint8_t* raw, uint8_t* out, int64_t N, int64_t K, int threads) {
         scales[j] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
         offsets[j] = _cvtss_sh(offset, _MM_FROUND_TO_NEAREST_INT);
       }
-      std::memcpy(dst, scales, 16);
-      uint8_t* values = dst + 16;
-      if (Packed<QT>::kOffsets) {
-        std::memcpy(dst + 16, offsets, 16);
-        values = dst + 32;
-      }
-      for (int t = 0; t < 8; ++t)  // quad t, row j, k = 4t + b
-        for (int j = 0; j < kGroup; ++j)
-          for (int b = 0; b < 4; ++b) {
-            const uint8_t v = static_cast<uint8_t>(q[j][4 * t + b]);
-            if (QT == kQ8_0) {
-              values[t * 32 + 4 * j + b] = v;
-            } else {  // nibble register t / 2: low nibble for even t, high for odd
-              uint8_t& byte = values[(t / 2) * 32 + 4 * j + b];
-              byte = t % 2 ? static_cast<uint8_t>(byte | (v << 4)) : v;
-            }
-          }
+      std::memcpy(dst, scales, 2 * kGroup);
+      if (P::kOffsets) std::memcpy(dst + 2 * kGroup, offsets, 2 * kGroup);
+      uint8_t* values = dst + P::kValues;
+      std::memset(values, 0, P::kChunkBytes - P::kValues);
+      for (int j = 0; j < kGroup; ++j)
+        for (int k = 0; k < 32; ++k) {
+          const uint8_t v = static_cast<uint8_t>(q[j][k]);
+          uint8_t& byte = values[packed_pos(QT, j, k)];
+          byte = QT == kQ8_0 ? v : static_cast<uint8_t>(byte | ((k / 4) % 2 ? v << 4 : v));  // odd quads: high nibbles
+        }
     }
   });
 }
 
-// u (unsigned 8-bit) . x (signed 8-bit), 4 products per int32 lane, added to acc
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i x) {
-#ifdef __AVX512VNNI__
-  return _mm256_dpbusd_epi32(acc, u, x);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-#endif
-}
-
-// MR rows of x x G groups of 8 output features, every chunk of K.
+// MR rows of x x G groups of kGroup output features, every chunk of K.
 template <int QT, int MR, int G, typename T>
 void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t N, int64_t K,
                  T* out, int64_t ldc) {
   using P = Packed<QT>;
   const int64_t chunks = K / 32;
-  __m256 acc[MR][G];
+  VF acc[MR][G];
   for (int r = 0; r < MR; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) acc[r][g] = vf_zero();
   for (int64_t c = 0; c < chunks; ++c) {
-    __m256i isum[MR][G];
+    VI isum[MR][G];
     for (int r = 0; r < MR; ++r)
-      for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
+      for (int g = 0; g < G; ++g) isum[r][g] = vi_zero();
     const int32_t* xs[MR];
     for (int r = 0; r < MR; ++r) xs[r] = reinterpret_cast<const int32_t*>(xq.q.data() + (m0 + r) * K + c * 32);
-    for (int g = 0; g < G; ++g) {
-      const uint8_t* v = w + (g0 + g) * group_bytes + c * P::kChunkBytes + (P::kOffsets ? 32 : 16);
-      if constexpr (QT == kQ8_0) {
-        for (int t = 0; t < 8; ++t) {
-          const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * t));
-          const __m256i u = _mm256_sign_epi8(s, s);  // |w| unsigned, x taking w's sign
-          for (int r = 0; r < MR; ++r)
-            isum[r][g] = dot_u8s8(isum[r][g], u, _mm256_sign_epi8(_mm256_set1_epi32(xs[r][t]), s));
+    const uint8_t* v[G];
+    for (int g = 0; g < G; ++g) v[g] = w + (g0 + g) * group_bytes + c * P::kChunkBytes + P::kValues;
+    if constexpr (QT == kQ8_0) {
+      for (int t = 0; t < 8; ++t) {
+        VI s[G], u[G];
+        for (int g = 0; g < G; ++g) s[g] = vi_load(v[g] + kQuad * t), u[g] = vi_abs8(s[g]);  // |w|, x gets w's sign
+        for (int r = 0; r < MR; ++r) {
+          const VI x = vi_bcast(xs[r][t]);  // one broadcast for every group
+          for (int g = 0; g < G; ++g) isum[r][g] = vi_dot(isum[r][g], u[g], vi_sign8(x, s[g]));
         }
-      } else {
-        const __m256i low = _mm256_set1_epi8(0x0F);
-        for (int t = 0; t < 8; t += 2) {
-          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * t));
-          const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-          for (int r = 0; r < MR; ++r) {
-            isum[r][g] = dot_u8s8(isum[r][g], lo, _mm256_set1_epi32(xs[r][t]));
-            isum[r][g] = dot_u8s8(isum[r][g], hi, _mm256_set1_epi32(xs[r][t + 1]));
-          }
+      }
+    } else {
+      const VI low = vi_set1_8(0x0F);
+      for (int t = 0; t < 8; t += 2) {
+        VI lo[G], hi[G];
+        for (int g = 0; g < G; ++g) {
+          const VI b = vi_load(v[g] + kQuad * (t / 2));
+          lo[g] = vi_and(b, low), hi[g] = vi_high_nibbles(b);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const VI xl = vi_bcast(xs[r][t]), xh = vi_bcast(xs[r][t + 1]);
+          for (int g = 0; g < G; ++g) isum[r][g] = vi_dot(vi_dot(isum[r][g], lo[g], xl), hi[g], xh);
         }
       }
     }
     for (int g = 0; g < G; ++g) {
       const uint8_t* head = w + (g0 + g) * group_bytes + c * P::kChunkBytes;
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head)));
-      __m256 offset = _mm256_setzero_ps();
-      if (P::kOffsets) offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 16)));
+      const VF scale = vf_halfs(head);
+      const VF offset = P::kOffsets ? vf_halfs(head + 2 * kGroup) : vf_zero();
       for (int r = 0; r < MR; ++r) {
         const int64_t i = (m0 + r) * chunks + c;
-        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), _mm256_mul_ps(scale, _mm256_set1_ps(xq.d[i])),
-                                    acc[r][g]);
-        if (P::kOffsets) acc[r][g] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xq.s[i]), acc[r][g]);
+        acc[r][g] = vf_fma(vf_int(isum[r][g]), vf_mul(scale, vf_set1(xq.d[i])), acc[r][g]);
+        if (P::kOffsets) acc[r][g] = vf_fma(offset, vf_set1(xq.s[i]), acc[r][g]);
       }
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int g = 0; g < G; ++g) {
-      alignas(32) float y[kGroup];
-      _mm256_store_ps(y, acc[r][g]);
+      alignas(64) float y[kGroup];
+      vf_store(y, acc[r][g]);
       const int64_t n0 = (g0 + g) * kGroup;
       for (int j = 0; j < kGroup && n0 + j < N; ++j) out[(m0 + r) * ldc + n0 + j] = from_f32<T>(y[j]);
     }
@@ -401,14 +450,22 @@ void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_byt
 template <int QT, typename T>
 void packed_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t groups = (N + kGroup - 1) / kGroup, group_bytes = (K / 32) * Packed<QT>::kChunkBytes;
-  const int64_t col_units = (groups + 1) / 2, row_units = (M + kRows - 1) / kRows;  // 2 groups (16 features) a unit
+  const int64_t col_units = (groups + 1) / 2, row_units = (M + kRows - 1) / kRows;  // 2 groups a unit
   parallel_for(col_units * row_units, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t m0 = (u / col_units) * kRows, g0 = (u % col_units) * 2;
       const int64_t m1 = std::min(M, m0 + kRows), two = std::min<int64_t>(2, groups - g0);
       const int64_t full = m0 + (m1 - m0) / 4 * 4;
+#ifdef PL_AVX512
+      // 4 rows x 2 groups: 8 int + 8 float sums of AVX-512's 32 registers; each broadcast of x serves 2 groups
+      for (int64_t m = m0; m < full; m += 4) {
+        if (two == 2) packed_tile<QT, 4, 2>(q, m, w, group_bytes, g0, N, K, out, ldc);
+        else packed_tile<QT, 4, 1>(q, m, w, group_bytes, g0, N, K, out, ldc);
+      }
+#else
       for (int64_t g = g0; g < g0 + two; ++g)  // 4 rows x 1 group: 4 int + 4 float sums, 2 weight registers
         for (int64_t m = m0; m < full; m += 4) packed_tile<QT, 4, 1>(q, m, w, group_bytes, g, N, K, out, ldc);
+#endif
       for (int64_t m = full; m < m1; ++m) {  // the last 1-3 rows (a decode step's one row): both groups at once
         if (two == 2) packed_tile<QT, 1, 2>(q, m, w, group_bytes, g0, N, K, out, ldc);
         else packed_tile<QT, 1, 1>(q, m, w, group_bytes, g0, N, K, out, ldc);
@@ -508,17 +565,12 @@ void packed_chunk(const uint8_t* w, int64_t n, int64_t c, int64_t K, float* y) {
   using P = Packed<QT>;
   const uint8_t* head = w + (n / kGroup) * (K / 32) * P::kChunkBytes + c * P::kChunkBytes;
   const int j = static_cast<int>(n % kGroup);
-  const float scale = half(head + 2 * j), offset = P::kOffsets ? half(head + 16 + 2 * j) : 0.f;
-  const uint8_t* v = head + (P::kOffsets ? 32 : 16);
+  const float scale = half(head + 2 * j), offset = P::kOffsets ? half(head + 2 * kGroup + 2 * j) : 0.f;
+  const uint8_t* v = head + P::kValues;
   for (int k = 0; k < 32; ++k) {
-    const int t = k / 4, b = k % 4;
-    float q;
-    if (QT == kQ8_0) {
-      q = static_cast<float>(static_cast<int8_t>(v[t * 32 + 4 * j + b]));
-    } else {
-      const uint8_t byte = v[(t / 2) * 32 + 4 * j + b];
-      q = static_cast<float>(t % 2 ? byte >> 4 : byte & 0x0F);
-    }
+    const uint8_t byte = v[packed_pos(QT, j, k)];
+    const float q = QT == kQ8_0 ? static_cast<float>(static_cast<int8_t>(byte))
+                                : static_cast<float>((k / 4) % 2 ? byte >> 4 : byte & 0x0F);
     y[k] = scale * q + offset;
   }
 }

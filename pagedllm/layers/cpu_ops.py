@@ -33,6 +33,7 @@ class QuantMatrix(Protocol):
     cols: int
     data: torch.Tensor
     packed: bool
+    level: str | None
 
 
 Q = TypeVar("Q", bound=QuantMatrix)
@@ -147,13 +148,15 @@ class CpuKernels:
         out = torch.empty(self._lib.pl_qpack_size(w.qtype, w.rows, w.cols), dtype=torch.uint8)
         self._check(self._lib.pl_qpack(w.data.contiguous().data_ptr(), out.data_ptr(), w.rows, w.cols, w.qtype,
                                        torch.get_num_threads()))
-        return dataclasses.replace(w, data=out, packed=True)
+        return dataclasses.replace(w, data=out, packed=True, level=self.level)
 
     def qgemm(self, x: torch.Tensor, w: QuantMatrix, out: torch.Tensor) -> None:
         """out (rows, w.rows; rows may be strided, e.g. a column slice) = x (rows, w.cols) W^T, W in its
         GGUF format (layers/quant.py), packed or not; x's values quantized to int8 per 32 on the way."""
         assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == w.cols and x.dtype == out.dtype
         assert out.shape == (x.shape[0], w.rows) and out.stride(1) == 1 and w.data.is_contiguous()
+        if w.packed and w.level != self.level:
+            raise RuntimeError(f"a weight packed by the {w.level} kernels cannot run on the {self.level} ones")
         self._check(self._lib.pl_qgemm(x.data_ptr(), x.stride(0), w.data.data_ptr(), int(w.packed), out.data_ptr(),
                                        out.stride(0), x.shape[0], w.rows, w.cols, w.qtype, DTYPE_CODES[x.dtype],
                                        torch.get_num_threads()))
@@ -161,6 +164,8 @@ class CpuKernels:
     def qrows(self, w: QuantMatrix, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the quantized table (packed or not), dequantized: (len(ids), w.cols) of ``dtype``."""
         ids = ids.to(torch.int64).contiguous()
+        if w.packed and w.level != self.level:
+            raise RuntimeError(f"a table packed by the {w.level} kernels cannot be read by the {self.level} ones")
         out = torch.empty(ids.numel(), w.cols, dtype=dtype)  # (ids, cols)
         self._check(self._lib.pl_qrows(w.data.data_ptr(), int(w.packed), ids.data_ptr(), ids.numel(), w.rows, w.cols,
                                        w.qtype, out.data_ptr(), DTYPE_CODES[dtype], torch.get_num_threads()))

@@ -36,6 +36,8 @@ class QuantTensor:
     cols: int
     data: torch.Tensor
     packed: bool = False
+    level: str | None = None
+    """Packed: the kernel level whose layout it has (8-row groups below AVX-512, 16 with it)."""
 
     @property
     def shape(self) -> tuple[int, int]:

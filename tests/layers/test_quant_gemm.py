@@ -124,3 +124,18 @@ def test_mixed_formats_and_tensor_parallel_slices() -> None:
     assert isinstance(kept, QuantTensor) and torch.equal(kept.dequantize(), q.dequantize()[:, 256:])
     cut = q.narrow(1, 128, 256)
     assert isinstance(cut, torch.Tensor) and torch.equal(cut, q.dequantize()[:, 128:384])
+
+
+def test_a_packed_weight_runs_only_on_the_level_that_packed_it() -> None:
+    """The packed layout is the level's (8-row groups below AVX-512, 16 with it): another level refuses it."""
+    from pagedllm.layers import cpu_ops
+    from tests.conftest import kernel_levels
+
+    levels = kernel_levels()
+    if len(levels) < 2:
+        pytest.skip("one kernel level here")
+    with cpu_ops.use_level(levels[-1]):
+        packed = cpu_ops.active().qpack(random_quant("Q4_1", 16, 64))
+    with cpu_ops.use_level(levels[0]):
+        with pytest.raises(RuntimeError, match=f"packed by the {levels[-1]} kernels"):
+            cpu_ops.active().qgemm(torch.randn(1, 64), packed, torch.empty(1, 16))
