@@ -185,7 +185,8 @@ def main() -> None:
                         row["total_tok_per_s"] = round(result.get("total_tok_per_s") or result["tokens_per_second"], 1)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    print("\n| part | round | engine | tok/s (perplexity) | copy GB/s | weights MB | roofline tok/s | % of roofline | peak RSS MiB |")
+    print("\n| part | round | engine | tok/s (perplexity) | copy GB/s | weights MB | roofline tok/s | % of roofline "
+          "| peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         value = r.get("decode_tok_per_s", r.get("total_tok_per_s", r.get("perplexity")))

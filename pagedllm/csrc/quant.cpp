@@ -143,7 +143,7 @@ inline float quantize_chunk(const T* src, int8_t* q, int& sum) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   const float d = _mm_cvtss_f32(m) / 127.f;
-  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m256 inv = _mm256_set1_ps(d > 1e-30f ? 1.f / d : 0.f);  // a block of ~0 (1 / d would be inf): zeros
   __m256i n[4];
   for (int i = 0; i < 4; ++i)
     n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -516,6 +516,11 @@ PL_EXPORT int64_t pl_qpack_size(int qtype, int64_t N, int64_t K) {
 PL_EXPORT int pl_qpack(const void* raw, void* out, int64_t N, int64_t K, int qtype, int threads) {
   return with_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
+    if (K % Format<QT>::kBlock) {
+      set_error("in_features %lld is not a multiple of the format's block of %lld", static_cast<long long>(K),
+                static_cast<long long>(Format<QT>::kBlock));
+      return -1;
+    }
     if constexpr (kPackable<QT>) {
       pack<QT>(static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(out), N, K, threads);
       return 0;
@@ -548,13 +553,12 @@ PL_EXPORT int pl_qgemm(const void* x, int64_t lda, const void* w, int packed, vo
       thread_local QRow xq;  // the calling thread's buffer, read by every worker
       quantize_rows(static_cast<const T*>(x), lda, M, K, xq, threads);
       const uint8_t* wb = static_cast<const uint8_t*>(w);
+      bool done = false;
       if constexpr (kPackable<QT>) {
-        if (packed) {
-          packed_gemm<QT, T>(xq, wb, static_cast<T*>(out), ldc, M, N, K, threads);
-          return 0;
-        }
+        if (packed) packed_gemm<QT, T>(xq, wb, static_cast<T*>(out), ldc, M, N, K, threads), done = true;
       }
-      rows_gemm<QT, T>(xq, wb, static_cast<T*>(out), ldc, M, N, K, threads);
+      if (!done) rows_gemm<QT, T>(xq, wb, static_cast<T*>(out), ldc, M, N, K, threads);
+      if (xq.q.capacity() > (size_t{1} << 24)) xq = QRow{};  // a long prompt's 16+ MiB: not held for good
       return 0;
     });
   });
@@ -589,6 +593,11 @@ PL_EXPORT int pl_qrows(const void* w, int packed, const int64_t* ids, int64_t M,
   return with_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     using F = Format<QT>;
+    if (K % F::kBlock || (packed && !kPackable<QT>)) {
+      set_error("a table of type %d cannot have %lld columns%s", qtype, static_cast<long long>(K),
+                packed ? " or be packed" : "");
+      return -1;
+    }
     const int64_t row_bytes = K / F::kBlock * F::kBytes;
     const uint8_t* wb = static_cast<const uint8_t*>(w);
     return with_dtype(dtype, [&](auto t) {

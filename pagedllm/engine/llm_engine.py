@@ -41,6 +41,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     path = resolve_model_path(args.model)
     arch = load_arch_config(path)
     device = resolve_device(args.device)
+    if args.quantization is not None and device == "cuda":
+        raise ValidationError.bad_value("quantization", args.quantization,
+                                        "None on a GPU (the quantized kernels are the CPU's)")
     dtype = args.dtype
     if dtype == "auto":  # a GPU computes in bf16 natively; a CPU: what its kernels run fastest
         dtype = "bfloat16" if device == "cuda" else platform.default_dtype()

@@ -51,8 +51,9 @@ class QuantTensor:
         """Rows (dim 0) or columns (dim 1) [start, start + length); columns that cut a block come back
         dequantized (float32)."""
         assert not self.packed
-        if dim == 0:
-            return QuantTensor(self.qtype, length, self.cols, self.data.narrow(0, start, length))
+        if dim == 0:  # a copy when it is a part: a rank must not keep the whole file's tensor alive
+            rows = self.data.narrow(0, start, length)
+            return QuantTensor(self.qtype, length, self.cols, rows if length == self.rows else rows.clone())
         block, nbytes = _BLOCKS[self.qtype]
         if start % block or length % block:
             return self.dequantize().narrow(1, start, length)
@@ -182,7 +183,9 @@ def kept_quantized(param: torch.nn.Parameter) -> "QuantWeight | None":
 def quant_linear(x: torch.Tensor, quant: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., cols) W^T + b -> (..., rows), each segment of W's rows by its format's kernel."""
     kernels = fused_ops(x)
-    assert kernels is not None, "quantized weights are kept only where the kernels run"
+    if kernels is None:
+        raise RuntimeError("quantized weights run on the compiled kernels, which are off here (torch_ops_only, or "
+                           "another device): load the model with quantization=None")
     x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (tokens, cols)
     out = torch.empty(x2.shape[0], quant.rows, dtype=x.dtype)  # (tokens, rows)
     for offset, seg in quant.pieces.items():
@@ -206,6 +209,7 @@ def describe_quantized(model: torch.nn.Module) -> str:
             count[piece.type_name] = count.get(piece.type_name, 0) + 1
             size[piece.type_name] = size.get(piece.type_name, 0) + piece.data.numel()
     if not count:
-        return "no weight kept quantized (no compiled kernels here): every weight dequantized"
+        return ("no weight kept quantized (no compiled kernels at this level, or no matrix in a kept format): "
+                "every weight dequantized")
     return ", ".join(f"{count[t]} matrices in {t} ({size[t] / 2 ** 20:.1f} MiB)" for t in sorted(count)) + \
         "; the other tensors dequantized"

@@ -148,7 +148,10 @@ def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
         return False
     packed = [a.qkv_proj.packed_weight, a.o_proj.packed_weight, m.gate_up_proj.silu_packed, m.down_proj.packed_weight]
     linears = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
-    return (all((p is not None and p.kernels is kernels) or _quant(lin) is not None for p, lin in zip(packed, linears))
+    quant = [_quant(lin) for lin in linears]
+    return (all((p is not None and p.kernels is kernels) or (q is not None and q.level == kernels.level)
+                for p, q in zip(packed, quant))
+            and all(getattr(lin, "lora", None) is None for lin in linears)  # the stack adds no adapter deltas
             and a.o_proj.tp_size == 1
             and not hasattr(a, "q_norm")  # the stack has no per-head q/k norms (Qwen3)
             and a.attn.sliding_window is None  # nor sliding windows

@@ -94,7 +94,9 @@ class Worker:
                     module.process_weights_after_loading()
         model.eval()
         if config.model.quantization and info.rank == 0:
-            logger.info("quantization=%s: %s", config.model.quantization, describe_quantized(model))
+            described = describe_quantized(model)
+            (logger.warning if described.startswith("no weight") else logger.info)(
+                "quantization=%s: %s", config.model.quantization, described)
         self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
                                         self.device, functools.partial(compiler_for, config.model.model,
                                                                        arch.vocab_size, tuple(eos_token_ids)), lora)

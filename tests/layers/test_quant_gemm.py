@@ -120,6 +120,8 @@ def test_mixed_formats_and_tensor_parallel_slices() -> None:
     segments = weight.segments()
     assert [(o, s.type_name, s.rows) for o, s in segments] == [(0, "Q4_K", 48), (48, "Q6_K", 16)]
     assert torch.equal(segments[0][1].dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    rows = q.narrow(0, 8, 16)  # a rank's rows: their own storage, not a view that keeps the whole file's tensor
+    assert rows.data.untyped_storage().nbytes() == rows.data.numel() and torch.equal(rows.data, q.data[8:24])
     kept = q.narrow(1, 256, 256)
     assert isinstance(kept, QuantTensor) and torch.equal(kept.dequantize(), q.dequantize()[:, 256:])
     cut = q.narrow(1, 128, 256)

@@ -32,6 +32,8 @@ def negative_log_likelihoods(llm: LLM, token_ids: list[int], context: int = 512)
     from pagedllm.sampling_params import SamplingParams
 
     parts = windows(token_ids, context)
+    if not parts:
+        raise ValidationError(f"the text has {len(token_ids)} token(s): perplexity needs at least 2", param="file")
     outs = llm.generate([{"prompt_token_ids": w} for w in parts], SamplingParams(max_tokens=1, prompt_logprobs=0),
                         use_tqdm=False)
     nll = []
