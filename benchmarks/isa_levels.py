@@ -49,7 +49,7 @@ GGUF_DIR = os.path.join(PEERS_HOME, "gguf")
 AVX2_CMAKE = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
 
 SINGLE = """\
-import json, sys, time
+import json, resource, sys, time
 import torch
 from pagedllm import LLM, SamplingParams
 
@@ -61,19 +61,27 @@ def copy_gbps(n=2**28, reps=5):  # bytes read per second by a large copy
 def _timed(fn):
     t = time.perf_counter(); fn(); return time.perf_counter() - t
 
-def weight_bytes(model):  # what one decode step reads: every packed (or plain) matmul weight once
-    total = 0
+def weight_bytes(model):  # what one decode step reads: every matmul weight once, as stored (packed, quantized)
+    total, seen = 0, set()
     for m in model.modules():
-        packed = [getattr(m, a, None) for a in ("packed_weight", "silu_packed")]
-        packed = [p for p in packed if p is not None]
+        quant = getattr(m, "quant", None)
+        if quant is not None and type(m).__name__ != "VocabParallelEmbedding":
+            if id(quant) not in seen:  # a tied LM head shares the embedding's rows
+                seen.add(id(quant)); total += sum(p.data.numel() for p in quant.pieces.values())
+            continue
+        packed = [p for p in (getattr(m, a, None) for a in ("packed_weight", "silu_packed")) if p is not None]
         total += sum(p.data.numel() * p.data.element_size() for p in packed)
         w = getattr(m, "weight", None)
         if not packed and isinstance(w, torch.Tensor) and w.dim() == 2 and type(m).__name__ != "VocabParallelEmbedding":
             total += w.numel() * w.element_size()
     return total
 
+# argv: prompt file, tokens to generate, then optionally model, quantization ("none"), dtype, kv_cache_memory
 prompt, gen = json.load(open(sys.argv[1]))[0], int(sys.argv[2])
-llm = LLM(dtype="auto")
+defaults = [None, "none", "auto", None]
+model, quantization, dtype, kv = sys.argv[3:7] + defaults[len(sys.argv[3:7]):]
+llm = LLM(model, dtype=dtype, quantization=None if quantization == "none" else quantization,
+          **({"kv_cache_memory": kv} if kv else {}))
 engine = llm.llm_engine
 params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eos=True)
 
@@ -86,11 +94,12 @@ def decode_tok_s(i):
     return n / (time.perf_counter() - start)
 
 decode_tok_s(-1)  # warm-up
+peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # before the copy probe's 2 GiB
 bw = copy_gbps()
 tok_s = decode_tok_s(0)
 model = engine.executor.worker.model_runner.model
 print("RESULT " + json.dumps({"decode_tok_per_s": tok_s, "copy_gbps": bw, "weight_bytes": weight_bytes(model),
-                              "dtype": engine.config.model.dtype}))
+                              "peak_rss_kib": peak_kib, "dtype": engine.config.model.dtype}))
 """
 
 COLD = """\

@@ -36,59 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from compare import engine_env  # noqa: E402  (benchmarks/ is not a package)
-from isa_levels import LLAMA_CPP, gguf_files  # noqa: E402
-
-SINGLE = """\
-import json, sys, time
-import torch
-from pagedllm import LLM, SamplingParams
-
-def copy_gbps(n=2**28, reps=5):  # bytes read per second by a large copy
-    src = torch.ones(n, dtype=torch.float32); dst = torch.empty_like(src); dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
-    return src.numel() * 4 / best / 1e9
-
-def _timed(fn):
-    t = time.perf_counter(); fn(); return time.perf_counter() - t
-
-def weight_bytes(model):  # one decode step reads every matmul weight once, as stored
-    total, seen = 0, set()
-    for m in model.modules():
-        quant = getattr(m, "quant", None)
-        if quant is not None and type(m).__name__ != "VocabParallelEmbedding":
-            if id(quant) not in seen:
-                seen.add(id(quant)); total += sum(p.data.numel() for p in quant.pieces.values())
-            continue
-        packed = [p for p in (getattr(m, a, None) for a in ("packed_weight", "silu_packed")) if p is not None]
-        total += sum(p.data.numel() * p.data.element_size() for p in packed)
-        w = getattr(m, "weight", None)
-        if not packed and isinstance(w, torch.Tensor) and w.dim() == 2 and type(m).__name__ != "VocabParallelEmbedding":
-            total += w.numel() * w.element_size()
-    return total
-
-prompt, gen, model, quantization, dtype = json.load(open(sys.argv[1]))[0], int(sys.argv[2]), sys.argv[3], \\
-    sys.argv[4], sys.argv[5]
-llm = LLM(model, dtype=dtype, quantization=None if quantization == "none" else quantization,
-          kv_cache_memory="256MiB")  # peak RSS: weights and a pool that fits the sequence
-engine = llm.llm_engine
-params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eos=True)
-
-def decode_tok_s(i):
-    engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    engine.step()  # the prompt and the first token
-    start, n = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        engine.step(); n += 1
-    return n / (time.perf_counter() - start)
-
-decode_tok_s(-1)  # warm-up
-import resource
-peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # before the copy probe's 2 GiB
-bw = copy_gbps()
-tok_s = decode_tok_s(0)
-print("RESULT " + json.dumps({"decode_tok_per_s": tok_s, "copy_gbps": bw, "peak_rss_kib": peak_kib,
-                              "weight_bytes": weight_bytes(engine.executor.worker.model_runner.model)}))
-"""
+from isa_levels import LLAMA_CPP, SINGLE, gguf_files  # noqa: E402
 
 ENGINES = ["pagedllm-Q4_1", "pagedllm-Q8_0", "pagedllm-bf16", "llama.cpp-Q4_1", "llama.cpp-Q8_0", "llama.cpp-BF16"]
 
@@ -120,7 +68,7 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[dict, float]:
 PROSE = os.path.join(ROOT, "tests", "data", "prose.txt")
 
 
-def command(engine: str, part: str, ggufs: dict[str, str], prompt_file: str, gen: int, script: str) -> list[str]:
+def command(engine: str, part: str, ggufs: dict[str, str], prompt_file: str, gen: int) -> list[str]:
     kind, fmt = engine.split("-")
     if kind == "llama.cpp" and part == "perplexity":
         return [LLAMA_CPP, "python", os.path.join(ROOT, "benchmarks", "llamacpp_perplexity.py"), "--gguf", ggufs[fmt],
@@ -132,7 +80,8 @@ def command(engine: str, part: str, ggufs: dict[str, str], prompt_file: str, gen
     model = ggufs["Q4_1" if fmt == "bf16" else fmt]
     quant, dtype = ("none", "bfloat16") if fmt == "bf16" else ("gguf", "auto")
     if part == "single":
-        return [sys.executable, script, prompt_file, str(gen), model, quant, dtype]
+        # isa_levels' decode script; a 256 MiB KV pool: peak RSS is the weights and a pool that fits the sequence
+        return [sys.executable, "-c", SINGLE, prompt_file, str(gen), model, quant, dtype, "256MiB"]
     flags = ["--quantization", "gguf"] if quant == "gguf" else []
     if part == "perplexity":
         return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "perplexity", "--file", PROSE, "--model",
@@ -153,11 +102,9 @@ def main() -> None:
     ggufs = files()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        prompt_file, script = os.path.join(tmp, "prompt.json"), os.path.join(tmp, "single.py")
+        prompt_file = os.path.join(tmp, "prompt.json")
         with open(prompt_file, "w") as f:
             json.dump([np.random.default_rng(0).integers(1000, 40000, 128).tolist()], f)
-        with open(script, "w") as f:
-            f.write(SINGLE)
         from pagedllm.models.loader import load_tokenizer
 
         with open(os.path.join(tmp, "prose_ids.json"), "w") as f, open(PROSE, encoding="utf-8") as text:
@@ -167,7 +114,7 @@ def main() -> None:
                 for engine in args.engines:  # alternating: every engine once per round
                     env = engine_env("pagedllm", os.environ.get("PAGEDLLM_ISA")) if engine.startswith("pagedllm") \
                         else dict(os.environ)
-                    result, rss = timed(command(engine, part, ggufs, prompt_file, args.gen, script), env)
+                    result, rss = timed(command(engine, part, ggufs, prompt_file, args.gen), env)
                     if "peak_rss_kib" in result:  # pagedllm's single run: its peak before the bandwidth probe
                         rss = result["peak_rss_kib"] / 1024
                     row = {"part": part, "round": rnd, "engine": engine, "peak_rss_mib": round(rss)}

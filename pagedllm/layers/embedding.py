@@ -68,8 +68,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: PackedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Keep quantized rows for the quantized kernels, or pack the CPU weight for our GEMM or oneDNN
-        (layers/prepack.py). The plain weight stays: with tied embeddings it is the embedding table."""
+        """Keep quantized rows for the quantized kernels (shared with a tied embedding table), or pack the CPU
+        weight for our GEMM or oneDNN (layers/prepack.py); then the plain weight stays: with tied embeddings it
+        is the embedding table."""
         super().process_weights_after_loading()
         if self.quant is None and can_prepack(self.weight):
             self.packed_weight = prepack(self.weight)

@@ -105,9 +105,6 @@ class QuantWeight:
                 out.append((offset, piece))
         return out
 
-    def nbytes(self) -> int:
-        return sum(p.data.numel() for p in self.pieces.values())
-
     def dequantize_into(self, param: torch.Tensor) -> None:
         for offset, piece in self.pieces.items():
             param.data.narrow(0, offset, piece.rows).copy_(piece.dequantize())

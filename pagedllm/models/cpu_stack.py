@@ -7,7 +7,8 @@ caches, rotary tables); each step passes only the step's rows. Same kernels, sam
 roundings: the results equal the layer-by-layer path bit for bit (tests/models/test_cpu_stack.py).
 
 Used when every piece runs on the compiled kernels: the cpu attention backend, every linear
-packed for our GEMM (gate_up with the fused SiLU), one rank, the kernels on; otherwise the
+packed for our GEMM (gate_up with the fused SiLU) or kept in a packed GGUF format (csrc/quant.cpp),
+no LoRA adapters, one rank, the kernels on; otherwise the
 layers run one by one. ``PAGEDLLM_CPU_STACK=0`` turns it off (A/B measurements).
 """
 from __future__ import annotations

@@ -23,7 +23,13 @@ def models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> dict[str
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_stack_equals_the_layer_by_layer_path(kernels, models: dict[str, Path], variant: str, dtype: str) -> None:
-    llm = LLM(str(models[variant]), dtype=dtype, num_kv_blocks=64, enable_prefix_caching=False)
+    assert_stack_equals_the_layers(LLM(str(models[variant]), dtype=dtype, num_kv_blocks=64,
+                                       enable_prefix_caching=False))
+
+
+def assert_stack_equals_the_layers(llm: LLM) -> None:
+    """The same prompts (prompts and decodes in one step) through the stack, then through the layers one by one:
+    the same tokens and the same log-probability floats. Shuts ``llm`` down."""
     model = llm.llm_engine.executor.worker.model_runner.model.model
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]  # prompts and decodes in one step
@@ -31,6 +37,7 @@ def test_stack_equals_the_layer_by_layer_path(kernels, models: dict[str, Path], 
     assert model._stack is not None, "every piece runs on the kernels here: the stack should have served"
     model._stack = None  # from now on, the layers one by one
     plain = llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
     for a, b in zip(stacked, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same floats, not just close ones

@@ -18,6 +18,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.conftest import save_tiny_model
 from tests.models.test_family_greedy import hf_greedy
+from tests.models.test_tiny_logits import hf_logits
 
 CONVERTER = Path(sys.prefix) / "llama-cpp-converter"
 
@@ -77,11 +78,7 @@ def train_sentencepiece(path: Path) -> int:
 
 def hf_logprobs(path: str, prompt: list[int], tokens: list[int]) -> list[float]:
     """transformers' log-probability of each of ``tokens`` following ``prompt``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    logits = hf_logits(Path(path), prompt + tokens)[len(prompt) - 1:-1]  # (tokens, vocab)
     return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 

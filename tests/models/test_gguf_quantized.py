@@ -19,6 +19,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.layers.quant import QuantWeight, int8_rows
 from tests.conftest import save_tiny_model
 from tests.gguf_quant import quantize_matrix, requantize
+from tests.models.test_cpu_stack import assert_stack_equals_the_layers
 from tests.models.test_gguf_families import CONVERTER, NOT_FETCHED, convert, train_sentencepiece
 from tests.models.test_tiny_logits import paged_logits
 
@@ -78,18 +79,8 @@ def test_quantized_logits_stay_near_the_dequantized_ones(kernels, quantized: dic
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
 def test_quantized_stack_equals_the_layers(kernels, quantized: dict[str, Path], name: str) -> None:
     """The compiled decoder stack with packed quantized weights: the same floats as the layers one by one."""
-    llm = LLM(str(quantized[name]), quantization="gguf", dtype="bfloat16", num_kv_blocks=64,
-              enable_prefix_caching=False)
-    model = llm.llm_engine.executor.worker.model_runner.model.model
-    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
-    stacked = llm.generate(prompts, params, use_tqdm=False)
-    assert model._stack is not None, "every piece runs on the kernels here: the stack should have served"
-    model._stack = None
-    plain = llm.generate(prompts, params, use_tqdm=False)
-    llm.shutdown()
-    for a, b in zip(stacked, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_stack_equals_the_layers(LLM(str(quantized[name]), quantization="gguf", dtype="bfloat16", num_kv_blocks=64,
+                                       enable_prefix_caching=False))
 
 
 def test_portable_level_dequantizes(quantized: dict[str, Path]) -> None:
