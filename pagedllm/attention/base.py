@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pagedllm.attention import kv_quant
 from pagedllm.errors import ValidationError
 from pagedllm.layers.cpu_ops import active
 
@@ -79,6 +80,8 @@ class AttentionBackend(ABC):
     builder_cls: ClassVar[type[AttentionMetadataBuilder]]
     supports_cuda_graphs: ClassVar[bool] = False
     """Its decode steps can be captured in a CUDA graph (its builder implements build_for_graph)."""
+    supports_int8_kv: ClassVar[bool] = False
+    """It reads and writes the int8 KV cache (kv_cache_dtype="int8", layout in ``kv_quant``)."""
 
     @staticmethod
     @abstractmethod
@@ -86,9 +89,13 @@ class AttentionBackend(ABC):
         """Whether this backend can run on this machine (the registry asks the same function)."""
 
     @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype | None = None) -> tuple[int, ...]:
         """Shape of one layer's cache tensor: K and V stacked, each head's block one contiguous run
-        (block_size * head_dim values), so a head's context streams block by block."""
+        (block_size * head_dim values), so a head's context streams block by block. An int8 cache
+        holds each head's block as block_size * (head_dim + 2) bytes: values, then per-slot scales."""
+        if dtype == torch.int8:
+            return (2, num_blocks, num_kv_heads, kv_quant.head_block_bytes(block_size, head_dim, dtype))
         return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
     def make_builder(self) -> AttentionMetadataBuilder:

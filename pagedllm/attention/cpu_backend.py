@@ -70,6 +70,7 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     builder_cls = CpuMetadataBuilder
     is_available = staticmethod(cpu_kernels_available)
+    supports_int8_kv = True
 
     def __init__(self) -> None:
         kernels = active()
@@ -78,7 +79,10 @@ class CpuAttentionBackend(AttentionBackend):
 
     @staticmethod
     def to_kernel_layout(kv_cache: torch.Tensor) -> torch.Tensor:
-        """A torch-backend cache (2, blocks, kv_heads, block_size, head_dim) in this backend's layout."""
+        """A torch-backend cache (2, blocks, kv_heads, block_size, head_dim) in this backend's layout (an int8
+        cache has one layout for both)."""
+        if kv_cache.dtype == torch.int8:
+            return kv_cache
         two, blocks, heads, bs, d = kv_cache.shape
         k = kv_cache[0].view(blocks, heads, bs, d // 2, 2).transpose(2, 3)  # (blocks, heads, d/2, bs, 2)
         return torch.stack([k.reshape(blocks, heads, bs, d), kv_cache[1]])  # (2, blocks, heads, bs, d)
@@ -86,6 +90,8 @@ class CpuAttentionBackend(AttentionBackend):
     @staticmethod
     def from_kernel_layout(kv_cache: torch.Tensor) -> torch.Tensor:
         """The inverse of ``to_kernel_layout``."""
+        if kv_cache.dtype == torch.int8:
+            return kv_cache
         two, blocks, heads, bs, d = kv_cache.shape
         k = kv_cache[0].view(blocks, heads, d // 2, bs, 2).transpose(2, 3)  # (blocks, heads, bs, d/2, 2)
         return torch.stack([k.reshape(blocks, heads, bs, d), kv_cache[1]])  # (2, blocks, heads, bs, d)
@@ -93,7 +99,7 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: CpuAttentionMetadata, scale: float, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, kv_heads, block_size, head_dim)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # (blocks, kv_heads, block_size, head_dim); int8: bytes
         self.kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)  # one copy per (token, head)
         if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()  # the kernel reads strided rows (qkv views) but not strided heads

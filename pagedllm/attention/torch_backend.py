@@ -5,6 +5,9 @@ Its builder orders the step's requests decodes first. Decode tokens (one query e
 their K/V blocks are gathered through the block tables into a padded (requests, max_blocks *
 block_size) view and attended with a length mask in one call. Prompt chunks are attended one request at a time, causally over the cached
 prefix plus the chunk.
+
+An int8 cache (kv_cache_dtype="int8") is written quantized and read back through ``kv_quant``: the
+gathered blocks are dequantized to the query's dtype before SDPA.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.base import AttentionBackend, AttentionMetadataBuilder, StepInputs, always_available
 
 
@@ -112,10 +116,18 @@ class TorchAttentionBackend(AttentionBackend):
     builder_cls = TorchMetadataBuilder
     is_available = staticmethod(always_available)
 
+    supports_int8_kv = True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None) -> torch.Tensor:
         key_cache, value_cache = self.write_kv(kv_cache, k, v, metadata)
+        if kv_cache.dtype == torch.int8:  # a fresh prompt attends to what the cache holds, as every other row
+            k, v = kv_quant.round_trip(k), kv_quant.round_trip(v)
+        head_dim = q.shape[-1]
+        # K or V of some blocks as (n, kv_heads, block_size, head_dim) in q's dtype (int8 blocks dequantized)
+        read = {key: functools.partial(kv_quant.read_blocks, cache, head_dim=head_dim, key=key, dtype=q.dtype)
+                for key, cache in ((True, key_cache), (False, value_cache))}
         if sliding_window is not None:
             metadata = metadata.windowed(sliding_window)
         attend = F.scaled_dot_product_attention if logits_soft_cap is None else \
@@ -123,14 +135,14 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale, attend)
+            out[:nd] = self._decode(q[:nd], read[True], read[False], metadata, scale, attend)
         for chunk in metadata.prefills:
             s, e = chunk.start, chunk.end
             if chunk.context_blocks is None:  # no cached prefix: the chunk's own K/V are the context
                 keys, values = k[s:e], v[s:e]
             else:
-                keys = _context(key_cache, chunk.context_blocks, chunk.seq_len)
-                values = _context(value_cache, chunk.context_blocks, chunk.seq_len)
+                keys = _context(read[True], chunk.context_blocks, chunk.seq_len)
+                values = _context(read[False], chunk.context_blocks, chunk.seq_len)
             group = q.shape[1] // keys.shape[1]
             if group > 1:  # repeated K/V + a batch dim take SDPA's fused CPU kernel (enable_gqa falls back to math)
                 keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
@@ -145,29 +157,32 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchAttentionMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens' K/V in their slots; returns the (key, value) caches."""
+        """Store the new tokens' K/V in their slots (quantized in an int8 cache); returns the (key, value) caches."""
+        if kv_cache.dtype == torch.int8:
+            kv_quant.write(kv_cache, k, v, metadata.slot_blocks, metadata.slot_offsets)
+            return kv_cache[0], kv_cache[1]  # (num_blocks, kv_heads, block_size * (head_dim + 2)) bytes
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # (num_blocks, kv_heads, block_size, head_dim)
         key_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k  # (tokens, kv_heads, head_dim) into their slots
         value_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
         return key_cache, value_cache
 
     @staticmethod
-    def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def _decode(q: torch.Tensor, read_k: Callable[[torch.Tensor], torch.Tensor],
+                read_v: Callable[[torch.Tensor], torch.Tensor], metadata: TorchAttentionMetadata, scale: float,
+                attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         nd, num_heads, head_dim = q.shape
-        num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
         max_len = metadata.decode_mask.shape[-1]
-        blocks = max_len // block_size
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:
-            # whole blocks in one index_select: rows of block_size * head_dim values gather fast
-            picked = cache.index_select(0, metadata.decode_blocks)  # (nd * blocks, kv_heads, block_size, head_dim)
-            picked = picked.view(nd, blocks, num_kv_heads, block_size, head_dim).transpose(1, 2)
-            return picked.reshape(nd, num_kv_heads, max_len, head_dim)  # (nd, kv_heads, max_len, head_dim)
+        def gather(read: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+            picked = read(metadata.decode_blocks)  # (nd * blocks, kv_heads, block_size, head_dim)
+            kv_heads, block_size = picked.shape[1], picked.shape[2]
+            picked = picked.view(nd, max_len // block_size, kv_heads, block_size, head_dim).transpose(1, 2)
+            return picked.reshape(nd, kv_heads, max_len, head_dim)  # (nd, kv_heads, max_len, head_dim)
 
+        keys, values = gather(read_k), gather(read_v)
         # the query heads that share a KV head become that head's query rows: GQA without repeating K/V
-        grouped = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (nd, kv_heads, group, head_dim)
-        out = attend(grouped, gather(key_cache), gather(value_cache), attn_mask=metadata.decode_mask, scale=scale)
+        grouped = q.view(nd, keys.shape[1], num_heads // keys.shape[1], head_dim)  # (nd, kv_heads, group, head_dim)
+        out = attend(grouped, keys, values, attn_mask=metadata.decode_mask, scale=scale)
         return out.view(nd, num_heads, head_dim)  # (nd, heads, head_dim)
 
 
@@ -182,7 +197,7 @@ def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
     return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
-def _context(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _context(read: Callable[[torch.Tensor], torch.Tensor], blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
     """(seq_len, kv_heads, head_dim) K or V of one sequence's first seq_len positions."""
-    picked = cache.index_select(0, blocks)  # (blocks, kv_heads, block_size, head_dim)
+    picked = read(blocks)  # (blocks, kv_heads, block_size, head_dim)
     return picked.transpose(0, 1).flatten(1, 2)[:, :seq_len].transpose(0, 1)  # (seq_len, kv_heads, head_dim)

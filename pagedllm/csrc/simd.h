@@ -75,6 +75,9 @@ inline V vload(const bf16* p) {
   return vcast_f(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline V vload(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline V vload(const int8_t* p) {  // 16 signed bytes as float32 lanes (int8 KV cache)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
 inline __m256i bf16_pack(V v) {  // 16 float32 -> 16 bf16 bits, nearest even, NaN -> 0x7FC0
   const __m512i u = vcast_i(v);
@@ -155,6 +158,9 @@ inline V vload(const bf16* p) {
   return vcast_f(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 inline V vload(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline V vload(const int8_t* p) {  // 8 signed bytes as float32 lanes (int8 KV cache)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline __m128i bf16_pack(V v) {  // 8 float32 -> 8 bf16 bits, nearest even, NaN -> 0x7FC0
   const __m256i u = vcast_i(v);

@@ -63,7 +63,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         model=ModelConfig(path, dtype, max_model_len, args.seed, args.load_format, args.quantization),
         cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks, args.enable_prefix_caching,
                           args.swap_space, args.gpu_memory_utilization,
-                          arch.sliding_window if arch.every_layer_slides else None),
+                          arch.sliding_window if arch.every_layer_slides else None, args.kv_cache_dtype),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len,
                                   args.preemption_mode, lora.max_loras if lora else None),
         parallel=parallel,

@@ -55,6 +55,9 @@ _SIGNATURES = {
     "pl_paged_attention_window": [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32,
                                   _I32, _I32],
     "pl_write_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32],
+    "pl_paged_attention_i8": [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32,
+                              _I32, _I32],
+    "pl_write_kv_i8": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _I32],
     "pl_llama_stack": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I32],
     "pl_qtype_layout": [_I32, ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.POINTER(_I32)],
     "pl_qpack": [_P, _P, _I64, _I64, _I32, _I32],
@@ -75,6 +78,18 @@ class GemmLayout:
     """Gate (then up) features alternating in a gate_up weight packed for the fused SiLU."""
     even_k: bool
     """in_features must be even."""
+
+
+def _cache_dims(cache: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
+    """(blocks, kv_heads, block_size, head_dim) of one layer's K or V cache: (blocks, kv_heads, block_size,
+    head_dim) values, or int8 (blocks, kv_heads, block_size * (head_dim + 2)) bytes."""
+    if cache.dtype == torch.int8:
+        blocks, nkv, nbytes = cache.shape
+        assert nbytes % (head_dim + 2) == 0, "an int8 cache holds block_size * (head_dim + 2) bytes per head"
+        return blocks, nkv, nbytes // (head_dim + 2), head_dim
+    blocks, nkv, bs, d = cache.shape
+    assert d == head_dim
+    return blocks, nkv, bs, d
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -223,12 +238,20 @@ class CpuKernels:
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """k, v (tokens, kv_heads, head_dim), possibly strided views of the qkv output, into their
-        slots of the (blocks, kv_heads, block_size, head_dim) caches; K pair-interleaved per block."""
-        blocks, nkv, bs, d = key_cache.shape
+        slots of the (blocks, kv_heads, block_size, head_dim) caches; K pair-interleaved per block. Int8
+        caches (blocks, kv_heads, block_size * (head_dim + 2)) get them quantized (``attention/kv_quant.py``)."""
+        blocks, nkv, bs, d = _cache_dims(key_cache, k.shape[-1])
         assert key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape == key_cache.shape
         assert k.shape == v.shape and k.shape[1:] == (nkv, d) and k.stride(2) == 1 and v.stride(2) == 1
-        assert k.dtype == v.dtype == key_cache.dtype == value_cache.dtype and k.element_size() in (2, 4)
         assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.numel() == k.shape[0]
+        if key_cache.dtype == torch.int8:
+            assert k.dtype == v.dtype and value_cache.dtype == torch.int8
+            self._check(self._lib.pl_write_kv_i8(
+                k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), key_cache.data_ptr(),
+                value_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], nkv, bs, d, blocks, DTYPE_CODES[k.dtype],
+                torch.get_num_threads()))
+            return
+        assert k.dtype == v.dtype == key_cache.dtype == value_cache.dtype and k.element_size() in (2, 4)
         self._check(self._lib.pl_write_kv(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
                                           v.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
                                           slot_mapping.data_ptr(), k.shape[0], nkv, bs, d, blocks, k.element_size(),
@@ -241,13 +264,16 @@ class CpuKernels:
         of its block table row (from 0 without ``starts``: a sliding window otherwise), scores capped at
         ``softcap`` (cap * tanh(score / cap)) if given; out (rows, heads, head_dim) contiguous."""
         rows, nh, d = q.shape
-        blocks, nkv, bs, _ = key_cache.shape
+        blocks, nkv, bs, _ = _cache_dims(key_cache, d)
+        int8 = key_cache.dtype == torch.int8
         assert q.stride(2) == 1 and q.stride(1) == d and out.is_contiguous() and out.shape == q.shape
-        assert key_cache.is_contiguous() and value_cache.is_contiguous() and q.dtype == key_cache.dtype == out.dtype
+        assert key_cache.is_contiguous() and value_cache.is_contiguous() and q.dtype == out.dtype
+        assert value_cache.dtype == key_cache.dtype and (int8 or q.dtype == key_cache.dtype)
         assert tables.dtype == lens.dtype == torch.int32 and tables.is_contiguous() and lens.is_contiguous()
         assert tables.shape[0] == rows == lens.shape[0]
         assert starts is None or (starts.dtype == torch.int32 and starts.is_contiguous() and starts.shape == lens.shape)
-        self._check(self._lib.pl_paged_attention_window(
+        attend = self._lib.pl_paged_attention_i8 if int8 else self._lib.pl_paged_attention_window
+        self._check(attend(
             q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), _ptr(starts), out.data_ptr(), rows, nh, nkv, bs, d, scale, softcap or 0.0,
             DTYPE_CODES[q.dtype], torch.get_num_threads()))

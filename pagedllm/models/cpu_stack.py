@@ -46,7 +46,7 @@ class _LayerPlan(ctypes.Structure):
 class _StackPlan(ctypes.Structure):
     _fields_ = [*[(name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
                                                       "intermediate", "block_size", "num_blocks", "max_pos")],
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("kv_int8", ctypes.c_int),
                 ("cos", _P), ("sin", _P), ("final_norm", _P), ("layer", ctypes.POINTER(_LayerPlan))]
 
 
@@ -86,13 +86,16 @@ class CpuDecoderStack:
                 plan.gate_up = _ptr(m.gate_up_proj.silu_packed.data)
                 plan.gate_up_bias = self._float(m.gate_up_proj.silu_bias)
             plan.k_cache, plan.v_cache = _ptr(a.attn.kv_cache[0]), _ptr(a.attn.kv_cache[1])
-        cache = attn.attn.kv_cache  # (2, num_blocks, kv_heads, block_size, head_dim)
+        cache = attn.attn.kv_cache  # (2, num_blocks, kv_heads, block_size, head_dim), int8: (..., bs * (head_dim + 2))
+        int8 = cache.dtype == torch.int8
+        block_size = cache.shape[3] // (attn.head_dim + 2) if int8 else cache.shape[3]
         rotary = attn.rotary_emb
         self.plan = _StackPlan(
             layers=len(model.layers), hidden=first.input_layernorm.weight.numel(), heads=attn.num_heads,
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=mlp.down_proj.input_size_per_partition,
-            block_size=cache.shape[3], num_blocks=cache.shape[1], max_pos=rotary.cos_cache.shape[0],
-            eps=first.input_layernorm.eps, scale=attn.attn.scale, dtype=DTYPE_CODES[dtype], cos=_ptr(rotary.cos_cache),
+            block_size=block_size, num_blocks=cache.shape[1], max_pos=rotary.cos_cache.shape[0],
+            eps=first.input_layernorm.eps, scale=attn.attn.scale, dtype=DTYPE_CODES[dtype], kv_int8=int(int8),
+            cos=_ptr(rotary.cos_cache),
             sin=_ptr(rotary.sin_cache), final_norm=_ptr(model.norm.weight), layer=layers)
         self._layers = layers
         intermediate = mlp.down_proj.input_size_per_partition

@@ -26,7 +26,7 @@ def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[t
         return
     from_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src[0].device)
     to_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst[0].device)
-    for s, d in zip(src, dst):  # (2, num_blocks, kv_heads, block_size, head_dim) each
+    for s, d in zip(src, dst):  # (2, num_blocks, ...) each: a block is a whole run of dim 1, scales included
         d.index_copy_(1, to_ids, s.index_select(1, from_ids).to(d.device, non_blocking=True))
 
 
@@ -55,7 +55,8 @@ class ModelRunner:
         """Captured decode graphs (capture_model), or None: every step eager."""
 
     def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype, num_host_blocks: int = 0) -> None:
-        """Allocate one (2, num_blocks, kv_heads, block_size, head_dim) tensor per layer and bind it.
+        """Allocate one (2, num_blocks, kv_heads, block_size, head_dim) tensor of ``dtype`` per layer (int8:
+        (2, num_blocks, kv_heads, block_size * (head_dim + 2)), see attention/kv_quant.py) and bind it.
 
         With ``num_host_blocks``, a host-memory twin of each for swapped-out blocks (on a GPU it
         would be pinned CPU memory; here both pools are host memory, the code path is the same).
@@ -64,7 +65,8 @@ class ModelRunner:
         self.kv_caches, self.host_kv_caches = [], []
         pinned = self.device.type == "cuda"  # swap copies from pinned host memory run asynchronously
         for layer in layers:
-            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                                                dtype)
             # zeros, not empty: masked padding keys must not hold NaN bit patterns (0 * NaN = NaN)
             layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)

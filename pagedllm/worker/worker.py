@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedllm import platform
+from pagedllm.attention import kv_quant
 from pagedllm.attention.base import get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, available_memory_bytes
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
@@ -75,6 +76,10 @@ class Worker:
         self.num_kv_heads = shard_heads(arch.num_heads, arch.num_kv_heads, tp, info.rank).num_kv_heads
         # the kernels are built (or read from the cache) here, before any request can arrive
         backend = get_attention_backend(resolve_backend_name(config.device.attention_backend, config.device.device))
+        self.kv_dtype = kv_quant.kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
+        if self.kv_dtype == torch.int8 and not backend.supports_int8_kv:
+            raise ValidationError(f"kv_cache_dtype='int8' is read by the cpu and torch attention backends, not by "
+                                  f"{backend.name!r}", param="kv_cache_dtype", value=config.cache.cache_dtype)
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
         model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)
@@ -102,9 +107,9 @@ class Worker:
                                                                        arch.vocab_size, tuple(eos_token_ids)), lora)
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one block across all layers (K and V)."""
+        """Bytes of one block across all layers (K and V; an int8 cache's scales included)."""
         a, bs = self.arch, self.config.cache.block_size
-        return 2 * a.num_layers * bs * self.num_kv_heads * a.head_dim * self.dtype.itemsize  # this rank's heads
+        return 2 * a.num_layers * self.num_kv_heads * kv_quant.head_block_bytes(bs, a.head_dim, self.kv_dtype)
 
     def determine_num_kv_blocks(self) -> int:
         """num_kv_blocks if given, else kv_cache_memory (or the default) / bytes per block.
@@ -136,7 +141,7 @@ class Worker:
         sched = self.config.scheduler
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.model_runner.profile_run(min(sched.max_num_batched_tokens, sched.max_model_len), self.dtype)
+        self.model_runner.profile_run(min(sched.max_num_batched_tokens, sched.max_model_len), self.kv_dtype)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         not_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
@@ -154,13 +159,14 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """Allocate the KV pools, then (on a GPU) capture the decode CUDA graphs, which hold their addresses."""
-        self.model_runner.initialize_kv_cache(num_blocks, self.dtype, num_host_blocks)
+        self.model_runner.initialize_kv_cache(num_blocks, self.kv_dtype, num_host_blocks)
         tp = self.config.parallel.tensor_parallel_size
         where = "" if tp == 1 else f"rank {self.rank_info.rank}/{tp} (pid {os.getpid()}): "
         cores = "" if self.cores is None else f" on cores {_core_ranges(self.cores)}"
-        logger.info("%sdevice %s, %d threads%s; KV cache %d blocks of %d tokens, %d KV heads (%.2f GiB)", where,
+        logger.info("%sdevice %s, %d threads%s; KV cache %d blocks of %d tokens, %d KV heads, %s (%.2f GiB)", where,
                     self.device, torch.get_num_threads(), cores, num_blocks, self.config.cache.block_size,
-                    self.num_kv_heads, num_blocks * self.kv_block_bytes() / 1024**3)
+                    self.num_kv_heads, str(self.kv_dtype).removeprefix("torch."),
+                    num_blocks * self.kv_block_bytes() / 1024**3)
         dev = self.config.device
         if self.device.type == "cuda" and not dev.enforce_eager:
             model = self.model_runner.model

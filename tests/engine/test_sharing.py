@@ -1,4 +1,5 @@
-"""Memory sharing: prefix caching, n>1 samples forked from one prompt, swap preemption."""
+"""Memory sharing: prefix caching, n>1 samples forked from one prompt, swap preemption; the main ones with
+the int8 KV cache too (its blocks carry their scales: shared, copied and swapped whole)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,9 +26,13 @@ def _clean(llm: LLM) -> None:
     assert len(kv.host_free) == kv.num_host_blocks
 
 
-def test_prefix_caching_same_outputs_far_less_compute(make_llm: Callable[..., LLM]) -> None:
-    plain = make_llm(num_kv_blocks=128, enable_prefix_caching=False)
-    cached = make_llm(num_kv_blocks=128)
+KV_DTYPES = pytest.mark.parametrize("kv", ["auto", "int8"])
+
+
+@KV_DTYPES
+def test_prefix_caching_same_outputs_far_less_compute(make_llm: Callable[..., LLM], kv: str) -> None:
+    plain = make_llm(num_kv_blocks=128, enable_prefix_caching=False, kv_cache_dtype=kv)
+    cached = make_llm(num_kv_blocks=128, kv_cache_dtype=kv)
     expected = _tokens(plain.generate(_prompts(), GREEDY, use_tqdm=False))
     outputs = cached.generate(_prompts()[:1], GREEDY, use_tqdm=False)
     outputs += cached.generate(_prompts()[1:], GREEDY, use_tqdm=False)
@@ -76,14 +81,15 @@ def test_cache_salt_separates_tenants(make_llm: Callable[..., LLM]) -> None:
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 144
 
 
-def test_n_samples_compute_the_prompt_once_and_share_blocks(make_llm: Callable[..., LLM]) -> None:
+@KV_DTYPES
+def test_n_samples_compute_the_prompt_once_and_share_blocks(make_llm: Callable[..., LLM], kv: str) -> None:
     prompt = {"prompt_token_ids": list(range(200, 200 + 70))}
     params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
-    shared = make_llm(num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    shared = make_llm(num_kv_blocks=64, block_size=16, enable_prefix_caching=False, kv_cache_dtype=kv)
     out = shared.generate(prompt, params, use_tqdm=False)[0]
     s = shared.get_stats()
     assert s.num_prompt_tokens_computed == 70 and s.num_forks == 3
-    separate = make_llm(num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    separate = make_llm(num_kv_blocks=64, block_size=16, enable_prefix_caching=False, kv_cache_dtype=kv)
     singles = [SamplingParams(temperature=1.0, seed=5 + i, max_tokens=10, ignore_eos=True) for i in range(4)]
     alone = separate.generate([prompt] * 4, singles, use_tqdm=False)
     t = separate.get_stats()
@@ -113,14 +119,15 @@ def test_n_samples_under_preemption(make_llm: Callable[..., LLM], n: int) -> Non
     _clean(tight)
 
 
-def test_swap_and_recompute_give_the_same_outputs(make_llm: Callable[..., LLM]) -> None:
+@KV_DTYPES
+def test_swap_and_recompute_give_the_same_outputs(make_llm: Callable[..., LLM], kv: str) -> None:
     prompts = [{"prompt_token_ids": list(range(400 + 11 * i, 460 + 11 * i))} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # 100 tokens: 7 blocks each
-    roomy = make_llm(num_kv_blocks=256, enable_prefix_caching=False)
+    roomy = make_llm(num_kv_blocks=256, enable_prefix_caching=False, kv_cache_dtype=kv)
     expected = _tokens(roomy.generate(prompts, params, use_tqdm=False))
     for mode in ("recompute", "swap"):
         tight = make_llm(num_kv_blocks=16, block_size=16, preemption_mode=mode,
-                         swap_space=0.001, enable_prefix_caching=False)
+                         swap_space=0.001, enable_prefix_caching=False, kv_cache_dtype=kv)
         assert _tokens(tight.generate(prompts, params, use_tqdm=False)) == expected, mode
         stats = tight.get_stats()
         assert stats.num_preemptions > 0

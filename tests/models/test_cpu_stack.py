@@ -27,6 +27,12 @@ def test_stack_equals_the_layer_by_layer_path(kernels, models: dict[str, Path], 
                                        enable_prefix_caching=False))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_with_the_int8_kv_cache(kernels, models: dict[str, Path], dtype: str) -> None:
+    assert_stack_equals_the_layers(LLM(str(models["llama-gqa-untied"]), dtype=dtype, num_kv_blocks=64,
+                                       enable_prefix_caching=False, kv_cache_dtype="int8"))
+
+
 def assert_stack_equals_the_layers(llm: LLM) -> None:
     """The same prompts (prompts and decodes in one step) through the stack, then through the layers one by one:
     the same tokens and the same log-probability floats. Shuts ``llm`` down."""

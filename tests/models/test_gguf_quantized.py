@@ -19,6 +19,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.layers.quant import QuantWeight, int8_rows
 from tests.conftest import save_tiny_model
 from tests.gguf_quant import quantize_matrix, requantize
+from tests.models.smollm_prompts import PROSE, common_prefixes, greedy_and_perplexity
 from tests.models.test_cpu_stack import assert_stack_equals_the_layers
 from tests.models.test_gguf_families import CONVERTER, NOT_FETCHED, convert, train_sentencepiece
 from tests.models.test_tiny_logits import paged_logits
@@ -146,30 +147,15 @@ def test_int8_quantization_of_an_hf_checkpoint(kernels, tiny_model, variant: str
     assert ((layer.pieces[0].dequantize() - original).abs() <= step * 0.501).all()
 
 
-PROSE = Path(__file__).parents[1] / "data" / "prose.txt"
-
-
 def test_default_model_quantized_against_dequantized(default_model: str, tokenizer: Any) -> None:
     """SmolLM2-135M-Instruct (Q4_1 matrices, Q8_0 embeddings and LM head) quantized against the same file
     dequantized, float32 both. Greedy tokens on 8 prompts: the agreement is printed (measured 0.77); at least
     half of the tokens agree before the first divergence on average, and every first token is the same.
     Perplexity on the shipped public-domain prose (3,133 tokens, windows of 512): within 1% (measured 21.33
     and 21.20; llama.cpp on the file: 21.29)."""
-    from pagedllm.entrypoints.bench.perplexity import perplexity
-    from tests.models.smollm_prompts import smollm_prompt_ids
-
-    prompts = [{"prompt_token_ids": ids} for ids in smollm_prompt_ids(tokenizer)[:8]]
-    prose = tokenizer.encode(PROSE.read_text(encoding="utf-8"), add_special_tokens=False)
-    assert len(prose) > 3000
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    runs: list[Any] = []
-    values = []
-    for quantization in ("gguf", None):
-        llm = LLM(default_model, quantization=quantization, dtype="float32", kv_cache_memory="256MiB")
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        values.append(perplexity(llm, prose))
-        llm.shutdown()
-    prefix = [next((i for i, (a, b) in enumerate(zip(q, d)) if a != b), len(q)) for q, d in zip(*runs)]
+    runs, values, _ = greedy_and_perplexity(default_model, tokenizer, [{"quantization": q, "dtype": "float32"}
+                                                                    for q in ("gguf", None)])
+    prefix = common_prefixes(*runs)
     agreement = sum(prefix) / (32 * len(prefix))
     print(f"greedy agreement quantized vs dequantized: {agreement:.2f} (common prefixes {prefix}); "
           f"perplexity {values[0]:.3f} vs {values[1]:.3f}")

@@ -69,7 +69,8 @@ def run(ns: argparse.Namespace) -> int:
         config = llm.llm_engine.config.model
         emit_json({"perplexity": math.exp(sum(nll) / len(nll)), "scored_tokens": len(nll), "tokens": len(ids),
                    "context": ns.context, "model": config.model, "dtype": config.dtype,
-                   "quantization": config.quantization}, None)
+                   "quantization": config.quantization,
+                   "kv_cache_dtype": llm.llm_engine.config.cache.cache_dtype}, None)
     finally:
         llm.shutdown()
     return 0
