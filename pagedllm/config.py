@@ -72,7 +72,7 @@ class ModelConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValidationError.bad_value("load_format", self.load_format, "'auto' or 'dummy'")
         if self.quantization not in (None, "gguf", "int8"):
-            raise ValidationError.bad_value("quantization", self.quantization, "None, 'gguf' or 'int8'")
+            raise ValidationError.bad_value("quantization", self.quantization, "'auto', 'gguf', 'int8' or None")
         if self.quantization is not None and self.load_format == "dummy":
             raise ValidationError.bad_value("quantization", self.quantization,
                                             "None with load_format='dummy' (random weights are not quantized)")
@@ -311,13 +311,14 @@ class EngineArgs:
     load_format: str = "auto"
     """"auto" (read the checkpoint's weights) or "dummy" (random weights from the seed; only config.json and the
     tokenizer are read: for benchmarks and memory profiling of a model's shape without its checkpoint)."""
-    quantization: str | None = None
-    """"gguf": run a GGUF file's quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) in their own formats through
-    int8 kernels, ~3x fewer bytes per decode step than bf16 (other tensors, and every weight where the compiled
-    kernels do not run, are dequantized to dtype). "int8": every linear weight (and the embedding table)
-    quantized at load to int8 with one scale per output channel, run by the same kernels (HF checkpoints,
-    or any model). Both are CPU options (refused on a GPU and with load_format="dummy"). None: every weight
-    dequantized to dtype."""
+    quantization: str | None = "auto"
+    """"auto": "gguf" for a .gguf file with matrices in those formats where the compiled CPU kernels run, else
+    None. "gguf": run a GGUF file's quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) in their own formats
+    through int8 kernels, ~3x fewer bytes per decode step than bf16 (other tensors, and every weight where the
+    compiled kernels do not run, are dequantized to dtype). "int8": every linear weight (and the embedding
+    table) quantized at load to int8 with one scale per output channel, run by the same kernels (HF
+    checkpoints, or any model). Both are CPU options (refused on a GPU and with load_format="dummy"). None
+    (--dequantize on the command line): every weight dequantized to dtype."""
     tensor_parallel_size: int = 1
     """Ranks per layer (each holds its share of the heads, MLP columns and vocabulary, and of the KV cache)."""
     distributed_executor_backend: str | None = None

@@ -77,6 +77,13 @@ def _at_level(level: str) -> Any:
 NO_KERNELS = "no compiled kernel level here: the CPU (or PAGEDLLM_ISA) allows only the portable one"
 
 
+def end_levels() -> list[str]:
+    """The lowest and the highest compiled level this process runs: for whole-model tests, whose every kernel is
+    tested at each level on its own (the levels between run the same code paths at another width)."""
+    levels = kernel_levels()
+    return sorted({levels[0], levels[-1]}, key=levels.index) if levels else []
+
+
 @pytest.fixture(params=kernel_levels() or [pytest.param(None, marks=pytest.mark.skip(reason=NO_KERNELS))])
 def kernels(request: pytest.FixtureRequest) -> Any:
     """The CpuKernels of one level (each level this CPU runs), made the active level for the test."""

@@ -20,7 +20,9 @@ from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.executor.factory import get_executor_class
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.registry import supported_models  # noqa: F401  (re-exported for the CLI)
-from pagedllm.models.loader import load_arch_config, load_eos_token_ids, load_tokenizer, resolve_model_path
+from pagedllm.layers import cpu_ops
+from pagedllm.models.loader import (load_arch_config, load_eos_token_ids, load_tokenizer, quantized_formats,
+                                    resolve_model_path)
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -41,8 +43,12 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     path = resolve_model_path(args.model)
     arch = load_arch_config(path)
     device = resolve_device(args.device)
-    if args.quantization is not None and device == "cuda":
-        raise ValidationError.bad_value("quantization", args.quantization,
+    quantization = args.quantization
+    if quantization == "auto":  # a GGUF file's quantized matrices stay so where the kernels run them
+        quantization = "gguf" if (device == "cpu" and args.load_format == "auto" and cpu_ops.active() is not None
+                                  and quantized_formats(path, arch)) else None
+    elif quantization is not None and device == "cuda":
+        raise ValidationError.bad_value("quantization", quantization,
                                         "None on a GPU (the quantized kernels are the CPU's)")
     dtype = args.dtype
     if dtype == "auto":  # a GPU computes in bf16 natively; a CPU: what its kernels run fastest
@@ -60,7 +66,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     lora = _lora_config(args, parallel)
     config = EngineConfig(
-        model=ModelConfig(path, dtype, max_model_len, args.seed, args.load_format, args.quantization),
+        model=ModelConfig(path, dtype, max_model_len, args.seed, args.load_format, quantization),
         cache=CacheConfig(args.block_size, kv_memory, args.num_kv_blocks, args.enable_prefix_caching,
                           args.swap_space, args.gpu_memory_utilization,
                           arch.sliding_window if arch.every_layer_slides else None, args.kv_cache_dtype),

@@ -79,6 +79,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse.Actio
         else:
             actions[f.name] = group.add_argument(flag, dest=f.name, type=kind, default=default,
                                                  help=f"{doc} (default: {default})")
+    group.add_argument("--dequantize", dest="quantization", action="store_const", const=None,
+                       help="Every weight dequantized to --dtype: quantization=None (a GGUF file's quantized matrices "
+                            "are otherwise kept in their formats)")
     return actions
 
 

@@ -49,9 +49,13 @@ def test_quantize_and_layout() -> None:
     assert int(cache[:, [0, 1, 3]].abs().sum()) == 0  # nothing else written
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 8),
-                                                                   (6, 2, 48, 16), (10, 2, 128, 32), (5, 5, 40, 16)])
+SHAPES = [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 8), (6, 2, 48, 16), (10, 2, 128, 32), (5, 5, 40, 16)]
+"""(heads, kv_heads, head_dim, block_size): vector and scalar paths at 8 and 16 lanes, GQA groups 1-5."""
+
+
+@pytest.mark.parametrize("dtype, heads, kv_heads, head_dim, block_size",
+                         [(dt, *shape) for dt in (torch.float32, torch.bfloat16) for shape in SHAPES]
+                         + [(torch.float16, *shape) for shape in SHAPES[:2]])  # f16 only converts q and out
 def test_kernel_matches_torch_reference(kernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                                         block_size: int) -> None:
     """Decodes and a prompt chunk after a cached prefix: the same bytes written, the same outputs (both read

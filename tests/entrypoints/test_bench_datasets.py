@@ -188,7 +188,7 @@ def test_compare_runs_every_engine_on_one_sharegpt_file(compare: ModuleType, cap
     assert lines["dataset"].endswith("pagedllm bench make-dataset --dataset-name sharegpt-like --num-prompts 32 "
                                      "--seed 0 --output '<tmp>/sharegpt-like.json'")
     shared = "--dataset-name sharegpt --dataset-path '<tmp>/sharegpt-like.json' --num-prompts 32 --seed 0"
-    assert lines["pagedllm"].endswith(f"bench throughput --dtype bfloat16 {shared}")
+    assert lines["pagedllm"].endswith(f"bench throughput --dtype bfloat16 --dequantize {shared}")
     assert lines["vllm"].endswith(f"peers/vllm-cpu throughput {shared} --dtype bfloat16 "
                                   "--output-json '<tmp>/result.json'")
     with pytest.raises(SystemExit) as exc:

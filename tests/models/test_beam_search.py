@@ -42,7 +42,7 @@ def hf_model(default_model: str) -> Any:
 
 @pytest.fixture(scope="module")
 def llm(default_model: str) -> LLM:
-    return LLM(default_model, dtype="float32", num_kv_blocks=600)
+    return LLM(default_model, dtype="float32", num_kv_blocks=600, quantization=None)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.conftest import end_levels
 from tests.models.smollm_prompts import MAX_TOKENS, smollm_prompt_ids
 
 
@@ -22,14 +23,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernels", end_levels(), indirect=True)
 def test_bfloat16_greedy_agrees_with_float32(default_model: str, tokenizer: Any, kernels: Any) -> None:
-    """At every kernel level this CPU runs: vdpbf16ps where bf16 is native, bf16 storage with float32
-    arithmetic in the FMA kernels elsewhere."""
+    """At the lowest and the highest kernel level this CPU runs: vdpbf16ps where bf16 is native, bf16 storage with
+    float32 arithmetic in the FMA kernels below."""
     prompts = [{"prompt_token_ids": ids} for ids in smollm_prompt_ids(tokenizer)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    outs = {dtype: [o.outputs[0].token_ids for o in LLM(default_model, dtype=dtype).generate(prompts, params,
-                                                                                             use_tqdm=False)]
-            for dtype in ("float32", "bfloat16")}
+    outs = {dtype: [o.outputs[0].token_ids for o in LLM(default_model, dtype=dtype, quantization=None).generate(
+        prompts, params, use_tqdm=False)] for dtype in ("float32", "bfloat16")}
     prefixes = [_common_prefix(a, b) for a, b in zip(outs["float32"], outs["bfloat16"])]
     print(f"{kernels.level}: common prefix per prompt: {prefixes}")  # shown with -s
     assert sum(p >= 8 for p in prefixes) >= len(prefixes) - 2

@@ -120,6 +120,32 @@ def test_lora_adapters_keep_quantized_layers_off_the_stack(kernels, tiny_llm_dir
     assert model.model.layers[0].mlp.down_proj.quant is not None and model.model._stack is None
 
 
+def test_auto_keeps_a_gguf_files_formats_where_the_kernels_run(quantized: dict[str, Path], f32_gguf: Path,
+                                                                 tiny_llm_dir: Path) -> None:
+    """The default, quantization="auto": "gguf" for a file with matrices in a kept format where the compiled kernels
+    run; None (every weight dequantized) for a float file, an HF folder, dummy weights, the portable level, and
+    quantization=None / --dequantize."""
+    import argparse
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.llm_engine import create_engine_config
+    from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
+    from pagedllm.layers import cpu_ops
+
+    def resolved(model: Path, **options: Any) -> str | None:
+        return create_engine_config(EngineArgs(model=str(model), **options))[0].model.quantization
+
+    assert EngineArgs().quantization == "auto"
+    assert resolved(quantized["Q4_1"]) == ("gguf" if cpu_ops.active() is not None else None)
+    for model, options in ((f32_gguf, {}), (tiny_llm_dir, {}), (quantized["Q4_1"], {"load_format": "dummy"}),
+                           (quantized["Q4_1"], {"quantization": None})):
+        assert resolved(model, **options) is None, (model, options)
+    with cpu_ops.use_level("portable"):
+        assert resolved(quantized["Q4_1"]) is None
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args([])).quantization == "auto"
+    assert engine_args_from(parser.parse_args(["--dequantize"])).quantization is None
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen2-qkv-bias"])

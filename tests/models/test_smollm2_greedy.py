@@ -44,14 +44,14 @@ def _generate(llm: LLM, prompt_token_ids: list[list[int]]) -> list[list[int]]:
 @pytest.mark.slow
 def test_greedy_matches_transformers(default_model: str, prompt_token_ids, reference, level: str) -> None:
     """At every level this CPU runs: the compiled kernels of each, and the portable torch path."""
-    llm = LLM(default_model, dtype="float32")
+    llm = LLM(default_model, dtype="float32", quantization=None)
     assert _generate(llm, prompt_token_ids) == reference
 
 
 @pytest.mark.slow
 def test_greedy_matches_under_preemption_and_chunking(default_model: str, prompt_token_ids, reference) -> None:
     """A pool of a few dozen blocks and a 64-token budget: same tokens, and both mechanisms ran."""
-    llm = LLM(default_model, dtype="float32", num_kv_blocks=40, max_num_batched_tokens=64)
+    llm = LLM(default_model, dtype="float32", num_kv_blocks=40, max_num_batched_tokens=64, quantization=None)
     assert _generate(llm, prompt_token_ids) == reference
     stats = llm.get_stats()
     print(stats)  # shown with -s: how often each mechanism ran

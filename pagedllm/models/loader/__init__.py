@@ -63,6 +63,11 @@ def iter_weights(path: str, config: ArchConfig, quantized: bool = False) -> Iter
     return gguf_loader.iter_weights(path, config, quantized) if is_gguf(path) else hf_loader.iter_weights(path)
 
 
+def quantized_formats(path: str, config: ArchConfig) -> set[str]:
+    """The GGUF formats among the model's matrices that quantization="gguf" keeps (none for an HF folder)."""
+    return gguf_loader.kept_types(path, config) if is_gguf(path) else set()
+
+
 def load_eos_token_ids(path: str, arch: ArchConfig, tokenizer: Any) -> tuple[int, ...]:
     """Every id that ends a sequence: the tokenizer's EOS first, then the others the checkpoint's
     config and generation_config.json name (Llama 3 lists <|end_of_text|>, <|eom_id|> and <|eot_id|>)."""

@@ -214,6 +214,17 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(w.shape)
 
 
+def kept_types(path: str, config: ArchConfig) -> set[str]:
+    """The quantized formats of the file's matrices that ``quantization="gguf"`` keeps (layers/quant.py)."""
+    from pagedllm.layers.quant import GGML_TYPES
+
+    if config.architecture == "GPT2LMHeadModel":  # its Conv1D weights are transposed: always dequantized
+        return set()
+    names = {code: name for name, code in GGML_TYPES.items()}
+    return {names[int(t.tensor_type)] for t in _reader(path).tensors
+            if len(t.shape) == 2 and int(t.tensor_type) in names and _hf_name(t.name, config.architecture)}
+
+
 def iter_weights(path: str, config: ArchConfig, quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 tensor) for every tensor of the file; with ``quantized``, matrices of the formats
     layers/quant.py keeps come as QuantTensors (their rows as the file has them)."""
