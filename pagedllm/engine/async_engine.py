@@ -77,6 +77,11 @@ class AsyncLLMEngine:
         self._stop = False
         self.dead_error: BaseException | None = None
         self._worker_failure: BaseException | None = None
+        self._waiting = 0
+        """Requests the scheduler holds that have not run a step yet (the engine thread writes it)."""
+        self._queued = 0
+        """Requests sent to the engine thread and not yet taken (guarded by _queued_lock: two threads change it)."""
+        self._queued_lock = threading.Lock()
         engine.executor.register_failure_callback(self._on_worker_failure)
 
     @classmethod
@@ -96,6 +101,11 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted or on their way that have not run a step yet (what load shedding counts)."""
+        return self._waiting + self._queued
+
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                           arrival_time: float | None = None, lora_request: LoRARequest | None = None
                           ) -> "RequestStream":
@@ -106,6 +116,8 @@ class AsyncLLMEngine:
         assert self._loop is not None
         stream = RequestStream(self, request_id)
         accepted = self._loop.create_future()
+        with self._queued_lock:
+            self._queued += 1
         self._send(_Add(request_id, prompt, params, arrival_time or time.monotonic(), stream.queue, accepted,
                         lora_request))
         await accepted
@@ -203,13 +215,20 @@ class AsyncLLMEngine:
         if aborted:
             self._report()  # gauges drop at once, not at the next step
 
+    def _taken(self) -> None:
+        """One queued add left the command queue."""
+        with self._queued_lock:
+            self._queued -= 1
+
     def _add(self, command: _Add) -> None:
         add = self.engine.add_beam_request if isinstance(command.params, BeamSearchParams) else self.engine.add_request
+        self._taken()
         try:
             add(command.request_id, command.prompt, command.params, command.arrival_time, command.lora_request)
         except ValidationError as e:  # refused: the caller gets the error, the loop goes on
             self._call(command.accepted.set_exception, e)
             return
+        self._waiting += 1  # until the next step's statistics say how many still wait
         self._streams[command.request_id] = command.stream
         self._call(command.accepted.set_result, None)
 
@@ -224,8 +243,10 @@ class AsyncLLMEngine:
 
     def _report(self) -> None:
         iteration = self.engine.take_iteration_stats()
+        stats = self.engine.get_stats()
+        self._waiting = stats.num_waiting
         if self.on_step is not None:
-            self.on_step(self.engine.get_stats(), iteration)
+            self.on_step(stats, iteration)
 
     def _abort_all(self) -> None:
         self.engine.abort_request(list(self.engine.output_processor.requests) + list(self.engine.beam_search.groups))
@@ -237,6 +258,7 @@ class AsyncLLMEngine:
         self._streams.clear()
         for command in self._pending_commands():
             if isinstance(command, _Add):
+                self._taken()
                 self._call(command.accepted.set_exception, EngineDeadError("the engine is not running"))
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> None:

@@ -8,7 +8,8 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -30,6 +31,8 @@ from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pagedllm.entrypoints.openai.serving_models import (LoRAModulePath, ModelNotFoundError, OpenAIServingModels,
                                                          parse_lora_module)
 from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, get_tool_parser
+from pagedllm.entrypoints.openai.serving import (BYTES_PER_TOKEN_CAP, OverloadedError, RequestTimeoutError,
+                                                 ServingLimits)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.errors import ValidationError
@@ -89,7 +92,7 @@ def _field_name(loc: tuple) -> str | None:
 def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names: list[str],
               api_keys: list[str], reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, limits: ServingLimits | None = None) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
     here (ValidationError if one does not fit)."""
     models = OpenAIServingModels(engine, served_model_names)
@@ -97,6 +100,9 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
                              chat_template)
+    for serving in (completion, chat):
+        serving.limits = limits or ServingLimits()
+        serving.on_refused = metrics.on_refused
     config = engine.engine.config
 
     @contextlib.asynccontextmanager
@@ -128,6 +134,16 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names
     @app.exception_handler(ModelNotFoundError)
     async def on_model_not_found(_: Request, exc: ModelNotFoundError) -> JSONResponse:
         return error_response(404, str(exc), param=exc.param, code="model_not_found")
+
+    @app.exception_handler(OverloadedError)
+    async def on_overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
+        response = error_response(503, str(exc), type_="server_error", code="overloaded")
+        response.headers["Retry-After"] = str(exc.retry_after)
+        return response
+
+    @app.exception_handler(RequestTimeoutError)
+    async def on_timeout(_: Request, exc: RequestTimeoutError) -> JSONResponse:
+        return error_response(504, str(exc), type_="timeout_error", code="request_timeout")
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -218,6 +234,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     parser.add_argument("--uvicorn-log-level", default="info")
+    parser.add_argument("--max-waiting-requests", type=_positive(int), default=None, metavar="N",
+                        help="refuse new requests with 503 and Retry-After while N requests wait for their first step "
+                             "(default: no limit; the others are not disturbed)")
+    parser.add_argument("--request-timeout", type=_positive(float), default=None, metavar="SECONDS",
+                        help="abort a request still running after this long: 504, or an error event on a stream "
+                             "(default: no limit)")
+    parser.add_argument("--max-prompt-bytes", type=_positive(int), default=None, metavar="BYTES",
+                        help="refuse (400) prompt text over this many UTF-8 bytes before tokenizing it "
+                             f"(default: {BYTES_PER_TOKEN_CAP} per token of max_model_len)")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="split a reasoning model's <think>...</think> into the chat reply's reasoning_content")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -227,6 +252,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
                         help="LoRA adapters (PEFT folders) served by name: a request whose model is NAME runs with "
                              "it; also vLLM's JSON form '{\"name\": ..., \"path\": ...}' (needs --enable-lora)")
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` above 0."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+        return value
+    return parse
 
 
 def read_chat_template(value: str) -> str:
@@ -279,8 +317,9 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
 
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead)
     try:
+        limits = ServingLimits(ns.max_waiting_requests, ns.request_timeout, ns.max_prompt_bytes)
         app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules,
-                        ns.chat_template)
+                        ns.chat_template, limits)
     except BaseException:
         engine.engine.shutdown()  # an adapter that does not fit: no worker left behind
         raise

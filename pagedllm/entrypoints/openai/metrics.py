@@ -43,6 +43,10 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a sequence.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        refused = Counter("pagedllm:requests_refused", "Requests the server shed: 'overloaded' (503, over "
+                          "--max-waiting-requests) or aborted at --request-timeout ('timeout').",
+                          labels + ["reason"], registry=r)
+        self.refused = {reason: refused.labels(m, reason) for reason in ("overloaded", "timeout")}
         self._last = EngineStats()
 
     def on_step(self, stats: EngineStats, iteration: IterationStats) -> None:
@@ -65,6 +69,10 @@ class ServerMetrics:
             self.e2e.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.queue_time.observe(finished.queue_time)
+
+    def on_refused(self, reason: str) -> None:
+        """A request shed by the server ("overloaded" or "timeout"; the event loop calls it)."""
+        self.refused[reason].inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

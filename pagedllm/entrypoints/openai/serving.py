@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
-from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob, RequestOutput
@@ -20,15 +22,92 @@ from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, Sampli
 
 T = TypeVar("T")
 
+BYTES_PER_TOKEN_CAP = 64
+"""Default prompt cap: 64 bytes of text per token of max_model_len (English averages ~4 bytes per token, so a
+prompt over the cap could only fit the model's context in a pathological tokenization)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingLimits:
+    """What the server refuses before it costs the engine anything (``pagedllm serve`` options)."""
+
+    max_waiting_requests: int | None = None
+    """More requests than this waiting for their first step: new ones get 503 with Retry-After (None: no limit)."""
+    request_timeout: float | None = None
+    """Seconds a request may take from arrival to its last token; then it is aborted (504, or an error event
+    on a stream). None: no limit."""
+    max_prompt_bytes: int | None = None
+    """UTF-8 bytes of prompt text (a completion's prompts, a chat's messages) checked before tokenizing (400).
+    None: BYTES_PER_TOKEN_CAP per token of max_model_len."""
+
+
+class OverloadedError(Exception):
+    """The waiting queue is full: the request is refused with 503 and Retry-After, nothing else is touched."""
+
+    retry_after = 1
+    """Seconds the client is asked to wait (a step or a few: the queue drains at every step)."""
+
+
+class RequestTimeoutError(Exception):
+    """The request outlived --request-timeout: it was aborted (its blocks freed)."""
+
+
+def text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string in a request field (strings, lists, dicts, pydantic models)."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, BaseModel):
+        value = dict(value)
+    if isinstance(value, dict):
+        return sum(text_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_bytes(v) for v in value)
+    return 0
+
 
 class OpenAIServing:
     """What both endpoints need from the engine."""
 
-    def __init__(self, engine: AsyncLLMEngine, models: OpenAIServingModels) -> None:
+    def __init__(self, engine: AsyncLLMEngine, models: OpenAIServingModels,
+                 limits: ServingLimits | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
         self.models = models
+        self.limits = limits or ServingLimits()
+        self.on_refused: Callable[[str], None] = lambda reason: None
+        """Told of every request shed here: "overloaded" or "timeout" (the server's metrics)."""
+
+    def check_prompt_size(self, value: Any, param: str) -> None:
+        """ValidationError (400) when the prompt text of ``value`` is over the byte cap, before any tokenizing."""
+        cap = self.limits.max_prompt_bytes or BYTES_PER_TOKEN_CAP * self.max_model_len
+        size = text_bytes(value)
+        if size > cap:
+            raise ValidationError(f"{param} is {size} bytes of text, over this server's cap of {cap} bytes "
+                                  f"(max_model_len is {self.max_model_len} tokens)", param=param)
+
+    async def outputs(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput] | None:
+        """Every stream's final output (None if the client disconnected first), within the request timeout."""
+        try:
+            return await unless_disconnected(final_outputs(streams, self.limits.request_timeout), raw)
+        except RequestTimeoutError:
+            self.on_refused("timeout")
+            raise
+
+    async def with_error_events(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream's events; a timeout or a dead engine after the response started becomes an error event in
+        OpenAI's error shape, then [DONE] (the status line was already sent)."""
+        try:
+            async for event in events:
+                yield event
+        except (RequestTimeoutError, EngineDeadError) as e:
+            timeout = isinstance(e, RequestTimeoutError)
+            if timeout:
+                self.on_refused("timeout")
+            error = ErrorInfo(message=str(e), type="timeout_error" if timeout else "server_error",
+                              code="request_timeout" if timeout else "engine_dead")
+            yield sse(ErrorResponse(error=error))
+            yield SSE_DONE
 
     def check_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
         """(the model name to answer with, the LoRA adapter it names or None); a name we do not serve raises
@@ -54,7 +133,13 @@ class OpenAIServing:
 
     async def add_all(self, request_id: str, prompts: list[PromptType], params: SamplingParams | BeamSearchParams,
                       lora_request: LoRARequest | None = None) -> list[RequestStream]:
-        """Queue every prompt; if one is refused, withdraw the others and raise its ValidationError."""
+        """Queue every prompt; if one is refused, withdraw the others and raise its ValidationError. Over the
+        waiting limit, nothing is queued: OverloadedError."""
+        limit = self.limits.max_waiting_requests
+        if limit is not None and self.engine.num_waiting + len(prompts) > limit:
+            self.on_refused("overloaded")
+            raise OverloadedError(f"the server is at its limit of {limit} waiting requests "
+                                  f"({self.engine.num_waiting} waiting); retry in a moment")
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -73,9 +158,13 @@ class OpenAIServing:
                       key=lambda item: item[1].rank)[:top_n]
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams as they come; closing this aborts them all."""
+async def merge_streams(streams: list[RequestStream], timeout: float | None = None
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; closing this aborts them all, and so does
+    ``timeout`` seconds passing before the last output (RequestTimeoutError)."""
     queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
@@ -90,7 +179,14 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     remaining = len(tasks)
     try:
         while remaining:
-            index, item = await queue.get()
+            if deadline is None:
+                index, item = await queue.get()
+            else:
+                try:
+                    index, item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise RequestTimeoutError(f"the request took over {timeout:g} s (the server's request "
+                                              "timeout) and was aborted") from None
             if item is None:
                 remaining -= 1
             elif isinstance(item, Exception):
@@ -104,10 +200,10 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             stream.abort()
 
 
-async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
-    """The finished output of every stream, in prompt order."""
+async def final_outputs(streams: list[RequestStream], timeout: float | None = None) -> list[RequestOutput]:
+    """The finished output of every stream, in prompt order (RequestTimeoutError after ``timeout`` seconds)."""
     results: list[RequestOutput | None] = [None] * len(streams)
-    async for index, out in merge_streams(streams):
+    async for index, out in merge_streams(streams, timeout):
         if out.finished:
             results[index] = out
     assert all(r is not None for r in results)

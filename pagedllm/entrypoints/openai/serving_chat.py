@@ -17,8 +17,7 @@ from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSpli
 from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constrained_calls, constraint,
                                                     tool_functions)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, final_outputs, merge_streams, sse,
-                                                 unless_disconnected)
+from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse
 from pagedllm.engine.processor import render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput
@@ -44,6 +43,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model, lora = self.check_model(req.model)
         tools = _ToolMode.of(req, self.tool_parser)
+        self.check_prompt_size(req.messages, "messages")
         text, prompt_ids = self.apply_chat_template(req.messages, req.add_generation_prompt, req.tools)
         if req.top_logprobs is not None and not req.logprobs:
             raise ValidationError("top_logprobs needs logprobs=true", param="top_logprobs", value=req.top_logprobs)
@@ -58,9 +58,9 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params, lora)
         if req.stream:
-            return StreamingResponse(self._stream(request_id, model, req, streams, tools),
+            return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, tools)),
                                      media_type="text/event-stream")
-        outputs = await unless_disconnected(final_outputs(streams), raw)
+        outputs = await self.outputs(streams, raw)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         out = outputs[0]
@@ -150,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = completion_tokens = 0
         parsers: dict[int, ReasoningStream] = {}
         texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
-        async for _, out in merge_streams(streams):
+        async for _, out in merge_streams(streams, self.limits.request_timeout):
             prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)

@@ -9,8 +9,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, PromptLogprob, UsageInfo, random_id)
-from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, final_outputs, merge_streams, sse,
-                                                 unless_disconnected)
+from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams
@@ -26,6 +25,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.prompt_logprobs is not None and req.stream:
             raise ValidationError("prompt_logprobs cannot be streamed", param="prompt_logprobs",
                                   value=req.prompt_logprobs)
+        self.check_prompt_size(req.prompt, "prompt")
         prompts = self._prompts(req.prompt)
         params = self._beam_params(req) if req.use_beam_search else \
             self.sampling_params(req, req.max_tokens, req.logprobs, req.stream, req.prompt_logprobs)
@@ -33,9 +33,9 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = await self.add_all(request_id, prompts, params, lora)
         echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
         if req.stream:
-            return StreamingResponse(self._stream(request_id, model, req, streams, echoes),
+            return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, echoes)),
                                      media_type="text/event-stream")
-        outputs = await unless_disconnected(final_outputs(streams), raw)
+        outputs = await self.outputs(streams, raw)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = [self._choice(i * req.n + c.index, c, echoes[i], None if req.use_beam_search else req.logprobs,
@@ -112,7 +112,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
-        async for i, out in merge_streams(streams):
+        async for i, out in merge_streams(streams, self.limits.request_timeout):
             prompt_tokens[i] = len(out.prompt_token_ids)
             for c in out.outputs:
                 index = i * req.n + c.index
