@@ -8,6 +8,7 @@ asyncio queues.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -26,6 +27,10 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+KV_SAMPLE_INTERVAL_S = 1.0
+KV_HISTORY_SAMPLES = 600
+"""Ten minutes of the KV pool's accounting at one sample a second."""
 
 #: Called by the engine thread after every step (and after aborts) with fresh statistics.
 StepCallback = Callable[[EngineStats, IterationStats], None]
@@ -82,6 +87,9 @@ class AsyncLLMEngine:
         self._queued = 0
         """Requests sent to the engine thread and not yet taken (guarded by _queued_lock: two threads change it)."""
         self._queued_lock = threading.Lock()
+        self.kv_history: collections.deque = collections.deque(maxlen=KV_HISTORY_SAMPLES)
+        """(unix time, the KV pool's accounting) about once a second while the loop runs: the /kv page's chart."""
+        self._last_kv_sample = 0.0
         engine.executor.register_failure_callback(self._on_worker_failure)
 
     @classmethod
@@ -168,6 +176,7 @@ class AsyncLLMEngine:
                     raise self._worker_failure
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
+                    self._sample_kv()
                     self._wake.wait(timeout=1.0)
                     continue
                 outputs = self.engine.step()
@@ -245,8 +254,16 @@ class AsyncLLMEngine:
         iteration = self.engine.take_iteration_stats()
         stats = self.engine.get_stats()
         self._waiting = stats.num_waiting
+        self._sample_kv()
         if self.on_step is not None:
             self.on_step(stats, iteration)
+
+    def _sample_kv(self) -> None:
+        """One point of the KV accounting's history, at most every KV_SAMPLE_INTERVAL_S."""
+        now = time.time()
+        if now - self._last_kv_sample >= KV_SAMPLE_INTERVAL_S:
+            self._last_kv_sample = now
+            self.kv_history.append((now, self.engine.kv_map(cells=False)["accounting"]))
 
     def _abort_all(self) -> None:
         self.engine.abort_request(list(self.engine.output_processor.requests) + list(self.engine.beam_search.groups))

@@ -10,6 +10,7 @@ from typing import Any
 from pagedllm import platform
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
                              ParallelConfig, SchedulerConfig, parse_cuda_graph_sizes, parse_memory)
+from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.lora_request import LoRARequest
 from pagedllm.engine.output_processor import IterationStats, OutputProcessor
@@ -249,6 +250,10 @@ class LLMEngine:
     def take_iteration_stats(self) -> IterationStats:
         """Timing facts since the last call: times to first token, inter-token latencies, finished requests."""
         return self.output_processor.take_iteration_stats()
+
+    def kv_map(self, cells: bool = True) -> dict[str, Any]:
+        """The KV pool now (between steps): each block's holder and the slots' accounting (core/kv_map.py)."""
+        return kv_map(self.scheduler.kv_cache_manager, self.scheduler.requests, cells)
 
     def get_stats(self) -> EngineStats:
         """Counters (steps, preemptions, chunked prefills, max running) and KV usage now and at peak."""

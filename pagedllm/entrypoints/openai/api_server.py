@@ -8,7 +8,9 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -16,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedllm
@@ -41,6 +43,9 @@ logger = logging.getLogger("pagedllm.server")
 DEAD_EXIT_DELAY_S = 2.0
 """Seconds a server whose engine died keeps answering (503 on /health, errors on requests) before
 it exits with status 1: health checkers see why."""
+
+KV_PAGE = Path(__file__).parent / "static" / "kv.html"
+"""The /kv page: plain HTML and JavaScript, no build step."""
 
 _SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The signals that start a graceful shutdown."""
@@ -171,6 +176,18 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names
     async def stats() -> dict:
         """Engine statistics (steps, preemptions, max running, KV usage): pagedllm's own extra."""
         return vars(engine.get_stats())
+
+    @app.get("/kv", include_in_schema=False)
+    async def kv_page() -> Response:
+        """The live KV-cache map (an HTML page drawing /kv/state once a second)."""
+        return HTMLResponse(KV_PAGE.read_text(encoding="utf-8"))
+
+    @app.get("/kv/state")
+    async def kv_state() -> dict:
+        """The KV pool between two steps: each block's holder, fill and sharing, the slots' accounting, and
+        its history (about a sample a second, the last ten minutes): pagedllm's own extra."""
+        state = await engine.call(lambda e: e.kv_map())
+        return {"time": time.time(), **state, "history": [{"time": t, **a} for t, a in list(engine.kv_history)]}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
