@@ -50,6 +50,20 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+DEFAULT_KV_FRACTION = 0.4
+DEFAULT_KV_CAP = 4 * 1024**3
+"""Default KV pool when neither kv_cache_memory nor num_kv_blocks is given: this share of free memory, at most
+DEFAULT_KV_CAP (vLLM's CPU default is 4 GiB as well)."""
+
+
+def default_kv_budget(block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                      ranks_on_machine: int = 1) -> int:
+    """Bytes of the default KV pool of one rank: DEFAULT_KV_FRACTION of free memory shared by the machine's ranks,
+    at most DEFAULT_KV_CAP, and never more than every running sequence at full length could use."""
+    budget = min(DEFAULT_KV_CAP, int(available_memory_bytes() * DEFAULT_KV_FRACTION) // ranks_on_machine)
+    return min(budget, (max_num_seqs * -(-max_model_len // block_size) + 1) * block_bytes)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What model to run and how."""

@@ -19,7 +19,7 @@ def kv_map(manager: KVCacheManager, requests: Mapping[str, Request], cells: bool
     ``reserved`` (held blocks with nothing computed yet: the step about to run fills them), ``free`` and, of
     it, ``cached_free``; block counts ``used_blocks``, ``shared_blocks`` (ref_cnt > 1), ``usable_blocks``.
     With ``cells``, per block: ``owner`` (an index into ``requests``: the first holder, or a code above),
-    ``refs`` (holders) and ``filled`` (slots with K/V)."""
+    ``refs`` (holders) and ``filled`` (slots with K/V); and ``integrity``, the pool's invariants checked."""
     pool, bs = manager.block_pool, manager.block_size
     filled = [0] * pool.num_blocks
     owner = [FREE] * pool.num_blocks
@@ -59,5 +59,15 @@ def kv_map(manager: KVCacheManager, requests: Mapping[str, Request], cells: bool
                        "shared_blocks": shared, "free_blocks": free_blocks, "usable_blocks": pool.num_usable_blocks},
     }
     if cells:
-        state.update(requests=holders, owner=owner, refs=[b.ref_cnt for b in pool.blocks], filled=filled)
+        state.update(requests=holders, owner=owner, refs=[b.ref_cnt for b in pool.blocks], filled=filled,
+                     integrity=integrity(manager))
     return state
+
+
+def integrity(manager: KVCacheManager) -> str:
+    """"ok" when the pool's invariants hold (KVCacheManager.check_integrity), else the first one broken."""
+    try:
+        manager.check_integrity()
+    except AssertionError as e:
+        return f"broken: {e}"
+    return "ok"

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``generate``, ``serve``, ``models``, ``bench`` and ``build-kernels``."""
+"""The ``pagedllm`` command: ``generate``, ``serve``, ``models``, ``bench``, ``plan`` and ``build-kernels``."""
 from __future__ import annotations
 
 import argparse
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
     build_kernels.add_parser(sub)
+    from pagedllm.entrypoints.bench import plan
+
+    plan.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagedllm.entrypoints.bench import memory, perplexity

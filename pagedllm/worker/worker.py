@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from pagedllm import platform
 from pagedllm.attention import kv_quant
 from pagedllm.attention.base import get_attention_backend, resolve_backend_name
-from pagedllm.config import EngineConfig, available_memory_bytes
+from pagedllm.config import EngineConfig, default_kv_budget
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.layers.quant import describe_quantized, int8_on_load
@@ -28,11 +28,6 @@ from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.structured_output import compiler_for
 
 logger = logging.getLogger(__name__)
-
-#: Default KV pool when neither kv_cache_memory nor num_kv_blocks is given: this share of
-#: free memory, at most DEFAULT_KV_CAP (vLLM's CPU default is 4 GiB as well).
-DEFAULT_KV_FRACTION = 0.4
-DEFAULT_KV_CAP = 4 * 1024**3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +119,8 @@ class Worker:
         if budget is None and self.device.type == "cuda":
             budget = self._gpu_kv_budget()
         elif budget is None:
-            budget = min(DEFAULT_KV_CAP, int(available_memory_bytes() * DEFAULT_KV_FRACTION)
-                         // self.rank_info.local_world_size)
-            # never more than every running sequence at full length could use
-            most = (sched.max_num_seqs * -(-sched.max_model_len // cache.block_size) + 1) * self.kv_block_bytes()
-            budget = min(budget, most)
+            budget = default_kv_budget(self.kv_block_bytes(), cache.block_size, sched.max_num_seqs,
+                                       sched.max_model_len, self.rank_info.local_world_size)
         num_blocks = budget // self.kv_block_bytes()
         if num_blocks < 2:
             raise ValidationError.bad_value("kv_cache_memory", budget,

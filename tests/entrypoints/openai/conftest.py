@@ -21,16 +21,19 @@ def free_port() -> int:
 class RemoteServer:
     """`pagedllm serve MODEL --port P ...` in a subprocess; ready once /health answers 200."""
 
-    def __init__(self, model: Path, *args: str, env: dict | None = None) -> None:
+    def __init__(self, model: Path, *args: str, env: dict | None = None, log: Path | None = None) -> None:
+        """``log``: a file for the server's output (a long run would fill a pipe nobody reads)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(model), "--host", "127.0.0.1",
                "--port", str(self.port), "--dtype", "float32", "--uvicorn-log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = subprocess.PIPE if log is None else open(log, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                text = self.proc.stdout.read() if log is None else Path(log).read_text()
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{text}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return

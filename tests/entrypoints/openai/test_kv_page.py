@@ -64,7 +64,7 @@ def test_kv_state_and_metrics(kv_server: RemoteServer) -> None:
     assert max(a["used_blocks"] for a in busy) > 0 and max(a["shared_blocks"] for a in busy) > 0
     state = httpx.get(f"{kv_server.url}/kv/state", timeout=10).json()  # idle now: nothing moves
     a = state["accounting"]
-    assert a["used_blocks"] == 0 and a["cached_free"] > 0 and state["history"]
+    assert a["used_blocks"] == 0 and a["cached_free"] > 0 and state["history"] and state["integrity"] == "ok"
     assert kv_server.metric("pagedllm:kv_cache_usage_perc") == a["used_blocks"] / a["usable_blocks"]
     assert kv_server.metric("pagedllm:num_requests_running") == 0 == len(state["requests"])
     assert max(h["used_blocks"] for h in state["history"]) > 0  # the chart's data saw the load

@@ -1,0 +1,257 @@
+"""Soak: drive `pagedllm serve` for a set time with a mix of normal, streamed, cancelled, malformed and
+oversized requests at ~80% of its measured capacity, then check that it held up: every request answered
+or cleanly refused (a 4xx in OpenAI's error shape, or 503 + Retry-After when shedding), no 5xx and no
+broken connection, 0 KV blocks held and the pool's invariants intact once drained, and the server's RSS
+grown by under 5% after the warm-up.
+
+    .venv/bin/python benchmarks/soak.py --duration 1800 --output-json soak.json      # the record (30 min)
+    .venv/bin/python benchmarks/soak.py --model tests-tiny-model --duration 120      # what CI runs (2 min)
+
+Capacity is measured first (closed loop, --concurrency normal requests for --calibrate seconds); the soak
+then sends Poisson arrivals at --load times it. One JSON line (and --output-json) holds the figures;
+the exit status is 1 when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.entrypoints.openai.conftest import RemoteServer  # noqa: E402
+
+KINDS = {"normal": 0.35, "chat": 0.10, "stream": 0.25, "cancel": 0.10, "malformed": 0.10, "oversized": 0.10}
+"""Share of each kind of request in the mix."""
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (VmRSS), 0 if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Soak:
+    """The load generator: one request per call of ``send``, its outcome counted by kind."""
+
+    def __init__(self, url: str, max_tokens: int, max_model_len: int, seed: int) -> None:
+        self.url = url
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.rng = random.Random(seed)
+        self.outcomes: Counter = Counter()
+        self.failures: list[str] = []
+        self.latencies: list[float] = []
+
+    def _fail(self, kind: str, what: str) -> None:
+        self.outcomes[(kind, "FAILED")] += 1
+        if len(self.failures) < 20:
+            self.failures.append(f"{kind}: {what}")
+
+    def _refused_cleanly(self, kind: str, r: httpx.Response) -> bool:
+        """A 4xx in OpenAI's error shape, or 503 with Retry-After (load shedding)."""
+        try:
+            error = r.json()["error"]
+            shaped = isinstance(error["message"], str) and isinstance(error["type"], str)
+        except (ValueError, KeyError, TypeError):
+            shaped = False
+        clean = shaped and (400 <= r.status_code < 500 or (r.status_code == 503 and "retry-after" in r.headers))
+        self.outcomes[(kind, f"refused {r.status_code}" if clean else f"BAD {r.status_code}")] += 1
+        if not clean:
+            self._fail(kind, f"HTTP {r.status_code}: {r.text[:200]}")
+        return clean
+
+    def _body(self, stream: bool = False) -> dict:
+        words = " ".join(self.rng.choice(("paged", "attention", "block", "cache", "token", "step"))
+                         for _ in range(self.rng.randint(3, 40)))
+        return {"prompt": words, "max_tokens": self.rng.randint(4, self.max_tokens), "temperature": 1.0,
+                "stream": stream}
+
+    async def send(self, client: httpx.AsyncClient, kind: str) -> None:
+        start = time.monotonic()
+        try:
+            await getattr(self, f"_{kind}")(client, kind)
+        except httpx.HTTPError as e:  # a connection the server dropped or never answered
+            self._fail(kind, f"{type(e).__name__}: {e}")
+        else:
+            if kind == "normal":
+                self.latencies.append(time.monotonic() - start)
+
+    async def _normal(self, client: httpx.AsyncClient, kind: str) -> None:
+        r = await client.post(f"{self.url}/v1/completions", json=self._body())
+        if r.status_code == 200:
+            ok = r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+            self.outcomes[(kind, "ok" if ok else "BAD finish")] += 1
+            if not ok:
+                self._fail(kind, r.text[:200])
+        else:
+            self._refused_cleanly(kind, r)
+
+    async def _chat(self, client: httpx.AsyncClient, kind: str) -> None:
+        body = self._body()
+        body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+        r = await client.post(f"{self.url}/v1/chat/completions", json=body)
+        if r.status_code == 200:
+            self.outcomes[(kind, "ok")] += 1
+        else:
+            self._refused_cleanly(kind, r)
+
+    async def _stream(self, client: httpx.AsyncClient, kind: str, cancel_after: int | None = None) -> None:
+        async with client.stream("POST", f"{self.url}/v1/completions", json=self._body(stream=True)) as r:
+            if r.status_code != 200:
+                await r.aread()
+                self._refused_cleanly(kind, r)
+                return
+            events = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if cancel_after is not None and len(events) >= cancel_after:
+                        self.outcomes[(kind, "cancelled")] += 1
+                        return  # leaving the block closes the connection: the server must abort the request
+        if events and events[-1] == "[DONE]" and not any(e.startswith('{"error"') for e in events):
+            self.outcomes[(kind, "ok")] += 1
+        elif cancel_after is not None:
+            self.outcomes[(kind, "finished before the cancel")] += 1
+        else:
+            self._fail(kind, f"stream ended with {events[-2:]}")
+
+    async def _cancel(self, client: httpx.AsyncClient, kind: str) -> None:
+        await self._stream(client, kind, cancel_after=self.rng.randint(1, 4))
+
+    async def _malformed(self, client: httpx.AsyncClient, kind: str) -> None:
+        bad = self.rng.choice([
+            b'{"prompt": "unterminated', b'[]', b'{"prompt": 5, "max_tokens": "many"}',
+            json.dumps({"prompt": "x", "temperature": -3}).encode(), json.dumps({"prompt": "x", "n": 0}).encode(),
+            json.dumps({"prompt": "x", "no_such_field": 1}).encode(), json.dumps({"prompt": []}).encode(),
+        ])
+        r = await client.post(f"{self.url}/v1/completions", content=bad, headers={"content-type": "application/json"})
+        if self._refused_cleanly(kind, r) and r.status_code != 400:
+            self._fail(kind, f"malformed body answered {r.status_code}")
+
+    async def _oversized(self, client: httpx.AsyncClient, kind: str) -> None:
+        body = self.rng.choice([
+            {"prompt": "w " * (40 * self.max_model_len), "max_tokens": 4},  # over the byte cap (64 per token)
+            {"prompt": "hello", "max_tokens": self.max_model_len + 1},  # could never fit
+        ])
+        r = await client.post(f"{self.url}/v1/completions", json=body)
+        if self._refused_cleanly(kind, r) and r.status_code != 400:
+            self._fail(kind, f"oversized request answered {r.status_code}")
+
+
+async def calibrate(url: str, concurrency: int, seconds: float, max_tokens: int) -> float:
+    """Completed normal requests per second with ``concurrency`` clients back to back."""
+    done = 0
+    end = time.monotonic() + seconds
+    body = {"prompt": "paged attention block cache", "max_tokens": max_tokens, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def loop() -> None:
+            nonlocal done
+            while time.monotonic() < end:
+                if (await client.post(f"{url}/v1/completions", json=body)).status_code == 200:
+                    done += 1
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+    return done / seconds
+
+
+async def soak(args: argparse.Namespace, url: str, pid: int, max_model_len: int, rate: float) -> dict:
+    load = Soak(url, args.max_tokens, max_model_len, args.seed)
+    rng = random.Random(args.seed + 1)
+    kinds, weights = list(KINDS), list(KINDS.values())
+    rss: list[tuple[float, int]] = []
+    start = time.monotonic()
+    tasks: set[asyncio.Task] = set()
+    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=256)) as client:
+        next_rss = start
+        while (now := time.monotonic()) < start + args.duration:
+            if now >= next_rss:
+                rss.append((now - start, rss_bytes(pid)))
+                next_rss += 5.0
+            task = asyncio.create_task(load.send(client, rng.choices(kinds, weights)[0]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            await asyncio.sleep(rng.expovariate(rate))
+        if tasks:
+            await asyncio.wait(tasks, timeout=args.timeout)
+    sent = sum(load.outcomes.values())
+    # drained: nothing running, every block back, the invariants intact
+    deadline = time.monotonic() + 30
+    while True:
+        state = httpx.get(f"{url}/kv/state", timeout=30).json()
+        stats = httpx.get(f"{url}/stats", timeout=30).json()
+        if (state["accounting"]["used_blocks"] == 0 and stats["num_running"] == stats["num_waiting"] == 0) \
+                or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    rss.append((time.monotonic() - start, rss_bytes(pid)))
+    after_warmup = [b for t, b in rss if t >= args.warmup] or [rss[-1][1]]
+    growth = (rss[-1][1] - after_warmup[0]) / after_warmup[0]
+    latencies = sorted(load.latencies) or [0.0]
+    checks = {
+        "every request answered or cleanly refused": not load.failures,
+        "0 KV blocks held after draining": state["accounting"]["used_blocks"] == 0,
+        "check_integrity": state["integrity"] == "ok",
+        "nothing running or waiting": stats["num_running"] == stats["num_waiting"] == 0,
+        "RSS growth under 5% after the warm-up": growth < 0.05,
+        "server alive": httpx.get(f"{url}/health", timeout=10).status_code == 200,
+    }
+    return {"duration_s": args.duration, "rate_per_s": rate, "requests": sent,
+            "outcomes": {f"{k} {o}": n for (k, o), n in sorted(load.outcomes.items())},
+            "failures": load.failures, "normal_latency_p50_s": latencies[len(latencies) // 2],
+            "normal_latency_p99_s": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+            "rss_mib_after_warmup": after_warmup[0] / 2**20, "rss_mib_end": rss[-1][1] / 2**20,
+            "rss_growth": growth, "kv_integrity": state["integrity"], "checks": checks, "passed": all(checks.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="the model to serve (default: the default model)")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra `pagedllm serve` flag (repeatable; "
+                        "a flag and its value as one argument, e.g. '--max-num-seqs=64')")
+    parser.add_argument("--duration", type=float, default=1800.0, help="seconds of soak (default: 30 minutes)")
+    parser.add_argument("--warmup", type=float, default=None, help="seconds before the RSS baseline (default: 10%%)")
+    parser.add_argument("--load", type=float, default=0.8, help="share of the measured capacity to send")
+    parser.add_argument("--calibrate", type=float, default=15.0, help="seconds of the capacity measurement")
+    parser.add_argument("--concurrency", type=int, default=32, help="clients of the capacity measurement")
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens a normal request asks for")
+    parser.add_argument("--timeout", type=float, default=300.0, help="client timeout per request, seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--server-log", default="soak-server.log", help="the server's output (default: %(default)s)")
+    args = parser.parse_args(argv)
+    args.warmup = args.duration * 0.1 if args.warmup is None else args.warmup
+    from pagedllm.models.loader import default_model_path
+
+    server = RemoteServer(Path(args.model or default_model_path()), "--served-model-name", "soak", *args.server_arg,
+                          log=Path(args.server_log))
+    try:
+        max_model_len = httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, timeout=30).json()["max_model_len"]
+        capacity = asyncio.run(calibrate(server.url, args.concurrency, args.calibrate, args.max_tokens))
+        result = asyncio.run(soak(args, server.url, server.proc.pid, max_model_len, capacity * args.load))
+        result["capacity_per_s"] = capacity
+        alive = server.proc.poll() is None
+    finally:
+        server.stop()
+    result["checks"]["server alive"] = result["checks"]["server alive"] and alive
+    result["passed"] = all(result["checks"].values())
+    line = json.dumps(result)
+    print(line)
+    if args.output_json:
+        Path(args.output_json).write_text(line + "\n")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""`pagedllm plan`: the step-time model's fit, the replay through the real scheduler (the same steps and
+preemptions as the real engine on the same requests), and the command end to end on the tiny model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.bench.datasets import BenchRequest
+from pagedllm.entrypoints.bench.plan import CostModel, arrival_times, replay
+from pagedllm.entrypoints.cli import main
+
+LENGTHS = [(5 + 7 * i % 60, 4 + 5 * i % 40) for i in range(24)]
+
+
+def test_fit_recovers_a_linear_step_time() -> None:
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(200), rng.integers(1, 2048, 200), rng.integers(1, 256, 200), rng.random(200) * 500])
+    truth = np.array([2e-3, 1e-5, 5e-5, 3e-4])
+    model = CostModel.fit(x.tolist(), (x @ truth).tolist())
+    np.testing.assert_allclose(model.coef, truth, rtol=1e-6)
+    assert model.median_error < 1e-9 and abs(model.predict([1, 100, 10, 5]) - float(np.dot(truth, [1, 100, 10, 5]))) < 1e-12
+    negative = CostModel.fit(x.tolist(), (x @ np.array([2e-3, 1e-5, 0, 3e-4]) - 1e-9 * x[:, 2]).tolist())
+    assert min(negative.coef) >= 0  # a coefficient that fits negative is dropped, the others refit
+
+
+def test_replay_schedules_as_the_real_engine(tiny_llm_dir: Path) -> None:
+    """All requests at once into a pool too small for them: the replay takes the same number of steps and
+    preemptions as the real engine, whose scheduler it is."""
+    options = dict(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = LLM(str(tiny_llm_dir), dtype="float32", **options)
+    prompts = [{"prompt_token_ids": [7 + i] * p} for i, (p, _) in enumerate(LENGTHS)]
+    llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in LENGTHS], use_tqdm=False)
+    real = llm.get_stats()
+    llm.shutdown()
+    requests = [BenchRequest([], p, o) for p, o in LENGTHS]
+    p = replay(requests, [0.0] * len(requests), CostModel([1e-3, 0, 0, 0]), num_blocks=24, block_size=16,
+               max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
+    assert (p.num_steps, p.num_preemptions, p.max_num_running) == (real.num_steps, real.num_preemptions,
+                                                                   real.max_num_running)
+    assert real.num_preemptions > 0
+    assert abs(p.requests_per_second - len(requests) / (p.num_steps * 1e-3)) < 1e-6  # 1 ms a step
+
+
+def test_replay_at_low_and_high_rates() -> None:
+    requests = [BenchRequest([], 32, 32)] * 40
+    cost = CostModel([2e-3, 1e-5, 1e-4, 0])
+    args = dict(num_blocks=64, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512)
+    low = replay(requests, arrival_times(40, 1.0, 0), cost, **args)
+    high = replay(requests, arrival_times(40, 1000.0, 0), cost, **args)
+    assert abs(low.requests_per_second - 1.0) < 0.3 and low.num_preemptions == 0 and low.max_num_running <= 4
+    assert low.tpot_ms["p50"] < high.tpot_ms["p50"] and high.max_num_running == 16 and high.max_kv_usage <= 1
+    assert arrival_times(3, 2.0, 0)[0] == 0.0 and arrival_times(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+
+
+def test_plan_command(tiny_llm_dir: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    cost, out, log = tmp_path / "cost.json", tmp_path / "plan.json", tmp_path / "requests.jsonl"
+    assert main(["plan", str(tiny_llm_dir), "--dtype", "float32", "--num-kv-blocks", "64", "--calibrate",
+                 "--calibrate-seconds", "6", "--cost-model", str(cost), "--num-prompts", "30", "--random-input-len",
+                 "40", "--random-output-len", "20", "--rates", "2", "50", "--target-tpot-ms", "1000",
+                 "--max-num-seqs-options", "4", "16", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    model = json.loads(cost.read_text())
+    assert model["samples"] >= 8 and model["coef"][0] > 0 and result["num_blocks"] == 64
+    assert [p["request_rate"] for p in result["predictions"]] == [2, 50]
+    assert result["recommendation"] == {"max_num_seqs": 4, "max_request_rate": 50}  # the smallest that meets it
+    assert "recommendation: --max-num-seqs 4" in capsys.readouterr().out
+    log.write_text("".join(json.dumps({"prompt_len": 20, "output_len": 10, "arrival_time": 100 + i / 4}) + "\n"
+                           for i in range(12)))
+    assert main(["plan", str(tiny_llm_dir), "--num-kv-blocks", "64", "--cost-model", str(cost), "--trace", str(log),
+                 "--output-json", str(out)]) == 0
+    (recorded,) = json.loads(out.read_text())["predictions"]
+    assert recorded["requests_per_second"] > 0 and recorded["max_num_running"] >= 1
