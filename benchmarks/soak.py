@@ -53,10 +53,14 @@ class Soak:
         self.rng = random.Random(seed)
         self.outcomes: Counter = Counter()
         self.failures: list[str] = []
+        self.failed = 0
         self.latencies: list[float] = []
 
-    def _fail(self, kind: str, what: str) -> None:
-        self.outcomes[(kind, "FAILED")] += 1
+    def _fail(self, kind: str, what: str, count: bool = True) -> None:
+        """A request that was not answered as it should be (``count``: it has no outcome of its own yet)."""
+        if count:
+            self.outcomes[(kind, "FAILED")] += 1
+        self.failed += 1
         if len(self.failures) < 20:
             self.failures.append(f"{kind}: {what}")
 
@@ -70,7 +74,7 @@ class Soak:
         clean = shaped and (400 <= r.status_code < 500 or (r.status_code == 503 and "retry-after" in r.headers))
         self.outcomes[(kind, f"refused {r.status_code}" if clean else f"BAD {r.status_code}")] += 1
         if not clean:
-            self._fail(kind, f"HTTP {r.status_code}: {r.text[:200]}")
+            self._fail(kind, f"HTTP {r.status_code}: {r.text[:200]}", count=False)
         return clean
 
     def _body(self, stream: bool = False) -> dict:
@@ -95,7 +99,7 @@ class Soak:
             ok = r.json()["choices"][0]["finish_reason"] in ("stop", "length")
             self.outcomes[(kind, "ok" if ok else "BAD finish")] += 1
             if not ok:
-                self._fail(kind, r.text[:200])
+                self._fail(kind, r.text[:200], count=False)
         else:
             self._refused_cleanly(kind, r)
 
@@ -184,7 +188,10 @@ async def soak(args: argparse.Namespace, url: str, pid: int, max_model_len: int,
             task.add_done_callback(tasks.discard)
             await asyncio.sleep(rng.expovariate(rate))
         if tasks:
-            await asyncio.wait(tasks, timeout=args.timeout)
+            _, unfinished = await asyncio.wait(tasks, timeout=args.timeout)
+            for task in unfinished:  # never answered within the client timeout
+                task.cancel()
+                load._fail("unknown", f"no answer within {args.timeout:g} s")
     sent = sum(load.outcomes.values())
     # drained: nothing running, every block back, the invariants intact
     deadline = time.monotonic() + 30
@@ -200,7 +207,7 @@ async def soak(args: argparse.Namespace, url: str, pid: int, max_model_len: int,
     growth = (rss[-1][1] - after_warmup[0]) / after_warmup[0]
     latencies = sorted(load.latencies) or [0.0]
     checks = {
-        "every request answered or cleanly refused": not load.failures,
+        "every request answered or cleanly refused": load.failed == 0,
         "0 KV blocks held after draining": state["accounting"]["used_blocks"] == 0,
         "check_integrity": state["integrity"] == "ok",
         "nothing running or waiting": stats["num_running"] == stats["num_waiting"] == 0,
@@ -239,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         max_model_len = httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, timeout=30).json()["max_model_len"]
         capacity = asyncio.run(calibrate(server.url, args.concurrency, args.calibrate, args.max_tokens))
+        if capacity <= 0:
+            raise SystemExit(f"no request completed in the {args.calibrate:g} s capacity measurement")
         result = asyncio.run(soak(args, server.url, server.proc.pid, max_model_len, capacity * args.load))
         result["capacity_per_s"] = capacity
         alive = server.proc.poll() is None

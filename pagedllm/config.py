@@ -86,7 +86,8 @@ class ModelConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValidationError.bad_value("load_format", self.load_format, "'auto' or 'dummy'")
         if self.quantization not in (None, "gguf", "int8"):
-            raise ValidationError.bad_value("quantization", self.quantization, "'auto', 'gguf', 'int8' or None")
+            raise ValidationError.bad_value("quantization", self.quantization,
+                                            "'auto' (resolved before this), 'gguf', 'int8' or None")
         if self.quantization is not None and self.load_format == "dummy":
             raise ValidationError.bad_value("quantization", self.quantization,
                                             "None with load_format='dummy' (random weights are not quantized)")

@@ -160,6 +160,15 @@ class Scheduler:
         return bool(self.requests)
 
     # ------------------------------------------------------------------------- schedule
+    def step_features(self, out: SchedulerOutput) -> list[float]:
+        """[1, tokens, sequences, attended positions / 1000] of a step just scheduled (what its time grows with:
+        a decode token attends to its whole context). The capacity planner's cost model is linear in these."""
+        tokens = seqs = attended = 0
+        for req_id, q in out.num_scheduled_tokens.items():
+            after = self.requests[req_id].num_computed_tokens  # already counts the scheduled tokens
+            tokens, seqs, attended = tokens + q, seqs + 1, attended + q * after - q * (q - 1) // 2
+        return [1.0, float(tokens), float(seqs), attended / 1000.0]
+
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: running requests, then (unless one was preempted) waiting ones."""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, output=SchedulerOutput(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -69,8 +70,10 @@ class AsyncLLMEngine:
     """Serves many concurrent callers from one engine; ``generate`` yields RequestOutputs."""
 
     def __init__(self, engine: LLMEngine, on_step: StepCallback | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_dead: Callable[[BaseException], None] | None = None, step_log: str | None = None) -> None:
         self.engine = engine
+        self.step_log = None if step_log is None else open(step_log, "a", buffering=1)
+        """With a path: one JSON line per step, its features and seconds (`pagedllm plan --calibrate-from`)."""
         self.on_step = on_step
         self.on_dead = on_dead
         """Called once (from the engine thread) when the loop dies: e.g. the server exits non-zero."""
@@ -94,8 +97,9 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, on_step: StepCallback | None = None,
-                         on_dead: Callable[[BaseException], None] | None = None) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_engine_args(args, log_stats=True), on_step, on_dead)
+                         on_dead: Callable[[BaseException], None] | None = None,
+                         step_log: str | None = None) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(args, log_stats=True), on_step, on_dead, step_log)
 
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -162,6 +166,8 @@ class AsyncLLMEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
         await asyncio.to_thread(self.engine.shutdown)
+        if self.step_log is not None:
+            self.step_log.close()
 
     def _send(self, command: _Add | _Abort | _Call) -> None:
         self._commands.put(command)
@@ -179,7 +185,11 @@ class AsyncLLMEngine:
                     self._sample_kv()
                     self._wake.wait(timeout=1.0)
                     continue
+                start = time.perf_counter()
                 outputs = self.engine.step()
+                if self.step_log is not None:  # the step as served: HTTP and clients share the machine
+                    self.step_log.write(json.dumps({"features": self.engine.last_step_features,
+                                                    "seconds": time.perf_counter() - start}) + "\n")
                 self._deliver(outputs)
                 self._report()
             self._abort_all()
@@ -215,7 +225,7 @@ class AsyncLLMEngine:
             if isinstance(command, _Call):
                 try:
                     result = command.fn(self.engine)
-                except ValidationError as e:
+                except Exception as e:  # the caller gets it (a monitoring call must not stop the loop)
                     self._call(command.done.set_exception, e)
                 else:
                     self._call(command.done.set_result, result)
@@ -231,13 +241,14 @@ class AsyncLLMEngine:
 
     def _add(self, command: _Add) -> None:
         add = self.engine.add_beam_request if isinstance(command.params, BeamSearchParams) else self.engine.add_request
-        self._taken()
         try:
             add(command.request_id, command.prompt, command.params, command.arrival_time, command.lora_request)
         except ValidationError as e:  # refused: the caller gets the error, the loop goes on
+            self._taken()
             self._call(command.accepted.set_exception, e)
             return
         self._waiting += 1  # until the next step's statistics say how many still wait
+        self._taken()  # after counting it as waiting: never counted nowhere
         self._streams[command.request_id] = command.stream
         self._call(command.accepted.set_result, None)
 

@@ -116,6 +116,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, arch: ArchConfig, tokenizer: Any, log_stats: bool = False) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.last_step_features: list[float] = []
+        """Scheduler.step_features of the last step (the step-time log of `pagedllm serve --step-log`)."""
         eos = load_eos_token_ids(config.model.model, arch, tokenizer)
         self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos)
         self.executor = get_executor_class(config)(config, arch, eos)
@@ -231,6 +233,7 @@ class LLMEngine:
         engine runs no step of its own for that: they learn it with the next real one).
         """
         scheduler_output = self.scheduler.schedule()
+        self.last_step_features = self.scheduler.step_features(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(runner_output)
         beams = [o for o in core_outputs if self.beam_search.owns(o.request_id)]

@@ -73,8 +73,10 @@ class Worker:
         backend = get_attention_backend(resolve_backend_name(config.device.attention_backend, config.device.device))
         self.kv_dtype = kv_quant.kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
         if self.kv_dtype == torch.int8 and not backend.supports_int8_kv:
-            raise ValidationError(f"kv_cache_dtype='int8' is read by the cpu and torch attention backends, not by "
-                                  f"{backend.name!r}", param="kv_cache_dtype", value=config.cache.cache_dtype)
+            where = "on a GPU no backend reads it yet" if self.device.type == "cuda" else \
+                f"the {backend.name!r} backend does not read it"
+            raise ValidationError(f"kv_cache_dtype='int8' is read by the cpu and torch attention backends (CPU only): "
+                                  f"{where}", param="kv_cache_dtype", value=config.cache.cache_dtype)
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
         model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)

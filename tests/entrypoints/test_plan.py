@@ -73,3 +73,20 @@ def test_plan_command(tiny_llm_dir: Path, tmp_path: Path, capsys) -> None:  # no
                  "--output-json", str(out)]) == 0
     (recorded,) = json.loads(out.read_text())["predictions"]
     assert recorded["requests_per_second"] > 0 and recorded["max_num_running"] >= 1
+
+
+def test_calibrate_from_a_served_step_log(tmp_path: Path) -> None:
+    """`pagedllm serve --step-log` lines (features and seconds) fit the model `plan --calibrate-from` saves."""
+    rng = np.random.default_rng(1)
+    log, cost = tmp_path / "steps.jsonl", tmp_path / "cost.json"
+    truth = [5e-3, 2e-5, 4e-4, 1e-3]
+    lines = []
+    for _ in range(50):
+        f = [1.0, float(rng.integers(1, 500)), float(rng.integers(1, 64)), float(rng.random() * 100)]
+        lines.append(json.dumps({"features": f, "seconds": float(np.dot(truth, f))}))
+    log.write_text("\n".join(lines) + "\n")
+    assert main(["plan", "--calibrate-from", str(log), "--cost-model", str(cost), "--num-kv-blocks", "64",
+                 "--num-prompts", "5", "--rates", "1"]) == 0
+    np.testing.assert_allclose(json.loads(cost.read_text())["coef"], truth, rtol=1e-6)
+    log.write_text("not json\n")
+    assert main(["plan", "--calibrate-from", str(log), "--cost-model", str(cost), "--num-kv-blocks", "64"]) == 2

@@ -46,7 +46,7 @@ def llm(default_model: str) -> LLM:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("length_penalty", [1.0, 0.5])
+@pytest.mark.parametrize("length_penalty", [0.5])  # vLLM's and transformers' default 1.0 is the simpler case
 def test_beam_search_matches_transformers(llm: LLM, hf_model: Any, prompt_ids: list[list[int]], tokenizer: Any,
                                           length_penalty: float) -> None:
     params = BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=MAX_TOKENS, length_penalty=length_penalty)

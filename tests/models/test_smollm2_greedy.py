@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.conftest import end_levels
 from tests.models.smollm_prompts import MAX_TOKENS, smollm_prompt_ids
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,10 @@ def _generate(llm: LLM, prompt_token_ids: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("level", ["portable", *end_levels()], indirect=True)
 def test_greedy_matches_transformers(default_model: str, prompt_token_ids, reference, level: str) -> None:
-    """At every level this CPU runs: the compiled kernels of each, and the portable torch path."""
+    """The portable torch path and the lowest and highest compiled levels this CPU runs (every kernel is held
+    to torch at every level by its own tests)."""
     llm = LLM(default_model, dtype="float32", quantization=None)
     assert _generate(llm, prompt_token_ids) == reference
 

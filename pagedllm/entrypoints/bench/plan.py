@@ -35,19 +35,9 @@ from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 
-def step_features(out: SchedulerOutput, scheduler: Scheduler) -> list[float]:
-    """[1, tokens, sequences, attended positions / 1000] of a step just scheduled (computed counts already
-    include the scheduled tokens)."""
-    tokens = seqs = attended = 0
-    for req_id, q in out.num_scheduled_tokens.items():
-        after = scheduler.requests[req_id].num_computed_tokens
-        tokens, seqs, attended = tokens + q, seqs + 1, attended + q * after - q * (q - 1) // 2
-    return [1.0, float(tokens), float(seqs), attended / 1000.0]
-
-
 @dataclasses.dataclass
 class CostModel:
-    """Predicted seconds of one engine step from its features (step_features)."""
+    """Predicted seconds of one engine step from its features (Scheduler.step_features)."""
 
     coef: list[float]
     machine: str = ""
@@ -94,16 +84,6 @@ def calibrate(args: EngineArgs, seconds: float = 60.0, seed: int = 0) -> CostMod
 
     llm = LLM(**dataclasses.asdict(args))
     engine, rng = llm.llm_engine, random.Random(seed)
-    scheduler = engine.scheduler
-    captured: list[list[float]] = []
-    schedule = scheduler.schedule
-
-    def timed_schedule() -> SchedulerOutput:
-        out = schedule()
-        captured.append(step_features(out, scheduler))
-        return out
-
-    scheduler.schedule = timed_schedule  # type: ignore[method-assign]
     features, times = [], []
     vocab = engine.processor.vocab_size
     max_len = engine.config.model.max_model_len
@@ -119,12 +99,11 @@ def calibrate(args: EngineArgs, seconds: float = 60.0, seed: int = 0) -> CostMod
                                                                         for _ in range(prompt_len)]}, params)
             warm = 3
             while engine.has_unfinished_requests():
-                captured.clear()
                 start = time.perf_counter()
                 engine.step()
                 elapsed = time.perf_counter() - start
-                if captured and warm <= 0 and captured[0][1] > 0:
-                    features.append(captured[0])
+                if warm <= 0 and engine.last_step_features[1] > 0:
+                    features.append(engine.last_step_features)
                     times.append(elapsed)
                 warm -= 1
                 if time.monotonic() > stop:
@@ -141,11 +120,26 @@ def calibrate(args: EngineArgs, seconds: float = 60.0, seed: int = 0) -> CostMod
                                  "max_num_batched_tokens": config.scheduler.max_num_batched_tokens})
 
 
+def fit_step_log(path: str) -> CostModel:
+    """The cost model of a `pagedllm serve --step-log` file (JSON lines of features and seconds)."""
+    try:
+        with open(path) as f:
+            steps = [json.loads(line) for line in f if line.strip()]
+        features, seconds = [s["features"] for s in steps], [s["seconds"] for s in steps]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValidationError(f"calibrate_from: cannot read {path!r} ({e})", param="calibrate_from") from None
+    if len(seconds) < 8:
+        raise ValidationError(f"calibrate_from: {path!r} holds {len(seconds)} steps; serve some load first",
+                              param="calibrate_from")
+    return CostModel.fit(features, seconds, machine=platform.describe("bfloat16"), engine={"step_log": path})
+
+
 @dataclasses.dataclass
 class Prediction:
     """What the replay predicts at one request rate (the fields of `pagedllm bench serve`'s summary)."""
 
-    request_rate: float
+    request_rate: float | None
+    """The Poisson rate replayed (None: a recorded log's own arrival times)."""
     requests_per_second: float
     output_tokens_per_second: float
     ttft_ms: dict[str, float]
@@ -155,6 +149,8 @@ class Prediction:
     max_kv_usage: float
     max_num_running: int
     num_steps: int
+    refused: int
+    """Requests the pool could never hold (the server refuses them with a 400)."""
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -173,11 +169,15 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
 
 
 def replay(requests: list[BenchRequest], arrivals: list[float], cost: CostModel, num_blocks: int,
-           block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> Prediction:
-    """Run the requests through the real scheduler on a virtual clock: each step lasts what ``cost`` says."""
+           block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+           enable_prefix_caching: bool = False) -> Prediction:
+    """Run the requests through the real scheduler on a virtual clock: each step lasts what ``cost`` says. A
+    request the pool could never hold is refused (as the server answers it with a 400) and counted."""
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                           max_model_len=max_model_len),
-                          CacheConfig(block_size=block_size, enable_prefix_caching=False), num_kv_blocks=num_blocks)
+                          CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+                          num_kv_blocks=num_blocks)
+    refused = 0
     pending = deque(sorted(zip(arrivals, range(len(requests)))))
     first: dict[str, float] = {}
     done: dict[str, float] = {}
@@ -190,15 +190,19 @@ def replay(requests: list[BenchRequest], arrivals: list[float], cost: CostModel,
             at, i = pending.popleft()
             r = requests[i]
             req_id = f"r{i}"
+            try:
+                scheduler.add_request(Request(req_id, [i + 1] * r.prompt_len, SamplingParams(
+                    max_tokens=r.output_len, ignore_eos=True), eos_token_ids=None, max_tokens=r.output_len,
+                    arrival_time=at))
+            except ValidationError:
+                refused += 1
+                continue
             arrived[req_id] = at
-            scheduler.add_request(Request(req_id, [i + 1] * r.prompt_len, SamplingParams(max_tokens=r.output_len,
-                                                                                        ignore_eos=True),
-                                          eos_token_ids=None, max_tokens=r.output_len, arrival_time=at))
         out = scheduler.schedule()
         if not out.num_scheduled_tokens:  # waiting for blocks with nothing running cannot happen; be safe
             now = pending[0][0] if pending else now + 1e-3
             continue
-        now += cost.predict(step_features(out, scheduler))
+        now += cost.predict(scheduler.step_features(out))
         usage.append(scheduler.kv_cache_manager.usage())
         for output in scheduler.update_from_output(fake_model(scheduler, out)):
             if output.new_token_ids:
@@ -214,7 +218,7 @@ def replay(requests: list[BenchRequest], arrivals: list[float], cost: CostModel,
                       ttft_ms=_stats([first[r] - arrived[r] for r in first]), tpot_ms=_stats(tpot),
                       num_preemptions=stats.num_preemptions, mean_kv_usage=float(np.mean(usage)),
                       max_kv_usage=stats.max_kv_cache_usage, max_num_running=stats.max_num_running,
-                      num_steps=stats.num_steps)
+                      num_steps=stats.num_steps, refused=refused)
 
 
 def kv_blocks(args: EngineArgs) -> tuple[int, int]:
@@ -222,6 +226,12 @@ def kv_blocks(args: EngineArgs) -> tuple[int, int]:
     from pagedllm.engine.llm_engine import create_engine_config
 
     config, arch = create_engine_config(args)
+    if config.parallel.tensor_parallel_size != 1 or config.device.device != "cpu":
+        raise ValidationError("pagedllm plan models one CPU rank: tensor_parallel_size 1 on the CPU",
+                              param="tensor_parallel_size", value=config.parallel.tensor_parallel_size)
+    if config.scheduler.preemption_mode != "recompute":
+        raise ValidationError("pagedllm plan models preemption by recompute only", param="preemption_mode",
+                              value=config.scheduler.preemption_mode)
     cache, sched = config.cache, config.scheduler
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks, config.model.max_model_len
@@ -249,6 +259,9 @@ def add_parser(sub: SubParsers) -> None:
     p.add_argument("--calibrate", action="store_true", help="measure the step-time model on this machine first (about "
                    "--calibrate-seconds) and save it to --cost-model")
     p.add_argument("--calibrate-seconds", type=float, default=60.0)
+    p.add_argument("--calibrate-from", default=None, metavar="FILE",
+                   help="fit the step-time model on a server's steps as served (`pagedllm serve --step-log FILE` "
+                        "under load: HTTP and clients share the machine) and save it to --cost-model")
     p.add_argument("--target-tpot-ms", type=float, default=None, help="latency target: p50 time per output token")
     p.add_argument("--target-ttft-ms", type=float, default=None, help="latency target: p99 time to first token")
     p.add_argument("--max-num-seqs-options", type=int, nargs="+", default=[16, 32, 64, 128, 256],
@@ -259,7 +272,7 @@ def add_parser(sub: SubParsers) -> None:
 
 def _read_log(path: str) -> tuple[list[BenchRequest], list[float] | None]:
     """A recorded request log: one JSON object per line with prompt_len, output_len (and arrival_time)."""
-    requests, arrivals = [], []
+    requests, arrivals, n = [], [], 0
     try:
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -269,6 +282,8 @@ def _read_log(path: str) -> tuple[list[BenchRequest], list[float] | None]:
                     arrivals.append(entry.get("arrival_time"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValidationError(f"trace: {path!r} line {n}: {e}", param="trace", value=path) from None
+    if not requests:
+        raise ValidationError(f"trace: {path!r} holds no request", param="trace", value=path)
     return requests, None if None in arrivals else [float(a) - float(arrivals[0]) for a in arrivals]
 
 
@@ -281,7 +296,12 @@ def run(ns: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import get_tokenizer
 
     args = engine_args_from(ns)
-    if ns.calibrate:
+    if ns.calibrate_from:
+        cost = fit_step_log(ns.calibrate_from)
+        cost.save(ns.cost_model)
+        print(f"cost model: {cost.coef} from {cost.samples} served steps, median error {cost.median_error:.1%} "
+              f"-> {ns.cost_model}")
+    elif ns.calibrate:
         cost = calibrate(args, ns.calibrate_seconds, ns.seed)
         cost.save(ns.cost_model)
         print(f"cost model: {cost.coef} from {cost.samples} steps, median error {cost.median_error:.1%} "
@@ -298,15 +318,19 @@ def run(ns: argparse.Namespace) -> int:
         check_dataset_args(ns)
         tokenizer = get_tokenizer(args.model)
         requests = requests_from_args(ns, len(tokenizer), tokenizer, dataset_seed(ns))
-    requests = [r for r in requests if r.prompt_len + r.output_len <= max_model_len]
+    fits = [r.prompt_len + r.output_len <= max_model_len for r in requests]  # the others the server refuses
+    requests = [r for r, ok in zip(requests, fits) if ok]
+    if recorded is not None:
+        recorded = [t for t, ok in zip(recorded, fits) if ok]
     sched = {"block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
-             "max_model_len": max_model_len, "num_blocks": num_blocks}
+             "max_model_len": max_model_len, "num_blocks": num_blocks,
+             "enable_prefix_caching": args.enable_prefix_caching}
     rates = ["recorded"] if recorded is not None else ns.rates
     table = []
     for rate in rates:
         arrivals = recorded if rate == "recorded" else arrival_times(len(requests), rate, ns.seed)
         p = replay(requests, arrivals, cost, max_num_seqs=args.max_num_seqs, **sched)
-        p.request_rate = float("nan") if rate == "recorded" else rate
+        p.request_rate = None if rate == "recorded" else rate  # type: ignore[assignment]
         table.append(p)
         print(f"rate {rate:>8}: {p.requests_per_second:6.2f} req/s {p.output_tokens_per_second:8.1f} out tok/s  "
               f"TTFT p50 {p.ttft_ms['p50']:8.1f} p99 {p.ttft_ms['p99']:8.1f} ms  TPOT p50 {p.tpot_ms['p50']:7.1f} "

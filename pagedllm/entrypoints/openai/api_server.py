@@ -58,15 +58,20 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body.model_dump(), status_code=status)
 
 
+PROTECTED = ("/v1", "/kv/state")
+"""Paths an API key guards (the KV map's data names the requests it shows; the page itself holds no data and
+sends the key given in its address's fragment: /kv#key=KEY)."""
+
+
 class APIKeyMiddleware:
-    """401 on /v1/* without a valid ``Authorization: Bearer <key>`` (constant-time comparison)."""
+    """401 on /v1/* and /kv/state without a valid ``Authorization: Bearer <key>`` (constant-time comparison)."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
         self.keys = [k.encode() for k in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and not self._authorized(scope):
             response = error_response(401, "invalid or missing API key", code="invalid_api_key")
             await response(scope, receive, send)
             return
@@ -257,6 +262,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=_positive(float), default=None, metavar="SECONDS",
                         help="abort a request still running after this long: 504, or an error event on a stream "
                              "(default: no limit)")
+    parser.add_argument("--step-log", default=None, metavar="FILE",
+                        help="append one JSON line per engine step (its features and seconds) to FILE: the "
+                             "capacity planner's cost model fitted on steps as served (pagedllm plan --calibrate-from)")
     parser.add_argument("--max-prompt-bytes", type=_positive(int), default=None, metavar="BYTES",
                         help="refuse (400) prompt text over this many UTF-8 bytes before tokenizing it "
                              f"(default: {BYTES_PER_TOKEN_CAP} per token of max_model_len)")
@@ -332,7 +340,8 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         timer.daemon = True
         timer.start()
 
-    engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead)
+    engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead,
+                                             step_log=ns.step_log)
     try:
         limits = ServingLimits(ns.max_waiting_requests, ns.request_timeout, ns.max_prompt_bytes)
         app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules,

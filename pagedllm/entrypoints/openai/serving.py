@@ -32,10 +32,11 @@ class ServingLimits:
     """What the server refuses before it costs the engine anything (``pagedllm serve`` options)."""
 
     max_waiting_requests: int | None = None
-    """More requests than this waiting for their first step: new ones get 503 with Retry-After (None: no limit)."""
+    """More requests than this waiting to be scheduled (new, or preempted back to the queue): new ones get 503
+    with Retry-After (None: no limit)."""
     request_timeout: float | None = None
-    """Seconds a request may take from arrival to its last token; then it is aborted (504, or an error event
-    on a stream). None: no limit."""
+    """Seconds a request may take from being queued to its last token; then it is aborted (504, or an error
+    event on a stream). None: no limit."""
     max_prompt_bytes: int | None = None
     """UTF-8 bytes of prompt text (a completion's prompts, a chat's messages) checked before tokenizing (400).
     None: BYTES_PER_TOKEN_CAP per token of max_model_len."""
@@ -136,6 +137,9 @@ class OpenAIServing:
         """Queue every prompt; if one is refused, withdraw the others and raise its ValidationError. Over the
         waiting limit, nothing is queued: OverloadedError."""
         limit = self.limits.max_waiting_requests
+        if limit is not None and len(prompts) > limit:  # could never be admitted: not a matter of waiting
+            raise ValidationError(f"{len(prompts)} prompts in one request: this server queues at most {limit} "
+                                  "(--max-waiting-requests)", param="prompt")
         if limit is not None and self.engine.num_waiting + len(prompts) > limit:
             self.on_refused("overloaded")
             raise OverloadedError(f"the server is at its limit of {limit} waiting requests "
@@ -184,7 +188,7 @@ async def merge_streams(streams: list[RequestStream], timeout: float | None = No
             else:
                 try:
                     index, item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
-                except TimeoutError:
+                except asyncio.TimeoutError:  # TimeoutError's alias from 3.11; a class of its own before
                     raise RequestTimeoutError(f"the request took over {timeout:g} s (the server's request "
                                               "timeout) and was aborted") from None
             if item is None:

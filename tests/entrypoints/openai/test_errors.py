@@ -107,6 +107,9 @@ def test_api_key(tiny_llm_dir: Path) -> None:
         for key in ("sesame", "second-key"):
             assert httpx.post(f"{srv.url}{C}", json=body, headers={"Authorization": f"Bearer {key}"}).status_code == 200
         assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        assert httpx.get(f"{srv.url}/kv/state").status_code == 401  # the KV map's data names requests
+        assert httpx.get(f"{srv.url}/kv/state", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        assert httpx.get(f"{srv.url}/kv").status_code == 200  # the page holds no data: it sends /kv#key=...
         assert httpx.get(f"{srv.url}/health").status_code == 200  # open without a key
         assert httpx.get(f"{srv.url}/metrics").status_code == 200
     finally:

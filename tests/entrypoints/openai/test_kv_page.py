@@ -23,7 +23,8 @@ SCREENSHOT = Path(os.environ.get("PAGEDLLM_KV_SCREENSHOT", "")) if os.environ.ge
 
 @pytest.fixture(scope="module")
 def kv_server(tiny_llm_dir: Path) -> Iterator[RemoteServer]:
-    srv = RemoteServer(tiny_llm_dir, "--num-kv-blocks", "400", "--max-num-seqs", "32", "--served-model-name", "tiny")
+    srv = RemoteServer(tiny_llm_dir, "--num-kv-blocks", "400", "--max-num-seqs", "32", "--served-model-name", "tiny",
+                       "--step-log", str(tiny_llm_dir.parent / "kv-server-steps.jsonl"))
     yield srv
     srv.stop()
 
@@ -47,6 +48,11 @@ def _load(srv: RemoteServer, seconds: float) -> threading.Thread:
     return thread
 
 
+def _step_log(srv: RemoteServer) -> str:
+    """The --step-log file of the kv_server fixture (its last argument)."""
+    return srv.proc.args[-1]
+
+
 def _check_accounting(state: dict) -> None:
     a, bs = state["accounting"], state["block_size"]
     assert a["used_blocks"] + a["free_blocks"] == a["usable_blocks"] == state["num_blocks"] - 1
@@ -68,6 +74,8 @@ def test_kv_state_and_metrics(kv_server: RemoteServer) -> None:
     assert kv_server.metric("pagedllm:kv_cache_usage_perc") == a["used_blocks"] / a["usable_blocks"]
     assert kv_server.metric("pagedllm:num_requests_running") == 0 == len(state["requests"])
     assert max(h["used_blocks"] for h in state["history"]) > 0  # the chart's data saw the load
+    steps = [json.loads(line) for line in Path(_step_log(kv_server)).read_text().splitlines()]
+    assert len(steps) > 10 and all(len(s["features"]) == 4 and s["seconds"] > 0 for s in steps)  # --step-log
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (`apt-get install chromium`: make test installs it "

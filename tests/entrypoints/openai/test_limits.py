@@ -68,6 +68,7 @@ def limited_model(srv: RemoteServer) -> str:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 2001}], "max_tokens": 2}, "messages"),
     (C, {"prompt": "hi", "max_tokens": 600}, "max_tokens"),  # over max_model_len (512)
     (C, {"prompt": "hi", "max_tokens": 500}, "max_tokens"),  # fits the context, not the 19-block pool (304 tokens)
+    (C, {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}, "prompt"),  # more prompts than the queue holds
 ])
 def test_requests_that_could_never_run_are_400s(limited: RemoteServer, path: str, body: dict, param: str) -> None:
     r = httpx.post(f"{limited.url}{path}", json=body, timeout=30)
