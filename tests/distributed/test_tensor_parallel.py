@@ -95,31 +95,6 @@ def test_shutdown_leaves_no_process(tp_llm: Callable[..., LLM], tiny_llm_dir: Pa
     assert not left, [(p.pid, p.name()) for p in left]
 
 
-@pytest.fixture(scope="module")
-def smollm_reference(tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
-    """The default model's prompts (3 to 400 tokens) and its greedy tokens at tp=1, float32."""
-    from tests.models.smollm_prompts import smollm_prompt_ids
-    prompts = smollm_prompt_ids(tokenizer)[:8]
-    llm = LLM(dtype="float32", quantization=None)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0),
-                           use_tqdm=False)
-    return prompts, [o.outputs[0].token_ids for o in outputs]
-
-
-@pytest.mark.slow
-def test_default_model_tp2_greedy(tp_llm: Callable[..., LLM], smollm_reference: tuple) -> None:
-    """SmolLM2-135M's 9 heads / 3 KV heads split 6 + 3 / 2 + 1 across the two ranks (worker processes; Ray's
-    ranks run the same worker code: test_tp2_matches_tp1 and the tests after it cover them)."""
-    prompts, want = smollm_reference
-    assert len(prompts) == 8
-    llm = tp_llm(None, tensor_parallel_size=2, distributed_executor_backend="mp", quantization=None)
-    got = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0),
-                       use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == want
-    heads = [rank[0][2] for rank in llm.llm_engine.executor.collective_rpc("kv_cache_shapes")]
-    assert heads == [2, 1]
-
-
 def test_aborted_requests_leave_every_rank(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
     llm = tp_llm(tiny_llm_dir, tensor_parallel_size=2)
     engine = llm.llm_engine
@@ -162,9 +137,10 @@ def test_other_families_at_tp2(tp_llm: Callable[..., LLM], tiny_model: Callable,
 
 @pytest.mark.slow
 def test_quantized_default_model_at_tp2(tp_llm: Callable[..., LLM], tokenizer: Any) -> None:
-    """quantization="gguf" across two ranks: each rank keeps its share of the Q4_1 / Q8_0 rows (the splits
-    fall on block edges: heads 6 + 3 of 64 columns, the MLP's 768 + 768), and the greedy tokens are one
-    rank's (the row-parallel sums only add in another order)."""
+    """The default model (quantization="gguf") across two ranks: each rank keeps its share of the Q4_1 / Q8_0 rows
+    (the splits fall on block edges: heads 6 + 3 of 64 columns, the MLP's 768 + 768), and the greedy tokens are
+    one rank's (the row-parallel sums only add in another order). The tiny models' tp tests compare every family
+    and both executors exactly."""
     from tests.models.smollm_prompts import smollm_prompt_ids
 
     prompts = [{"prompt_token_ids": ids} for ids in smollm_prompt_ids(tokenizer)[:6]]
@@ -176,3 +152,5 @@ def test_quantized_default_model_at_tp2(tp_llm: Callable[..., LLM], tokenizer: A
     assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == want
     shares = [rank["weights_bytes"] for rank in two.llm_engine.executor.collective_rpc("memory_usage")]
     assert all(share < 0.7 * whole for share in shares) and sum(shares) < 1.1 * whole, (shares, whole)
+    heads = [rank[0][2] for rank in two.llm_engine.executor.collective_rpc("kv_cache_shapes")]
+    assert heads == [2, 1]  # SmolLM2's 3 KV heads split 2 + 1 (9 query heads: 6 + 3)

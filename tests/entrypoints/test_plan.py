@@ -58,7 +58,7 @@ def test_replay_at_low_and_high_rates() -> None:
 def test_plan_command(tiny_llm_dir: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     cost, out, log = tmp_path / "cost.json", tmp_path / "plan.json", tmp_path / "requests.jsonl"
     assert main(["plan", str(tiny_llm_dir), "--dtype", "float32", "--num-kv-blocks", "64", "--calibrate",
-                 "--calibrate-seconds", "6", "--cost-model", str(cost), "--num-prompts", "30", "--random-input-len",
+                 "--calibrate-seconds", "4", "--cost-model", str(cost), "--num-prompts", "30", "--random-input-len",
                  "40", "--random-output-len", "20", "--rates", "2", "50", "--target-tpot-ms", "1000",
                  "--max-num-seqs-options", "4", "16", "--output-json", str(out)]) == 0
     result = json.loads(out.read_text())

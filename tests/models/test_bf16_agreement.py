@@ -23,10 +23,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernels", end_levels(), indirect=True)
+@pytest.mark.parametrize("kernels", end_levels()[:1], indirect=True)
 def test_bfloat16_greedy_agrees_with_float32(default_model: str, tokenizer: Any, kernels: Any) -> None:
-    """At the lowest and the highest kernel level this CPU runs: vdpbf16ps where bf16 is native, bf16 storage with
-    float32 arithmetic in the FMA kernels below."""
+    """At the lowest kernel level this CPU runs (AVX2 on x86: bf16 storage with float32 arithmetic in the FMA
+    kernels); the native vdpbf16ps kernels are held to float32 references by their own tests (tests/layers,
+    tests/attention) at every level."""
     prompts = [{"prompt_token_ids": ids} for ids in smollm_prompt_ids(tokenizer)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outs = {dtype: [o.outputs[0].token_ids for o in LLM(default_model, dtype=dtype, quantization=None).generate(

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.entrypoints.openai.conftest import RemoteServer
 
-EXAMPLES = 25
+EXAMPLES = 15
 """Per operation (17 operations): about 30 s in all on 2 cores."""
 
 
