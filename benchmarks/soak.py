@@ -5,7 +5,7 @@ broken connection, 0 KV blocks held and the pool's invariants intact once draine
 grown by under 5% after the warm-up.
 
     .venv/bin/python benchmarks/soak.py --duration 1800 --output-json soak.json      # the record (30 min)
-    .venv/bin/python benchmarks/soak.py --model tests-tiny-model --duration 120      # what CI runs (2 min)
+    .venv/bin/python benchmarks/soak.py --model TINY_MODEL_DIR --duration 80 --calibrate 5   # as the suite runs it
 
 Capacity is measured first (closed loop, --concurrency normal requests for --calibrate seconds); the soak
 then sends Poisson arrivals at --load times it. One JSON line (and --output-json) holds the figures;
