@@ -413,15 +413,7 @@ PL_EXPORT int pl_paged_attention(const void* q, int64_t q_stride, const void* kc
 PL_EXPORT int pl_write_kv(const void* k, int64_t ks, int64_t khs, const void* v, int64_t vs, int64_t vhs, void* kc,
                           void* vc, const int64_t* slots, int64_t tokens, int64_t nkv, int64_t bs, int64_t D,
                           int64_t blocks, int64_t esize, int threads) {
-  if (D % 2) {
-    pl::set_error("head_dim must be even, got %lld", static_cast<long long>(D));
-    return -1;
-  }
-  for (int64_t t = 0; t < tokens; ++t)  // checked up front: nothing is written when one is bad
-    if (slots[t] < 0 || slots[t] / bs >= blocks) {
-      pl::set_error("slot %lld is outside the KV cache", static_cast<long long>(slots[t]));
-      return -1;
-    }
+  if (!pl::check_kv_write(slots, tokens, bs, D, blocks)) return -1;
   const char* kp = static_cast<const char*>(k);
   const char* vp = static_cast<const char*>(v);
   char* kcp = static_cast<char*>(kc);

@@ -95,4 +95,19 @@ inline void finish_scores(float* scores, int64_t group, int64_t len, int64_t mas
     for (int64_t t = 0; t < masked; ++t) scores[g * len + t] = -std::numeric_limits<float>::infinity();
 }
 
+// The arguments of a K/V slot write (either cache type), checked before anything is written: an even
+// head_dim and every slot inside the cache. False with the error set otherwise.
+inline bool check_kv_write(const int64_t* slots, int64_t tokens, int64_t bs, int64_t D, int64_t blocks) {
+  if (D % 2) {
+    set_error("head_dim must be even, got %lld", static_cast<long long>(D));
+    return false;
+  }
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] < 0 || slots[t] / bs >= blocks) {
+      set_error("slot %lld is outside the KV cache", static_cast<long long>(slots[t]));
+      return false;
+    }
+  return true;
+}
+
 }  // namespace pl

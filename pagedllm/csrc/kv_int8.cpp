@@ -270,15 +270,7 @@ PL_EXPORT int pl_paged_attention_i8(const void* q, int64_t q_stride, const void*
 PL_EXPORT int pl_write_kv_i8(const void* k, int64_t ks, int64_t khs, const void* v, int64_t vs, int64_t vhs, void* kc,
                              void* vc, const int64_t* slots, int64_t tokens, int64_t nkv, int64_t bs, int64_t D,
                              int64_t blocks, int dtype, int threads) {
-  if (D % 2) {
-    pl::set_error("head_dim must be even, got %lld", static_cast<long long>(D));
-    return -1;
-  }
-  for (int64_t t = 0; t < tokens; ++t)  // checked up front: nothing is written when one is bad
-    if (slots[t] < 0 || slots[t] / bs >= blocks) {
-      pl::set_error("slot %lld is outside the KV cache", static_cast<long long>(slots[t]));
-      return -1;
-    }
+  if (!pl::check_kv_write(slots, tokens, bs, D, blocks)) return -1;
   const int64_t head_bytes = bs * (D + 2);
   return pl::with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
