@@ -18,10 +18,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.engine.output_processor import IterationStats
-from pagedllm.engine.processor import PromptType
+from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
@@ -101,6 +101,18 @@ class AsyncLLMEngine:
                          step_log: str | None = None) -> "AsyncLLMEngine":
         return cls(LLMEngine.from_engine_args(args, log_stats=True), on_step, on_dead, step_log)
 
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def processor(self) -> Processor:
+        return self.engine.processor
+
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> None:
         """Start the step loop; call from the event loop that will consume the outputs."""
@@ -158,6 +170,28 @@ class AsyncLLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
+
+    async def add_lora(self, lora: LoRARequest) -> bool:
+        """Read and check an adapter between two steps; True if it was new."""
+        return await self.call(lambda engine: engine.add_lora(lora))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.call(lambda engine: engine.remove_lora(lora_int_id))
+
+    def add_lora_now(self, lora: LoRARequest) -> bool:
+        """add_lora before start() (the server's --lora-modules)."""
+        assert self._thread is None, "after start(): await add_lora"
+        return self.engine.add_lora(lora)
+
+    async def kv_state(self) -> dict[str, Any]:
+        """The KV pool now (each block's holder, the accounting) and its recent history."""
+        state = await self.call(lambda engine: engine.kv_map())
+        return {**state, "history": [{"time": t, **a} for t, a in list(self.kv_history)]}
+
+    def close(self) -> None:
+        """Stop the engine's workers (processes, Ray actors) once the loop is stopped or never started;
+        idempotent."""
+        self.engine.shutdown()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Abort everything still running, stop the loop and the engine's workers."""

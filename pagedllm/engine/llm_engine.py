@@ -24,7 +24,7 @@ from pagedllm.models.registry import supported_models  # noqa: F401  (re-exporte
 from pagedllm.layers import cpu_ops
 from pagedllm.models.loader import (load_arch_config, load_eos_token_ids, load_tokenizer, quantized_formats,
                                     resolve_model_path)
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EngineCoreOutput, RequestOutput
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -151,30 +151,45 @@ class LLMEngine:
         text, prompt_ids = self.processor.tokenize_prompt(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         arrival_time = arrival_time or time.monotonic()
+        seq_ids = self.new_seq_ids(request_id, params.n)
+        self.add_tokenized(seq_ids, prompt_ids, params, arrival_time, cache_salt, lora_request)
+        self.output_processor.add_request(request_id, text, prompt_ids, params, seq_ids, arrival_time)
+
+    def new_seq_ids(self, request_id: str, n: int) -> list[str]:
+        """The scheduler's ids of a request's n samples (engine-made: users' ids can never collide with them)."""
+        return [f"{next(self._seq_counter)}:{request_id}" for _ in range(n)]
+
+    def add_tokenized(self, seq_ids: list[str], prompt_ids: list[int], params: SamplingParams, arrival_time: float,
+                      cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
+        """The engine core's half of add_request: check the parameters against the model and queue the samples
+        (an engine core process gets the prompt already tokenized; the caller tracks the outputs)."""
+        if not isinstance(params, SamplingParams):
+            raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
         if lora_request is not None:
             self.add_lora(lora_request)
-        # scheduler-side ids are the engine's own: users' ids can never collide with them
-        seq_ids = [f"{next(self._seq_counter)}:{request_id}" for _ in range(params.n)]
         requests = self.processor.make_requests(seq_ids, prompt_ids, params, arrival_time, cache_salt, lora_request)
         # the n samples of a prompt fork from the first once its prompt is computed (shared blocks)
         self.scheduler.add_request(requests[0], requests[1:])
-        self.output_processor.add_request(request_id, text, prompt_ids, params, [r.request_id for r in requests],
-                                          arrival_time)
 
     def add_beam_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
                          arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a beam search; its one RequestOutput holds the beam_width best sequences, best first."""
-        self._check_new_id(request_id)
+        text, prompt_ids = self.processor.tokenize_prompt(prompt)
+        self.add_beam_tokenized(request_id, text, prompt_ids, params, arrival_time or time.monotonic(), lora_request)
+
+    def add_beam_tokenized(self, request_id: str, text: str | None, prompt_ids: list[int], params: BeamSearchParams,
+                           arrival_time: float, lora_request: LoRARequest | None = None) -> None:
+        """The engine core's half of add_beam_request (the prompt already tokenized)."""
         if not isinstance(params, BeamSearchParams):
             raise ValidationError.bad_value("params", params, "a BeamSearchParams")
-        text, prompt_ids = self.processor.tokenize_prompt(prompt)
+        self._check_new_id(request_id)
         if 2 * params.beam_width > MAX_LOGPROBS:
             raise ValidationError.bad_value("beam_width", params.beam_width, f"<= {MAX_LOGPROBS // 2}")
         seq_params = self.beam_search.sampling_params(params)
         if lora_request is not None:
             self.add_lora(lora_request)
-        first = self.processor.make_requests([f"{next(self._seq_counter)}:{request_id}"], prompt_ids, seq_params,
-                                             arrival_time or time.monotonic(), lora_request=lora_request)[0]
+        first = self.processor.make_requests(self.new_seq_ids(request_id, 1), prompt_ids, seq_params, arrival_time,
+                                             lora_request=lora_request)[0]
         self.scheduler.add_request(first)
         self.beam_search.add(request_id, text, first, params)
 
@@ -217,9 +232,17 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their blocks."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.scheduler.finish_requests(self.output_processor.seq_ids(request_id), RequestStatus.FINISHED_ABORTED)
+            self.abort_seqs(request_id, self.output_processor.seq_ids(request_id))
             self.output_processor.abort(request_id)
-            self.beam_search.abort(request_id)
+
+    def abort_seqs(self, request_id: str, seq_ids: list[str]) -> None:
+        """The engine core's half of abort_request: free the samples ``seq_ids`` (or the beams of ``request_id``)."""
+        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+        self.beam_search.abort(request_id)
+
+    def stop_seqs(self, seq_ids: list[str]) -> None:
+        """Finish samples a stop string ended (found by whoever detokenizes); unknown ids are ignored."""
+        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
         """Requests still to run: step() has work."""
@@ -232,15 +255,20 @@ class LLMEngine:
         The batch also tells the workers which requests finished since the last step (an idle
         engine runs no step of its own for that: they learn it with the next real one).
         """
+        core_outputs, outputs = self.step_core()
+        news, stopped = self.output_processor.process(core_outputs)
+        self.stop_seqs(stopped)
+        return news + outputs
+
+    def step_core(self) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
+        """The engine core's half of step(): one batch scheduled and run; (the samples' new tokens for the
+        caller to detokenize, the finished beam searches' RequestOutputs)."""
         scheduler_output = self.scheduler.schedule()
         self.last_step_features = self.scheduler.step_features(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(runner_output)
         beams = [o for o in core_outputs if self.beam_search.owns(o.request_id)]
-        outputs, stopped = self.output_processor.process([o for o in core_outputs if not self.beam_search.owns(o.request_id)])
-        outputs += self.beam_search.process(beams)
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        return [o for o in core_outputs if not self.beam_search.owns(o.request_id)], self.beam_search.process(beams)
 
     def rank_memory_usage(self) -> list[dict[str, int]]:
         """Per tensor-parallel rank, in rank order: bytes of weights, of KV pools, and its process's RSS."""

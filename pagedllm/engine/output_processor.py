@@ -147,6 +147,11 @@ class OutputProcessor:
                 self._record_finished(state, seq, now)
         self._forget(request_id)
 
+    def discard(self, request_id: str) -> None:
+        """Forget a request the engine core refused (it never ran: no statistics)."""
+        if request_id in self.requests:
+            self._forget(request_id)
+
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id)
         for seq_id in state.sequences:
@@ -163,8 +168,13 @@ class OutputProcessor:
         changed: dict[str, RequestState] = {}
         stopped_by_string: list[str] = []
         for out in outputs:
-            state = self.requests[self.seq_to_request[out.request_id]]
+            owner = self.seq_to_request.get(out.request_id)
+            if owner is None:  # aborted, or ended by a stop string, while a core process ran one more step
+                continue
+            state = self.requests[owner]
             seq = state.sequences[out.request_id]
+            if seq.finished:  # the same race for one of n samples: its request is still open
+                continue
             self._record_timing(state, seq, out, now)
             seq.token_ids.extend(out.new_token_ids)
             if seq.logprobs is not None:

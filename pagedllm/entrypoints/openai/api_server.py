@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import pagedllm
 from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.core_client import AsyncLLM, ServingEngine
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRAAdapterRequest,
@@ -99,7 +100,7 @@ def _field_name(loc: tuple) -> str | None:
     return name
 
 
-def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names: list[str],
+def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names: list[str],
               api_keys: list[str], reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None,
               chat_template: str | None = None, limits: ServingLimits | None = None) -> FastAPI:
@@ -113,7 +114,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names
     for serving in (completion, chat):
         serving.limits = limits or ServingLimits()
         serving.on_refused = metrics.on_refused
-    config = engine.engine.config
+    config = engine.config
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -191,8 +192,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names
     async def kv_state() -> dict:
         """The KV pool between two steps: each block's holder, fill and sharing, the slots' accounting, and
         its history (about a sample a second, the last ten minutes): pagedllm's own extra."""
-        state = await engine.call(lambda e: e.kv_map())
-        return {"time": time.time(), **state, "history": [{"time": t, **a} for t, a in list(engine.kv_history)]}
+        return {"time": time.time(), **(await engine.kv_state())}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -235,7 +235,7 @@ def build_app(engine: AsyncLLMEngine, metrics: ServerMetrics, served_model_names
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         completion.check_model(req.model)
-        vocab = engine.engine.processor.vocab_size
+        vocab = engine.processor.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise ValidationError(f"tokens contains {bad[0]}, outside the vocabulary [0, {vocab})", param="tokens",
@@ -324,6 +324,15 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def engine_core_process() -> bool:
+    """Whether `pagedllm serve` runs the engine core in its own process: yes unless
+    PAGEDLLM_ENABLE_MULTIPROCESSING=0 (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING), which keeps it a thread."""
+    value = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "1")
+    if value not in ("0", "1"):
+        raise ValidationError.bad_value("PAGEDLLM_ENABLE_MULTIPROCESSING", value, "0 or 1")
+    return value == "1"
+
+
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; returns the exit status."""
     names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
@@ -340,14 +349,15 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         timer.daemon = True
         timer.start()
 
-    engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead,
+    engine_class = AsyncLLM if engine_core_process() else AsyncLLMEngine
+    engine = engine_class.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead,
                                              step_log=ns.step_log)
     try:
         limits = ServingLimits(ns.max_waiting_requests, ns.request_timeout, ns.max_prompt_bytes)
         app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules,
                         ns.chat_template, limits)
     except BaseException:
-        engine.engine.shutdown()  # an adapter that does not fit: no worker left behind
+        engine.close()  # an adapter that does not fit: no worker left behind
         raise
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
@@ -355,5 +365,5 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     try:
         server.run()
     finally:
-        engine.engine.shutdown()  # also when uvicorn could not start (port in use): no worker left behind
+        engine.close()  # also when uvicorn could not start (port in use): no worker left behind
     return 1 if engine.dead_error is not None else 0

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from pagedllm.engine.async_engine import EngineDeadError, RequestStream
+from pagedllm.engine.core_client import ServingEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
@@ -69,11 +70,11 @@ def text_bytes(value: Any) -> int:
 class OpenAIServing:
     """What both endpoints need from the engine."""
 
-    def __init__(self, engine: AsyncLLMEngine, models: OpenAIServingModels,
+    def __init__(self, engine: ServingEngine, models: OpenAIServingModels,
                  limits: ServingLimits | None = None) -> None:
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.config.model.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.model.max_model_len
         self.models = models
         self.limits = limits or ServingLimits()
         self.on_refused: Callable[[str], None] = lambda reason: None

@@ -8,7 +8,7 @@ import itertools
 import json
 from dataclasses import dataclass
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.core_client import ServingEngine
 from pagedllm.errors import ValidationError
 from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.lora_request import LoRARequest
@@ -50,20 +50,20 @@ def parse_lora_module(text: str) -> LoRAModulePath:
 class OpenAIServingModels:
     """Served names of the base model, and the adapters by name."""
 
-    def __init__(self, engine: AsyncLLMEngine, base_names: list[str]) -> None:
+    def __init__(self, engine: ServingEngine, base_names: list[str]) -> None:
         self.engine = engine
         self.base_names = base_names
         self.loras: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
-        self.root = engine.engine.config.model.model
-        self.max_model_len = engine.engine.config.model.max_model_len
+        self.root = engine.config.model.model
+        self.max_model_len = engine.config.model.max_model_len
 
     def add_static(self, modules: list[LoRAModulePath]) -> None:
         """The --lora-modules adapters, read and checked before the engine loop starts."""
         for module in modules:
             self._check_new_name(module.name)
             lora = LoRARequest(module.name, next(self._ids), module.path)
-            self.engine.engine.add_lora(lora)
+            self.engine.add_lora_now(lora)
             self.loras[module.name] = lora
 
     def resolve(self, model: str | None) -> tuple[str, LoRARequest | None]:
@@ -86,7 +86,7 @@ class OpenAIServingModels:
         """Add an adapter at run time (the engine reads and checks it between two steps)."""
         self._check_new_name(name)
         lora = LoRARequest(name, next(self._ids), path)
-        await self.engine.call(lambda engine: engine.add_lora(lora))
+        await self.engine.add_lora(lora)
         self.loras[name] = lora
         return lora
 
@@ -95,7 +95,7 @@ class OpenAIServingModels:
         lora = self.loras.get(name)
         if lora is None:
             raise ModelNotFoundError(name, param="lora_name")
-        await self.engine.call(lambda engine: engine.remove_lora(lora.lora_int_id))
+        await self.engine.remove_lora(lora.lora_int_id)
         del self.loras[name]
 
     def _check_new_name(self, name: str) -> None:

@@ -1,0 +1,84 @@
+"""The messages between the API server's process and the engine core process: msgpack, no pickle.
+
+A message is plain data (None, bool, int, float, str, bytes, lists, dicts) plus the dataclasses and
+enums listed here, each sent as an extension (name, field values). Decoding can only ever build these
+types, so a message cannot run code; a type not listed fails to encode, loudly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import msgpack
+
+from pagedllm import config, outputs
+from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.errors import ValidationError
+from pagedllm.lora_request import LoRARequest
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+_DATACLASS = 1
+_ENUM = 2
+
+_DATACLASSES: dict[str, type] = {cls.__name__: cls for cls in (
+    SamplingParams, StructuredOutputsParams, BeamSearchParams, LoRARequest, EngineStats, config.EngineArgs,
+    config.EngineConfig, config.ModelConfig, config.CacheConfig, config.SchedulerConfig, config.ParallelConfig,
+    config.DeviceConfig, config.LoRAConfig, outputs.EngineCoreOutput, outputs.TokenLogprobs, outputs.RequestOutput,
+    outputs.CompletionOutput, outputs.RequestMetrics, outputs.Logprob)}
+_ENUMS: dict[str, type[enum.Enum]] = {cls.__name__: cls for cls in (RequestOutputKind,)}
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    name = type(obj).__name__
+    if isinstance(obj, enum.Enum) and _ENUMS.get(name) is type(obj):
+        return msgpack.ExtType(_ENUM, encode([name, obj.value]))
+    if dataclasses.is_dataclass(obj) and _DATACLASSES.get(name) is type(obj):
+        return msgpack.ExtType(_DATACLASS, encode([name, {f.name: getattr(obj, f.name)
+                                                          for f in dataclasses.fields(obj)}]))
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"{name} cannot cross to the engine core process (not a plain value or a listed type)")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    name, value = decode(data)
+    if code == _ENUM:
+        return _ENUMS[name](value)
+    assert code == _DATACLASS, code
+    cls = _DATACLASSES[name]
+    init = {f.name for f in dataclasses.fields(cls) if f.init}
+    obj = cls(**{k: v for k, v in value.items() if k in init})
+    for k, v in value.items():  # fields set after __init__ (none are today): as they were sent
+        if k not in init:
+            object.__setattr__(obj, k, v)
+    return obj
+
+
+def encode(message: Any) -> bytes:
+    """One message as bytes (TypeError naming the first type that is not allowed)."""
+    return msgpack.packb(message, default=_default, strict_types=True, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """The message ``encode`` made (tuples come back as lists; int dict keys stay ints)."""
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+
+
+def encode_error(error: BaseException) -> dict[str, Any]:
+    """An exception as plain data: its type's name, message, and a ValidationError's param and value."""
+    if isinstance(error, ValidationError):
+        value = error.value
+        try:
+            encode(value)
+        except (TypeError, ValueError, OverflowError):
+            value = repr(value)
+        return {"type": "ValidationError", "message": error.message, "param": error.param, "value": value}
+    return {"type": type(error).__name__, "message": str(error) or type(error).__name__}
+
+
+def decode_error(error: dict[str, Any]) -> Exception:
+    """A ValidationError as it was raised; anything else as a RuntimeError naming the original type."""
+    if error["type"] == "ValidationError":
+        return ValidationError(error["message"], error["param"], error["value"])
+    return RuntimeError(f"{error['type']} in the engine core: {error['message']}")
