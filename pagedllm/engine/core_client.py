@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 RECEIVE_POLL_MS = 200
 """How often the receiving thread checks that the core process is alive while it says nothing."""
 CORE_EXIT_TIMEOUT_S = 15.0
-"""A core told to shut down gets this long (its workers stop too) before SIGTERM, then SIGKILL."""
+"""A core told to shut down gets this long (its workers stop too) before SIGKILL."""
 
 
 class AsyncLLM:
@@ -51,25 +51,31 @@ class AsyncLLM:
         self.on_step = on_step
         self.on_dead = on_dead
         self.dead_error: BaseException | None = None
+        self._core_error: BaseException | None = None
+        self._closing = False
+        """Set once shutdown began: nothing more is sent but "shutdown", the core's exit is no death."""
+        self._closed = False
+        self._ready = False
+        self._receiver: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.proc: subprocess.Popen | None = None
         self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._from_core = self._ctx.socket(zmq.PULL)
-        for sock, name in ((self._to_core, "commands"), (self._from_core, "results")):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(f"ipc://{self._dir}/{name}")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_proc", f"ipc://{self._dir}/commands",
-                                      f"ipc://{self._dir}/results"])
-        self._closed = False
-        self._receiver: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         try:
+            for sock, name in ((self._to_core, "commands"), (self._from_core, "results")):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(f"ipc://{self._dir}/{name}")
+            self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_proc",
+                                          f"ipc://{self._dir}/commands", f"ipc://{self._dir}/results"])
             self._send(["start", args, step_log])
             self.tokenizer = load_tokenizer(resolve_model_path(args.model))  # while the core loads the model
-            info = self._wait_ready()
+            info = self._recv_now("ready")
         except BaseException:
             self.close()
             raise
+        self._ready = True
         self.config = info["config"]
         self.num_kv_blocks: int = info["num_kv_blocks"]
         self.processor = Processor(self.tokenizer, self.config.model.max_model_len, info["vocab_size"],
@@ -84,7 +90,6 @@ class AsyncLLM:
         self._seq_counter = itertools.count()
         self._waiting = 0
         self._queued = 0
-        self._core_error: BaseException | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, on_step: StepCallback | None = None,
@@ -92,16 +97,25 @@ class AsyncLLM:
                          step_log: str | None = None) -> "AsyncLLM":
         return cls(args, on_step, on_dead, step_log)
 
-    def _wait_ready(self) -> dict[str, Any]:
-        while not self._from_core.poll(RECEIVE_POLL_MS):
-            code = self.proc.poll()
-            if code is not None:
-                raise EngineDeadError(f"the engine core process exited with status {code} while loading")
-        kind, payload = decode(self._from_core.recv())
-        if kind == "startup_error":
-            raise decode_error(payload)
-        assert kind == "ready", kind
-        return payload
+    def _recv_now(self, kind: str, call_id: int | None = None) -> Any:
+        """Before start(): wait for the core's ``kind`` message (a reply: to ``call_id``); raise what the core
+        reports instead, or EngineDeadError if it exits."""
+        while True:
+            while not self._from_core.poll(RECEIVE_POLL_MS):
+                if self.proc.poll() is not None:
+                    raise EngineDeadError(f"the engine core process exited with status {self.proc.returncode}"
+                                          + ("" if self._ready else " while loading")) from self._core_error
+            got, *payload = decode(self._from_core.recv())
+            if got in ("startup_error", "dead"):
+                self._core_error = decode_error(payload[0])
+                if got == "startup_error":
+                    raise self._core_error
+            elif got == kind == "ready":
+                return payload[0]
+            elif got == kind == "reply" and payload[0] == call_id:
+                if payload[1] is not None:
+                    raise decode_error(payload[1])
+                return payload[2]
 
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -113,7 +127,8 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._receiver is not None and self.dead_error is None and self.proc.poll() is None
+        return (self._receiver is not None and self._receiver.is_alive() and self.dead_error is None
+                and not self._closing and self.proc.poll() is None)
 
     @property
     def num_waiting(self) -> int:
@@ -134,23 +149,27 @@ class AsyncLLM:
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
         text, prompt_ids = self.processor.tokenize_prompt(prompt)
         arrival_time = arrival_time or time.monotonic()
+        seq_ids: list[str] = []
         if isinstance(params, BeamSearchParams):
             message = ["beam", request_id, text, prompt_ids, params, arrival_time, lora_request]
-            self._beams.add(request_id)
         else:
             if not isinstance(params, SamplingParams):
                 raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
-            seq_ids = [f"{next(self._seq_counter)}:{request_id}" for _ in range(params.n)]
+            # "a" for the API process: the core's own ids (a beam's) never look the same
+            seq_ids = [f"a{next(self._seq_counter)}:{request_id}" for _ in range(params.n)]
             cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             message = ["add", request_id, seq_ids, prompt_ids, params, arrival_time, cache_salt, lora_request]
+        data = _encode_request(message, params)
+        if seq_ids:
             self.output_processor.add_request(request_id, text, prompt_ids, params, seq_ids, arrival_time)
+        else:
+            self._beams.add(request_id)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream.queue
-        accepted = self._new_future()
-        self._accepting[request_id] = accepted
-        self._queued += 1
+        accepted = self._accepting[request_id] = self._new_future()
         try:
-            self._send(message)
+            self._send(data)
+            self._queued += 1  # until its "accepted" arrives (counted there, in message order)
             await accepted
         except BaseException as e:
             self._streams.pop(request_id, None)
@@ -158,11 +177,8 @@ class AsyncLLM:
             self.output_processor.discard(request_id)
             self._beams.discard(request_id)
             if not isinstance(e, ValidationError):  # e.g. the client went away: the core may have it queued
-                self._send_quietly(["abort", request_id, []])
+                self._send_quietly(["abort", request_id, seq_ids])
             raise
-        finally:
-            self._queued -= 1
-        self._waiting += 1  # until the core's next statistics say how many still wait
         return stream
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -195,12 +211,7 @@ class AsyncLLM:
         assert self._receiver is None, "after start(): await add_lora"
         call_id = next(self._call_ids)
         self._send(["call", call_id, "add_lora", [lora]])
-        while True:
-            kind, *payload = decode(self._from_core.recv())
-            if kind == "reply" and payload[0] == call_id:
-                if payload[1] is not None:
-                    raise decode_error(payload[1])
-                return payload[2]
+        return self._recv_now("reply", call_id)
 
     async def kv_state(self) -> dict[str, Any]:
         """The KV pool now (each block's holder, the accounting) and its recent history, from the core."""
@@ -208,27 +219,28 @@ class AsyncLLM:
 
     async def shutdown(self, timeout: float = CORE_EXIT_TIMEOUT_S) -> None:
         """Fail what is still running, stop the core (and its workers), close the sockets."""
+        self._closing = True  # from here the event loop sends nothing: close() sends "shutdown" from its thread
         self._fail_all(EngineDeadError("the engine was shut down"))
         await asyncio.to_thread(self.close, timeout)
 
     def close(self, timeout: float = CORE_EXIT_TIMEOUT_S) -> None:
-        """Stop the core process (asked, then SIGTERM, then SIGKILL) and free the sockets; idempotent, any
-        thread once the event loop no longer sends."""
+        """Stop the core process (asked to, SIGKILL after ``timeout`` s; at once while it loads) and free the
+        sockets; idempotent, from any thread once the event loop no longer sends."""
         if self._closed:
             return
-        self._closed = True  # first: the receiving thread must not take this exit for a death
-        if self.proc.poll() is None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(["shutdown"])
-            for stop in (None, self.proc.terminate, self.proc.kill):
-                if stop is not None:
-                    stop()
-                try:
-                    self.proc.wait(timeout if stop is None else 5.0)
-                    break
-                except subprocess.TimeoutExpired:
-                    logger.warning("the engine core process did not exit in time: %s",
-                                   "terminating it" if stop is None else "killing it")
+        self._closing = self._closed = True  # first: the receiving thread must not take this exit for a death
+        if self.proc is not None and self.proc.poll() is None:
+            if not self._ready:  # loading: nothing to drain (the core reads no message until it is loaded)
+                self.proc.kill()
+            else:
+                with contextlib.suppress(zmq.ZMQError, EngineDeadError):
+                    self._send(["shutdown"], timeout)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("the engine core process did not exit within %.0f s: killing it", timeout)
+                self.proc.kill()
+                self.proc.wait()
         if self._receiver is not None:
             self._receiver.join(timeout=2.0)
         self._to_core.close()
@@ -252,36 +264,56 @@ class AsyncLLM:
         self._send(["call", call_id, method, list(args)])
         return await done
 
-    def _send(self, message: list[Any]) -> None:
-        self._to_core.send(encode(message))
+    def _send(self, message: list[Any] | bytes, timeout: float | None = None) -> None:
+        """Send without ever blocking on a core that is gone: a bound PUSH socket with no peer (not connected
+        yet, or exited) would wait forever; EngineDeadError if the core exits first, or after ``timeout`` s."""
+        data = message if isinstance(message, bytes) else encode(message)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                self._to_core.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if self.proc is None or self.proc.poll() is not None or self._core_error is not None:
+                    raise EngineDeadError("the engine core process is gone") from self._core_error
+                if deadline is not None and time.monotonic() > deadline:
+                    raise EngineDeadError("the engine core process does not read its commands") from None
+                self._to_core.poll(RECEIVE_POLL_MS, zmq.POLLOUT)
 
     def _send_quietly(self, message: list[Any]) -> None:
-        """Send unless the sockets are closed (a stream finishing after shutdown aborts into nothing)."""
-        if not self._closed and self.proc.poll() is None:
-            self._send(message)
+        """Send unless shutting down or dead (a stream finishing then aborts into nothing)."""
+        if not self._closing and self.dead_error is None:
+            with contextlib.suppress(EngineDeadError):
+                self._send(message)
 
     def _receive(self) -> None:
         """The receiving thread: each message to the event loop; the core's exit noticed within RECEIVE_POLL_MS."""
-        while not self._closed:
-            try:
+        try:
+            while not self._closed:
                 if self._from_core.poll(RECEIVE_POLL_MS):
                     self._dispatch(decode(self._from_core.recv()))
                     continue
-            except zmq.ZMQError:  # closed under us by close()
-                return
-            code = self.proc.poll()
-            if code is not None:
-                while self._from_core.poll(0):  # its last words (a "dead" message) first
-                    self._dispatch(decode(self._from_core.recv()))
-                if not self._closed:
-                    reason = f": {self._core_error}" if self._core_error else ""
-                    error = EngineDeadError(f"the engine core process exited with status {code}{reason}")
-                    self.dead_error = self.dead_error or error  # /health says 503 from now on
-                    self._call_soon(self._on_core_exit, error)
-                return
+                code = self.proc.poll()
+                if code is not None:
+                    while self._from_core.poll(50):  # its last words (a "dead" message) first
+                        self._dispatch(decode(self._from_core.recv()))
+                    if not self._closing:
+                        reason = f": {self._core_error}" if self._core_error else ""
+                        self._die(EngineDeadError(f"the engine core process exited with status {code}{reason}"))
+                    return
+        except BaseException as e:  # this thread is how the server hears the core: without it, it is dead
+            if not self._closing:
+                logger.exception("the engine core's messages cannot be read")
+                self._die(EngineDeadError(f"the engine core's messages cannot be read: {e!r}"))
+
+    def _die(self, error: EngineDeadError) -> None:
+        """Any thread: /health says 503 from now on; the event loop fails every request and calls on_dead."""
+        if self.dead_error is None:
+            self.dead_error = error
+            self._call_soon(self._on_core_exit, error)
 
     def _dispatch(self, message: list[Any]) -> None:
-        if message[0] == "dead":
+        if message[0] == "dead":  # the core failed: nothing is sent to it any more
             self._core_error = decode_error(message[1])
             return
         self._call_soon(self._on_message, message)
@@ -292,10 +324,22 @@ class AsyncLLM:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def _on_message(self, message: list[Any]) -> None:
+        if self.dead_error is not None:
+            return
+        try:
+            self._handle(message)
+        except Exception as e:  # outputs lost here would leave streams waiting: fail everything, loudly
+            logger.exception("an engine core message could not be handled")
+            self._die(EngineDeadError(f"an engine core message could not be handled: {e!r}"))
+
+    def _handle(self, message: list[Any]) -> None:
         kind, *payload = message
         if kind == "outputs":
             self._on_outputs(*payload)
         elif kind == "accepted" or kind == "reply":
+            if kind == "accepted":  # counted here, in the core's order: the next statistics already include it
+                self._queued -= 1
+                self._waiting += payload[1] is None
             future = (self._accepting.pop(payload[0], None) if kind == "accepted"
                       else self._calls.pop(payload[0], None))
             if future is None or future.done():  # its caller went away
@@ -324,6 +368,7 @@ class AsyncLLM:
 
     def _on_core_exit(self, error: EngineDeadError) -> None:
         logger.error("%s", error)
+        self._queued = 0
         self._fail_all(error)
         if self.on_dead is not None:
             self.on_dead(error)
@@ -345,3 +390,16 @@ class AsyncLLM:
 
 ServingEngine = AsyncLLMEngine | AsyncLLM
 """What the API server serves from: the engine loop in a thread here, or the core in its own process."""
+
+
+def _encode_request(message: list[Any], params: SamplingParams | BeamSearchParams) -> bytes:
+    """A request's message; a parameter msgpack cannot hold (an integer beyond 64 bits) is a ValidationError."""
+    try:
+        return encode(message)
+    except OverflowError:
+        for name, value in vars(params).items():
+            try:
+                encode(value)
+            except OverflowError:
+                raise ValidationError.bad_value(name, value, "within the 64-bit integer range") from None
+        raise ValidationError("an integer in the request is beyond the 64-bit range", param="prompt") from None

@@ -99,7 +99,11 @@ class EngineCore:
     def _apply_commands(self) -> None:
         aborted = False
         while not self.stop and self.commands.poll(0):
-            kind, *args = decode(self.commands.recv())
+            try:
+                kind, *args = decode(self.commands.recv())
+            except Exception:  # one malformed message must not stop everyone's requests
+                logger.exception("an engine core command could not be read (skipped)")
+                continue
             if kind == "add" or kind == "beam":
                 self._add(kind, args)
             elif kind == "abort":
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     from pagedllm.executor.multiproc import _die_with_parent
     _die_with_parent()  # killed with the API process, whatever kills it
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, systemd's stop: they reach the whole group, and the
+        signal.signal(sig, signal.SIG_IGN)       # API process drains its requests first, then says "shutdown"
     log = logging.getLogger("pagedllm")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s (engine core): %(message)s"))
@@ -183,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         try:
             core = EngineCore(engine, commands, results, step_log)
-            signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stop", True))
             results.send(encode(["ready", {"config": engine.config, "vocab_size": engine.processor.vocab_size,
                                            "eos_token_ids": list(engine.processor.eos_token_ids),
                                            "num_kv_blocks": engine.num_kv_blocks, "stats": engine.get_stats()}]))

@@ -38,6 +38,8 @@ def _default(obj: Any) -> msgpack.ExtType:
                                                           for f in dataclasses.fields(obj)}]))
     if isinstance(obj, tuple):
         return list(obj)
+    if type(obj) is int:  # msgpack asks here for what does not fit in 64 bits
+        raise OverflowError(f"the integer {obj} does not fit in 64 bits")
     raise TypeError(f"{name} cannot cross to the engine core process (not a plain value or a listed type)")
 
 
