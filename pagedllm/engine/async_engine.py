@@ -66,7 +66,33 @@ class _Call:
     done: asyncio.Future
 
 
-class AsyncLLMEngine:
+class AsyncFront:
+    """What the server's two engines share (AsyncLLMEngine here, AsyncLLM with the core in its own process)."""
+
+    _waiting = 0
+    """Requests the scheduler holds that have not run a step yet (as of the last statistics)."""
+    _queued = 0
+    """Requests sent to the engine loop and not yet taken."""
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted or on their way that have not run a step yet (what load shedding counts)."""
+        return self._waiting + self._queued
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
+                          arrival_time: float | None = None, lora_request: LoRARequest | None = None
+                          ) -> "RequestStream":
+        raise NotImplementedError
+
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """``add_request`` and iterate its outputs in one call."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        async for out in stream:
+            yield out
+
+
+class AsyncLLMEngine(AsyncFront):
     """Serves many concurrent callers from one engine; ``generate`` yields RequestOutputs."""
 
     def __init__(self, engine: LLMEngine, on_step: StepCallback | None = None,
@@ -125,11 +151,6 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests accepted or on their way that have not run a step yet (what load shedding counts)."""
-        return self._waiting + self._queued
-
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                           arrival_time: float | None = None, lora_request: LoRARequest | None = None
                           ) -> "RequestStream":
@@ -156,13 +177,6 @@ class AsyncLLMEngine:
         done = self._loop.create_future()
         self._send(_Call(fn, done))
         return await done
-
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """``add_request`` and iterate its outputs in one call."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
-        async for out in stream:
-            yield out
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed before the next step)."""
@@ -362,3 +376,4 @@ def _unless_cancelled(fn: Callable[..., Any], *args: Any) -> None:
     if isinstance(target, asyncio.Future) and target.done():
         return
     fn(*args)
+

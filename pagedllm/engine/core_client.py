@@ -17,13 +17,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream, StepCallback
+from pagedllm.engine.async_engine import AsyncFront, AsyncLLMEngine, EngineDeadError, RequestStream, StepCallback
 from pagedllm.engine.llm_engine import EngineStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
@@ -42,7 +42,7 @@ CORE_EXIT_TIMEOUT_S = 15.0
 """A core told to shut down gets this long (its workers stop too) before SIGKILL."""
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncFront):
     """AsyncLLMEngine's interface, with the engine core in a child process; see the module docstring."""
 
     def __init__(self, args: EngineArgs, on_step: StepCallback | None = None,
@@ -130,11 +130,6 @@ class AsyncLLM:
         return (self._receiver is not None and self._receiver.is_alive() and self.dead_error is None
                 and not self._closing and self.proc.poll() is None)
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests accepted or on their way that have not run a step yet (what load shedding counts)."""
-        return self._waiting + self._queued
-
     def get_stats(self) -> EngineStats:
         """The core's counters after its last step."""
         return self._stats
@@ -180,13 +175,6 @@ class AsyncLLM:
                 self._send_quietly(["abort", request_id, seq_ids])
             raise
         return stream
-
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """``add_request`` and iterate its outputs in one call."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
-        async for out in stream:
-            yield out
 
     def abort(self, request_id: str) -> None:
         """Abort a request: forgotten here at once, its blocks freed by the core before its next step."""

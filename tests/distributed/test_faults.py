@@ -5,6 +5,7 @@ every load here is a handful of bounded requests with timeouts.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -49,6 +50,49 @@ def _stream_until_error(url: str, i: int, errors: list[float], started: threadin
     errors.append(time.monotonic())
 
 
+@dataclasses.dataclass
+class Killed:
+    """What a server did after one of its processes was killed under load."""
+
+    code: int
+    output: str
+    health: list[int]
+    """/health's answers, every 0.1 s until the server exited."""
+    errors: list[float]
+    """When each of the 4 streams ended (in an error, or cut)."""
+    killed_at: float
+    refused: list[httpx.Response]
+    """The answer to a new request sent once /health said 503 (if it did while the server was up)."""
+
+
+def kill_under_load(srv: RemoteServer, victim: psutil.Process) -> Killed:
+    """SIGKILL ``victim`` while 4 long streams run; watch /health (and try a new request) until the server exits."""
+    errors: list[float] = []
+    started = threading.Event()
+    clients = [threading.Thread(target=_stream_until_error, args=(srv.url, i, errors, started), daemon=True)
+               for i in range(4)]
+    for t in clients:
+        t.start()
+    assert started.wait(30)
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    health: list[int] = []
+    refused: list[httpx.Response] = []
+    while srv.proc.poll() is None and time.monotonic() - killed_at < 15:
+        try:
+            health.append(httpx.get(f"{srv.url}/health", timeout=1).status_code)
+            if health[-1] == 503 and not refused:  # a new request while the server winds down
+                refused.append(httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                          timeout=5))
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    code = srv.proc.wait(timeout=15)
+    for t in clients:
+        t.join(timeout=10)
+    return Killed(code, srv.proc.stdout.read(), health, errors, killed_at, refused)
+
+
 def _assert_gone(procs: list[psutil.Process]) -> None:
     deadline = time.monotonic() + 10
     left = procs
@@ -66,29 +110,11 @@ def test_killed_worker_fails_the_server(tiny_llm_dir: Path, backend: str) -> Non
         workers = _workers(srv.proc.pid, backend)
         assert len(workers) == 2, workers
         everything = psutil.Process(srv.proc.pid).children(recursive=True)
-        errors: list[float] = []
-        started = threading.Event()
-        clients = [threading.Thread(target=_stream_until_error, args=(srv.url, i, errors, started), daemon=True)
-                   for i in range(4)]
-        for t in clients:
-            t.start()
-        assert started.wait(30)
-        killed_at = time.monotonic()
         victim = workers[-1].pid
-        workers[-1].send_signal(signal.SIGKILL)
-        health = []
-        while srv.proc.poll() is None and time.monotonic() - killed_at < 15:
-            try:
-                health.append(httpx.get(f"{srv.url}/health", timeout=1).status_code)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        code = srv.proc.wait(timeout=15)
-        for t in clients:
-            t.join(timeout=10)
-        output = srv.proc.stdout.read()
-        assert code != 0, output
-        assert 503 in health, (health, output)
+        dead = kill_under_load(srv, workers[-1])
+        output, errors, killed_at = dead.output, dead.errors, dead.killed_at
+        assert dead.code != 0, output
+        assert 503 in dead.health, (dead.health, output)
         assert len(errors) == 4 and max(errors) - killed_at < 10, (errors, killed_at)
         rank = re.search(rf"rank (\d)/2 \(pid {victim}\)", output).group(1)  # each rank logs its pid
         assert re.search(rf"worker rank {rank} .*(died|killed)", output), output[-3000:]

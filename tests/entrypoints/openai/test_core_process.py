@@ -7,15 +7,13 @@ the thread mode kept behind PAGEDLLM_ENABLE_MULTIPROCESSING=0.
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 
-from tests.distributed.test_faults import _assert_gone, _stream_until_error
+from tests.distributed.test_faults import _assert_gone, kill_under_load
 from tests.entrypoints.openai.conftest import RemoteServer
 
 
@@ -32,34 +30,12 @@ def test_killed_core_fails_the_server(tiny_llm_dir: Path) -> None:
         core = _core(srv)
         assert len(core) == 1, psutil.Process(srv.proc.pid).children()
         everything = psutil.Process(srv.proc.pid).children(recursive=True)
-        errors: list[float] = []
-        started = threading.Event()
-        clients = [threading.Thread(target=_stream_until_error, args=(srv.url, i, errors, started), daemon=True)
-                   for i in range(4)]
-        for t in clients:
-            t.start()
-        assert started.wait(30)
-        killed_at = time.monotonic()
-        core[0].send_signal(signal.SIGKILL)
-        health: list[int] = []
-        refused: list[httpx.Response] = []
-        while srv.proc.poll() is None and time.monotonic() - killed_at < 15:
-            try:
-                health.append(httpx.get(f"{srv.url}/health", timeout=1).status_code)
-                if health[-1] == 503 and not refused:  # a new request while the server winds down
-                    refused.append(httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                              timeout=5))
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        code = srv.proc.wait(timeout=15)
-        for t in clients:
-            t.join(timeout=10)
-        output = srv.proc.stdout.read()
-        assert code != 0, output
+        dead = kill_under_load(srv, core[0])
+        output, health = dead.output, dead.health
+        assert dead.code != 0, output
         assert 503 in health and 200 not in health[health.index(503):], (health, output)
-        assert refused[0].status_code == 503 and refused[0].json()["error"]["type"] == "server_error"
-        assert len(errors) == 4 and max(errors) - killed_at < 10, (errors, killed_at)
+        assert dead.refused[0].status_code == 503 and dead.refused[0].json()["error"]["type"] == "server_error"
+        assert len(dead.errors) == 4 and max(dead.errors) - dead.killed_at < 10, (dead.errors, dead.killed_at)
         assert "the engine core process exited with status -9" in output, output[-3000:]
         _assert_gone(everything)
     finally:
