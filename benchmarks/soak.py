@@ -2,7 +2,7 @@
 oversized requests at ~80% of its measured capacity, then check that it held up: every request answered
 or cleanly refused (a 4xx in OpenAI's error shape, or 503 + Retry-After when shedding), no 5xx and no
 broken connection, 0 KV blocks held and the pool's invariants intact once drained, and the server's RSS
-grown by under 5% after the warm-up.
+(its engine core process and workers included) grown by under 5% after the warm-up.
 
     .venv/bin/python benchmarks/soak.py --duration 1800 --output-json soak.json      # the record (30 min)
     .venv/bin/python benchmarks/soak.py --model TINY_MODEL_DIR --duration 80 --calibrate 5   # as the suite runs it
@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,14 +34,12 @@ KINDS = {"normal": 0.35, "chat": 0.10, "stream": 0.25, "cancel": 0.10, "malforme
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident memory of a process (VmRSS), 0 if it is gone."""
+    """Resident memory of a process and every process under it (the engine core, its workers); 0 if gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        server = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [server, *server.children(recursive=True)])
+    except psutil.Error:
+        return 0
 
 
 class Soak:
