@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     models = sub.add_parser("models", help="list the supported model architectures and what each supports")
     models.set_defaults(func=_models)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           epilog="The engine core (scheduler, KV cache, model) runs in a process of its own; "
+                                  "PAGEDLLM_ENABLE_MULTIPROCESSING=0 runs it as a thread of the server instead.")
     from pagedllm.entrypoints.openai.api_server import add_serve_args
 
     add_serve_args(serve)
