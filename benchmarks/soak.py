@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -235,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="client timeout per request, seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
-    parser.add_argument("--server-log", default="soak-server.log", help="the server's output (default: %(default)s)")
+    parser.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "pagedllm-soak-server.log"),
+                        help="the server's output (default: %(default)s)")
     args = parser.parse_args(argv)
     args.warmup = args.duration * 0.1 if args.warmup is None else args.warmup
     from pagedllm.models.loader import default_model_path
