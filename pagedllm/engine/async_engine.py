@@ -33,6 +33,26 @@ KV_SAMPLE_INTERVAL_S = 1.0
 KV_HISTORY_SAMPLES = 600
 """Ten minutes of the KV pool's accounting at one sample a second."""
 
+
+class KVHistory:
+    """The KV pool's accounting about once a second over the last minutes: the /kv page's chart (taken by
+    whichever thread or process steps the engine)."""
+
+    def __init__(self) -> None:
+        self.samples: collections.deque = collections.deque(maxlen=KV_HISTORY_SAMPLES)
+        self._last = 0.0
+
+    def sample(self, engine: LLMEngine) -> None:
+        """One point, unless the last is under KV_SAMPLE_INTERVAL_S old."""
+        now = time.time()
+        if now - self._last >= KV_SAMPLE_INTERVAL_S:
+            self._last = now
+            self.samples.append((now, engine.kv_map(cells=False)["accounting"]))
+
+    def points(self) -> list[dict[str, Any]]:
+        """The samples, oldest first, as {"time": unix time, **accounting}."""
+        return [{"time": t, **a} for t, a in list(self.samples)]
+
 #: Called by the engine thread after every step (and after aborts) with fresh statistics.
 StepCallback = Callable[[EngineStats, IterationStats], None]
 
@@ -116,9 +136,7 @@ class AsyncLLMEngine(AsyncFront):
         self._queued = 0
         """Requests sent to the engine thread and not yet taken (guarded by _queued_lock: two threads change it)."""
         self._queued_lock = threading.Lock()
-        self.kv_history: collections.deque = collections.deque(maxlen=KV_HISTORY_SAMPLES)
-        """(unix time, the KV pool's accounting) about once a second while the loop runs: the /kv page's chart."""
-        self._last_kv_sample = 0.0
+        self.kv_history = KVHistory()
         engine.executor.register_failure_callback(self._on_worker_failure)
 
     @classmethod
@@ -200,7 +218,7 @@ class AsyncLLMEngine(AsyncFront):
     async def kv_state(self) -> dict[str, Any]:
         """The KV pool now (each block's holder, the accounting) and its recent history."""
         state = await self.call(lambda engine: engine.kv_map())
-        return {**state, "history": [{"time": t, **a} for t, a in list(self.kv_history)]}
+        return {**state, "history": self.kv_history.points()}
 
     def close(self) -> None:
         """Stop the engine's workers (processes, Ray actors) once the loop is stopped or never started;
@@ -230,7 +248,7 @@ class AsyncLLMEngine(AsyncFront):
                     raise self._worker_failure
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
-                    self._sample_kv()
+                    self.kv_history.sample(self.engine)
                     self._wake.wait(timeout=1.0)
                     continue
                 start = time.perf_counter()
@@ -313,16 +331,9 @@ class AsyncLLMEngine(AsyncFront):
         iteration = self.engine.take_iteration_stats()
         stats = self.engine.get_stats()
         self._waiting = stats.num_waiting
-        self._sample_kv()
+        self.kv_history.sample(self.engine)
         if self.on_step is not None:
             self.on_step(stats, iteration)
-
-    def _sample_kv(self) -> None:
-        """One point of the KV accounting's history, at most every KV_SAMPLE_INTERVAL_S."""
-        now = time.time()
-        if now - self._last_kv_sample >= KV_SAMPLE_INTERVAL_S:
-            self._last_kv_sample = now
-            self.kv_history.append((now, self.engine.kv_map(cells=False)["accounting"]))
 
     def _abort_all(self) -> None:
         self.engine.abort_request(list(self.engine.output_processor.requests) + list(self.engine.beam_search.groups))

@@ -324,18 +324,14 @@ class AsyncLLM(AsyncFront):
         kind, *payload = message
         if kind == "outputs":
             self._on_outputs(*payload)
-        elif kind == "accepted" or kind == "reply":
-            if kind == "accepted":  # counted here, in the core's order: the next statistics already include it
-                self._queued -= 1
-                self._waiting += payload[1] is None
-            future = (self._accepting.pop(payload[0], None) if kind == "accepted"
-                      else self._calls.pop(payload[0], None))
-            if future is None or future.done():  # its caller went away
-                return
-            if payload[1] is not None:
-                future.set_exception(decode_error(payload[1]))
-            else:
-                future.set_result(None if kind == "accepted" else payload[2])
+        elif kind == "accepted":  # counted here, in the core's order: the next statistics already include it
+            request_id, error = payload
+            self._queued -= 1
+            self._waiting += error is None
+            _resolve(self._accepting.pop(request_id, None), error, None)
+        elif kind == "reply":
+            call_id, error, result = payload
+            _resolve(self._calls.pop(call_id, None), error, result)
 
     def _on_outputs(self, core_outputs: list, beam_outputs: list[RequestOutput], stats: EngineStats) -> None:
         outputs, stopped = self.output_processor.process(core_outputs)
@@ -378,6 +374,16 @@ class AsyncLLM(AsyncFront):
 
 ServingEngine = AsyncLLMEngine | AsyncLLM
 """What the API server serves from: the engine loop in a thread here, or the core in its own process."""
+
+
+def _resolve(future: asyncio.Future | None, error: dict[str, Any] | None, result: Any) -> None:
+    """Settle a caller's future with the core's answer, unless the caller went away."""
+    if future is None or future.done():
+        return
+    if error is not None:
+        future.set_exception(decode_error(error))
+    else:
+        future.set_result(result)
 
 
 def _encode_request(message: list[Any], params: SamplingParams | BeamSearchParams) -> bytes:

@@ -17,7 +17,6 @@ core -> API: ["ready", info] or ["startup_error", error]; then ["accepted", requ
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from pagedllm.engine.async_engine import KVHistory
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.serial import decode, encode, encode_error
 from pagedllm.errors import ValidationError
@@ -35,9 +35,6 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
 """An idle core wakes at least this often: to sample the KV pool and notice a dead parent."""
-KV_SAMPLE_INTERVAL_S = 1.0
-KV_HISTORY_SAMPLES = 600
-"""Ten minutes of the KV pool's accounting at one sample a second (the /kv page's chart)."""
 CALLS = ("add_lora", "remove_lora", "list_loras", "kv_state", "rank_memory_usage")
 """What the API process may call between steps (by name: nothing else can be run)."""
 
@@ -52,8 +49,7 @@ class EngineCore:
         self.step_log = None if step_log is None else open(step_log, "a", buffering=1)
         self.stop = False
         self.worker_failure: BaseException | None = None
-        self.kv_history: collections.deque = collections.deque(maxlen=KV_HISTORY_SAMPLES)
-        self._last_kv_sample = 0.0
+        self.kv_history = KVHistory()
         self._parent = os.getppid()
         engine.executor.register_failure_callback(self._on_worker_failure)
 
@@ -71,13 +67,12 @@ class EngineCore:
                     return 1
                 busy = self.engine.has_unfinished_requests()
                 if not busy:
-                    self._sample_kv()
+                    self.kv_history.sample(self.engine)
                     if not self.commands.poll(IDLE_POLL_MS):
                         continue
                 self._apply_commands()
                 if not self.stop and self.engine.has_unfinished_requests():
                     self._step()
-            self.engine.abort_request(list(self.engine.beam_search.groups))
             return 0
         except BaseException as e:  # the API process answers 503 and fails its requests
             logger.exception("engine core died")
@@ -94,7 +89,7 @@ class EngineCore:
             self.step_log.write(json.dumps({"features": self.engine.last_step_features,
                                             "seconds": time.perf_counter() - start}) + "\n")
         self._send(["outputs", core_outputs, beam_outputs, self.engine.get_stats()])
-        self._sample_kv()
+        self.kv_history.sample(self.engine)
 
     def _apply_commands(self) -> None:
         aborted = False
@@ -145,13 +140,7 @@ class EngineCore:
 
     def kv_state(self) -> dict[str, Any]:
         """The /kv page's data: each block now and the accounting's recent history."""
-        return {**self.engine.kv_map(), "history": [{"time": t, **a} for t, a in self.kv_history]}
-
-    def _sample_kv(self) -> None:
-        now = time.time()
-        if now - self._last_kv_sample >= KV_SAMPLE_INTERVAL_S:
-            self._last_kv_sample = now
-            self.kv_history.append((now, self.engine.kv_map(cells=False)["accounting"]))
+        return {**self.engine.kv_map(), "history": self.kv_history.points()}
 
     def _send(self, message: list[Any]) -> None:
         self.results.send(encode(message))
