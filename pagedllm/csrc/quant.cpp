@@ -14,6 +14,8 @@
 // Chunk c of a row of K weights (K a multiple of the format's block: 32, or 256 for the K-quants):
 //   value j = scale[j / 16 within the chunk] * q[j] + offset, q int8 (signed or 0..15 unsigned).
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <vector>
 #include "common.h"
 
@@ -119,9 +121,10 @@ template <> struct Format<kQ6_K> {
   }
 };
 
-// Activations quantized per chunk of 32: int8 values, their scale, and scale * sum(values).
+// Activations quantized per chunk of 32: int8 values, their scale, their sum, and scale * sum(values).
 struct QRow {
   std::vector<int8_t> q;
+  std::vector<int32_t> sum;
   std::vector<float> d, s;
 };
 
@@ -164,6 +167,7 @@ template <typename T>
 void quantize_rows(const T* x, int64_t lda, int64_t M, int64_t K, QRow& out, int threads) {
   const int64_t chunks = K / 32;
   out.q.resize(M * K);
+  out.sum.resize(M * chunks);
   out.d.resize(M * chunks);
   out.s.resize(M * chunks);
   parallel_for(M * chunks, threads, 256, [&](int64_t begin, int64_t end) {
@@ -171,6 +175,7 @@ void quantize_rows(const T* x, int64_t lda, int64_t M, int64_t K, QRow& out, int
       const int64_t r = i / chunks, c = i % chunks;
       int sum;
       const float d = quantize_chunk(x + r * lda + c * 32, out.q.data() + r * K + c * 32, sum);
+      out.sum[i] = sum;
       out.d[i] = d;
       out.s[i] = d * static_cast<float>(sum);
     }
@@ -265,8 +270,9 @@ void rows_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, 
 // one register (vpdpbusd, or vpmaddubsw + vpmaddwd): the scale multiply, the f16 conversions and the
 // int -> float conversion serve kGroup outputs at a time, not one. 4-bit values are stored as
 // nibbles (register s: low nibbles quad 2s, high nibbles quad 2s + 1), unsigned with the format's
-// zero point folded into the offset (Q4_0: value = d u - 8 d, u in 0..15); Q8_0 stays signed (no
-// offset). The layout depends on the level: a weight is packed by the kernels that run it.
+// zero point folded into the offset (Q4_0: value = d u - 8 d, u in 0..15); Q8_0 likewise where VNNI runs it
+// (kQ8Unsigned), signed with no offset below. The layout depends on the level: a weight is packed by the
+// kernels that run it.
 #ifdef PL_AVX512
 constexpr int kGroup = 16;
 using VI = __m512i;
@@ -288,6 +294,8 @@ inline VI vi_dot(VI acc, VI u, VI x) {  // u unsigned 8-bit . x signed 8-bit, 4 
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
 #endif
 }
+inline VI vi_dot16(VI acc, VI u, VI x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, x)); }  // 2 a lane
+inline VI vi_widen(VI a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }  // int16 pairs -> int32 lanes
 inline VF vf_halfs(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -296,7 +304,6 @@ inline VF vf_set1(float v) { return _mm512_set1_ps(v); }
 inline VF vf_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF vf_mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF vf_int(VI a) { return _mm512_cvtepi32_ps(a); }
-inline void vf_store(float* p, VF v) { _mm512_storeu_ps(p, v); }
 #else
 constexpr int kGroup = 8;
 using VI = __m256i;
@@ -312,27 +319,42 @@ inline VI vi_sign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
 inline VI vi_dot(VI acc, VI u, VI x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 }
+inline VI vi_dot16(VI acc, VI u, VI x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, x)); }
+inline VI vi_widen(VI a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
 inline VF vf_halfs(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VF vf_zero() { return _mm256_setzero_ps(); }
 inline VF vf_set1(float v) { return _mm256_set1_ps(v); }
 inline VF vf_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF vf_mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF vf_int(VI a) { return _mm256_cvtepi32_ps(a); }
-inline void vf_store(float* p, VF v) { _mm256_storeu_ps(p, v); }
 #endif
 constexpr int64_t kQuad = 4 * kGroup;  // bytes of one quad of a group: 4 k of each of its rows
+#if defined(PL_AVX512) && defined(__AVX512VNNI__)
+constexpr bool kVnni = true;  // vpdpbusd: u8 x s8 products summed straight into int32 lanes, no saturation
+#else
+constexpr bool kVnni = false;  // vpmaddubsw: int16 pair sums, saturating at 2^15
+#endif
+// Q8_0 with VNNI is stored unsigned, u = q + 128 with offset -128 d (as Q4_0's zero point): one vpdpbusd a quad,
+// where signed values take two more operations to move w's sign onto x. vpmaddubsw cannot take it (a pair of
+// 255 x 127 saturates int16), so below VNNI Q8_0 stays signed.
+constexpr bool kQ8Unsigned = kVnni;
 
 template <int QT> struct Packed {  // Q4_0, Q4_1: f16 scales, f16 offsets, 16 kGroup bytes of nibbles
   static constexpr bool kOffsets = true;
   static constexpr int64_t kValues = 2 * kGroup + 2 * kGroup;  // where the values start
   static constexpr int64_t kChunkBytes = kValues + 16 * kGroup;
 };
-template <> struct Packed<kQ8_0> {  // f16 scales, 32 kGroup bytes of int8
-  static constexpr bool kOffsets = false;
-  static constexpr int64_t kValues = 2 * kGroup;
+template <> struct Packed<kQ8_0> {  // f16 scales, (kQ8Unsigned: f16 offsets,) 32 kGroup bytes of int8 / uint8
+  static constexpr bool kOffsets = kQ8Unsigned;
+  static constexpr int64_t kValues = (kOffsets ? 4 : 2) * kGroup;
   static constexpr int64_t kChunkBytes = kValues + 32 * kGroup;
 };
 template <int QT> constexpr bool kPackable = QT == kQ4_0 || QT == kQ4_1 || QT == kQ8_0;
+// Formats whose offset is a fixed zero point, value = d (u - zp): with VNNI the kernel folds it into the integer
+// sum (u . x - zp sum(x), exact in int32: |sum| < 2^21) instead of a float multiply-add a chunk. Below VNNI the
+// chunk's int16 sums leave no room for it, and the stored offset (-zp d, exact in f16) is added as for Q4_1.
+template <int QT> constexpr int kZeroPoint = QT == kQ4_0 ? 8 : QT == kQ8_0 && kQ8Unsigned ? 128 : 0;
+template <int QT> constexpr bool kIntOffset = kVnni && kZeroPoint<QT> != 0;
 
 template <int QT>
 int64_t packed_bytes(int64_t N, int64_t K) {
@@ -346,11 +368,12 @@ inline int64_t packed_pos(int QT, int j, int k) {
 }
 
 template <int QT>
-void pack(const uint8_t* raw, uint8_t* out, int64_t N, int64_t K, int threads) {
+int pack(const uint8_t* raw, uint8_t* out, int64_t N, int64_t K, int threads) {
   using F = Format<QT>;
   using P = Packed<QT>;
   const int64_t chunks = K / 32, row_bytes = K / F::kBlock * F::kBytes;
   const int64_t groups = (N + kGroup - 1) / kGroup;
+  std::atomic<bool> overflow{false};
   parallel_for(groups * chunks, threads, 64, [&](int64_t begin, int64_t end) {
     alignas(32) int8_t q[kGroup][32];
     for (int64_t i = begin; i < end; ++i) {
@@ -367,6 +390,10 @@ void pack(const uint8_t* raw, uint8_t* out, int64_t N, int64_t K, int threads) {
           if (QT == kQ4_0) {  // back to unsigned 0..15: value = d (u - 8) = d u - 8 d (exact in f16)
             for (int k = 0; k < 32; ++k) q[j][k] = static_cast<int8_t>(q[j][k] + 8);
             offset = -8.f * scale;
+          } else if (QT == kQ8_0 && kQ8Unsigned) {  // -128..127 -> 0..255: value = d (u - 128) = d u - 128 d
+            for (int k = 0; k < 32; ++k) q[j][k] = static_cast<int8_t>(static_cast<uint8_t>(q[j][k]) ^ 0x80);
+            offset = -128.f * scale;
+            if (std::abs(offset) > 65504.f) overflow = true;  // past f16's range (|d| > 511)
           }
         } else {
           std::memset(q[j], 0, 32);  // rows past N: zero weights
@@ -386,6 +413,11 @@ void pack(const uint8_t* raw, uint8_t* out, int64_t N, int64_t K, int threads) {
         }
     }
   });
+  if (overflow) {
+    set_error("a Q8_0 scale beyond 511 does not fit the packed layout's f16 offset (-128 d)");
+    return -1;
+  }
+  return 0;
 }
 
 // MR rows of x x G groups of kGroup output features, every chunk of K.
@@ -399,13 +431,24 @@ void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_byt
     for (int g = 0; g < G; ++g) acc[r][g] = vf_zero();
   for (int64_t c = 0; c < chunks; ++c) {
     VI isum[MR][G];
-    for (int r = 0; r < MR; ++r)
-      for (int g = 0; g < G; ++g) isum[r][g] = vi_zero();
+    for (int r = 0; r < MR; ++r) {
+      const VI start = kIntOffset<QT> ? vi_bcast(-kZeroPoint<QT> * xq.sum[(m0 + r) * chunks + c]) : vi_zero();
+      for (int g = 0; g < G; ++g) isum[r][g] = start;
+    }
     const int32_t* xs[MR];
     for (int r = 0; r < MR; ++r) xs[r] = reinterpret_cast<const int32_t*>(xq.q.data() + (m0 + r) * K + c * 32);
     const uint8_t* v[G];
     for (int g = 0; g < G; ++g) v[g] = w + (g0 + g) * group_bytes + c * P::kChunkBytes + P::kValues;
-    if constexpr (QT == kQ8_0) {
+    if constexpr (QT == kQ8_0 && kQ8Unsigned) {
+      for (int t = 0; t < 8; ++t) {
+        VI u[G];
+        for (int g = 0; g < G; ++g) u[g] = vi_load(v[g] + kQuad * t);
+        for (int r = 0; r < MR; ++r) {
+          const VI x = vi_bcast(xs[r][t]);
+          for (int g = 0; g < G; ++g) isum[r][g] = vi_dot(isum[r][g], u[g], x);
+        }
+      }
+    } else if constexpr (QT == kQ8_0) {
       for (int t = 0; t < 8; ++t) {
         VI s[G], u[G];
         for (int g = 0; g < G; ++g) s[g] = vi_load(v[g] + kQuad * t), u[g] = vi_abs8(s[g]);  // |w|, x gets w's sign
@@ -424,27 +467,36 @@ void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_byt
         }
         for (int r = 0; r < MR; ++r) {
           const VI xl = vi_bcast(xs[r][t]), xh = vi_bcast(xs[r][t + 1]);
-          for (int g = 0; g < G; ++g) isum[r][g] = vi_dot(vi_dot(isum[r][g], lo[g], xl), hi[g], xh);
+          for (int g = 0; g < G; ++g) {
+            if constexpr (kVnni) isum[r][g] = vi_dot(vi_dot(isum[r][g], lo[g], xl), hi[g], xh);
+            else isum[r][g] = vi_dot16(vi_dot16(isum[r][g], lo[g], xl), hi[g], xh);
+          }
         }
       }
+      // without VNNI the chunk is summed in int16 pairs, widened once: |pair| <= 2 * 15 * 127 = 3810, and 8
+      // quads' sum <= 30480 < 2^15 (x is within +-127); one vpmaddwd a chunk instead of one a quad
+      if constexpr (!kVnni)
+        for (int r = 0; r < MR; ++r)
+          for (int g = 0; g < G; ++g) isum[r][g] = vi_widen(isum[r][g]);
     }
     for (int g = 0; g < G; ++g) {
       const uint8_t* head = w + (g0 + g) * group_bytes + c * P::kChunkBytes;
       const VF scale = vf_halfs(head);
-      const VF offset = P::kOffsets ? vf_halfs(head + 2 * kGroup) : vf_zero();
+      constexpr bool kFloatOffset = P::kOffsets && !kIntOffset<QT>;
+      const VF offset = kFloatOffset ? vf_halfs(head + 2 * kGroup) : vf_zero();
       for (int r = 0; r < MR; ++r) {
         const int64_t i = (m0 + r) * chunks + c;
         acc[r][g] = vf_fma(vf_int(isum[r][g]), vf_mul(scale, vf_set1(xq.d[i])), acc[r][g]);
-        if (P::kOffsets) acc[r][g] = vf_fma(offset, vf_set1(xq.s[i]), acc[r][g]);
+        if (kFloatOffset) acc[r][g] = vf_fma(offset, vf_set1(xq.s[i]), acc[r][g]);
       }
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int g = 0; g < G; ++g) {
-      alignas(64) float y[kGroup];
-      vf_store(y, acc[r][g]);
+    for (int g = 0; g < G; ++g) {  // one vector store a group (a 256-row LM head writes 12.6 M outputs a step)
       const int64_t n0 = (g0 + g) * kGroup;
-      for (int j = 0; j < kGroup && n0 + j < N; ++j) out[(m0 + r) * ldc + n0 + j] = from_f32<T>(y[j]);
+      T* dst = out + (m0 + r) * ldc + n0;
+      if (n0 + kGroup <= N) vstore(dst, acc[r][g]);
+      else vstore_n(dst, acc[r][g], static_cast<int>(N - n0));
     }
 }
 
@@ -522,8 +574,7 @@ PL_EXPORT int pl_qpack(const void* raw, void* out, int64_t N, int64_t K, int qty
       return -1;
     }
     if constexpr (kPackable<QT>) {
-      pack<QT>(static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(out), N, K, threads);
-      return 0;
+      return pack<QT>(static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(out), N, K, threads);
     } else {
       set_error("quantized type %d is not packed", qtype);
       return -1;
@@ -574,8 +625,8 @@ void packed_chunk(const uint8_t* w, int64_t n, int64_t c, int64_t K, float* y) {
   const uint8_t* v = head + P::kValues;
   for (int k = 0; k < 32; ++k) {
     const uint8_t byte = v[packed_pos(QT, j, k)];
-    const float q = QT == kQ8_0 ? static_cast<float>(static_cast<int8_t>(byte))
-                                : static_cast<float>((k / 4) % 2 ? byte >> 4 : byte & 0x0F);
+    const float q = QT != kQ8_0 ? static_cast<float>((k / 4) % 2 ? byte >> 4 : byte & 0x0F)
+                    : kQ8Unsigned ? static_cast<float>(byte) : static_cast<float>(static_cast<int8_t>(byte));
     y[k] = scale * q + offset;
   }
 }
