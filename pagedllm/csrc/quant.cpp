@@ -413,11 +413,7 @@ int pack(const uint8_t* raw, uint8_t* out, int64_t N, int64_t K, int threads) {
         }
     }
   });
-  if (overflow) {
-    set_error("a Q8_0 scale beyond 511 does not fit the packed layout's f16 offset (-128 d)");
-    return -1;
-  }
-  return 0;
+  return overflow ? 1 : 0;  // 1: a Q8_0 scale beyond 511 whose offset (-128 d) f16 cannot hold: not packed
 }
 
 // MR rows of x x G groups of kGroup output features, every chunk of K.
@@ -565,6 +561,7 @@ PL_EXPORT int64_t pl_qpack_size(int qtype, int64_t N, int64_t K) {
 }
 
 // (N, K) matrix as the file has it -> the packed copy (pl_qpack_size bytes) pl_qgemm reads with packed = 1.
+// Returns 1 where a value does not fit the packed layout (then `out` is not to be used: run the rows as they are).
 PL_EXPORT int pl_qpack(const void* raw, void* out, int64_t N, int64_t K, int qtype, int threads) {
   return with_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;

@@ -161,8 +161,11 @@ class CpuKernels:
         if w.packed or not packs.value:
             return w
         out = torch.empty(self._lib.pl_qpack_size(w.qtype, w.rows, w.cols), dtype=torch.uint8)
-        self._check(self._lib.pl_qpack(w.data.contiguous().data_ptr(), out.data_ptr(), w.rows, w.cols, w.qtype,
-                                       torch.get_num_threads()))
+        rc = self._lib.pl_qpack(w.data.contiguous().data_ptr(), out.data_ptr(), w.rows, w.cols, w.qtype,
+                                torch.get_num_threads())
+        if rc == 1:  # a value the packed layout cannot hold (a Q8_0 scale beyond 511 under VNNI): rows as they are
+            return w
+        self._check(rc)
         return dataclasses.replace(w, data=out, packed=True, level=self.level)
 
     def qgemm(self, x: torch.Tensor, w: QuantMatrix, out: torch.Tensor) -> None:

@@ -74,6 +74,21 @@ def check_product(out: torch.Tensor, x: torch.Tensor, w: QuantTensor) -> None:
     assert ((out.double() - plain).abs() <= 0.03 * scale).all()
 
 
+def test_q8_0_scales_beyond_the_packed_offset_run_unpacked(kernels) -> None:
+    """Where VNNI packs Q8_0 unsigned (offset -128 d in f16), a scale over 511 cannot be packed: the matrix stays
+    as the file has it and still multiplies right; levels that pack Q8_0 signed take it."""
+    raw = random_quant("Q8_0", 16, 256)
+    data = raw.data.clone().view(16, 8, 34)  # (rows, blocks, bytes)
+    data[3, 5, :2] = torch.tensor([1000.0], dtype=torch.float16).view(torch.uint8)
+    big = QuantTensor(raw.qtype, 16, 256, data.reshape(16, -1))
+    w = kernels.qpack(big)
+    assert w.packed == (kernels.level != "avx512_bf16")  # the level built with VNNI (platform/build.py)
+    x = torch.randn(5, 256)
+    out = torch.empty(5, 16)
+    kernels.qgemm(x, w, out)
+    check_product(out, x, big)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_quant_gemm_reads_and_writes_16_bit_storage(kernels, name: str, dtype: torch.dtype) -> None:
