@@ -262,6 +262,24 @@ class LoRAConfig:
             raise ValidationError.bad_value("max_cpu_loras", cpu, f"an integer >= max_loras ({self.max_loras})")
 
 
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 1024**2
+"""Compiled grammars kept per process by default (vLLM's VLLM_XGRAMMAR_CACHE_MB default)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (grammar-constrained decoding through xgrammar)."""
+
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    """Bytes of compiled grammars one process keeps (least recently used out; a grammar a running request
+    holds stays alive until that request ends)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.grammar_cache_bytes, bool) or not isinstance(self.grammar_cache_bytes, int) \
+                or self.grammar_cache_bytes <= 0:
+            raise ValidationError.bad_value("grammar_cache_memory", self.grammar_cache_bytes, "a positive size")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """All subsystem configs of one engine."""
@@ -278,6 +296,8 @@ class EngineConfig:
     """The device."""
     lora: LoRAConfig | None = None
     """LoRA adapters (None: enable_lora is off)."""
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    """The grammar compiler's cache."""
 
 
 @dataclass
@@ -350,6 +370,9 @@ class EngineArgs:
     TRITON_INTERPRET=1)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs: every step runs eagerly (on a CPU every step does anyway)."""
+    grammar_cache_memory: int | str = "512MiB"
+    """Bytes (or e.g. "256MiB") of compiled structured-output grammars each engine process keeps, least
+    recently used out (vLLM's VLLM_XGRAMMAR_CACHE_MB)."""
     cuda_graph_sizes: str | list[int] | None = None
     """On a GPU: decode batch sizes captured as CUDA graphs at start-up, e.g. "1,2,4,8" (a decode step pads up
     to the next size; larger ones and steps with prompt tokens run eagerly). Default: 1, 2, 4 and every

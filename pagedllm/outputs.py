@@ -37,6 +37,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     """Request -> (position of the first scored prompt token, one entry per prompt token this step
     scored): for requests with prompt_logprobs, the prompt tokens their chunk predicts."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Request -> why its own preparation or sampling failed this step (its seed, grammar): the scheduler
+    finishes it with an error; the other requests of the step are not touched."""
 
 
 @dataclass
@@ -54,6 +57,8 @@ class EngineCoreOutput:
     """Prompt tokens whose K/V came from the prefix cache."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """With a request's first token: the log-probabilities of prompt tokens 1 .. P-1 (prompt_logprobs)."""
+    error: str | None = None
+    """With finish_reason "error": what failed (this request alone; the engine goes on)."""
 
     @property
     def finished(self) -> bool:
@@ -101,6 +106,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """With SamplingParams.prompt_logprobs: per prompt position, the prompt token's and the top-N
     log-probabilities (None for the first position, which nothing predicts)."""
+    error: str | None = None
+    """Set when handling this request failed inside the engine (its samples finish with finish_reason
+    "error"); the server answers it as an error, other requests are not disturbed."""
 
 
 @dataclass

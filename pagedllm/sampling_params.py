@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 from dataclasses import dataclass, replace
 
 from pagedllm.errors import ValidationError
 
 #: Temperatures below this are greedy (as in vLLM).
 SAMPLING_EPS = 1e-5
+#: A request's seed range: a signed 64-bit integer (vLLM's bound; torch generators take it).
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+#: |length_penalty| bound: generated_length ** length_penalty stays a finite, non-zero float for any
+#: length up to 2 ** 20 tokens (2 ** (20 * 40) < 1.8e308, the float range).
+MAX_LENGTH_PENALTY = 40.0
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -19,6 +25,28 @@ class RequestOutputKind(enum.IntEnum):
     """Only what is new since the previous output (streaming); text holds back a possible stop string."""
     FINAL_ONLY = 2
     """One output, when the request finishes (offline generation)."""
+
+
+def check_refs(schema: str | dict, param: str = "structured_outputs.json") -> None:
+    """ValidationError when a ``$ref`` of a JSON schema points anywhere but into the schema itself ("#..."):
+    xgrammar fetches nothing, so such a reference would go unenforced."""
+    if isinstance(schema, str):
+        try:
+            schema = _json.loads(schema)
+        except (ValueError, RecursionError):
+            return  # not JSON: the compiler's own error names it
+    stack = [schema]
+    while stack:  # iterative: as deep as the schema nests
+        item = stack.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if "$ref" in item and not (isinstance(ref, str) and ref.startswith("#")):
+                raise ValidationError(f"{param}: $ref {str(ref)[:200]!r} points outside the schema; only references "
+                                      "into the schema itself (\"#/$defs/...\") are followed", param=param,
+                                      value=str(ref)[:200])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 @dataclass
@@ -57,11 +85,6 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
         return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n))
-
-    def cache_key(self) -> str:
-        """The same constraint gives the same key (compiled grammars are cached by it)."""
-        import json as _json
-        return self.kind + ":" + _json.dumps(getattr(self, self.kind), sort_keys=True)
 
 
 @dataclass
@@ -198,6 +221,10 @@ class SamplingParams:
                 raise bad(name, getattr(self, name), "an integer >= 0")
         if self.logit_bias and any(not -100.0 <= b <= 100.0 or t < 0 for t, b in self.logit_bias.items()):
             raise bad("logit_bias", self.logit_bias, "non-negative token ids with biases in [-100, 100]")
+        # sample i of n runs with seed + i: every one of them must fit a 64-bit generator seed
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+            raise bad("seed", self.seed, f"in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (with n={self.n}, samples "
+                      "use seed, seed + 1, ... seed + n - 1: each a signed 64-bit integer)")
 
     @property
     def greedy(self) -> bool:
@@ -235,5 +262,8 @@ class BeamSearchParams:
             raise bad("temperature", self.temperature, "0 (sampling beam search is not supported)")
         if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
             raise bad("length_penalty", self.length_penalty, "a number")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:  # NaN fails too
+            raise bad("length_penalty", self.length_penalty, f"a finite number in [-{MAX_LENGTH_PENALTY:g}, "
+                      f"{MAX_LENGTH_PENALTY:g}]")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "true or false")

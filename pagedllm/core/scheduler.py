@@ -370,7 +370,7 @@ class Scheduler:
         A finished request's blocks are free at once; the workers learn that it finished from the
         next schedule()'s ``finished_req_ids``.
         """
-        results: list[EngineCoreOutput] = []
+        results = [self._fail(req_id, why) for req_id, why in runner_output.failed.items() if req_id in self.requests]
         for req_id, (start, entries) in runner_output.prompt_logprobs.items():
             request = self.requests.get(req_id)
             if request is not None and request.prompt_logprobs is not None:  # a recompute scores them again
@@ -399,6 +399,13 @@ class Scheduler:
                 self._free_request(request)
         self._refresh_gauges()
         return results
+
+    def _fail(self, req_id: str, why: str) -> EngineCoreOutput:
+        """Finish one request whose own handling failed (finish_reason "error"); its blocks are free at once."""
+        request = self.requests[req_id]
+        self.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(req_id, [], [], "error", None, request.first_scheduled_time,
+                                max(request.num_cached_tokens, 0), error=why)
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

@@ -177,6 +177,8 @@ class AsyncLLMEngine(AsyncFront):
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self.dead_error
         assert self._loop is not None
+        if Processor.needs_preparation(params):  # its grammar compile and bad-words tokenizing: off the step loop
+            await asyncio.to_thread(self.engine.processor.prepare, params)
         stream = RequestStream(self, request_id)
         accepted = self._loop.create_future()
         with self._queued_lock:
@@ -309,7 +311,10 @@ class AsyncLLMEngine(AsyncFront):
         add = self.engine.add_beam_request if isinstance(command.params, BeamSearchParams) else self.engine.add_request
         try:
             add(command.request_id, command.prompt, command.params, command.arrival_time, command.lora_request)
-        except ValidationError as e:  # refused: the caller gets the error, the loop goes on
+        except Exception as e:  # refused (400) or failed (500): this request alone, the loop goes on
+            if not isinstance(e, ValidationError):
+                logger.warning("request %s could not be queued: %r", command.request_id, e, exc_info=True)
+                self.engine.abort_request(command.request_id)  # nothing of it left behind
             self._taken()
             self._call(command.accepted.set_exception, e)
             return

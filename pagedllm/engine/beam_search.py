@@ -17,6 +17,7 @@ current length, cannot beat the worst of them.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,8 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,15 +91,37 @@ class BeamSearchManager:
             self._release(group.running)
 
     def process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        """Take the beams' new tokens; step every group whose beams have all reported."""
-        ready = []
+        """Take the beams' new tokens; step every group whose beams have all reported. A group whose beam
+        failed, or whose step raises, ends alone with an error output (its beams released)."""
+        ready, results = [], []
         for out in outputs:
-            group = self.groups[self.seq_to_group[out.request_id]]
+            group = self.groups.get(self.seq_to_group.get(out.request_id, ""))
+            if group is None:  # its search already ended in this step
+                continue
+            if out.error is not None:
+                results.append(self._fail(group, out.error))
+                continue
             assert out.new_logprobs and out.new_logprobs[0] is not None
             group.reported[out.request_id] = out.new_logprobs[0]
             if len(group.reported) == len(group.running):
                 ready.append(group)
-        return [result for group in ready if (result := self._step(group)) is not None]
+        for group in ready:
+            if group.request_id not in self.groups:  # failed by another of its beams
+                continue
+            try:
+                result = self._step(group)
+            except Exception as e:  # this search's own numbers: it fails alone, the engine goes on
+                logger.warning("beam search %s failed: %r", group.request_id, e, exc_info=True)
+                result = self._fail(group, f"the beam search step failed: {type(e).__name__}: {e}")
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _fail(self, group: _Group, why: str) -> RequestOutput:
+        """End a search with an error: its beams released, an output with no sequences and ``error`` set."""
+        self._release(group.running)
+        self.groups.pop(group.request_id, None)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_ids, [], True, error=why)
 
     def _step(self, group: _Group) -> RequestOutput | None:
         k, params = group.params.beam_width, group.params

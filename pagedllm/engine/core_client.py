@@ -59,22 +59,27 @@ class AsyncLLM(AsyncFront):
         self._receiver: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.proc: subprocess.Popen | None = None
-        self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")
+        self._dir: str | None = tempfile.mkdtemp(prefix="pagedllm-core-")  # 0700: only this user connects
+        self._base = f"ipc://{self._dir}"
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._from_core = self._ctx.socket(zmq.PULL)
         try:
             for sock, name in ((self._to_core, "commands"), (self._from_core, "results")):
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.bind(f"ipc://{self._dir}/{name}")
+                sock.bind(f"{self._base}/{name}")
             self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_proc",
-                                          f"ipc://{self._dir}/commands", f"ipc://{self._dir}/results"])
+                                          f"{self._base}/commands", f"{self._base}/results"])
             self._send(["start", args, step_log])
             self.tokenizer = load_tokenizer(resolve_model_path(args.model))  # while the core loads the model
             info = self._recv_now("ready")
         except BaseException:
             self.close()
             raise
+        # both connections are up (the core read "start" and we read "ready"): the socket files are no longer
+        # needed, and gone now they cannot be left in the temp folder if this process is killed
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir = None
         self._ready = True
         self.config = info["config"]
         self.num_kv_blocks: int = info["num_kv_blocks"]
@@ -234,7 +239,8 @@ class AsyncLLM(AsyncFront):
         self._to_core.close()
         self._from_core.close()
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ plumbing
     def _check_running(self) -> None:

@@ -17,6 +17,7 @@ core -> API: ["ready", info] or ["startup_error", error]; then ["accepted", requ
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import zmq
 
 from pagedllm.engine.async_engine import KVHistory
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.processor import Processor
 from pagedllm.engine.serial import decode, encode, encode_error
 from pagedllm.errors import ValidationError
 
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
 """An idle core wakes at least this often: to sample the KV pool and notice a dead parent."""
+PREPARE_POLL_MS = 5
+"""While a request is being prepared and nothing runs, the core looks for its end this often."""
 CALLS = ("add_lora", "remove_lora", "list_loras", "kv_state", "rank_memory_usage")
 """What the API process may call between steps (by name: nothing else can be run)."""
 
@@ -51,6 +55,10 @@ class EngineCore:
         self.worker_failure: BaseException | None = None
         self.kv_history = KVHistory()
         self._parent = os.getppid()
+        self._preparing: dict[str, tuple[concurrent.futures.Future, str, list[Any]]] = {}
+        """Requests whose preparation runs in ``_prepare_pool`` (by request id, in arrival order)."""
+        # one thread: a heavy request's grammar compile takes one core, never the step's share of the rest
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-prepare")
         engine.executor.register_failure_callback(self._on_worker_failure)
 
     def _on_worker_failure(self, error: BaseException) -> None:  # any thread: the loop raises it
@@ -65,10 +73,12 @@ class EngineCore:
                 if os.getppid() != self._parent:
                     logger.error("the API server's process is gone: the engine core stops")
                     return 1
+                self._admit_prepared()
                 busy = self.engine.has_unfinished_requests()
                 if not busy:
                     self.kv_history.sample(self.engine)
-                    if not self.commands.poll(IDLE_POLL_MS):
+                    # a request being prepared is looked at again soon; otherwise sleep until a command comes
+                    if not self.commands.poll(PREPARE_POLL_MS if self._preparing else IDLE_POLL_MS):
                         continue
                 self._apply_commands()
                 if not self.stop and self.engine.has_unfinished_requests():
@@ -79,6 +89,7 @@ class EngineCore:
             self._send(["dead", encode_error(e)])
             return 1
         finally:
+            self._prepare_pool.shutdown(wait=False, cancel_futures=True)
             if self.step_log is not None:
                 self.step_log.close()
 
@@ -102,6 +113,7 @@ class EngineCore:
             if kind == "add" or kind == "beam":
                 self._add(kind, args)
             elif kind == "abort":
+                self._cancel_preparing(args[0])
                 self.engine.abort_seqs(args[0], args[1])
                 aborted = True
             elif kind == "stop":
@@ -117,16 +129,48 @@ class EngineCore:
             self._send(["outputs", [], [], self.engine.get_stats()])
 
     def _add(self, kind: str, args: list[Any]) -> None:
+        """Queue a request, or first prepare it in the preparation thread (its grammar, its bad words) when
+        that has work: the loop keeps stepping the others meanwhile."""
+        params = args[3] if kind == "add" else None
+        if Processor.needs_preparation(params) and args[0] not in self._preparing:
+            self._preparing[args[0]] = (self._prepare_pool.submit(self.engine.processor.prepare, params), kind, args)
+            return
+        self._queue(kind, args)
+
+    def _queue(self, kind: str, args: list[Any]) -> None:
         request_id = args[0]
         try:
             if kind == "add":
                 self.engine.add_tokenized(*args[1:])
             else:
                 self.engine.add_beam_tokenized(*args)
-        except ValidationError as e:  # refused: the caller gets a 400, the loop goes on
+        except Exception as e:  # refused (400) or failed (500): this request alone, the loop goes on
+            if not isinstance(e, ValidationError):
+                logger.warning("request %s could not be queued: %r", request_id, e, exc_info=True)
+            self.engine.abort_seqs(request_id, args[1] if kind == "add" else [])  # nothing of it left behind
             self._send(["accepted", request_id, encode_error(e)])
             return
         self._send(["accepted", request_id, None])
+
+    def _admit_prepared(self) -> None:
+        """Queue the requests whose preparation finished (or answer its error), in the order they came."""
+        for request_id, (future, kind, args) in list(self._preparing.items()):
+            if not future.done():
+                continue
+            del self._preparing[request_id]
+            error = future.exception()
+            if error is not None:
+                self._send(["accepted", request_id, encode_error(error)])
+            else:
+                self._queue(kind, args)
+
+    def _cancel_preparing(self, request_id: str) -> None:
+        """An abort of a request still being prepared: it is never queued (its caller is told, for the count)."""
+        entry = self._preparing.pop(request_id, None)
+        if entry is not None:
+            entry[0].cancel()
+            self._send(["accepted", request_id, encode_error(ValidationError("the request was aborted while it "
+                                                                             "was being prepared"))])
 
     def _call(self, call_id: int, method: str, args: list[Any]) -> None:
         try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -9,7 +10,8 @@ from typing import Any
 
 from pagedllm import platform
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
-                             ParallelConfig, SchedulerConfig, parse_cuda_graph_sizes, parse_memory)
+                             ParallelConfig, SchedulerConfig, StructuredOutputsConfig, parse_cuda_graph_sizes,
+                             parse_memory)
 from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler, SchedulerStats
 from pagedllm.lora_request import LoRARequest
@@ -27,6 +29,7 @@ from pagedllm.models.loader import (load_arch_config, load_eos_token_ids, load_t
 from pagedllm.outputs import EngineCoreOutput, RequestOutput
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.structured_output import compiler_for
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         device=DeviceConfig(device, args.attention_backend, args.enforce_eager,
                             parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs)),
         lora=lora,
+        structured_outputs=StructuredOutputsConfig(parse_memory(args.grammar_cache_memory, "grammar_cache_memory")),
     )
     return config, arch
 
@@ -119,7 +123,10 @@ class LLMEngine:
         self.last_step_features: list[float] = []
         """Scheduler.step_features of the last step (the step-time log of `pagedllm serve --step-log`)."""
         eos = load_eos_token_ids(config.model.model, arch, tokenizer)
-        self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos)
+        # the worker's own compiler when it runs in this process (one grammar cache per process)
+        grammars = functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(eos),
+                                     config.structured_outputs.grammar_cache_bytes)
+        self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars)
         self.executor = get_executor_class(config)(config, arch, eos)
         try:
             self.num_kv_blocks = self.executor.determine_num_kv_blocks()
@@ -152,8 +159,12 @@ class LLMEngine:
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         arrival_time = arrival_time or time.monotonic()
         seq_ids = self.new_seq_ids(request_id, params.n)
-        self.add_tokenized(seq_ids, prompt_ids, params, arrival_time, cache_salt, lora_request)
-        self.output_processor.add_request(request_id, text, prompt_ids, params, seq_ids, arrival_time)
+        try:
+            self.add_tokenized(seq_ids, prompt_ids, params, arrival_time, cache_salt, lora_request)
+            self.output_processor.add_request(request_id, text, prompt_ids, params, seq_ids, arrival_time)
+        except BaseException:
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)  # none of it left queued
+            raise
 
     def new_seq_ids(self, request_id: str, n: int) -> list[str]:
         """The scheduler's ids of a request's n samples (engine-made: users' ids can never collide with them)."""

@@ -5,6 +5,7 @@ requests) for metrics, whatever kind of outputs the caller asked for.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,8 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import (CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics, RequestOutput,
                               TokenLogprobs)
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,6 +89,8 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_reported: bool = False
+    error: str | None = None
+    """Why the request failed (one of its samples' handling raised): every sample then ends with "error"."""
 
     @property
     def finished(self) -> bool:
@@ -105,7 +110,7 @@ class RequestState:
             prompt_logprobs = None  # a stream carries them once
         self.prompt_logprobs_reported = self.prompt_logprobs is not None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             self.num_cached_tokens, self.metrics, prompt_logprobs)
+                             self.num_cached_tokens, self.metrics, prompt_logprobs, self.error)
 
 
 class OutputProcessor:
@@ -175,22 +180,15 @@ class OutputProcessor:
             seq = state.sequences[out.request_id]
             if seq.finished:  # the same race for one of n samples: its request is still open
                 continue
-            self._record_timing(state, seq, out, now)
-            seq.token_ids.extend(out.new_token_ids)
-            if seq.logprobs is not None:
-                self._add_logprobs(seq, out.new_token_ids, out.new_logprobs, state.params.logprobs)
-            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
-                state.prompt_logprobs = self._prompt_logprobs(state, out.prompt_logprobs)
-            stop = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
-            if stop is not None:
-                if out.finish_reason is None:
-                    stopped_by_string.append(out.request_id)
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            elif out.finish_reason is not None:
-                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-            if seq.finished:
-                self._record_finished(state, seq, now)
             changed[state.request_id] = state
+            if out.error is not None:
+                stopped_by_string += self._fail(state, out.error, now)
+                continue
+            try:
+                self._update(state, seq, out, now, stopped_by_string)
+            except Exception as e:  # this request's detokenizing or logprobs: it fails alone
+                logger.warning("request %s failed in the output processor: %r", state.request_id, e, exc_info=True)
+                stopped_by_string += self._fail(state, f"processing the output failed: {type(e).__name__}: {e}", now)
         results = []
         for request_id, state in changed.items():
             if state.finished:
@@ -200,6 +198,36 @@ class OutputProcessor:
             if result is not None:
                 results.append(result)
         return results, stopped_by_string
+
+    def _update(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput, now: float,
+                stopped_by_string: list[str]) -> None:
+        """One sample's news: tokens, logprobs, text, stop strings, finish."""
+        self._record_timing(state, seq, out, now)
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.logprobs is not None:
+            self._add_logprobs(seq, out.new_token_ids, out.new_logprobs, state.params.logprobs)
+        if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = self._prompt_logprobs(state, out.prompt_logprobs)
+        stop = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
+        if stop is not None:
+            if out.finish_reason is None:
+                stopped_by_string.append(out.request_id)
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        if seq.finished:
+            self._record_finished(state, seq, now)
+
+    def _fail(self, state: RequestState, why: str, now: float) -> list[str]:
+        """End every unfinished sample of a failed request with "error"; the ids the engine must still stop."""
+        state.error = state.error or why
+        running = []
+        for seq_id, seq in state.sequences.items():
+            if not seq.finished:
+                seq.finish_reason = "error"
+                self._record_finished(state, seq, now)
+                running.append(seq_id)
+        return running
 
     def _record_timing(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput, now: float) -> None:
         metrics = state.metrics

@@ -1,12 +1,16 @@
 """Turns user input (text, token ids, chat messages) into validated Requests."""
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.worker.structured_output import GrammarCompiler
 
 #: Most top log-probabilities one request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -35,12 +39,15 @@ def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], chat_templat
 class Processor:
     """Tokenizes and validates; everything it refuses raises ValidationError naming the parameter."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 grammars: Callable[[], GrammarCompiler] | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self._grammars = None  # the structured-output compiler, made on the first constrained request
         self.eos_token_ids = eos_token_ids
+        self._grammars = grammars
+        """The structured-output compiler (shared with an in-process worker: one cache), made on the first
+        constrained request; None: one of this processor's own."""
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a string, {"prompt": ...} or {"prompt_token_ids": [...]}."""
@@ -91,20 +98,37 @@ class Processor:
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         if params.structured_outputs is not None:  # a bad schema / regex is refused here, before queueing
+            self.grammars().compile(params.structured_outputs)
+
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler (xgrammar is imported on the first constrained request)."""
+        if self._grammars is None:
             from pagedllm.worker.structured_output import GrammarCompiler
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            self._grammars.compile(params.structured_outputs)
+            compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = lambda: compiler
+        return self._grammars()
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as it would start the text and as it would follow a space (vLLM's way)."""
-        found: list[list[int]] = []
-        for word in words:
-            for text in (word.strip(), " " + word.strip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in found:
-                    found.append(ids)
-        return found
+        texts = [t for word in words for t in (word.strip(), " " + word.strip())]
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one batched call
+        found: dict[tuple[int, ...], None] = {}  # insertion-ordered set: linear in the number of words
+        for ids in encoded:
+            if ids:
+                found.setdefault(tuple(ids), None)
+        return [list(ids) for ids in found]
+
+    @staticmethod
+    def needs_preparation(params: SamplingParams | Any) -> bool:
+        """Whether ``prepare`` has work for these parameters (a grammar to compile, bad words to tokenize)."""
+        return isinstance(params, SamplingParams) and (
+            params.structured_outputs is not None or (bool(params.bad_words) and params.bad_words_token_ids is None))
+
+    def prepare(self, params: SamplingParams) -> None:
+        """The slow part of a request's checks, meant to run off the step loop (a worker thread): compiles its
+        grammar into the shared cache (ValidationError if it does not compile) and tokenizes its bad words.
+        The checks done when the request is queued then find both ready."""
+        self.check_params(params)
 
     def make_requests(self, seq_ids: list[str], prompt_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, cache_salt: str | None = None,

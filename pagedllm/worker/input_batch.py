@@ -1,6 +1,7 @@
 """Per-request state kept by a worker across steps, and the flat batch (``StepInputs``) built from it each step."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dataclasses import dataclass, field
@@ -71,9 +72,11 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
 
 
 def build_sampling_metadata(states: list[CachedRequestState], default_generator: torch.Generator,
-                            eos_token_ids: tuple[int, ...], device: torch.device | None = None) -> SamplingMetadata:
+                            eos_token_ids: tuple[int, ...], device: torch.device | None = None,
+                            on_fail: Callable[[str, str, Exception], None] | None = None) -> SamplingMetadata:
     """Sampling settings of the rows that sample (``states`` in row order), as tensors on ``device``
-    (the logits')."""
+    (the logits'). A row whose own processors fail is reported to ``on_fail(req_id, stage, error)`` (raised
+    without one)."""
     params = [s.sampling_params for s in states]
     device = device or torch.device("cpu")
     greedy = [p.greedy for p in params]
@@ -105,23 +108,34 @@ def build_sampling_metadata(states: list[CachedRequestState], default_generator:
     if md.presence_penalty is not None or md.frequency_penalty is not None or md.repetition_penalty is not None:
         md.output_token_ids = [s.output_token_ids for s in states]
     for row, s in enumerate(states):
-        p = s.sampling_params
-        blocked = []
-        if len(s.output_token_ids) < p.min_tokens:
-            blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-        if p.bad_words_token_ids:
-            blocked += _bad_word_tails(p.bad_words_token_ids, s.output_token_ids)
-        if blocked:
-            md.blocked_token_ids[row] = blocked
-        if p.logit_bias:
-            md.logit_bias[row] = (torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device),
-                                  torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device))
-        if p.allowed_token_ids:
-            md.allowed_token_ids[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
+        try:
+            _row_logits_processors(md, row, s, eos_token_ids, device)
+        except Exception as e:  # this request's own lists: it fails alone, its row samples unprocessed
+            if on_fail is None:
+                raise
+            on_fail(s.req_id, "applying the request's logits processors", e)
     if any(p.logprobs is not None for p in params):
         md.max_num_logprobs = max(p.logprobs or 0 for p in params)
         md.wants_logprobs = [p.logprobs is not None for p in params]
     return md
+
+
+def _row_logits_processors(md: SamplingMetadata, row: int, s: CachedRequestState, eos_token_ids: tuple[int, ...],
+                           device: torch.device) -> None:
+    """One row's blocked tokens (min_tokens, bad words), logit bias and allowed tokens into ``md``."""
+    p = s.sampling_params
+    blocked = []
+    if len(s.output_token_ids) < p.min_tokens:
+        blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+    if p.bad_words_token_ids:
+        blocked += _bad_word_tails(p.bad_words_token_ids, s.output_token_ids)
+    if blocked:
+        md.blocked_token_ids[row] = blocked
+    if p.logit_bias:
+        md.logit_bias[row] = (torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device),
+                              torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device))
+    if p.allowed_token_ids:
+        md.allowed_token_ids[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
 
 
 def _bad_word_tails(words: list[list[int]], output: list[int]) -> list[int]:

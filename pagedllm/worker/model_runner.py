@@ -1,6 +1,7 @@
 """Executes one scheduled step: state update, block moves, flat inputs, forward, logits, sampling."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,8 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import DecodeGraphs, Graph
 from pagedllm.worker.input_batch import CachedRequestState, build_sampling_metadata, build_step_inputs
 from pagedllm.worker.structured_output import GrammarCompiler, apply_masks
+
+logger = logging.getLogger(__name__)
 
 
 def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
@@ -49,6 +52,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self._failed: dict[str, str] = {}
+        """This step's requests whose own sampling state failed (ModelRunnerOutput.failed)."""
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
@@ -98,6 +103,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: every scheduled request's tokens through the model, then a sample per request that needs
+        one. A request whose own sampling state fails is reported in ``failed``; the step goes on."""
+        self._failed: dict[str, str] = {}
+        result = self._execute(out)
+        result.failed = self._failed
+        return result
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
         # order matters: swapped-out blocks may be handed to other requests in this very step
         _copy_blocks(self.kv_caches, self.host_kv_caches, out.blocks_to_swap_out)
@@ -139,13 +152,17 @@ class ModelRunner:
         matchers = {row: s.matcher for row, s in enumerate(samplers) if s.matcher is not None}
         if matchers:  # only the constrained rows pay: one bitmask for them all
             logits = apply_masks(logits, matchers)
-        md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids, self.device)
+        md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids, self.device, self._fail)
         result = self.sampler(logits, md)
         sampled = result.sampled_token_ids.tolist()  # the step's one wait for the device
         for state, token in zip(samplers, sampled):
             state.token_ids.append(token)
             if state.matcher is not None and not state.matcher.is_terminated():
-                state.matcher.accept_token(token)
+                try:
+                    state.matcher.accept_token(token)
+                except Exception as e:  # this request's grammar: it fails alone
+                    state.matcher = None
+                    self._fail(state.req_id, "advancing the request's grammar", e)
         return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in sampled], result.logprobs,
                                  prompt_logprobs)
 
@@ -171,10 +188,10 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for new in out.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids)
+            generator, matcher = self._sampling_state(new.req_id, new.sampling_params, list(new.output_token_ids))
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, prompt + list(new.output_token_ids), len(prompt), new.sampling_params,
-                _generator(new.sampling_params, self.device), list(new.block_ids), new.num_computed_tokens,
-                self._matcher(new.sampling_params, list(new.output_token_ids)), new.lora_request)
+                generator, list(new.block_ids), new.num_computed_tokens, matcher, new.lora_request)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replace_table:
@@ -184,10 +201,24 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
         for fork in out.forked_reqs:
             parent = self.requests[fork.parent_id]
+            generator, matcher = self._sampling_state(fork.req_id, fork.sampling_params, parent.output_token_ids)
             self.requests[fork.req_id] = CachedRequestState(
                 fork.req_id, list(parent.token_ids), parent.num_prompt_tokens, fork.sampling_params,
-                _generator(fork.sampling_params, self.device), list(fork.block_ids), fork.num_computed_tokens,
-                self._matcher(fork.sampling_params, parent.output_token_ids), parent.lora_request)
+                generator, list(fork.block_ids), fork.num_computed_tokens, matcher, parent.lora_request)
+
+    def _sampling_state(self, req_id: str, params: SamplingParams, accepted: list[int]) -> tuple[Any, Any]:
+        """(generator, grammar matcher) of a request joining the batch; if making them fails, the request is
+        reported failed (it still runs this step: the batch stays as scheduled) and neither is used."""
+        try:
+            return _generator(params, self.device), self._matcher(params, accepted)
+        except Exception as e:  # this request's own input: it fails alone
+            self._fail(req_id, "preparing the request's sampling state", e)
+            return None, None
+
+    def _fail(self, req_id: str, stage: str, error: Exception) -> None:
+        """Report ``req_id`` failed in this step's output (logged with its traceback)."""
+        logger.warning("request %s failed while %s: %r", req_id, stage, error, exc_info=True)
+        self._failed[req_id] = f"{stage} failed: {type(error).__name__}: {error}"
 
     def _matcher(self, params: SamplingParams, accepted: list[int]) -> Any:
         """A constrained request's grammar matcher, fed its output so far (a resumed request's)."""

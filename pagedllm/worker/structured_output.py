@@ -1,23 +1,25 @@
 """Structured outputs through xgrammar: a grammar per constraint (compiled once, cached), a matcher
 per constrained request, and each step one token bitmask for the constrained rows only.
 
-The engine's processor compiles a request's constraint once to refuse a bad schema or regex
-before it is queued (400 naming the field); each worker compiles it again from its own cache
-(the compiled grammar does not cross the process seam) and keeps one matcher per request, fed
-every accepted token, so every rank masks the same tokens. A request resumed after a
-recompute preemption gets a new matcher fed its output so far.
+The engine's processor compiles a request's constraint once, off the step loop, to refuse a bad
+schema or regex before it is queued (400 naming the field); the worker finds it in the same cache
+when it runs in the same process (one ``compiler_for`` per process), a worker process compiles it
+again from its own (the compiled grammar does not cross the process seam). Each cache is xgrammar's
+own, bounded in bytes (``grammar_cache_memory``), least recently used out. The worker keeps one
+matcher per request, fed every accepted token, so every rank masks the same tokens. A request
+resumed after a recompute preemption gets a new matcher fed its output so far.
 """
 from __future__ import annotations
 
 import functools
 import json
-import threading
 from typing import Any
 
 import torch
 
+from pagedllm.config import DEFAULT_GRAMMAR_CACHE_BYTES
 from pagedllm.errors import ValidationError
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams, check_refs
 
 
 def _xgrammar() -> Any:
@@ -30,13 +32,18 @@ def _xgrammar() -> Any:
 
 
 class GrammarCompiler:
-    """One tokenizer's compiler and its cache of compiled grammars."""
+    """One tokenizer's compiler and its cache of compiled grammars (at most ``cache_bytes``, least recently
+    used out; thread-safe)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:
         xgr = _xgrammar()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) or None)
-        self.compiler = xgr.GrammarCompiler(self.info)
+        # one thread: a heavy grammar takes one core, never the step's share of the others
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True,
+                                            cache_limit_bytes=cache_bytes)
+        self.cache_bytes = cache_bytes
         self.vocab_size = vocab_size
         # JSON forbids raw control characters (RFC 8259), xgrammar's string rule lets them through, and
         # compact JSON needs none outside strings: tokens holding one are banned under a JSON constraint
@@ -44,16 +51,13 @@ class GrammarCompiler:
         self.control_token_ids = torch.tensor(
             [i for i, b in enumerate(self.info.decoded_vocab[:vocab_size])
              if i not in stops and any(byte < 0x20 for byte in b)], dtype=torch.long)
-        self._lock = threading.Lock()  # the server's event loop and the engine thread both compile
-        self._cache: dict[str, Any] = {}
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of ``spec``; a bad schema, regex or grammar raises ValidationError
-        naming ``structured_outputs.<kind>``."""
-        kind, key = spec.kind, spec.cache_key()
-        with self._lock:
-            if key in self._cache:
-                return self._cache[key]
+        """The compiled grammar of ``spec`` (from the cache when it is there); a bad schema, regex or grammar
+        raises ValidationError naming ``structured_outputs.<kind>``."""
+        kind = spec.kind
+        if kind == "json":
+            check_refs(spec.json)
         try:
             # JSON without free whitespace between tokens (one space after ':' and ','): a model cannot
             # pad its reply with newlines until max_tokens runs out
@@ -71,9 +75,11 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValidationError(f"structured_outputs.{kind} does not compile: {e}".split("\n")[0][:500],
                                   param=f"structured_outputs.{kind}") from None
-        with self._lock:
-            self._cache[key] = grammar
         return grammar
+
+    def cached_bytes(self) -> int:
+        """Bytes the cache holds now (at most about ``cache_bytes``)."""
+        return self.compiler.get_cache_size_bytes()
 
     def matcher(self, spec: StructuredOutputsParams, accepted: list[int]) -> "Matcher":
         """A matcher at the start of ``spec``'s grammar, fed ``accepted`` (a resumed request's output)."""
@@ -107,10 +113,12 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def compiler_for(model_path: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> GrammarCompiler:
-    """The compiler of a model's tokenizer (built on first use: most engines never need it)."""
+def compiler_for(model_path: str, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> GrammarCompiler:
+    """The compiler of a model's tokenizer, one per process (the engine's processor and an in-process worker
+    share it, and so its cache); built on first use: most engines never need it."""
     from pagedllm.models.loader import load_tokenizer
-    return GrammarCompiler(load_tokenizer(model_path), vocab_size, stop_token_ids)
+    return GrammarCompiler(load_tokenizer(model_path), vocab_size, stop_token_ids, cache_bytes)
 
 
 def apply_masks(logits: torch.Tensor, matchers: dict[int, Any]) -> torch.Tensor:

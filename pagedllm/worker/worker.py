@@ -100,8 +100,9 @@ class Worker:
             (logger.warning if described.startswith("no weight") else logger.info)(
                 "quantization=%s: %s", config.model.quantization, described)
         self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
-                                        self.device, functools.partial(compiler_for, config.model.model,
-                                                                       arch.vocab_size, tuple(eos_token_ids)), lora)
+                                        self.device, functools.partial(
+                                            compiler_for, config.model.model, arch.vocab_size, tuple(eos_token_ids),
+                                            config.structured_outputs.grammar_cache_bytes), lora)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers (K and V; an int8 cache's scales included)."""

@@ -68,8 +68,29 @@ def test_constraints_survive_preemption(make_llm) -> None:
     (dict(grammar="root ::= "), "structured_outputs.grammar"),
     (dict(regex="a", choice=["b"]), "structured_outputs"),
     (dict(choice=[]), "structured_outputs.choice"),
+    (dict(json={"$ref": "https://example.com/schema.json"}), "structured_outputs.json"),
+    (dict(json={"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}}), "structured_outputs.json"),
+    (dict(json='{"$defs": {}, "items": [{"$ref": 3}]}'), "structured_outputs.json"),
 ])
 def test_bad_constraints_name_the_field(llm: LLM, spec: dict, param: str) -> None:
     with pytest.raises(ValidationError) as e:
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(**spec)), use_tqdm=False)
     assert e.value.param == param
+
+
+def test_local_refs_are_followed(llm: LLM) -> None:
+    schema = {"$defs": {"city": {"enum": ["Paris", "Rome"]}}, "type": "object", "additionalProperties": False,
+              "required": ["city"], "properties": {"city": {"$ref": "#/$defs/city"}}}
+    out = llm.generate("City:", _params(StructuredOutputsParams(json=schema), seed=3), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert json.loads(out.text)["city"] in ("Paris", "Rome")
+
+
+def test_the_processor_and_an_in_process_worker_share_one_grammar_cache(llm: LLM) -> None:
+    engine = llm.llm_engine
+    worker = engine.executor.worker  # the in-process (uni) executor's
+    compiler = engine.processor.grammars()
+    assert worker.model_runner.grammars() is compiler
+    assert compiler.cache_bytes == engine.config.structured_outputs.grammar_cache_bytes
+    llm.generate("Pick:", _params(StructuredOutputsParams(choice=["a fresh choice", "another one"])), use_tqdm=False)
+    assert compiler.cached_bytes() > 0
