@@ -52,8 +52,8 @@ class LoRAManager:
         """Read and check an adapter (ValidationError names what is wrong), keep it in host memory."""
         known = self.requests.get(lora.lora_int_id)
         if known is not None and known != lora:
-            raise ValidationError(f"lora_int_id {lora.lora_int_id} is already adapter {known.lora_name!r} at "
-                                  f"{known.lora_path!r}", param="lora_request", value=lora.lora_name)
+            raise ValidationError(f"lora_int_id {lora.lora_int_id} is already taken by another adapter",
+                                  param="lora_request", value=lora.lora_name)  # not its path: it may be the operator's
         self._host(lora)
         self.requests[lora.lora_int_id] = lora
 

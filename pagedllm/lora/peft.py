@@ -16,11 +16,14 @@ import os
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
+MAX_CONFIG_BYTES = 1 << 20
+"""A larger adapter_config.json is refused unread (PEFT writes a few kB)."""
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 
@@ -45,9 +48,32 @@ class LoRAWeights:
     layers: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]
 
 
-def _refuse(lora: LoRARequest, why: str) -> ValidationError:
-    return ValidationError(f"LoRA adapter {lora.lora_name!r} at {lora.lora_path!r}: {why}", param="lora_request",
-                           value=lora.lora_name)
+def _refuse(lora: LoRARequest, reason: str) -> ValidationError:
+    """The one error for an adapter folder we cannot run. ``reason`` is a class of fault written by us (a file
+    missing, a field out of range): it never quotes what the folder holds, because a server client may name any
+    folder the server can read (values, tensor names, shapes and parse errors would leak its contents)."""
+    return ValidationError(f"LoRA adapter {lora.lora_name!r} at {lora.lora_path!r} is not a valid LoRA adapter "
+                           f"folder for this model ({reason})", param="lora_request", value=lora.lora_name)
+
+
+def _read_json(lora: LoRARequest, path: str) -> dict:
+    """adapter_config.json as a dict (size-capped; refused without quoting it when it cannot be read)."""
+    try:
+        if os.path.getsize(path) > MAX_CONFIG_BYTES:
+            raise _refuse(lora, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+        with open(path, "rb") as f:
+            config = json.loads(f.read().decode("utf-8"))
+    except OSError:
+        raise _refuse(lora, f"{CONFIG_FILE} cannot be read") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # their messages quote the file's bytes
+        raise _refuse(lora, f"{CONFIG_FILE} is not valid JSON") from None
+    if not isinstance(config, dict):
+        raise _refuse(lora, f"{CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_config(lora: LoRARequest, max_rank: int) -> tuple[int, float]:
@@ -57,18 +83,16 @@ def read_config(lora: LoRARequest, max_rank: int) -> tuple[int, float]:
         raise _refuse(lora, f"no {CONFIG_FILE} (a PEFT adapter folder is needed)")
     if not os.path.isfile(os.path.join(lora.lora_path, WEIGHTS_FILE)):
         raise _refuse(lora, f"no {WEIGHTS_FILE} (only safetensors weights are read)")
-    with open(path) as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise _refuse(lora, f"{CONFIG_FILE} is not valid JSON ({e})") from None
+    config = _read_json(lora, path)
     if config.get("peft_type", "LORA") != "LORA":
-        raise _refuse(lora, f"peft_type {config.get('peft_type')!r} is not LORA")
+        raise _refuse(lora, "peft_type is not LORA")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise _refuse(lora, f"r must be a positive integer, got {rank!r}")
+        raise _refuse(lora, "r must be a positive integer")
     if rank > max_rank:
-        raise _refuse(lora, f"rank {rank} is above max_lora_rank={max_rank}")
+        raise _refuse(lora, f"its rank is above max_lora_rank={max_rank}")
+    if not _is_number(alpha):
+        raise _refuse(lora, "lora_alpha must be a finite number")
     unsupported = {"bias": config.get("bias", "none") != "none", "use_dora": bool(config.get("use_dora")),
                    "modules_to_save": bool(config.get("modules_to_save")),
                    "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
@@ -88,7 +112,10 @@ def load_adapter(lora: LoRARequest, targets: dict[str, LoRATarget], max_rank: in
     for name, target in targets.items():
         for index, (part, _) in enumerate(target.parts):
             part_of[part] = (name, index)
-    tensors = load_file(os.path.join(lora.lora_path, WEIGHTS_FILE))
+    try:
+        tensors = load_file(os.path.join(lora.lora_path, WEIGHTS_FILE))
+    except (OSError, SafetensorError):  # its message may quote the header
+        raise _refuse(lora, f"{WEIGHTS_FILE} is not a readable safetensors file") from None
     found: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     fused: dict[str, dict[str, torch.Tensor]] = {}  # adapters of a packed layer as one module (Phi-3's qkv_proj)
     for key, tensor in tensors.items():
@@ -100,13 +127,13 @@ def load_adapter(lora: LoRARequest, targets: dict[str, LoRATarget], max_rank: in
             fused.setdefault(module, {})[kind[0]] = tensor
         else:
             names = sorted({n.rsplit(".", 1)[-1] for n in [*part_of, *targets]})
-            raise _refuse(lora, f"tensor {key!r} changes no module we can adapt (supported: the linear layers {names})")
+            raise _refuse(lora, f"a tensor changes no module we can adapt (supported: the linear layers {names})")
     for name, pair in fused.items():  # one A for every projection, B split by their rows
         if any(key[0] == name for key in found):
             raise _refuse(lora, f"{name} is adapted both whole and by its projections")
         a, b = pair.get("A"), pair.get("B")
         rows = [r for _, r in targets[name].parts]
-        if a is None or b is None or b.shape[0] != sum(rows):
+        if a is None or b is None or b.dim() != 2 or b.shape[0] != sum(rows):
             raise _refuse(lora, f"{name}: lora_A / lora_B missing or lora_B not {sum(rows)} rows")
         for index, piece in enumerate(b.split(rows, dim=0)):
             found[(name, index)] = {"A": a, "B": piece}
@@ -120,7 +147,7 @@ def load_adapter(lora: LoRARequest, targets: dict[str, LoRATarget], max_rank: in
         if a is None or b is None:
             raise _refuse(lora, f"{part} has only one of lora_A and lora_B")
         if tuple(a.shape) != (rank, target.in_features) or tuple(b.shape) != (rows, rank):
-            raise _refuse(lora, f"{part}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the model "
-                                f"((r={rank}, {target.in_features}) / ({rows}, r={rank}))")
+            raise _refuse(lora, f"{part}: the shapes of lora_A / lora_B do not fit the model and r "
+                                f"(lora_B needs {rows} rows, lora_A {target.in_features} columns)")
         layers.setdefault(name, [None] * len(target.parts))[index] = (a.float(), b.float() * scaling)
     return LoRAWeights(lora, rank, layers)

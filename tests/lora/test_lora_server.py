@@ -21,7 +21,8 @@ PROMPTS = ["Tell me about the sea", "A list of fruits:", "Once upon a time"]
 @pytest.fixture(scope="module")
 def lora_server(tiny_llm_dir: Path, adapters: Callable) -> Iterator[RemoteServer]:
     srv = RemoteServer(tiny_llm_dir, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
-                       "--max-lora-rank", "16", "--lora-modules", f"first={adapters('all-r8')[0]}",
+                       "--max-lora-rank", "16", "--allow-runtime-lora-updating",
+                       "--lora-modules", f"first={adapters('all-r8')[0]}",
                        '{"name": "second", "path": "%s"}' % adapters("qv-r4-rslora")[0])
     yield srv
     srv.stop()

@@ -1,11 +1,18 @@
 """The models a server answers to: the base model's served names and LoRA adapters (``--lora-modules``
 at start-up, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` at run time). A request's
-``model`` picks one; an adapter's name runs the request with that adapter."""
+``model`` picks one; an adapter's name runs the request with that adapter.
+
+Run-time loading is off unless the operator turns it on (``--allow-runtime-lora-updating`` or
+``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING``, vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a client that may load
+adapters may make the server read any folder it can read. Even then the ``--lora-modules`` adapters are the
+operator's: no client unloads or replaces them."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
+import os
 from dataclasses import dataclass
 
 from pagedllm.engine.core_client import ServingEngine
@@ -47,6 +54,20 @@ def parse_lora_module(text: str) -> LoRAModulePath:
     return LoRAModulePath(name, path)
 
 
+RUNTIME_LORA_ENV = "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"
+"""1 or true: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+
+
+def runtime_lora_updating(flag: bool) -> bool:
+    """Whether clients may load and unload adapters: ``--allow-runtime-lora-updating`` (``flag``) or
+    PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1/true; off by default. Another value of the variable is refused."""
+    value = os.environ.get(RUNTIME_LORA_ENV) or "0"  # set but empty: unset, as vLLM reads it
+    on = value.strip().lower()
+    if on not in ("0", "1", "true", "false"):
+        raise ValidationError.bad_value(RUNTIME_LORA_ENV, value, "0, 1, true or false")
+    return flag or on in ("1", "true")
+
+
 class OpenAIServingModels:
     """Served names of the base model, and the adapters by name."""
 
@@ -54,6 +75,11 @@ class OpenAIServingModels:
         self.engine = engine
         self.base_names = base_names
         self.loras: dict[str, LoRARequest] = {}
+        self.static: set[str] = set()
+        """The --lora-modules names: the operator's, never unloaded or replaced by a client."""
+        self._busy: set[str] = set()
+        """Names a load or unload is changing now: a second change of one of them is refused, so concurrent
+        loads of one name leave exactly one adapter in the engine."""
         self._ids = itertools.count(1)
         self.root = engine.config.model.model
         self.max_model_len = engine.config.model.max_model_len
@@ -65,6 +91,7 @@ class OpenAIServingModels:
             lora = LoRARequest(module.name, next(self._ids), module.path)
             self.engine.add_lora_now(lora)
             self.loras[module.name] = lora
+            self.static.add(module.name)
 
     def resolve(self, model: str | None) -> tuple[str, LoRARequest | None]:
         """(name to answer with, the adapter to run or None) for a request's ``model``."""
@@ -83,22 +110,58 @@ class OpenAIServingModels:
                                  max_model_len=self.max_model_len) for name, lora in self.loras.items()]
 
     async def load(self, name: str, path: str) -> LoRARequest:
-        """Add an adapter at run time (the engine reads and checks it between two steps)."""
+        """Add an adapter at run time (the engine reads and checks it between two steps). 400 when the name is
+        served or being loaded: of concurrent loads of one name exactly one reaches the engine."""
+        if not name:
+            raise ValidationError.bad_value("lora_name", name, "a non-empty string")
+        if not path:
+            raise ValidationError.bad_value("lora_path", path, "the folder of a PEFT adapter")
+        if name in self.static:
+            raise ValidationError(f"{name!r} is configured by the server's operator and cannot be replaced",
+                                  param="lora_name", value=name)
         self._check_new_name(name)
         lora = LoRARequest(name, next(self._ids), path)
-        await self.engine.add_lora(lora)
-        self.loras[name] = lora
+        self._busy.add(name)
+        # shielded: a client gone mid-load must not leave the adapter in the engine but not in self.loras
+        return await asyncio.shield(self._add(lora))
+
+    async def _add(self, lora: LoRARequest) -> LoRARequest:
+        try:
+            await self.engine.add_lora(lora)
+            self.loras[lora.lora_name] = lora
+        finally:
+            self._busy.discard(lora.lora_name)
         return lora
 
-    async def unload(self, name: str) -> None:
-        """Remove an adapter no running request uses (404 if there is none by that name)."""
+    async def unload(self, name: str, lora_int_id: int | None = None) -> None:
+        """Remove a run-time adapter no running request uses: 400 for an operator's (--lora-modules) adapter or
+        a base model name, 404 if there is none by that name."""
+        if name in self.static or name in self.base_names:
+            what = "the base model" if name in self.base_names else "configured by the server's operator"
+            raise ValidationError(f"{name!r} is {what} and cannot be unloaded", param="lora_name", value=name)
+        if name in self._busy:
+            raise ValidationError(f"adapter {name!r} is being loaded or unloaded by another request",
+                                  param="lora_name", value=name)
         lora = self.loras.get(name)
         if lora is None:
             raise ModelNotFoundError(name, param="lora_name")
-        await self.engine.remove_lora(lora.lora_int_id)
-        del self.loras[name]
+        if lora_int_id is not None and lora_int_id != lora.lora_int_id:
+            raise ValidationError(f"adapter {name!r} has lora_int_id {lora.lora_int_id}", param="lora_int_id",
+                                  value=lora_int_id)
+        self._busy.add(name)
+        del self.loras[name]  # new requests no longer find it while the engine removes it
+        await asyncio.shield(self._remove(lora))
+
+    async def _remove(self, lora: LoRARequest) -> None:
+        try:
+            await self.engine.remove_lora(lora.lora_int_id)
+        except BaseException:
+            self.loras[lora.lora_name] = lora  # still in use (or the engine failed): it stays served
+            raise
+        finally:
+            self._busy.discard(lora.lora_name)
 
     def _check_new_name(self, name: str) -> None:
-        if name in self.base_names or name in self.loras:
-            raise ValidationError(f"a model or adapter named {name!r} is already served", param="lora_name",
+        if name in self.base_names or name in self.loras or name in self._busy:
+            raise ValidationError(f"a model or adapter named {name!r} is already in use", param="lora_name",
                                   value=name)
