@@ -15,6 +15,8 @@ from pagedllm.engine.async_engine import EngineDeadError, RequestStream
 from pagedllm.engine.core_client import ServingEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
+from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, check_constraint,
+                                               check_sampling_limits)
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.lora_request import LoRARequest
@@ -22,26 +24,6 @@ from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
-
-BYTES_PER_TOKEN_CAP = 64
-"""Default prompt cap: 64 bytes of text per token of max_model_len (English averages ~4 bytes per token, so a
-prompt over the cap could only fit the model's context in a pathological tokenization)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ServingLimits:
-    """What the server refuses before it costs the engine anything (``pagedllm serve`` options)."""
-
-    max_waiting_requests: int | None = None
-    """More requests than this waiting to be scheduled (new, or preempted back to the queue): new ones get 503
-    with Retry-After (None: no limit)."""
-    request_timeout: float | None = None
-    """Seconds a request may take from being queued to its last token; then it is aborted (504, or an error
-    event on a stream). None: no limit."""
-    max_prompt_bytes: int | None = None
-    """UTF-8 bytes of prompt text (a completion's prompts, a chat's messages) checked before tokenizing (400).
-    None: BYTES_PER_TOKEN_CAP per token of max_model_len."""
-
 
 class OverloadedError(Exception):
     """The waiting queue is full: the request is refused with 503 and Retry-After, nothing else is touched."""
@@ -52,6 +34,22 @@ class OverloadedError(Exception):
 
 class RequestTimeoutError(Exception):
     """The request outlived --request-timeout: it was aborted (its blocks freed)."""
+
+
+class RequestFailedError(Exception):
+    """Handling this request failed inside the engine (its grammar, seed, beam step, detokenizing): it alone
+    ends, with a 500 in OpenAI's shape (or an error event on a stream); the engine goes on."""
+
+
+class StreamGroup(list):
+    """The streams of one request's prompts, and the time by which the request must finish (its
+    --request-timeout counted from before its preparation)."""
+
+    def __init__(self, streams: list[RequestStream], deadline: float | None, timeout: float | None) -> None:
+        super().__init__(streams)
+        self.deadline = deadline
+        """The event loop's time at which the request is aborted (None: no limit)."""
+        self.timeout = timeout
 
 
 def text_bytes(value: Any) -> int:
@@ -67,11 +65,21 @@ def text_bytes(value: Any) -> int:
     return 0
 
 
+@dataclasses.dataclass
+class Admission:
+    """Prompts past the --max-waiting-requests check whose adds have not begun (the engine counts a prompt as
+    waiting once its add begins): counted in the check too, so that requests arriving together cannot all pass
+    it before any of them is queued. One per server, shared by its endpoints."""
+
+    submitting: int = 0
+
+
 class OpenAIServing:
     """What both endpoints need from the engine."""
 
     def __init__(self, engine: ServingEngine, models: OpenAIServingModels,
-                 limits: ServingLimits | None = None) -> None:
+                 limits: ServingLimits | None = None, admission: Admission | None = None) -> None:
+        self.admission = admission or Admission()
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model.max_model_len
@@ -79,6 +87,17 @@ class OpenAIServing:
         self.limits = limits or ServingLimits()
         self.on_refused: Callable[[str], None] = lambda reason: None
         """Told of every request shed here: "overloaded" or "timeout" (the server's metrics)."""
+
+    def check_limits(self, req: SamplingFields) -> None:
+        """The request's sizes against this server's limits (400 naming the field), before anything else."""
+        check_sampling_limits(req, self.limits, self.engine.config.scheduler.max_num_seqs)
+
+    def constraint(self, req: SamplingFields) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, within this server's limits (before it is compiled)."""
+        spec = structured_outputs(req)
+        if spec is not None:
+            check_constraint(spec, self.limits, constraint_param(req, spec))
+        return spec
 
     def check_prompt_size(self, value: Any, param: str) -> None:
         """ValidationError (400) when the prompt text of ``value`` is over the byte cap, before any tokenizing."""
@@ -88,10 +107,10 @@ class OpenAIServing:
             raise ValidationError(f"{param} is {size} bytes of text, over this server's cap of {cap} bytes "
                                   f"(max_model_len is {self.max_model_len} tokens)", param=param)
 
-    async def outputs(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput] | None:
+    async def outputs(self, streams: StreamGroup, raw: Request) -> list[RequestOutput] | None:
         """Every stream's final output (None if the client disconnected first), within the request timeout."""
         try:
-            return await unless_disconnected(final_outputs(streams, self.limits.request_timeout), raw)
+            return await unless_disconnected(final_outputs(streams), raw)
         except RequestTimeoutError:
             self.on_refused("timeout")
             raise
@@ -102,12 +121,13 @@ class OpenAIServing:
         try:
             async for event in events:
                 yield event
-        except (RequestTimeoutError, EngineDeadError) as e:
+        except (RequestTimeoutError, EngineDeadError, RequestFailedError) as e:
             timeout = isinstance(e, RequestTimeoutError)
             if timeout:
                 self.on_refused("timeout")
-            error = ErrorInfo(message=str(e), type="timeout_error" if timeout else "server_error",
-                              code="request_timeout" if timeout else "engine_dead")
+            code = "request_timeout" if timeout else "request_failed" if isinstance(e, RequestFailedError) else \
+                "engine_dead"
+            error = ErrorInfo(message=str(e), type="timeout_error" if timeout else "server_error", code=code)
             yield sse(ErrorResponse(error=error))
             yield SSE_DONE
 
@@ -130,31 +150,68 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
-            structured_outputs=structured_outputs(req),
+            structured_outputs=self.constraint(req),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
     async def add_all(self, request_id: str, prompts: list[PromptType], params: SamplingParams | BeamSearchParams,
-                      lora_request: LoRARequest | None = None) -> list[RequestStream]:
-        """Queue every prompt; if one is refused, withdraw the others and raise its ValidationError. Over the
-        waiting limit, nothing is queued: OverloadedError."""
+                      lora_request: LoRARequest | None = None, raw: Request | None = None) -> StreamGroup | None:
+        """Queue every prompt at once (one round trip to the engine, not one per prompt); if one is refused,
+        withdraw the others and raise its ValidationError. Over the waiting limit, nothing is queued:
+        OverloadedError. The request timeout covers the preparation (a grammar compiling); a client that
+        disconnects meanwhile withdraws everything (None)."""
+        timeout = self.limits.request_timeout
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        self._check_waiting(prompts)
+        self.admission.submitting += len(prompts)
+        work = self._submit(request_id, prompts, params, lora_request)
+        try:
+            streams = await asyncio.wait_for(work, timeout) if raw is None else \
+                await unless_disconnected(asyncio.wait_for(work, timeout), raw)
+        except asyncio.TimeoutError:  # TimeoutError's alias from 3.11
+            self.on_refused("timeout")
+            raise RequestTimeoutError(f"the request took over {timeout:g} s (the server's request timeout) "
+                                      "and was aborted") from None
+        return None if streams is None else StreamGroup(streams, deadline, timeout)
+
+    async def _submit(self, request_id: str, prompts: list[PromptType], params: SamplingParams | BeamSearchParams,
+                      lora_request: LoRARequest | None) -> list[RequestStream]:
+        """Every prompt added concurrently; on any failure (or cancellation) the accepted ones are aborted."""
+        begun = 0
+
+        async def add(i: int, prompt: PromptType) -> RequestStream:
+            nonlocal begun
+            begun += 1
+            self.admission.submitting -= 1  # the engine counts it from its add's first step
+            return await self.engine.add_request(f"{request_id}-{i}", prompt, params, lora_request=lora_request)
+
+        adds = [asyncio.ensure_future(add(i, prompt)) for i, prompt in enumerate(prompts)]
+        try:
+            await asyncio.wait(adds)
+        finally:
+            self.admission.submitting -= len(prompts) - begun  # adds cancelled before they began
+            for add in adds:
+                if not add.done():
+                    add.cancel()  # cancelled while waiting: its own handler withdraws it from the engine
+            failures = [a.exception() for a in adds if a.done() and not a.cancelled() and a.exception()]
+            if failures or any(a.cancelled() for a in adds):
+                for add in adds:
+                    if add.done() and not add.cancelled() and add.exception() is None:
+                        add.result().abort()
+        if failures:
+            raise failures[0]
+        return [add.result() for add in adds]
+
+    def _check_waiting(self, prompts: list[PromptType]) -> None:
+        """The --max-waiting-requests checks (400 for a request that could never fit, 503 when full)."""
         limit = self.limits.max_waiting_requests
         if limit is not None and len(prompts) > limit:  # could never be admitted: not a matter of waiting
             raise ValidationError(f"{len(prompts)} prompts in one request: this server queues at most {limit} "
                                   "(--max-waiting-requests)", param="prompt")
-        if limit is not None and self.engine.num_waiting + len(prompts) > limit:
+        waiting = self.engine.num_waiting + self.admission.submitting
+        if limit is not None and waiting + len(prompts) > limit:
             self.on_refused("overloaded")
             raise OverloadedError(f"the server is at its limit of {limit} waiting requests "
-                                  f"({self.engine.num_waiting} waiting); retry in a moment")
-        streams: list[RequestStream] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params,
-                                                             lora_request=lora_request))
-        except BaseException:
-            for stream in streams:
-                stream.abort()
-            raise
-        return streams
+                                  f"({waiting} waiting); retry in a moment")
 
     @staticmethod
     def top_entries(entry: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
@@ -163,13 +220,13 @@ class OpenAIServing:
                       key=lambda item: item[1].rank)[:top_n]
 
 
-async def merge_streams(streams: list[RequestStream], timeout: float | None = None
-                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams as they come; closing this aborts them all, and so does
-    ``timeout`` seconds passing before the last output (RequestTimeoutError)."""
+async def merge_streams(streams: StreamGroup) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; closing this aborts them all, and so do the
+    request's deadline passing before the last output (RequestTimeoutError) and a failed request
+    (RequestFailedError)."""
     queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
+    deadline, timeout = streams.deadline, streams.timeout
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
@@ -196,6 +253,8 @@ async def merge_streams(streams: list[RequestStream], timeout: float | None = No
                 remaining -= 1
             elif isinstance(item, Exception):
                 raise item
+            elif item.error is not None:
+                raise RequestFailedError(f"the request failed in the engine: {item.error}")
             else:
                 yield index, item
     finally:
@@ -205,10 +264,10 @@ async def merge_streams(streams: list[RequestStream], timeout: float | None = No
             stream.abort()
 
 
-async def final_outputs(streams: list[RequestStream], timeout: float | None = None) -> list[RequestOutput]:
-    """The finished output of every stream, in prompt order (RequestTimeoutError after ``timeout`` seconds)."""
+async def final_outputs(streams: StreamGroup) -> list[RequestOutput]:
+    """The finished output of every stream, in prompt order (RequestTimeoutError past the deadline)."""
     results: list[RequestOutput | None] = [None] * len(streams)
-    async for index, out in merge_streams(streams, timeout):
+    async for index, out in merge_streams(streams):
         if out.finished:
             results[index] = out
     assert all(r is not None for r in results)
@@ -242,12 +301,27 @@ def sse(payload: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+RESPONSE_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+"""The keys of each response_format type (OpenAI's); any other is refused, never silently ignored."""
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+"""The keys of response_format.json_schema (OpenAI's; "strict" changes nothing: the schema is always enforced)."""
+
+
+def _unknown_key(where: str, value: dict, known: set[str]) -> None:
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValidationError(f"{where} has unknown key {unknown[0]!r} (it takes {', '.join(sorted(known))})",
+                              param=f"{where}.{unknown[0]}", value=unknown[0])
+
+
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     """The request's constraint: OpenAI's response_format or vLLM's structured_outputs (not both)."""
     fmt = req.response_format
     kind = None if fmt is None else fmt.get("type", "text")
-    if kind not in (None, "text", "json_object", "json_schema"):
-        raise ValidationError.bad_value("response_format", kind, "'text', 'json_object' or 'json_schema'")
+    if kind not in (None, *RESPONSE_FORMAT_KEYS):
+        raise ValidationError.bad_value("response_format.type", kind, "'text', 'json_object' or 'json_schema'")
+    if kind is not None:
+        _unknown_key("response_format", fmt, RESPONSE_FORMAT_KEYS[kind])
     if req.structured_outputs is not None:
         if kind not in (None, "text"):
             raise ValidationError("give response_format or structured_outputs, not both", param="structured_outputs")
@@ -258,8 +332,19 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
     if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValidationError.bad_value("response_format.json_schema", spec, "an object with a schema")
+        _unknown_key("response_format.json_schema", spec, JSON_SCHEMA_KEYS)
+        schema = spec.get("schema")
         if not isinstance(schema, dict):
             raise ValidationError.bad_value("response_format.json_schema.schema", schema, "a JSON schema object")
         return StructuredOutputsParams(json=schema)
     return None
+
+
+def constraint_param(req: SamplingFields, spec: StructuredOutputsParams) -> str:
+    """Where the request gave its constraint, as an error's param."""
+    if req.structured_outputs is not None:
+        return f"structured_outputs.{spec.kind}"
+    return "response_format.json_schema.schema" if spec.kind == "json" else "response_format"

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSpli
 from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constrained_calls, constraint,
                                                     tool_functions)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.limits import check_constraint, check_tools
 from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse
 from pagedllm.engine.processor import render_chat
 from pagedllm.errors import ValidationError
@@ -42,6 +43,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model, lora = self.check_model(req.model)
+        self.check_limits(req)
+        check_tools(req.tools, self.limits)
         tools = _ToolMode.of(req, self.tool_parser)
         self.check_prompt_size(req.messages, "messages")
         text, prompt_ids = self.apply_chat_template(req.messages, req.add_generation_prompt, req.tools)
@@ -54,9 +57,13 @@ class OpenAIServingChat(OpenAIServing):
             if params.structured_outputs is not None:
                 raise ValidationError("tool_choice 'required' or a named function cannot be combined with "
                                       "response_format / structured_outputs", param="tool_choice")
+            check_constraint(tools.constraint, self.limits, "tools", count_bytes=False)  # the tools' own byte cap
             params.structured_outputs = tools.constraint
         request_id = random_id("chatcmpl")
-        streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params, lora)
+        streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params, lora,
+                                     raw)
+        if streams is None:
+            return Response(status_code=499)  # the client went away while its request was prepared
         if req.stream:
             return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, tools)),
                                      media_type="text/event-stream")
@@ -150,7 +157,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = completion_tokens = 0
         parsers: dict[int, ReasoningStream] = {}
         texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
-        async for _, out in merge_streams(streams, self.limits.request_timeout):
+        async for _, out in merge_streams(streams):
             prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)

@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, PromptLogprob, UsageInfo, random_id)
+from pagedllm.entrypoints.openai.limits import check_count
 from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -18,6 +19,9 @@ from pagedllm.sampling_params import BeamSearchParams
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model, lora = self.check_model(req.model)
+        self.check_limits(req)
+        if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
+            check_count(req.prompt, self.limits.max_prompts, "prompt", "--max-prompts")
         if req.suffix is not None:
             raise ValidationError("suffix is not supported", param="suffix", value=req.suffix)
         if req.best_of is not None and req.best_of != req.n:
@@ -30,7 +34,9 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self._beam_params(req) if req.use_beam_search else \
             self.sampling_params(req, req.max_tokens, req.logprobs, req.stream, req.prompt_logprobs)
         request_id = random_id("cmpl")
-        streams = await self.add_all(request_id, prompts, params, lora)
+        streams = await self.add_all(request_id, prompts, params, lora, raw)
+        if streams is None:
+            return Response(status_code=499)  # the client went away while its request was prepared
         echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
         if req.stream:
             return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, echoes)),
@@ -112,7 +118,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
-        async for i, out in merge_streams(streams, self.limits.request_timeout):
+        async for i, out in merge_streams(streams):
             prompt_tokens[i] = len(out.prompt_token_ids)
             for c in out.outputs:
                 index = i * req.n + c.index

@@ -39,7 +39,7 @@ CASES = [
     (C, {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     (C, {"prompt": "hi", "bad_words": [""]}, 400, "bad_words"),
     (C, {"prompt": "hi", "use_beam_search": True, "n": 2, "logit_bias": {"5": 1}}, 400, "logit_bias"),
-    (C, {"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
+    (C, {"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format.type"),
     (C, {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
      "response_format.json_schema.schema"),
     (C, {"prompt": "hi", "structured_outputs": {"regex": "("}}, 400, "structured_outputs.regex"),
