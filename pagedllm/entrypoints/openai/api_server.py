@@ -9,11 +9,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,17 +23,21 @@ import pagedllm
 from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.core_client import AsyncLLM, ServingEngine
+from pagedllm.entrypoints.openai.http_guard import (GuardedServer, UnicodeCheckedRoute, add_http_args,
+                                                    raise_open_file_limit, serve_config)
+from pagedllm.entrypoints.openai.http_guard import positive as _positive
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRAAdapterRequest,
                                                   ModelList, TokenizeRequest, TokenizeResponse, UnloadLoRAAdapterRequest)
 from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
-from pagedllm.entrypoints.openai.serving_models import (LoRAModulePath, ModelNotFoundError, OpenAIServingModels,
-                                                         parse_lora_module)
+from pagedllm.entrypoints.openai.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath, ModelNotFoundError,
+                                                         OpenAIServingModels, parse_lora_module, runtime_lora_updating)
 from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, get_tool_parser
-from pagedllm.entrypoints.openai.serving import (BYTES_PER_TOKEN_CAP, OverloadedError, RequestTimeoutError,
-                                                 ServingLimits)
+from pagedllm.entrypoints.openai.limits import BYTES_PER_TOKEN_CAP, ServingLimits, add_limit_args, serving_limits
+from pagedllm.entrypoints.openai.serving import (Admission, OverloadedError, RequestFailedError,
+                                                 RequestTimeoutError)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.errors import ValidationError
@@ -59,13 +61,13 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-PROTECTED = ("/v1", "/kv/state")
+PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize")
 """Paths an API key guards (the KV map's data names the requests it shows; the page itself holds no data and
-sends the key given in its address's fragment: /kv#key=KEY)."""
+sends the key given in its address's fragment: /kv#key=KEY; /tokenize and /detokenize run the tokenizer)."""
 
 
 class APIKeyMiddleware:
-    """401 on /v1/* and /kv/state without a valid ``Authorization: Bearer <key>`` (constant-time comparison)."""
+    """401 on PROTECTED paths without a valid ``Authorization: Bearer <key>`` (constant-time comparison)."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
@@ -103,7 +105,8 @@ def _field_name(loc: tuple) -> str | None:
 def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names: list[str],
               api_keys: list[str], reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None,
-              chat_template: str | None = None, limits: ServingLimits | None = None) -> FastAPI:
+              chat_template: str | None = None, limits: ServingLimits | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
     here (ValidationError if one does not fit)."""
     models = OpenAIServingModels(engine, served_model_names)
@@ -111,9 +114,11 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
                              chat_template)
+    admission = Admission()  # one waiting count for both endpoints
     for serving in (completion, chat):
         serving.limits = limits or ServingLimits()
         serving.on_refused = metrics.on_refused
+        serving.admission = admission
     config = engine.config
 
     @contextlib.asynccontextmanager
@@ -123,6 +128,7 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
         await engine.shutdown()  # in-flight requests that outlived the graceful period are aborted
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
+    app.router.route_class = UnicodeCheckedRoute  # a lone surrogate in a JSON body: 400 naming the field
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
 
@@ -156,6 +162,10 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
     async def on_timeout(_: Request, exc: RequestTimeoutError) -> JSONResponse:
         return error_response(504, str(exc), type_="timeout_error", code="request_timeout")
 
+    @app.exception_handler(RequestFailedError)
+    async def on_request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(exc), type_="server_error", code="request_failed")
+
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, f"the engine is not running: {exc}", type_="server_error")
@@ -163,6 +173,13 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), code=str(exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(_: Request, exc: Exception) -> JSONResponse:
+        """Anything else: a 500 in OpenAI's shape, never uvicorn's plain text (starlette then re-raises it: the
+        HTTPGuard, or uvicorn, logs the traceback)."""
+        return error_response(500, "the server failed while handling this request (the error is in its log)",
+                              type_="server_error", code="internal_error")
 
     @app.get("/health")
     async def health() -> Response:
@@ -198,20 +215,8 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
     async def list_models() -> dict:
         return ModelList(data=models.cards()).model_dump()
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
-        """vLLM's run-time adapter loading: the adapter is served under lora_name from then on."""
-        await models.load(req.lora_name, req.lora_path)
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
-        known = models.loras.get(req.lora_name)
-        if known is not None and req.lora_int_id is not None and req.lora_int_id != known.lora_int_id:
-            raise ValidationError(f"adapter {req.lora_name!r} has lora_int_id {known.lora_int_id}",
-                                  param="lora_int_id", value=req.lora_int_id)
-        await models.unload(req.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+    if allow_runtime_lora_updating:  # off: the routes do not exist (404), as in vLLM
+        _add_lora_routes(app, models)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -226,6 +231,8 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
         completion.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ValidationError("give exactly one of prompt and messages", param="prompt")
+        completion.check_prompt_size(req.prompt, "prompt")  # the --max-prompt-bytes cap, before tokenizing
+        chat.check_prompt_size(req.messages, "messages")
         if req.messages is not None:
             _, ids = chat.apply_chat_template(req.messages, req.add_generation_prompt)
         else:
@@ -235,6 +242,9 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         completion.check_model(req.model)
+        if len(req.tokens) > config.model.max_model_len:
+            raise ValidationError(f"tokens has {len(req.tokens)} entries, more than max_model_len "
+                                  f"({config.model.max_model_len})", param="tokens", value=len(req.tokens))
         vocab = engine.processor.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -243,6 +253,24 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
         return DetokenizeResponse(prompt=completion.tokenizer.decode(req.tokens)).model_dump()
 
     return app
+
+
+def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    """vLLM's run-time adapter routes; any client that reaches them may make the server read any folder it can."""
+    logger.warning("run-time LoRA updating is on: any client that can reach /v1/load_lora_adapter may load an "
+                   "adapter from any folder this server can read (use --api-key, and only on a trusted network)")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        """The adapter is served under lora_name from then on (400 if the name is taken or it does not fit)."""
+        await models.load(req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        """Remove a run-time adapter (400 for a --lora-modules one, 404 if unknown)."""
+        await models.unload(req.lora_name, req.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -277,19 +305,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
                         help="LoRA adapters (PEFT folders) served by name: a request whose model is NAME runs with "
                              "it; also vLLM's JSON form '{\"name\": ..., \"path\": ...}' (needs --enable-lora)")
-
-
-def _positive(kind: type) -> Callable[[str], Any]:
-    """An argparse type: a number of ``kind`` above 0."""
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
-        return value
-    return parse
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter: any client may then load an "
+                             f"adapter from any folder the server can read (also {RUNTIME_LORA_ENV}=1; needs "
+                             "--enable-lora; --lora-modules adapters stay the operator's)")
+    add_limit_args(parser)
+    add_http_args(parser)
 
 
 def read_chat_template(value: str) -> str:
@@ -302,8 +323,9 @@ def read_chat_template(value: str) -> str:
     raise argparse.ArgumentTypeError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's graceful shutdown on SIGINT/SIGTERM, then exit status 0.
+class _Server(GuardedServer):
+    """uvicorn's graceful shutdown on SIGINT/SIGTERM (past --shutdown-timeout, what still runs ends in OpenAI's
+    shape: see http_guard), then exit status 0.
 
     uvicorn's own ``capture_signals`` re-raises the caught signal once the server has shut down
     (the process then dies "of" SIGTERM); a server that shut down cleanly on request should exit
@@ -339,7 +361,12 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     if ns.lora_modules and not engine_args.enable_lora:
         raise ValidationError("--lora-modules needs --enable-lora", param="lora_modules",
                               value=[m.name for m in ns.lora_modules])
+    allow_lora_updating = runtime_lora_updating(ns.allow_runtime_lora_updating)
+    if allow_lora_updating and not engine_args.enable_lora:
+        raise ValidationError(f"--allow-runtime-lora-updating ({RUNTIME_LORA_ENV}) needs --enable-lora",
+                              param="allow_runtime_lora_updating", value=True)
     keys = ns.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
+    raise_open_file_limit()  # each connection is a file; before the engine starts, so its processes inherit it
     metrics = ServerMetrics(names[0])
     server: _Server | None = None
 
@@ -353,15 +380,14 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     engine = engine_class.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead,
                                              step_log=ns.step_log)
     try:
-        limits = ServingLimits(ns.max_waiting_requests, ns.request_timeout, ns.max_prompt_bytes)
+        limits = serving_limits(ns)
         app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules,
-                        ns.chat_template, limits)
+                        ns.chat_template, limits, allow_runtime_lora_updating=allow_lora_updating)
     except BaseException:
         engine.close()  # an adapter that does not fit: no worker left behind
         raise
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                            timeout_graceful_shutdown=ns.shutdown_timeout)
-    server = _Server(config)
+    config, guard = serve_config(app, ns)
+    server = _Server(config, guard, ns.shutdown_timeout)
     try:
         server.run()
     finally:

@@ -1,11 +1,13 @@
 """Pydantic models of the OpenAI API (and vLLM's extra sampling fields) that the server speaks."""
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import ValidationError as PydanticValidationError
 
 
 def random_id(prefix: str) -> str:
@@ -96,10 +98,35 @@ class ChatMessage(OpenAIModel):
     """A "tool" message: the call it answers."""
 
 
+class ToolChoiceFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    """tool_choice naming one function: {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+def _tool_choice(value: object) -> object:
+    """tool_choice in one of its shapes, or one error naming them all (pydantic's own names each union member)."""
+    if value is None or isinstance(value, NamedToolChoice) or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict):
+        with contextlib.suppress(PydanticValidationError):
+            return NamedToolChoice.model_validate(value)
+    raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                     '{"name": ...}}')
+
+
+ToolChoice = Annotated[Union[Literal["none", "auto", "required"], NamedToolChoice, None], BeforeValidator(_tool_choice)]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: ToolChoice = None
     """"none", "auto" (needs --tool-call-parser), "required" or {"type": "function", "function": {"name": ...}};
     default: "auto" with tools and a parser, else "none"."""
     parallel_tool_calls: bool = True

@@ -64,7 +64,10 @@ def constraint(tool_choice: Any, functions: list[dict], parallel: bool = True
         if not parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema), None
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if isinstance(tool_choice, dict):  # the raw shape (offline callers); the server hands a NamedToolChoice
+        name = (tool_choice.get("function") or {}).get("name")
+    else:
+        name = getattr(getattr(tool_choice, "function", None), "name", None)
     match = [fn for fn in functions if fn["name"] == name]
     if not match:
         raise ValidationError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice",

@@ -1,0 +1,75 @@
+"""http_guard.HTTPGuard in process (no server): a failure escaping the app never leaves as plain text or as a
+stream cut short, and past the shutdown grace period what still runs ends in OpenAI's shape."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from pagedllm.entrypoints.openai.http_guard import HTTPGuard
+
+SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+
+
+async def _call(guard: HTTPGuard, during: Any = None) -> list[dict]:
+    """The messages the guard sends for one request (``during``: a coroutine function run while it runs)."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    task = asyncio.ensure_future(guard(SCOPE, receive, send))
+    if during is not None:
+        await during()
+    await asyncio.wait_for(task, 5)
+    return sent
+
+
+def _status_and_body(sent: list[dict]) -> tuple[int, bytes]:
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+async def _fails(scope: Any, receive: Any, send: Any) -> None:
+    raise RuntimeError("a bug")
+
+
+async def _fails_mid_stream(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.body", "body": b'data: {"x": 1}\n\n', "more_body": True})
+    raise RuntimeError("a bug")
+
+
+async def _runs_forever(scope: Any, receive: Any, send: Any) -> None:
+    await asyncio.sleep(3600)
+
+
+def test_a_failure_escaping_the_app_is_a_json_500() -> None:
+    status, body = _status_and_body(asyncio.run(_call(HTTPGuard(_fails))))
+    assert status == 500
+    assert json.loads(body)["error"]["code"] == "internal_error"
+
+
+def test_a_stream_that_fails_ends_with_an_error_event_and_done() -> None:
+    status, body = _status_and_body(asyncio.run(_call(HTTPGuard(_fails_mid_stream))))
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert status == 200 and events[0] == 'data: {"x": 1}'
+    assert json.loads(events[1].removeprefix("data: "))["error"]["type"] == "server_error"
+    assert events[2] == "data: [DONE]"
+
+
+def test_past_the_shutdown_grace_period_a_running_request_is_a_503() -> None:
+    guard = HTTPGuard(_runs_forever)
+
+    async def expire() -> None:
+        await asyncio.sleep(0.05)
+        guard.expire(1.0)
+
+    status, body = _status_and_body(asyncio.run(_call(guard, expire)))
+    assert status == 503 and json.loads(body)["error"]["code"] == "server_shutdown"
+    # and a request arriving after that is refused the same way
+    status, _ = _status_and_body(asyncio.run(_call(guard)))
+    assert status == 503
