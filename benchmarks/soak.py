@@ -6,6 +6,7 @@ broken connection, 0 KV blocks held and the pool's invariants intact once draine
 
     .venv/bin/python benchmarks/soak.py --duration 1800 --output-json soak.json      # the record (30 min)
     .venv/bin/python benchmarks/soak.py --model TINY_MODEL_DIR --duration 80 --calibrate 5   # as the suite runs it
+    .venv/bin/python benchmarks/soak.py --abuse --duration 600 --output-json abuse.json      # with abusive requests
 
 Capacity is measured first (closed loop, --concurrency normal requests for --calibrate seconds); the soak
 then sends Poisson arrivals at --load times it. One JSON line (and --output-json) holds the figures;
@@ -23,6 +24,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -33,6 +35,83 @@ from tests.entrypoints.openai.conftest import RemoteServer  # noqa: E402
 
 KINDS = {"normal": 0.35, "chat": 0.10, "stream": 0.25, "cancel": 0.10, "malformed": 0.10, "oversized": 0.10}
 """Share of each kind of request in the mix."""
+ABUSE_SHARE = 0.15
+"""With --abuse: the share of abusive requests (issue 27's list, picked at random) added to the mix."""
+
+
+def _tools(count: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing " * 10,
+                                              "parameters": {"type": "object", "properties": {
+                                                  "a": {"type": "string"}, "b": {"type": "integer"}}}}}
+            for i in range(count)]
+
+
+def _deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for i in range(depth):
+        schema = {"type": "object", "properties": {f"k{i}": schema}, "required": [f"k{i}"]}
+    return schema
+
+
+def abusive_request(rng: random.Random, max_model_len: int) -> tuple[str, str, Any, tuple[int, ...]]:
+    """(name, path, JSON body or raw bytes, the statuses that answer it correctly) of one abusive request: the
+    ones that crashed, froze or bloated the server before issue 27, allowed-but-heavy ones at the default limits
+    (200; fresh small grammars each time, and one large one compiled once and kept: the cache's eviction is
+    tested by tests/entrypoints/openai/test_abuse_structured.py), and ones over a limit (400)."""
+    tag = rng.randrange(10 ** 9)  # distinct strings: nothing comes from a cache
+    cases: list[tuple[str, str, Any, tuple[int, ...]]] = [
+        ("seed 2**64-1 n=2", "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "seed": 2 ** 64 - 1, "n": 2},
+         (400,)),
+        ("length_penalty -1e308", "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "n": 2,
+                                                      "use_beam_search": True, "length_penalty": -1e308}, (400,)),
+        ("length_penalty -Infinity", "/v1/completions",
+         b'{"prompt": "Hello", "max_tokens": 4, "n": 2, "use_beam_search": true, "length_penalty": -Infinity}', (400,)),
+        ("n 10**9", "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "n": 10 ** 9}, (400,)),
+        ("20k bad_words", "/v1/completions", {"prompt": "hi", "max_tokens": 4,
+                                              "bad_words": [f"w{i}" for i in range(20_000)]}, (400,)),
+        ("100k stops", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop": [f"s{i}" for i in range(100_000)]},
+         (400,)),
+        ("3000 tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                "tool_choice": "required", "tools": _tools(3000)}, (400,)),
+        ("100k choices", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "structured_outputs": {
+            "choice": [f"c{i}" for i in range(100_000)]}}, (400,)),
+        ("300-deep schema", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "d", "schema": _deep_schema(300)}}}, (400,)),
+        ("$ref to a URL", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "http://example.invalid/s"}}}},
+         (400,)),
+        ("unknown response_format key", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "response_format": {
+            "type": "json_object", "strictness": "very"}}, (400,)),
+        ("lone surrogate", "/v1/completions", b'{"prompt": "Hel\\ud800lo", "max_tokens": 2}', (400,)),
+        ("tool_choice function as a string", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "tools": _tools(1),
+            "tool_choice": {"type": "function", "function": "f"}}, (400,)),
+        ("10 MB /tokenize", "/tokenize", {"prompt": "w " * (5 * 2 ** 20)}, (400,)),
+        ("100k tokens /detokenize", "/detokenize", {"tokens": [1] * 100_000}, (400,)),
+        ("100k-deep JSON string schema", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "structured_outputs": {
+            "json": "[" * 100_000 + "]" * 100_000}}, (400,)),
+        ("$ref to a file", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "structured_outputs": {
+            "json": {"properties": {"a": {"$ref": "file:///etc/passwd"}}}}}, (400,)),
+        ("100 KB grammar", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "structured_outputs": {
+            "grammar": 'root ::= "' + "a" * 100_000 + '"'}}, (400,)),
+        ("run-time LoRA load (off)", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, (404,)),
+        ("256 bad_words", "/v1/completions", {"prompt": "hi", "max_tokens": 4,
+                                              "bad_words": [f"word{tag}-{i}" for i in range(256)]}, (200, 503)),
+        ("64 stops", "/v1/completions", {"prompt": "hi", "max_tokens": 4,
+                                         "stop": [f"stop{tag}-{i}" for i in range(64)]}, (200, 503)),
+        ("128 tools required", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "tool_choice": "required",
+            "tools": [{**t, "function": {**t["function"], "name": f"{t['function']['name']}_{tag}"}}
+                      for t in _tools(128)]}, (200, 503)),
+        ("1024 choices", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "structured_outputs": {
+            "choice": [f"option {tag} number {i}" for i in range(1024)]}}, (200, 503)),
+        ("48 KB grammar", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "structured_outputs": {  # ~20 MB
+            "grammar": "root ::= " + " ".join(f'"{i:05d}" [a-z]*' for i in range(3000))}}, (200, 503)),  # compiled
+        ("30-deep schema", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "d", "schema": _deep_schema(30) | {"title": str(tag)}}}},
+         (200, 503)),
+    ]
+    return rng.choice(cases)
 
 
 def rss_bytes(pid: int) -> int:
@@ -146,6 +225,19 @@ class Soak:
         if self._refused_cleanly(kind, r) and r.status_code != 400:
             self._fail(kind, f"malformed body answered {r.status_code}")
 
+    async def _abuse(self, client: httpx.AsyncClient, kind: str) -> None:
+        name, path, body, expected = abusive_request(self.rng, self.max_model_len)
+        if isinstance(body, bytes):
+            r = await client.post(f"{self.url}{path}", content=body, headers={"content-type": "application/json"})
+        else:
+            r = await client.post(f"{self.url}{path}", json=body)
+        if r.status_code not in expected:
+            self._fail(f"abuse: {name}", f"HTTP {r.status_code} (expected {expected}): {r.text[:200]}")
+        elif r.status_code == 200:
+            self.outcomes[(f"abuse: {name}", "ok")] += 1
+        else:
+            self._refused_cleanly(f"abuse: {name}", r)
+
     async def _oversized(self, client: httpx.AsyncClient, kind: str) -> None:
         body = self.rng.choice([
             {"prompt": "w " * (40 * self.max_model_len), "max_tokens": 4},  # over the byte cap (64 per token)
@@ -174,7 +266,8 @@ async def calibrate(url: str, concurrency: int, seconds: float, max_tokens: int)
 async def soak(args: argparse.Namespace, url: str, pid: int, max_model_len: int, rate: float) -> dict:
     load = Soak(url, args.max_tokens, max_model_len, args.seed)
     rng = random.Random(args.seed + 1)
-    kinds, weights = list(KINDS), list(KINDS.values())
+    mix = {**{k: w * (1 - ABUSE_SHARE) for k, w in KINDS.items()}, "abuse": ABUSE_SHARE} if args.abuse else KINDS
+    kinds, weights = list(mix), list(mix.values())
     rss: list[tuple[float, int]] = []
     start = time.monotonic()
     tasks: set[asyncio.Task] = set()
@@ -207,6 +300,8 @@ async def soak(args: argparse.Namespace, url: str, pid: int, max_model_len: int,
     after_warmup = [b for t, b in rss if t >= args.warmup] or [rss[-1][1]]
     growth = (rss[-1][1] - after_warmup[0]) / after_warmup[0]
     latencies = sorted(load.latencies) or [0.0]
+    fivexx = sum(n for (_, outcome), n in load.outcomes.items()
+                 if outcome.split()[-1].isdigit() and int(outcome.split()[-1]) >= 500)
     checks = {
         "every request answered or cleanly refused": load.failed == 0,
         "0 KV blocks held after draining": state["accounting"]["used_blocks"] == 0,
@@ -215,9 +310,11 @@ async def soak(args: argparse.Namespace, url: str, pid: int, max_model_len: int,
         "RSS growth under 5% after the warm-up": growth < 0.05,
         "server alive": httpx.get(f"{url}/health", timeout=10).status_code == 200,
     }
+    if args.abuse:  # no load shedding is configured by default: every 5xx would be the server's failure
+        checks["0 5xx answers"] = fivexx == 0
     return {"duration_s": args.duration, "rate_per_s": rate, "requests": sent,
             "outcomes": {f"{k} {o}": n for (k, o), n in sorted(load.outcomes.items())},
-            "failures": load.failures, "normal_latency_p50_s": latencies[len(latencies) // 2],
+            "failures": load.failures, "responses_5xx": fivexx, "normal_latency_p50_s": latencies[len(latencies) // 2],
             "normal_latency_p99_s": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
             "rss_mib_after_warmup": after_warmup[0] / 2**20, "rss_mib_end": rss[-1][1] / 2**20,
             "rss_growth": growth, "kv_integrity": state["integrity"], "checks": checks, "passed": all(checks.values())}
@@ -236,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens a normal request asks for")
     parser.add_argument("--timeout", type=float, default=300.0, help="client timeout per request, seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--abuse", action="store_true", help=f"add {ABUSE_SHARE * 100:.0f}%% abusive requests to the mix "
+                        "(crashers, oversized lists, heavy grammars, bad Unicode: each must be answered or refused "
+                        "with a 4xx, never a 5xx)")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "pagedllm-soak-server.log"),
                         help="the server's output (default: %(default)s)")
