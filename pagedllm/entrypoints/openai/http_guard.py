@@ -4,6 +4,8 @@
   seconds of opening (or of its first bytes after the previous response) is closed (slowloris).
 - ``--body-timeout``: a request whose whole body has not arrived within that many seconds of its headers
   gets 408 in OpenAI's shape and its connection is closed.
+- ``--max-body-bytes``: a request body over that many bytes gets 413 in OpenAI's shape before it is read
+  (by its Content-Length) or as soon as it passes the bound (a chunked body): no body is held whole past it.
 - ``--limit-concurrency``: over that many open connections (or requests in flight) a request is answered
   503 in OpenAI's shape, with Retry-After, and its connection closed (uvicorn's own answer is plain text).
 - The soft open-file limit is raised to the hard one at start; at the limit, ``accept()`` fails and asyncio
@@ -45,6 +47,9 @@ link, so only a slowloris client is cut off)."""
 DEFAULT_BODY_TIMEOUT = 60.0
 """Seconds a request has to send its whole body once its headers are in (the largest prompt the byte cap
 allows, over a slow link)."""
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+"""Bytes of one request body by default: room for the largest prompt the default byte cap allows (64 bytes per
+token of a 128k context, 8 MiB) with JSON's escapes, plus tools and schemas at their caps."""
 DEFAULT_LIMIT_CONCURRENCY = 4096
 """Open connections served at once by default; lowered to half the open-file limit where that is lower, so
 the cap answers 503 before the process runs out of file descriptors."""
@@ -79,6 +84,9 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--body-timeout", type=positive(float), default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
                        help="answer 408 and close the connection when a request's whole body has not arrived this "
                             f"long after its headers (default: {DEFAULT_BODY_TIMEOUT:g})")
+    group.add_argument("--max-body-bytes", type=positive(int), default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                       help="answer 413 to a request body over this many bytes, before reading it whole "
+                            f"(default: {DEFAULT_MAX_BODY_BYTES})")
     group.add_argument("--limit-concurrency", type=positive(int), default=None, metavar="N",
                        help="over N open connections (or requests in flight), answer 503 with Retry-After and close "
                             f"the connection (default: {DEFAULT_LIMIT_CONCURRENCY}, or half the open-file limit if "
@@ -241,12 +249,15 @@ class _Exchange:
     """One request's ``receive`` and ``send`` as the app sees them: its body bounded in time, the response's
     progress followed, so that the guard can still end it in OpenAI's shape."""
 
-    def __init__(self, receive: Receive, send: Send, body_timeout: float) -> None:
+    def __init__(self, receive: Receive, send: Send, body_timeout: float,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self._receive = receive
         self._send = send
         self._loop = asyncio.get_running_loop()
         self.body_deadline = self._loop.time() + body_timeout
         self.body_timeout = body_timeout
+        self.max_body_bytes = max_body_bytes
+        self.body_bytes = 0
         self.body_done = False
         self.started = False
         self.streaming = False
@@ -265,7 +276,17 @@ class _Exchange:
                                            "(--body-timeout)", "invalid_request_error", "body_timeout"))
             return {"type": "http.disconnect"}
         self.body_done = message["type"] != "http.request" or not message.get("more_body", False)
+        if message["type"] == "http.request":
+            self.body_bytes += len(message.get("body", b""))
+            if self.body_bytes > self.max_body_bytes:
+                await self.too_large()
+                return {"type": "http.disconnect"}
         return message
+
+    async def too_large(self) -> None:
+        """413 in OpenAI's shape: the body is over --max-body-bytes."""
+        await self.end(413, error_json(f"the request body is over {self.max_body_bytes} bytes (--max-body-bytes)",
+                                       "invalid_request_error", "body_too_large"))
 
     async def send(self, message: Message) -> None:
         if self.ended:
@@ -301,9 +322,11 @@ class HTTPGuard:
     every request still running ends in OpenAI's shape; a failure escaping the app never leaves as plain text
     (nor cuts a stream without an error event and [DONE])."""
 
-    def __init__(self, app: ASGIApp, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+    def __init__(self, app: ASGIApp, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app = app
         self.body_timeout = body_timeout
+        self.max_body_bytes = max_body_bytes
         self.shutdown_timeout = 0.0
         self.expired = False
         self._running: set[asyncio.Task] = set()
@@ -320,9 +343,13 @@ class HTTPGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        exchange = _Exchange(receive, send, self.body_timeout)
+        exchange = _Exchange(receive, send, self.body_timeout, self.max_body_bytes)
         if self.expired:
             await exchange.end(503, self._shutdown_body())
+            return
+        length = dict(scope.get("headers", ())).get(b"content-length")  # (the HTTP parser checked its form)
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await exchange.too_large()  # before a byte of the body is read
             return
         work = asyncio.ensure_future(self.app(scope, exchange.receive, exchange.send))
         self._running.add(work)
@@ -369,7 +396,7 @@ class GuardedServer(uvicorn.Server):
 
 def serve_config(app: ASGIApp, ns: argparse.Namespace) -> tuple[uvicorn.Config, HTTPGuard]:
     """uvicorn's config for ``pagedllm serve`` (the app behind the guard, the guarded protocol) and the guard."""
-    guard = HTTPGuard(app, ns.body_timeout)
+    guard = HTTPGuard(app, ns.body_timeout, ns.max_body_bytes)
     config = uvicorn.Config(guard, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             http=guarded_protocol(ns.header_timeout, connection_cap(ns.limit_concurrency)),
                             timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_BACKSTOP_S)

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -84,6 +85,23 @@ def test_a_huge_n_is_refused_at_once_without_memory(srv: RemoteServer) -> None:
     assert api.memory_info().rss - before < 50 * 2 ** 20
     _refused(httpx.post(f"{srv.url}{CHAT}", json={"messages": [{"role": "user", "content": "hi"}], "n": 257},
                         timeout=30), "n")
+
+
+def test_a_huge_body_is_a_413_before_it_is_read(srv: RemoteServer) -> None:
+    api = psutil.Process(srv.proc.pid)
+    before = api.memory_info().rss
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # 1 GB declared, 1 MB sent
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000000000\r\n\r\n" + b'{"prompt": "' + b"w" * 2 ** 20)
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 413") and '"code": "body_too_large"' in reply, reply[:300]
+    # chunked, no length: cut off once past the cap (16 MiB by default)
+    body = (b"x" * 2 ** 20 for _ in range(40))
+    r = httpx.post(f"{srv.url}{C}", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert api.memory_info().rss - before < 50 * 2 ** 20
+    _serves(srv)
 
 
 @pytest.mark.parametrize("field, value, param", [

@@ -73,3 +73,45 @@ def test_past_the_shutdown_grace_period_a_running_request_is_a_503() -> None:
     # and a request arriving after that is refused the same way
     status, _ = _status_and_body(asyncio.run(_call(guard)))
     assert status == 503
+
+
+def _body_of(size: int, chunks: int, declared: bool) -> tuple[dict, Any]:
+    """(scope, receive) of a POST whose body is ``size`` bytes in ``chunks`` messages."""
+    headers = [(b"content-length", str(size).encode())] if declared else []
+    parts = [b"x" * (size // chunks)] * chunks
+    messages = iter([{"type": "http.request", "body": p, "more_body": i < chunks - 1} for i, p in enumerate(parts)])
+
+    async def receive() -> dict:
+        return next(messages, {"type": "http.disconnect"})
+
+    return {**SCOPE, "headers": headers}, receive
+
+
+async def _reads_body(scope: Any, receive: Any, send: Any) -> None:
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": str(len(body)).encode()})
+
+
+def test_a_body_over_the_cap_is_a_413_before_it_is_read_whole() -> None:
+    guard = HTTPGuard(_reads_body, max_body_bytes=1000)
+    for size, chunks, declared, status in ((1000, 2, True, 200), (1001, 1, True, 413), (4000, 4, False, 413),
+                                           (1000, 4, False, 200)):
+        scope, receive = _body_of(size, chunks, declared)
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        asyncio.run(guard(scope, receive, send))
+        got, body = _status_and_body(sent)
+        assert got == status, (size, chunks, declared, got)
+        if status == 413:
+            assert json.loads(body)["error"]["code"] == "body_too_large"
