@@ -33,6 +33,14 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    """A last chunk with the request's usage (and no choices) before [DONE]."""
+    continuous_usage_stats: bool = False
+    """vLLM's extra, with include_usage: every chunk also carries its choice's usage so far (guidellm asks)."""
+
+    @property
+    def every_chunk(self) -> bool:
+        """Whether each chunk carries usage."""
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingFields(OpenAIModel):

@@ -17,7 +17,7 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, check_constraint,
                                                check_sampling_limits)
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob, RequestOutput
@@ -291,6 +291,12 @@ async def unless_disconnected(work: Awaitable[T], raw: Request) -> T | None:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """OpenAI's usage block."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def sse(payload: Any) -> str:

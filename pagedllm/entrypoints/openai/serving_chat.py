@@ -11,14 +11,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatCompletionStreamResponse, ChatLogprobs, ChatMessage,
                                                   ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob,
-                                                  DeltaMessage, FunctionCall, ToolCall, TopLogprob, UsageInfo,
+                                                  DeltaMessage, FunctionCall, ToolCall, TopLogprob,
                                                   random_id)
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
 from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constrained_calls, constraint,
                                                     tool_functions)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.limits import check_constraint, check_tools
-from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse
+from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse, usage_info
 from pagedllm.engine.processor import render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput
@@ -65,7 +65,8 @@ class OpenAIServingChat(OpenAIServing):
         if streams is None:
             return Response(status_code=499)  # the client went away while its request was prepared
         if req.stream:
-            return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, tools)),
+            return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, tools,
+                                                                               len(prompt_ids))),
                                      media_type="text/event-stream")
         outputs = await self.outputs(streams, raw)
         if outputs is None:
@@ -77,25 +78,28 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, logprobs),
                                       finish_reason=finish, stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
-        usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
-                          total_tokens=len(prompt_ids) + completion)
+        usage = usage_info(len(prompt_ids), completion)
         return JSONResponse(ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                                    usage=usage).model_dump())
 
     def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode"
                  ) -> tuple[ChatResponseMessage, str | None]:
-        """One finished choice: (its message, its finish_reason: "tool_calls" when it called tools)."""
+        """One finished choice: (its message, its finish_reason: "tool_calls" when it called tools; "length", as
+        vLLM, when max_tokens ended it, with the calls if the forced call's JSON was complete by then)."""
         split = self._split(text)
         calls = []
         content = split.content
-        if tools.constraint is not None and finish_reason == "stop":
-            calls, content = constrained_calls(split.content or "", tools.named), None
+        if tools.constraint is not None and finish_reason in ("stop", "length"):
+            try:
+                calls, content = constrained_calls(split.content or "", tools.named), None
+            except ValueError:  # cut by max_tokens before the JSON ended (the grammar makes a whole reply parse)
+                assert finish_reason == "length", "a forced tool call that finished must parse"
         elif tools.parser is not None:
             content, calls = tools.parser.parse(split.content or "")
         calls = calls if tools.parallel else calls[:1]
         message = ChatResponseMessage(content=content, reasoning_content=split.reasoning, tool_calls=[
             ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
-        return message, "tool_calls" if calls else finish_reason
+        return message, "tool_calls" if calls and finish_reason != "length" else finish_reason
 
     def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
                             tools: list[dict] | None = None) -> tuple[str, list[int]]:
@@ -149,18 +153,25 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     async def _stream(self, request_id: str, model: str, req: ChatCompletionRequest, streams: list,
-                      tools: "_ToolMode") -> AsyncIterator[str]:
+                      tools: "_ToolMode", prompt_tokens: int) -> AsyncIterator[str]:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
+        every_chunk = req.stream_options is not None and req.stream_options.every_chunk
+        generated: dict[int, int] = {}  # per choice, its tokens so far (continuous usage)
+
+        def chunk(choice: ChatStreamChoice) -> str:
+            usage = usage_info(prompt_tokens, generated.get(choice.index, 0)) if every_chunk else None
+            return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage))
+
         for index in range(req.n):  # the first chunk of each choice names the role
-            first = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-            yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[first]))
-        prompt_tokens = completion_tokens = 0
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        completion_tokens = 0
         parsers: dict[int, ReasoningStream] = {}
         texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
         async for _, out in merge_streams(streams):
             prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
+                generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
                 if tools.active:  # tool calls are known once the reply is: it is sent whole, at its end
                     texts[c.index] = texts.get(c.index, "") + c.text
                     if c.finish_reason is None:
@@ -171,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
                     choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(
                         content=message.content, reasoning_content=message.reasoning_content, tool_calls=calls or None),
                         finish_reason=finish, stop_reason=c.stop_reason)
-                    yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+                    yield chunk(choice)
                     continue
                 if self.reasoning_parser is None:
                     delta = DeltaMessage(content=c.text)
@@ -182,10 +193,9 @@ class OpenAIServingChat(OpenAIServing):
                 choice = ChatStreamChoice(index=c.index, delta=delta,
                                           logprobs=self._logprobs(c, top_n), finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason)
-                yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+                yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
-            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens)
+            usage = usage_info(prompt_tokens, completion_tokens)
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage))
         yield SSE_DONE
 

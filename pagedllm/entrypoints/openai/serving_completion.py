@@ -10,7 +10,7 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, PromptLogprob, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.limits import check_count
-from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse
+from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse, usage_info
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams
@@ -110,7 +110,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _usage(outputs: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return usage_info(prompt, completion)
 
     async def _stream(self, request_id: str, model: str, req: CompletionRequest, streams: list,
                       echoes: list[str]) -> AsyncIterator[str]:
@@ -118,6 +118,8 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
+        generated: dict[int, int] = {}  # per choice, its tokens so far (continuous usage)
+        every_chunk = req.stream_options is not None and req.stream_options.every_chunk
         async for i, out in merge_streams(streams):
             prompt_tokens[i] = len(out.prompt_token_ids)
             for c in out.outputs:
@@ -131,10 +133,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     offsets[index] = offsets.get(index, len(echo)) + sum(len(t) for t in lp.tokens)
                 choice = CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason)
-                yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+                generated[index] = generated.get(index, 0) + len(c.token_ids)
+                usage = usage_info(prompt_tokens[i], generated[index]) if every_chunk else None
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage))
         if req.stream_options and req.stream_options.include_usage:
-            total_prompt = sum(prompt_tokens.values())
-            usage = UsageInfo(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
-                              total_tokens=total_prompt + completion_tokens)
+            usage = usage_info(sum(prompt_tokens.values()), completion_tokens)
             yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         yield SSE_DONE

@@ -159,3 +159,25 @@ def test_prompt_logprobs(client: openai.OpenAI, tokenizer: Any) -> None:
         assert scored[0] is None and len(scored) == len(ids)
         for token, entry in zip(ids[1:], scored[1:]):
             assert str(token) in entry and len(entry) <= 3 and entry[str(token)]["logprob"] <= 0.0
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(client: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): each chunk carries its choice's usage
+    so far, and the last chunk the request's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    completion = list(client.completions.create(model=MODEL, prompt="Count with me", max_tokens=6, temperature=0,
+                                                stream=True, stream_options=options, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in completion]
+    assert all(c.usage is not None for c in completion) and counts == sorted(counts) and counts[-2:] == [6, 6]
+    assert len({c.usage.prompt_tokens for c in completion}) == 1
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=5, temperature=0, stream=True, stream_options=options,
+                                               extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert all(c.usage is not None and c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+               for c in chat)
+    assert chat[-2].usage.completion_tokens == 5 and not chat[-1].choices
+    # without include_usage it changes nothing (as vLLM)
+    plain = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)

@@ -114,3 +114,20 @@ def test_auto_with_a_parser_serves(tiny_llm_dir) -> None:
         assert choice["message"]["tool_calls"] == [] and choice["message"]["content"]
         stream = http.post("/v1/chat/completions", json={**body, "stream": True}).text
         assert '"finish_reason":"length"' in stream.replace(" ", "")
+
+
+def test_a_call_cut_by_max_tokens_is_parsed_when_complete(client: openai.OpenAI) -> None:
+    """As vLLM: a forced call whose arguments are complete JSON when max_tokens ends it comes back as the call,
+    with finish_reason "length"; cut before its end, the reply stays text."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    args = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, temperature=1.0, seed=3)
+    whole = client.chat.completions.create(max_tokens=60, **args)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    arguments = whole.choices[0].message.tool_calls[0].function.arguments
+    n = whole.usage.completion_tokens
+    cut = [client.chat.completions.create(max_tokens=m, **args).choices[0] for m in (n - 1, n)]
+    complete = [c for c in cut if c.finish_reason == "length"]  # (the end of the JSON, with or without its EOS)
+    assert complete and complete[-1].message.tool_calls[0].function.arguments == arguments
+    assert complete[-1].message.content is None
+    short = client.chat.completions.create(max_tokens=2, **args).choices[0]
+    assert short.finish_reason == "length" and not short.message.tool_calls and short.message.content
