@@ -31,8 +31,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                   value=req.prompt_logprobs)
         self.check_prompt_size(req.prompt, "prompt")
         prompts = self._prompts(req.prompt)
+        # echo with logprobs scores the prompt too (lm-eval's log-likelihoods): its tokens' log-probabilities lead
+        prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
         params = self._beam_params(req) if req.use_beam_search else \
-            self.sampling_params(req, req.max_tokens, req.logprobs, req.stream, req.prompt_logprobs)
+            self.sampling_params(req, req.max_tokens, req.logprobs, req.stream, prompt_logprobs)
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, prompts, params, lora, raw)
         if streams is None:
@@ -44,8 +46,10 @@ class OpenAIServingCompletion(OpenAIServing):
         outputs = await self.outputs(streams, raw)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        choices = [self._choice(i * req.n + c.index, c, echoes[i], None if req.use_beam_search else req.logprobs,
-                                getattr(out, "prompt_logprobs", None))
+        logprobs = None if req.use_beam_search else req.logprobs
+        choices = [self._choice(i * req.n + c.index, c, echoes[i], logprobs,
+                                getattr(out, "prompt_logprobs", None) if req.prompt_logprobs is not None else None,
+                                self._echo_logprobs(out, logprobs) if req.echo else None)
                    for i, out in enumerate(outputs) for c in out.outputs]
         usage = self._usage(outputs)
         return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump())
@@ -84,27 +88,57 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt["prompt_token_ids"])
 
     def _choice(self, index: int, c: CompletionOutput, echo: str, logprobs: int | None,
-                prompt_logprobs: list | None = None) -> CompletionChoice:
-        lp = None if c.logprobs is None else self._logprobs(c, len(echo), logprobs or 0)
+                prompt_logprobs: list | None = None, echoed: CompletionLogprobs | None = None) -> CompletionChoice:
+        lp = None if c.logprobs is None else self._logprobs(c, self._end(echoed, len(echo)), logprobs or 0, echoed)
         scored = None if prompt_logprobs is None else [
             None if entry is None else {t: PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.decoded_token)
                                         for t, e in entry.items()} for entry in prompt_logprobs]
         return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason, prompt_logprobs=scored)
 
-    def _logprobs(self, c: CompletionOutput, offset: int, top_n: int) -> CompletionLogprobs:
-        out = CompletionLogprobs()
+    def _logprobs(self, c: CompletionOutput, offset: int, top_n: int,
+                  before: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        """OpenAI's logprobs of the generated tokens, after ``before`` (the echoed prompt's) when given."""
+        out = CompletionLogprobs() if before is None else before.model_copy(deep=True)
         for token_id, entry in zip(c.token_ids, c.logprobs or []):
+            offset = self._append(out, token_id, entry, offset, top_n)
+        return out
+
+    def _append(self, out: CompletionLogprobs, token_id: int, entry: dict | None, offset: int, top_n: int) -> int:
+        """One token into ``out`` (``entry`` None: the prompt's first token, which nothing predicts); the next
+        token's text offset."""
+        if entry is None:
+            text = self.tokenizer.decode([token_id])
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
             sampled = entry[token_id]
             text = sampled.decoded_token or ""
-            out.tokens.append(text)
             out.token_logprobs.append(sampled.logprob)
-            out.text_offset.append(offset)
             top = {lp.decoded_token: lp.logprob for _, lp in self.top_entries(entry, top_n)}
             top.setdefault(text, sampled.logprob)
             out.top_logprobs.append(top)
-            offset += len(text)
-        return out
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        return offset + len(text)
+
+    def _echo_logprobs(self, out: RequestOutput, top_n: int | None) -> CompletionLogprobs | None:
+        """With echo and logprobs: the prompt's tokens as OpenAI and vLLM list them (the first with a null
+        log-probability), offsets counted from the start of the echoed text."""
+        scored = getattr(out, "prompt_logprobs", None)
+        if top_n is None or scored is None:
+            return None
+        echoed, offset = CompletionLogprobs(), 0
+        for token_id, entry in zip(out.prompt_token_ids, scored):
+            offset = self._append(echoed, token_id, entry, offset, top_n)
+        return echoed
+
+    @staticmethod
+    def _end(echoed: CompletionLogprobs | None, default: int) -> int:
+        """The text offset after the echoed prompt's tokens (``default`` without them)."""
+        if echoed is None or not echoed.tokens:
+            return default
+        return echoed.text_offset[-1] + len(echoed.tokens[-1])
 
     @staticmethod
     def _usage(outputs: list[RequestOutput]) -> UsageInfo:
@@ -120,17 +154,23 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets: dict[int, int] = {}
         generated: dict[int, int] = {}  # per choice, its tokens so far (continuous usage)
         every_chunk = req.stream_options is not None and req.stream_options.every_chunk
+        prompt_lps: dict[int, CompletionLogprobs | None] = {}  # per prompt: its echoed tokens' logprobs
         async for i, out in merge_streams(streams):
             prompt_tokens[i] = len(out.prompt_token_ids)
+            if req.echo and i not in prompt_lps:  # (they come with a prompt's first output)
+                prompt_lps[i] = self._echo_logprobs(out, req.logprobs)
             for c in out.outputs:
                 index = i * req.n + c.index
-                echo = echoes[i] if index not in echoed else ""
+                first = index not in echoed
+                echo = echoes[i] if first else ""
+                before = prompt_lps.get(i) if first else None
                 echoed.add(index)
                 completion_tokens += len(c.token_ids)
                 lp = None
                 if c.logprobs is not None:
-                    lp = self._logprobs(c, offsets.get(index, len(echo)), req.logprobs or 0)
-                    offsets[index] = offsets.get(index, len(echo)) + sum(len(t) for t in lp.tokens)
+                    start = offsets.get(index, self._end(before, len(echo)))
+                    lp = self._logprobs(c, start, req.logprobs or 0, before)
+                    offsets[index] = self._end(lp, start)
                 choice = CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason)
                 generated[index] = generated.get(index, 0) + len(c.token_ids)

@@ -181,3 +181,28 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(client: openai.OpenAI) 
     plain = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True,
                                            stream_options={"continuous_usage_stats": True}))
     assert all(c.usage is None for c in plain)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, server, tokenizer: Any) -> None:
+    """lm-eval's log-likelihoods (echo, logprobs=1, max_tokens=1): one entry per prompt token, the first null,
+    then the generated one; the same values as vLLM's prompt_logprobs, streamed or not, cached prefix or not."""
+    prompt = "The quick brown fox jumps over the lazy dog because it was"
+    ids = tokenizer.encode(prompt)
+    args = dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    first = client.completions.create(**args).choices[0]
+    lp = first.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert first.text.startswith(prompt) and "".join(lp.tokens) == first.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
+    scored = httpx.post(f"{server.url}/v1/completions", timeout=30, json={**args, "echo": False, "logprobs": None,
+                                                                          "prompt_logprobs": 0}).json()
+    want = [None] + [entry[str(t)]["logprob"] for entry, t in zip(scored["choices"][0]["prompt_logprobs"][1:], ids[1:])]
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(want[1:], abs=1e-5)
+    again = client.completions.create(**args).choices[0].logprobs  # the prompt's blocks now cached
+    assert again.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    chunks = list(client.completions.create(stream=True, **args))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.text
