@@ -1,6 +1,7 @@
 """POST /v1/completions."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -33,21 +34,24 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._prompts(req.prompt)
         # echo with logprobs scores the prompt too (lm-eval's log-likelihoods): its tokens' log-probabilities lead
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
+        # echo with max_tokens 0: the prompt alone (scored); as vLLM, one token is generated and left out
+        only_echo = req.echo and req.max_tokens == 0 and not req.use_beam_search
         params = self._beam_params(req) if req.use_beam_search else \
-            self.sampling_params(req, req.max_tokens, req.logprobs, req.stream, prompt_logprobs)
+            self.sampling_params(req, 1 if only_echo else req.max_tokens, req.logprobs, req.stream, prompt_logprobs)
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, prompts, params, lora, raw)
         if streams is None:
             return Response(status_code=499)  # the client went away while its request was prepared
         echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
         if req.stream:
-            return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, echoes)),
+            return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, echoes,
+                                                                         only_echo)),
                                      media_type="text/event-stream")
         outputs = await self.outputs(streams, raw)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         logprobs = None if req.use_beam_search else req.logprobs
-        choices = [self._choice(i * req.n + c.index, c, echoes[i], logprobs,
+        choices = [self._choice(i * req.n + c.index, _without_generation(c) if only_echo else c, echoes[i], logprobs,
                                 getattr(out, "prompt_logprobs", None) if req.prompt_logprobs is not None else None,
                                 self._echo_logprobs(out, logprobs) if req.echo else None)
                    for i, out in enumerate(outputs) for c in out.outputs]
@@ -147,7 +151,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return usage_info(prompt, completion)
 
     async def _stream(self, request_id: str, model: str, req: CompletionRequest, streams: list,
-                      echoes: list[str]) -> AsyncIterator[str]:
+                      echoes: list[str], only_echo: bool = False) -> AsyncIterator[str]:
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         echoed: set[int] = set()
@@ -160,12 +164,14 @@ class OpenAIServingCompletion(OpenAIServing):
             if req.echo and i not in prompt_lps:  # (they come with a prompt's first output)
                 prompt_lps[i] = self._echo_logprobs(out, req.logprobs)
             for c in out.outputs:
+                completion_tokens += len(c.token_ids)  # (echo without generation too: as vLLM, its one token)
+                generated[i * req.n + c.index] = generated.get(i * req.n + c.index, 0) + len(c.token_ids)
+                c = _without_generation(c) if only_echo else c
                 index = i * req.n + c.index
                 first = index not in echoed
                 echo = echoes[i] if first else ""
                 before = prompt_lps.get(i) if first else None
                 echoed.add(index)
-                completion_tokens += len(c.token_ids)
                 lp = None
                 if c.logprobs is not None:
                     start = offsets.get(index, self._end(before, len(echo)))
@@ -173,10 +179,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     offsets[index] = self._end(lp, start)
                 choice = CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason)
-                generated[index] = generated.get(index, 0) + len(c.token_ids)
                 usage = usage_info(prompt_tokens[i], generated[index]) if every_chunk else None
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage))
         if req.stream_options and req.stream_options.include_usage:
             usage = usage_info(sum(prompt_tokens.values()), completion_tokens)
             yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         yield SSE_DONE
+
+
+def _without_generation(c: CompletionOutput) -> CompletionOutput:
+    """An output with its generated text, tokens and log-probabilities left out (echo with max_tokens 0); its
+    finish reason stays."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])

@@ -206,3 +206,16 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, server, tok
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == first.text
+
+
+def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(client: openai.OpenAI, tokenizer: Any) -> None:
+    prompt = "Scoring a prompt without generating"
+    args = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    whole = client.completions.create(**args).choices[0]
+    assert whole.text == prompt and len(whole.logprobs.tokens) == len(tokenizer.encode(prompt))
+    assert whole.logprobs.token_logprobs[0] is None and "".join(whole.logprobs.tokens) == prompt
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **args) if c.choices]
+    assert "".join(c.text for c in chunks) == prompt
+    assert [t for c in chunks for t in c.logprobs.token_logprobs] == pytest.approx(whole.logprobs.token_logprobs)
+    with pytest.raises(openai.BadRequestError):  # without echo, as vLLM: at least one token
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
