@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, check_refs
 
 if TYPE_CHECKING:
     from pagedllm.worker.structured_output import GrammarCompiler
@@ -98,6 +98,8 @@ class Processor:
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         if params.structured_outputs is not None:  # a bad schema / regex is refused here, before queueing
+            if params.structured_outputs.json is not None:  # here, not in the compiler: never on the step loop
+                check_refs(params.structured_outputs.json)
             self.grammars().compile(params.structured_outputs)
 
     def grammars(self) -> GrammarCompiler:

@@ -105,7 +105,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One step: every scheduled request's tokens through the model, then a sample per request that needs
         one. A request whose own sampling state fails is reported in ``failed``; the step goes on."""
-        self._failed: dict[str, str] = {}
+        self._failed = {}
         result = self._execute(out)
         result.failed = self._failed
         return result

@@ -19,7 +19,7 @@ import torch
 
 from pagedllm.config import DEFAULT_GRAMMAR_CACHE_BYTES
 from pagedllm.errors import ValidationError
-from pagedllm.sampling_params import StructuredOutputsParams, check_refs
+from pagedllm.sampling_params import StructuredOutputsParams
 
 
 def _xgrammar() -> Any:
@@ -56,8 +56,6 @@ class GrammarCompiler:
         """The compiled grammar of ``spec`` (from the cache when it is there); a bad schema, regex or grammar
         raises ValidationError naming ``structured_outputs.<kind>``."""
         kind = spec.kind
-        if kind == "json":
-            check_refs(spec.json)
         try:
             # JSON without free whitespace between tokens (one space after ':' and ','): a model cannot
             # pad its reply with newlines until max_tokens runs out

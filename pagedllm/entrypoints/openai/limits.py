@@ -154,7 +154,7 @@ def check_constraint(spec: StructuredOutputsParams | None, limits: ServingLimits
         if depth > limits.max_schema_depth:
             raise ValidationError(f"{param} nests {depth} levels deep; this server compiles at most "
                                   f"{limits.max_schema_depth} (--max-schema-depth)", param=param, value=depth)
-        check_refs(schema, param)  # (the compiler checks again: offline requests too)
+        check_refs(schema, param)  # (the engine's processor checks again: offline requests too)
 
 
 _FLAGGED_ELSEWHERE = ("max_waiting_requests", "request_timeout", "max_prompt_bytes")
