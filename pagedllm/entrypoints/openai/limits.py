@@ -39,7 +39,7 @@ class ServingLimits:
     max_n: int | None = None
     """Most samples (n, best_of, beams) of one prompt. None: the engine's max_num_seqs (no more can run at once)."""
     max_prompts: int = 1024
-    """Most prompts in one completion request."""
+    """Most prompts in one completion request, and most samples (prompts times n) in one request."""
     max_stop_strings: int = 64
     """Most stop strings in one request."""
     max_bad_words: int = 256
@@ -101,6 +101,13 @@ def check_sampling_limits(req: Any, limits: ServingLimits, max_num_seqs: int) ->
     check_words(req.bad_words, limits, "bad_words", "--max-bad-words", limits.max_bad_words)
     for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
         check_count(getattr(req, name), limits.max_logit_bias, name, "--max-logit-bias")
+
+
+def check_samples(num_prompts: int, n: int, limits: ServingLimits) -> None:
+    """A completion's prompts times its samples each within max_prompts (each sample is a sequence to run)."""
+    if num_prompts * n > limits.max_prompts:
+        raise ValidationError(f"{num_prompts} prompts x n {n} is {num_prompts * n} samples; this server runs at most "
+                              f"{limits.max_prompts} in one request (--max-prompts)", param="n", value=n)
 
 
 def check_tools(tools: list[dict] | None, limits: ServingLimits) -> None:

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, PromptLogprob, UsageInfo, random_id)
-from pagedllm.entrypoints.openai.limits import check_count
+from pagedllm.entrypoints.openai.limits import check_count, check_samples
 from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse, usage_info
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -32,6 +32,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                   value=req.prompt_logprobs)
         self.check_prompt_size(req.prompt, "prompt")
         prompts = self._prompts(req.prompt)
+        check_samples(len(prompts), max(req.n or 1, req.best_of or 1), self.limits)
         # echo with logprobs scores the prompt too (lm-eval's log-likelihoods): its tokens' log-probabilities lead
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
         # echo with max_tokens 0: the prompt alone (scored); as vLLM, one token is generated and left out

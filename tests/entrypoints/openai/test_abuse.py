@@ -114,9 +114,10 @@ def test_a_huge_body_is_a_413_before_it_is_read(srv: RemoteServer) -> None:
     ("logit_bias", {str(i): 1.0 for i in range(1025)}, "logit_bias"),
     ("allowed_token_ids", list(range(1025)), "allowed_token_ids"),
     ("prompt", ["a"] * 1025, "prompt"),
+    ("prompt", ["a"] * 1024, "n"),  # with n=2 below: 2048 samples over --max-prompts
 ])
 def test_each_size_over_its_limit_is_a_400_naming_it(srv: RemoteServer, field: str, value: Any, param: str) -> None:
-    body = {"prompt": "Hello", "max_tokens": 2, field: value}
+    body = {"prompt": "Hello", "max_tokens": 2, field: value, **({"n": 2} if param == "n" else {})}
     _refused(httpx.post(f"{srv.url}{C}", json=body, timeout=30), param)
 
 
