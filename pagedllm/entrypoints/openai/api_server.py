@@ -40,6 +40,8 @@ from pagedllm.entrypoints.openai.serving import (Admission, OverloadedError, Req
                                                  RequestTimeoutError)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import (OpenAIServingResponses, ResponseNotFoundError,
+                                                           ResponseStore, add_responses_routes)
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger("pagedllm.server")
@@ -115,8 +117,9 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
                              chat_template)
     admission = Admission()  # one waiting count for both endpoints
+    limits = limits or ServingLimits()
     for serving in (completion, chat):
-        serving.limits = limits or ServingLimits()
+        serving.limits = limits
         serving.on_refused = metrics.on_refused
         serving.admission = admission
     config = engine.config
@@ -151,6 +154,10 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
     @app.exception_handler(ModelNotFoundError)
     async def on_model_not_found(_: Request, exc: ModelNotFoundError) -> JSONResponse:
         return error_response(404, str(exc), param=exc.param, code="model_not_found")
+
+    @app.exception_handler(ResponseNotFoundError)
+    async def on_response_not_found(_: Request, exc: ResponseNotFoundError) -> JSONResponse:
+        return error_response(404, str(exc), param="response_id", code="not_found")
 
     @app.exception_handler(OverloadedError)
     async def on_overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
@@ -225,6 +232,9 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(req, raw)
+
+    store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes)
+    add_responses_routes(app, OpenAIServingResponses(chat, store))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -61,6 +61,13 @@ class ServingLimits:
     """Deepest nesting of objects and arrays in one JSON schema (a response_format's, structured_outputs', or the
     one tool_choice makes of the tools)."""
 
+    max_stored_responses: int = 1000
+    """Most responses kept for GET /v1/responses/{id} and previous_response_id (``store: true``); the least
+    recently used goes first."""
+    max_stored_response_bytes: int = 64 * 1024 * 1024
+    """Most bytes (as JSON, conversations included) of all stored responses together; the least recently used
+    goes first."""
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)

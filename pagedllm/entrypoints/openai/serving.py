@@ -115,9 +115,11 @@ class OpenAIServing:
             self.on_refused("timeout")
             raise
 
-    async def with_error_events(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """A stream's events; a timeout or a dead engine after the response started becomes an error event in
-        OpenAI's error shape, then [DONE] (the status line was already sent)."""
+    async def with_error_events(self, events: AsyncIterator[str],
+                                error_events: Callable[[ErrorInfo], list[str]] | None = None) -> AsyncIterator[str]:
+        """A stream's events; a timeout, a failed request or a dead engine after the response started becomes
+        ``error_events(error)`` (default: an event in OpenAI's error shape, then [DONE]; the status line was
+        already sent)."""
         try:
             async for event in events:
                 yield event
@@ -128,8 +130,8 @@ class OpenAIServing:
             code = "request_timeout" if timeout else "request_failed" if isinstance(e, RequestFailedError) else \
                 "engine_dead"
             error = ErrorInfo(message=str(e), type="timeout_error" if timeout else "server_error", code=code)
-            yield sse(ErrorResponse(error=error))
-            yield SSE_DONE
+            for event in (error_events or _openai_error_events)(error):
+                yield event
 
     def check_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
         """(the model name to answer with, the LoRA adapter it names or None); a name we do not serve raises
@@ -305,6 +307,11 @@ def sse(payload: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def _openai_error_events(error: ErrorInfo) -> list[str]:
+    """A failure on a chat or completion stream: the error in OpenAI's shape, then [DONE]."""
+    return [sse(ErrorResponse(error=error)), SSE_DONE]
 
 
 RESPONSE_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}

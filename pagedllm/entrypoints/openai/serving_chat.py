@@ -18,7 +18,8 @@ from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constra
                                                     tool_functions)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.limits import check_constraint, check_tools
-from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse, usage_info
+from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamGroup, merge_streams, sse,
+                                                 usage_info)
 from pagedllm.engine.processor import render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput
@@ -42,6 +43,20 @@ class OpenAIServingChat(OpenAIServing):
         return ReasoningSplit(None, text) if self.reasoning_parser is None else self.reasoning_parser.split(text)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        run = await self.start(req, raw)
+        if run is None:
+            return Response(status_code=499)  # the client went away while its request was prepared
+        if req.stream:
+            events = (sse(chunk) async for chunk in self.chunks(run, req))
+            return StreamingResponse(self.with_error_events(_then_done(events)), media_type="text/event-stream")
+        completion = await self.response(run, raw)
+        if completion is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(completion.model_dump())
+
+    async def start(self, req: ChatCompletionRequest, raw: Request) -> "ChatRun | None":
+        """Check the request, render its prompt and queue it (None: the client went away meanwhile). The one
+        request path of chat completions, and of the Responses and Messages APIs mapped onto it."""
         model, lora = self.check_model(req.model)
         self.check_limits(req)
         check_tools(req.tools, self.limits)
@@ -63,24 +78,23 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params, lora,
                                      raw)
         if streams is None:
-            return Response(status_code=499)  # the client went away while its request was prepared
-        if req.stream:
-            return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, tools,
-                                                                               len(prompt_ids))),
-                                     media_type="text/event-stream")
-        outputs = await self.outputs(streams, raw)
+            return None
+        return ChatRun(request_id, model, streams, tools, len(prompt_ids), logprobs)
+
+    async def response(self, run: "ChatRun", raw: Request) -> ChatCompletionResponse | None:
+        """The finished reply of a queued request (None: the client disconnected first)."""
+        outputs = await self.outputs(run.streams, raw)
         if outputs is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
+            return None
         out = outputs[0]
         choices = []
         for c in out.outputs:
-            message, finish = self._message(c.text, c.finish_reason, tools)
-            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, logprobs),
+            message, finish = self._message(c.text, c.finish_reason, run.tools)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, run.logprobs),
                                       finish_reason=finish, stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
-        usage = usage_info(len(prompt_ids), completion)
-        return JSONResponse(ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                                   usage=usage).model_dump())
+        return ChatCompletionResponse(id=run.request_id, model=run.model, choices=choices,
+                                      usage=usage_info(run.prompt_tokens, completion))
 
     def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode"
                  ) -> tuple[ChatResponseMessage, str | None]:
@@ -152,15 +166,18 @@ class OpenAIServingChat(OpenAIServing):
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    async def _stream(self, request_id: str, model: str, req: ChatCompletionRequest, streams: list,
-                      tools: "_ToolMode", prompt_tokens: int) -> AsyncIterator[str]:
-        top_n = (req.top_logprobs or 0) if req.logprobs else None
+    async def chunks(self, run: "ChatRun", req: ChatCompletionRequest
+                     ) -> AsyncIterator[ChatCompletionStreamResponse]:
+        """A queued request's reply as chat completion chunks (the last with the usage, if asked); errors
+        raise (the caller turns them into its API's error event)."""
+        request_id, model, streams, tools = run.request_id, run.model, run.streams, run.tools
+        prompt_tokens, top_n = run.prompt_tokens, run.logprobs
         every_chunk = req.stream_options is not None and req.stream_options.every_chunk
         generated: dict[int, int] = {}  # per choice, its tokens so far (continuous usage)
 
-        def chunk(choice: ChatStreamChoice) -> str:
+        def chunk(choice: ChatStreamChoice) -> ChatCompletionStreamResponse:
             usage = usage_info(prompt_tokens, generated.get(choice.index, 0)) if every_chunk else None
-            return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage))
+            return ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage)
 
         for index in range(req.n):  # the first chunk of each choice names the role
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
@@ -196,8 +213,28 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
             usage = usage_info(prompt_tokens, completion_tokens)
-            yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage))
-        yield SSE_DONE
+            yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
+
+
+async def _then_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events, then OpenAI's closing [DONE]."""
+    async for event in events:
+        yield event
+    yield SSE_DONE
+
+
+@dataclass
+class ChatRun:
+    """A chat request queued in the engine: what its reply is built from."""
+
+    request_id: str
+    model: str
+    """The model name to answer with."""
+    streams: StreamGroup
+    tools: "_ToolMode"
+    prompt_tokens: int
+    logprobs: int | None
+    """How many top alternatives each token's logprobs list (None: no logprobs)."""
 
 
 @dataclass

@@ -1,0 +1,480 @@
+"""POST /v1/responses (and GET / DELETE of stored responses): the OpenAI Responses API as a thin mapping
+onto the chat completions path.
+
+A request becomes a ChatCompletionRequest (input items -> messages, instructions -> a system message,
+text.format -> response_format, flat function tools -> chat tools) and runs through
+OpenAIServingChat.start: the same template, limits, tool calling, structured outputs and reasoning
+parser. Its reply (or its stream of chat chunks) is mapped back into output items and events.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError as PydanticValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ErrorInfo
+from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, function_call_item, message_item,
+                                                            new_id, output_text, reasoning_item, response_object,
+                                                            usage_of)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.errors import ValidationError
+
+PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+               "response_format": "text.format", "structured_outputs": "text.format"}
+"""A chat request's field -> the Responses field it was made from (an error names what the client sent)."""
+METADATA_LIMITS = (16, 64, 512)
+"""OpenAI's bounds on metadata: pairs, characters of a key, characters of a value."""
+
+
+class ResponseNotFoundError(Exception):
+    """GET/DELETE of an id that is not (or no longer) stored: 404."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.")
+
+
+class ResponseStore:
+    """Stored responses (``store: true``) for GET, DELETE and ``previous_response_id``: at most ``max_count``
+    of them and ``max_bytes`` of JSON, the least recently used dropped first."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self.max_count, self.max_bytes = max_count, max_bytes
+        self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self.bytes = 0
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        """Store a finished response with the conversation that continues from it (its input and output as
+        chat messages); one larger than the whole store is not kept."""
+        size = len(json.dumps([response, conversation], ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        if size > self.max_bytes:
+            return
+        self.delete(response["id"])
+        self._items[response["id"]] = (response, conversation, size)
+        self.bytes += size
+        while len(self._items) > self.max_count or self.bytes > self.max_bytes:
+            _, (_, _, dropped) = self._items.popitem(last=False)
+            self.bytes -= dropped
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        """(the response, its conversation) or None; a hit counts as a use."""
+        item = self._items.get(response_id)
+        if item is None:
+            return None
+        self._items.move_to_end(response_id)
+        return item[0], item[1]
+
+    def delete(self, response_id: str) -> bool:
+        item = self._items.pop(response_id, None)
+        if item is not None:
+            self.bytes -= item[2]
+        return item is not None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class OpenAIServingResponses:
+    """The Responses API over a chat server's request path."""
+
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
+        self.chat = chat
+        self.store = store
+
+    async def create(self, req: ResponsesRequest, raw: Request) -> Response:
+        conversation = self._conversation(req)
+        chat_req = self._chat_request(req, conversation)
+        try:
+            run = await self.chat.start(chat_req, raw)
+        except ValidationError as e:
+            raise _renamed(e) from None
+        if run is None:
+            return Response(status_code=499)  # the client went away while its request was prepared
+        response_id, created = new_id("resp"), int(time.time())
+        if req.stream:
+            events = self._events(req, run, chat_req, response_id, created, conversation)
+            return StreamingResponse(self.chat.with_error_events(events, self._error_events(req, run.model,
+                                                                                            response_id, created)),
+                                     media_type="text/event-stream")
+        completion = await self.chat.response(run, raw)
+        if completion is None:
+            return Response(status_code=499)
+        choice = completion.choices[0]
+        message = choice.message
+        calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
+        output = _output(message.reasoning_content, message.content, calls)
+        response = response_object(response_id, req, run.model, created, output, _status(choice.finish_reason),
+                                   usage_of(completion.usage))
+        self._keep(req, response, conversation)
+        return JSONResponse(response)
+
+    def get(self, response_id: str) -> dict:
+        found = self.store.get(response_id)
+        if found is None:
+            raise ResponseNotFoundError(response_id)
+        return found[0]
+
+    def delete(self, response_id: str) -> dict:
+        if not self.store.delete(response_id):
+            raise ResponseNotFoundError(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def _keep(self, req: ResponsesRequest, response: dict, conversation: list[dict]) -> None:
+        if req.store:
+            self.store.put(response, conversation + _as_messages(response["output"]))
+
+    def _conversation(self, req: ResponsesRequest) -> list[dict]:
+        """The conversation so far as chat messages: the previous response's (its input and output, not its
+        instructions, as OpenAI), then this input."""
+        earlier: list[dict] = []
+        if req.previous_response_id is not None:
+            found = self.store.get(req.previous_response_id)
+            if found is None:
+                raise ValidationError(f"Previous response with id '{req.previous_response_id}' not found (it was "
+                                      "not stored, was deleted, or the server's response store dropped it)",
+                                      param="previous_response_id", value=req.previous_response_id)
+            earlier = found[1]
+        return earlier + _input_messages(req.input)
+
+    def _chat_request(self, req: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+        """The chat completion request this Responses request maps onto (400 naming what cannot be)."""
+        _refuse_unsupported(req)
+        messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + \
+            conversation
+        fields: dict[str, Any] = {
+            "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stream": req.stream,
+            "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
+            "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice), "user": req.user}
+        if req.stream:
+            fields["stream_options"] = {"include_usage": True}
+        try:
+            return ChatCompletionRequest(**fields)
+        except PydanticValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            param = PARAM_NAMES.get(where.split(".")[0], where)
+            raise ValidationError(f"{param}: {first.get('msg')}", param=param) from None
+
+    async def _events(self, req: ResponsesRequest, run: Any, chat_req: ChatCompletionRequest, response_id: str,
+                      created: int, conversation: list[dict]) -> AsyncIterator[str]:
+        """The SDK's event sequence, from the chat chunks as they come."""
+        events = _EventWriter()
+        state = response_object(response_id, req, run.model, created, [], "in_progress")
+        yield events.send("response.created", response=state)
+        yield events.send("response.in_progress", response=state)
+        output: list[dict] = []
+        open_item: dict | None = None  # the reasoning or message item being written
+        finish, usage = None, None
+
+        def close() -> list[str]:
+            nonlocal open_item
+            if open_item is None:
+                return []
+            item, open_item = open_item, None
+            return events.close_item(item, len(output) - 1)
+
+        async for chunk in self.chat.chunks(run, chat_req):
+            if chunk.usage is not None and not chunk.choices:
+                usage = chunk.usage
+                continue
+            choice = chunk.choices[0]
+            delta = choice.delta
+            finish = choice.finish_reason or finish
+            for kind, piece in (("reasoning", delta.reasoning_content), ("message", delta.content)):
+                if not piece:
+                    continue
+                if open_item is None or open_item["type"] != kind:
+                    for event in close():
+                        yield event
+                    open_item = (reasoning_item(new_id("rs"), "", "in_progress") if kind == "reasoning"
+                                 else message_item(new_id("msg"), None, "in_progress"))
+                    output.append(open_item)
+                    for event in events.open_item(open_item, len(output) - 1):
+                        yield event
+                yield events.delta(open_item, len(output) - 1, piece)
+            for call in delta.tool_calls or []:
+                for event in close():
+                    yield event
+                item = function_call_item(new_id("fc"), call.id, call.function.name, call.function.arguments)
+                output.append(item)
+                for event in events.function_call(item, len(output) - 1):
+                    yield event
+        for event in close():
+            yield event
+        if not output:  # an empty reply is still one (empty) message, as in the non-streamed answer
+            output.append(message_item(new_id("msg"), None, "in_progress"))
+            for event in events.open_item(output[-1], 0) + events.close_item(output[-1], 0):
+                yield event
+        status = _status(finish)
+        response = response_object(response_id, req, run.model, created, output, status, usage_of(usage))
+        self._keep(req, response, conversation)
+        yield events.send("response.completed" if status == "completed" else "response.incomplete",
+                          response=response)
+
+    def _error_events(self, req: ResponsesRequest, model: str, response_id: str, created: int):
+        """A failure after the stream began: response.failed, then an error event (the status line was sent)."""
+        def events(error: ErrorInfo) -> list[str]:
+            writer = _EventWriter(sequence=10 ** 6)  # after any event sent: the SDK only needs them increasing
+            failed = response_object(response_id, req, model, created, [], "failed",
+                                     error={"code": error.code or "server_error", "message": error.message})
+            return [writer.send("response.failed", response=failed),
+                    writer.send("error", code=error.code, message=error.message, param=None)]
+        return events
+
+
+def add_responses_routes(app: Any, responses: OpenAIServingResponses) -> None:
+    """POST /v1/responses, GET and DELETE /v1/responses/{response_id}."""
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request) -> Response:
+        return await responses.create(req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
+
+
+class _EventWriter:
+    """Server-sent events of the Responses stream, numbered in order (sequence_number)."""
+
+    def __init__(self, sequence: int = 0) -> None:
+        self.sequence = sequence
+
+    def send(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def open_item(self, item: dict, index: int) -> list[str]:
+        events = [self.send("response.output_item.added", output_index=index, item=_snapshot(item))]
+        part = {"type": "reasoning_text", "text": ""} if item["type"] == "reasoning" else output_text("")
+        events.append(self.send("response.content_part.added", item_id=item["id"], output_index=index,
+                                content_index=0, part=part))
+        return events
+
+    def delta(self, item: dict, index: int, piece: str) -> str:
+        if item["type"] == "reasoning":
+            if not item["content"]:
+                item["content"].append({"type": "reasoning_text", "text": ""})
+            item["content"][0]["text"] += piece
+            return self.send("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                             content_index=0, delta=piece)
+        if not item["content"]:
+            item["content"].append(output_text(""))
+        item["content"][0]["text"] += piece
+        return self.send("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                         delta=piece, logprobs=[])
+
+    def close_item(self, item: dict, index: int) -> list[str]:
+        if not item["content"]:
+            item["content"].append({"type": "reasoning_text", "text": ""} if item["type"] == "reasoning"
+                                   else output_text(""))
+        part = item["content"][0]
+        done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
+        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+        item["status"] = "completed"
+        return [self.send(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"], **extra),
+                self.send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                          part=part),
+                self.send("response.output_item.done", output_index=index, item=item)]
+
+    def function_call(self, item: dict, index: int) -> list[str]:
+        added = {**item, "arguments": "", "status": "in_progress"}
+        return [self.send("response.output_item.added", output_index=index, item=added),
+                self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                          delta=item["arguments"]),
+                self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                          name=item["name"], arguments=item["arguments"]),
+                self.send("response.output_item.done", output_index=index, item=item)]
+
+
+def _snapshot(item: dict) -> dict:
+    """An item as first announced: in progress, no content yet."""
+    return {**item, "content": [], "status": "in_progress"}
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _output(reasoning: str | None, content: str | None, calls: list[tuple[str | None, str, str]]) -> list[dict]:
+    """The output items of a finished reply: its reasoning, its message (always, unless it only called tools),
+    its function calls."""
+    items = []
+    if reasoning:
+        items.append(reasoning_item(new_id("rs"), reasoning))
+    if content or not calls:
+        items.append(message_item(new_id("msg"), content or ""))
+    items += [function_call_item(new_id("fc"), call_id or new_id("call"), name, arguments)
+              for call_id, name, arguments in calls]
+    return items
+
+
+def _as_messages(output: list[dict]) -> list[dict]:
+    """A response's output items as the chat messages a following turn continues from (reasoning is left out,
+    as chat templates drop earlier turns' thinking)."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def _input_messages(value: str | list[dict]) -> list[dict]:
+    """Responses input (a string, or items: messages, function_call, function_call_output, reasoning) as chat
+    messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    messages: list[dict] = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message")
+        if kind == "message":
+            _known(item, {"type", "role", "content", "id", "status"}, f"input[{i}]")
+            messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), f"input[{i}]")})
+        elif kind == "function_call":
+            _known(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"input[{i}]")
+            call = {"id": _string(item, "call_id", i), "type": "function",
+                    "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
+            if messages and messages[-1]["role"] == "assistant":  # calls of one turn go in one message
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _known(item, {"type", "call_id", "output", "id", "status"}, f"input[{i}]")
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
+                             "content": _text_of(item.get("output"), f"input[{i}].output")})
+        elif kind == "reasoning":
+            continue  # earlier thinking is not shown to the model again (chat templates drop it too)
+        else:
+            raise ValidationError(f"input[{i}].type {kind!r} is not supported (this server takes message, "
+                                  "function_call, function_call_output and reasoning items)",
+                                  param=f"input[{i}].type", value=kind)
+    return messages
+
+
+def _known(item: dict, keys: set[str], where: str) -> None:
+    """400 naming the first key of ``item`` outside ``keys`` (a null one is as good as absent)."""
+    unknown = sorted(k for k, v in item.items() if k not in keys and v is not None)
+    if unknown:
+        raise ValidationError(f"{where}.{unknown[0]} is not supported by this server", param=f"{where}.{unknown[0]}")
+
+
+def _string(item: dict, key: str, index: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ValidationError.bad_value(f"input[{index}].{key}", value, "a string")
+    return value
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content (a string, or input_text / output_text parts) as text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValidationError.bad_value(f"{where}.content", content, "a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise ValidationError(f"{where}.content[{j}]: only text parts are supported, got {kind!r}",
+                                  param=f"{where}.content[{j}]", value=kind)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    """Known fields whose other values we cannot honour: 400 naming them, never silently ignored."""
+    if req.background:
+        raise ValidationError("background responses are not supported by this server", param="background")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise ValidationError("reasoning settings (effort, summary) are not supported by this server; the "
+                              "model's own thinking is returned with --reasoning-parser", param="reasoning")
+    if req.include:
+        raise ValidationError(f"include {req.include[0]!r} is not supported by this server", param="include")
+    if req.truncation == "auto":
+        raise ValidationError("truncation 'auto' is not supported by this server (a conversation over "
+                              "max_model_len is refused)", param="truncation")
+    pairs, key_chars, value_chars = METADATA_LIMITS
+    if req.metadata is not None:
+        if len(req.metadata) > pairs:
+            raise ValidationError(f"metadata has {len(req.metadata)} pairs; at most {pairs}", param="metadata")
+        for k, v in req.metadata.items():
+            if len(k) > key_chars or len(v) > value_chars:
+                raise ValidationError(f"metadata keys take at most {key_chars} characters and values {value_chars}",
+                                      param=f"metadata.{k[:key_chars]}")
+
+
+def _response_format(text: dict | None) -> dict | None:
+    """text.format as chat's response_format."""
+    if text is None:
+        return None
+    _known(text, {"format", "verbosity"}, "text")
+    if text.get("verbosity") is not None:
+        raise ValidationError("text.verbosity is not supported by this server", param="text.verbosity")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise ValidationError.bad_value("text.format", fmt, "an object")
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        _known(fmt, {"type"}, "text.format")
+        return {"type": kind}
+    if kind == "json_schema":
+        _known(fmt, {"type", "name", "schema", "description", "strict"}, "text.format")
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    raise ValidationError.bad_value("text.format.type", kind, "'text', 'json_object' or 'json_schema'")
+
+
+def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Responses' flat function tools as chat tools; built-in tools (web search, files, ...) are refused."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise ValidationError(f"tools[{i}].type {kind!r} is not supported by this server (only function tools; "
+                                  "built-in tools such as web search run on OpenAI's side)", param=f"tools[{i}].type",
+                                  value=kind)
+        _known(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]")
+        function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters") and v is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
+    """Responses' tool_choice ({"type": "function", "name": ...} for a named one) as chat's."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        _known(choice, {"type", "name"}, "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ValidationError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": "
+                          f"...}} (built-in tool choices are not supported), got {choice!r}", param="tool_choice")
+
+
+def _renamed(error: ValidationError) -> ValidationError:
+    """A chat-path error naming the Responses field the client sent."""
+    if error.param is None:
+        return error
+    head, dot, rest = error.param.partition(".")
+    base, bracket, index = head.partition("[")
+    name = PARAM_NAMES.get(base)
+    if name is None:
+        return error
+    return ValidationError(error.message, param=name + bracket + index + dot + rest, value=error.value)
+

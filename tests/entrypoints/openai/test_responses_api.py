@@ -1,0 +1,218 @@
+"""The OpenAI Responses API through the official `openai` SDK against a real server: plain, streamed (the SDK's
+event sequence and its stream helper), a function tool round trip, text.format json_schema and
+responses.parse, previous_response_id, GET and DELETE, the store's bounds, and 400s for what we cannot do.
+Each reply is held to the chat completion of the same conversation: both run one request path."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pydantic import BaseModel, Field
+
+from pagedllm.entrypoints.openai.serving_responses import ResponseStore
+
+MODEL = "tiny"
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather now", "parameters": WEATHER,
+        "strict": True}
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _chat(client: openai.OpenAI, messages: list[dict], max_tokens: int):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=max_tokens,
+                                          temperature=0)
+
+
+def test_plain_reply_is_the_chat_reply(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="Tell me a story.", instructions="Be brief.",
+                                max_output_tokens=10, temperature=0)
+    chat = _chat(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}],
+                 10)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == chat.choices[0].message.content
+    assert [item.type for item in r.output] == ["message"] and r.output[0].role == "assistant"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    finished_by_length = chat.choices[0].finish_reason == "length"
+    assert r.status == ("incomplete" if finished_by_length else "completed")
+    if finished_by_length:
+        assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.instructions == "Be brief." and r.max_output_tokens == 10
+
+
+def test_streamed_events_follow_the_sdk_sequence(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi there"}]}],
+                  max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas) and deltas
+    assert kinds[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
+                                       "response.output_item.done", f"response.{whole.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(deltas) == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    # the SDK's helper accumulates the events (its final response needs response.completed: a JSON reply ends)
+    kwargs.update(max_output_tokens=80, text={"format": {"type": "json_schema", "name": "w", "schema": WEATHER}})
+    whole = client.responses.create(**kwargs)
+    assert whole.status == "completed"
+    with client.responses.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text and final.id != whole.id
+
+
+def test_function_tool_round_trip(client: openai.OpenAI) -> None:
+    question = {"role": "user", "content": "Weather in Paris?"}
+    first = client.responses.create(model=MODEL, input=[question], tools=[TOOL], tool_choice="required",
+                                    max_output_tokens=80, temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" and c.call_id for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+    answers = [{"type": "function_call_output", "call_id": c.call_id, "output": "21 C, sunny"} for c in calls]
+    second = client.responses.create(model=MODEL, input=[question, *first.output, *answers],
+                                     tools=[TOOL], max_output_tokens=8, temperature=0)
+    chat_calls = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                  for c in calls]
+    chat = client.chat.completions.create(
+        model=MODEL, tools=[{"type": "function", "function": {k: TOOL[k] for k in ("name", "description",
+                                                                                   "parameters")}}],
+        messages=[question, {"role": "assistant", "content": "", "tool_calls": chat_calls},
+                  *[{"role": "tool", "tool_call_id": c.call_id, "content": "21 C, sunny"} for c in calls]],
+        max_completion_tokens=8, temperature=0)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    # the same turn through previous_response_id: the stored conversation carries the call
+    chained = client.responses.create(model=MODEL, previous_response_id=first.id, input=answers, tools=[TOOL],
+                                      max_output_tokens=8, temperature=0)
+    assert chained.output_text == second.output_text and chained.previous_response_id == first.id
+    assert chained.usage.input_tokens == second.usage.input_tokens
+    named = client.responses.create(model=MODEL, input=[question], tools=[TOOL], max_output_tokens=80,
+                                    tool_choice={"type": "function", "name": "get_weather"}, stream=True)
+    done = [e.item for e in named if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["function_call"] and done[0].name == "get_weather"
+    jsonschema.validate(json.loads(done[0].arguments), WEATHER)
+
+
+class City(BaseModel):
+    city: str = Field(max_length=10)
+    unit: Literal["C", "F"]
+
+
+def test_text_format_json_schema_and_parse(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="A city as JSON.", max_output_tokens=60, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "city", "schema": WEATHER,
+                                                 "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), WEATHER)
+    assert r.text.format.type == "json_schema"
+    parsed = client.responses.parse(model=MODEL, input="A city as JSON.", text_format=City, max_output_tokens=80,
+                                    temperature=0)
+    assert isinstance(parsed.output_parsed, City)
+
+
+def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="My name is Ada.", instructions="Be kind.",
+                                    max_output_tokens=6, temperature=0)
+    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    # as OpenAI: the earlier input and output carry over, its instructions do not
+    chat = _chat(client, [{"role": "user", "content": "My name is Ada."},
+                          {"role": "assistant", "content": first.output_text},
+                          {"role": "user", "content": "What is my name?"}], 6)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_get_and_delete(client: openai.OpenAI, server) -> None:
+    r = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, temperature=0)
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.usage == r.usage
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
+    unstored = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Hello", previous_response_id=unstored.id)
+    assert e.value.body["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "colour": 1}}},
+     "text.format.colour"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"max_output_tokens": -1}, "max_output_tokens"),
+])
+def test_what_we_cannot_honour_is_a_400_naming_it(server, fields: dict, param: str) -> None:
+    body = {"model": MODEL, "input": "Hi", **fields}
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_the_store_is_bounded_in_count_and_bytes() -> None:
+    store = ResponseStore(max_count=3, max_bytes=2000)
+    for i in range(5):
+        store.put({"id": f"r{i}", "output": []}, [{"role": "user", "content": "x" * 10}])
+    assert len(store) == 3 and store.get("r0") is None and store.get("r2") is not None
+    store.put({"id": "r5", "output": []}, [])  # r2 was just used: r3 goes first
+    assert store.get("r3") is None and store.get("r2") is not None
+    store.put({"id": "big", "output": []}, [{"role": "user", "content": "y" * 1900}])
+    assert store.bytes <= 2000 and store.get("big") is not None and len(store) < 3
+    store.put({"id": "huge", "output": []}, [{"role": "user", "content": "z" * 5000}])  # over the whole store
+    assert store.get("huge") is None and store.get("big") is not None
+    assert store.delete("big") and not store.delete("big")
+
+
+def test_reasoning_items_from_the_reasoning_parser(tiny_llm_dir) -> None:
+    """deepseek_r1 on a model that never writes </think>: the whole reply is one reasoning item (streamed as
+    reasoning_text deltas), its text the chat reply's reasoning_content."""
+    from fastapi.testclient import TestClient
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    with TestClient(build_app(engine, ServerMetrics("t"), ["t"], [], "deepseek_r1")) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        chat = sdk.chat.completions.create(model="t", messages=[{"role": "user", "content": "Think."}],
+                                           max_completion_tokens=10, temperature=0)
+        r = sdk.responses.create(model="t", input="Think.", max_output_tokens=10, temperature=0)
+        assert r.output[0].type == "reasoning"
+        assert r.output[0].content[0].text == chat.choices[0].message.reasoning_content
+        events = list(sdk.responses.create(model="t", input="Think.", max_output_tokens=10, temperature=0,
+                                           stream=True))
+        text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert text == chat.choices[0].message.reasoning_content
+        assert events[-1].response.output[0].content[0].text == text
