@@ -23,6 +23,8 @@ import pagedllm
 from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.core_client import AsyncLLM, ServingEngine
+from pagedllm.entrypoints.anthropic.serving_messages import (AnthropicServingMessages, add_messages_routes,
+                                                             anthropic_error)
 from pagedllm.entrypoints.openai.http_guard import (GuardedServer, UnicodeCheckedRoute, add_http_args,
                                                     raise_open_file_limit, serve_config)
 from pagedllm.entrypoints.openai.http_guard import positive as _positive
@@ -57,10 +59,23 @@ _SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   type_: str = "invalid_request_error") -> JSONResponse:
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+                   type_: str = "invalid_request_error", path: str = "") -> JSONResponse:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}; on the Anthropic Messages API's
+    ``path``, Anthropic's: {"type": "error", "error": {"type", "message"}}."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_error(status, message), status_code=status)
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _error(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
+           type_: str = "invalid_request_error") -> JSONResponse:
+    """The error body for ``request``'s API (see error_response)."""
+    return error_response(status, message, param, code, type_, request.url.path)
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+"""Paths whose errors take Anthropic's shape."""
 
 
 PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize")
@@ -69,7 +84,8 @@ sends the key given in its address's fragment: /kv#key=KEY; /tokenize and /detok
 
 
 class APIKeyMiddleware:
-    """401 on PROTECTED paths without a valid ``Authorization: Bearer <key>`` (constant-time comparison)."""
+    """401 on PROTECTED paths without a valid ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (the
+    Anthropic SDK's header), compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
@@ -77,15 +93,17 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and not self._authorized(scope):
-            response = error_response(401, "invalid or missing API key", code="invalid_api_key")
+            response = error_response(401, "invalid or missing API key", code="invalid_api_key", path=scope["path"])
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        token = header[7:] if header[:7].lower() == b"bearer " else b""
-        matches = [hmac.compare_digest(token, key) for key in self.keys]  # compare with every key: no early exit
+        headers = dict(scope["headers"])
+        header = headers.get(b"authorization", b"")
+        tokens = [header[7:] if header[:7].lower() == b"bearer " else b"", headers.get(b"x-api-key", b"")]
+        # compare every token with every key: no early exit
+        matches = [hmac.compare_digest(token, key) for token in tokens for key in self.keys]
         return any(matches)
 
 
@@ -136,56 +154,56 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
 
     @app.exception_handler(RequestValidationError)
-    async def on_request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = _field_name(tuple(first.get("loc", ())))
         if first.get("type") == "json_invalid":
-            return error_response(400, f"request body is not valid JSON: {first.get('msg')}")
+            return _error(request, 400, f"request body is not valid JSON: {first.get('msg')}")
         if first.get("type") == "extra_forbidden":
-            return error_response(400, f"{param} is not supported by this server (it is not ignored: the request is "
+            return _error(request, 400, f"{param} is not supported by this server (it is not ignored: the request is "
                                   "refused)", param=param)
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
-        return error_response(400, message, param=param)
+        return _error(request, 400, message, param=param)
 
     @app.exception_handler(ValidationError)
-    async def on_validation(_: Request, exc: ValidationError) -> JSONResponse:
-        return error_response(400, exc.message, param=exc.param)
+    async def on_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return _error(request, 400, exc.message, param=exc.param)
 
     @app.exception_handler(ModelNotFoundError)
-    async def on_model_not_found(_: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return error_response(404, str(exc), param=exc.param, code="model_not_found")
+    async def on_model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return _error(request, 404, str(exc), param=exc.param, code="model_not_found")
 
     @app.exception_handler(ResponseNotFoundError)
-    async def on_response_not_found(_: Request, exc: ResponseNotFoundError) -> JSONResponse:
-        return error_response(404, str(exc), param="response_id", code="not_found")
+    async def on_response_not_found(request: Request, exc: ResponseNotFoundError) -> JSONResponse:
+        return _error(request, 404, str(exc), param="response_id", code="not_found")
 
     @app.exception_handler(OverloadedError)
-    async def on_overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
-        response = error_response(503, str(exc), type_="server_error", code="overloaded")
+    async def on_overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
+        response = _error(request, 503, str(exc), type_="server_error", code="overloaded")
         response.headers["Retry-After"] = str(exc.retry_after)
         return response
 
     @app.exception_handler(RequestTimeoutError)
-    async def on_timeout(_: Request, exc: RequestTimeoutError) -> JSONResponse:
-        return error_response(504, str(exc), type_="timeout_error", code="request_timeout")
+    async def on_timeout(request: Request, exc: RequestTimeoutError) -> JSONResponse:
+        return _error(request, 504, str(exc), type_="timeout_error", code="request_timeout")
 
     @app.exception_handler(RequestFailedError)
-    async def on_request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
-        return error_response(500, str(exc), type_="server_error", code="request_failed")
+    async def on_request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return _error(request, 500, str(exc), type_="server_error", code="request_failed")
 
     @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, f"the engine is not running: {exc}", type_="server_error")
+    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(request, 503, f"the engine is not running: {exc}", type_="server_error")
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), code=str(exc.status_code))
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(request, exc.status_code, str(exc.detail), code=str(exc.status_code))
 
     @app.exception_handler(Exception)
-    async def on_internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
         """Anything else: a 500 in OpenAI's shape, never uvicorn's plain text (starlette then re-raises it: the
         HTTPGuard, or uvicorn, logs the traceback)."""
-        return error_response(500, "the server failed while handling this request (the error is in its log)",
+        return _error(request, 500, "the server failed while handling this request (the error is in its log)",
                               type_="server_error", code="internal_error")
 
     @app.get("/health")
@@ -235,6 +253,7 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
 
     store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes)
     add_responses_routes(app, OpenAIServingResponses(chat, store))
+    add_messages_routes(app, AnthropicServingMessages(chat))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError as PydanticValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -23,6 +22,7 @@ from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, fu
                                                             new_id, output_text, reasoning_item, response_object,
                                                             usage_of)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.translate import chat_request, check_keys, renamed, string_field
 from pagedllm.errors import ValidationError
 
 PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -92,7 +92,7 @@ class OpenAIServingResponses:
         try:
             run = await self.chat.start(chat_req, raw)
         except ValidationError as e:
-            raise _renamed(e) from None
+            raise renamed(e, PARAM_NAMES) from None
         if run is None:
             return Response(status_code=499)  # the client went away while its request was prepared
         response_id, created = new_id("resp"), int(time.time())
@@ -153,13 +153,7 @@ class OpenAIServingResponses:
             "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice), "user": req.user}
         if req.stream:
             fields["stream_options"] = {"include_usage": True}
-        try:
-            return ChatCompletionRequest(**fields)
-        except PydanticValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            param = PARAM_NAMES.get(where.split(".")[0], where)
-            raise ValidationError(f"{param}: {first.get('msg')}", param=param) from None
+        return chat_request(fields, PARAM_NAMES)
 
     async def _events(self, req: ResponsesRequest, run: Any, chat_req: ChatCompletionRequest, response_id: str,
                       created: int, conversation: list[dict]) -> AsyncIterator[str]:
@@ -342,19 +336,19 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
     for i, item in enumerate(value):
         kind = item.get("type", "message")
         if kind == "message":
-            _known(item, {"type", "role", "content", "id", "status"}, f"input[{i}]")
+            check_keys(item, {"type", "role", "content", "id", "status"}, f"input[{i}]")
             messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), f"input[{i}]")})
         elif kind == "function_call":
-            _known(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"input[{i}]")
-            call = {"id": _string(item, "call_id", i), "type": "function",
-                    "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
+            check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"input[{i}]")
+            call = {"id": string_field(item, "call_id", f"input[{i}]"), "type": "function",
+                    "function": {"name": string_field(item, "name", f"input[{i}]"), "arguments": string_field(item, "arguments", f"input[{i}]")}}
             if messages and messages[-1]["role"] == "assistant":  # calls of one turn go in one message
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            _known(item, {"type", "call_id", "output", "id", "status"}, f"input[{i}]")
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
+            check_keys(item, {"type", "call_id", "output", "id", "status"}, f"input[{i}]")
+            messages.append({"role": "tool", "tool_call_id": string_field(item, "call_id", f"input[{i}]"),
                              "content": _text_of(item.get("output"), f"input[{i}].output")})
         elif kind == "reasoning":
             continue  # earlier thinking is not shown to the model again (chat templates drop it too)
@@ -363,20 +357,6 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
                                   "function_call, function_call_output and reasoning items)",
                                   param=f"input[{i}].type", value=kind)
     return messages
-
-
-def _known(item: dict, keys: set[str], where: str) -> None:
-    """400 naming the first key of ``item`` outside ``keys`` (a null one is as good as absent)."""
-    unknown = sorted(k for k, v in item.items() if k not in keys and v is not None)
-    if unknown:
-        raise ValidationError(f"{where}.{unknown[0]} is not supported by this server", param=f"{where}.{unknown[0]}")
-
-
-def _string(item: dict, key: str, index: int) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise ValidationError.bad_value(f"input[{index}].{key}", value, "a string")
-    return value
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -421,7 +401,7 @@ def _response_format(text: dict | None) -> dict | None:
     """text.format as chat's response_format."""
     if text is None:
         return None
-    _known(text, {"format", "verbosity"}, "text")
+    check_keys(text, {"format", "verbosity"}, "text")
     if text.get("verbosity") is not None:
         raise ValidationError("text.verbosity is not supported by this server", param="text.verbosity")
     fmt = text.get("format")
@@ -431,10 +411,10 @@ def _response_format(text: dict | None) -> dict | None:
         raise ValidationError.bad_value("text.format", fmt, "an object")
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
-        _known(fmt, {"type"}, "text.format")
+        check_keys(fmt, {"type"}, "text.format")
         return {"type": kind}
     if kind == "json_schema":
-        _known(fmt, {"type", "name", "schema", "description", "strict"}, "text.format")
+        check_keys(fmt, {"type", "name", "schema", "description", "strict"}, "text.format")
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     raise ValidationError.bad_value("text.format.type", kind, "'text', 'json_object' or 'json_schema'")
 
@@ -450,7 +430,7 @@ def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
             raise ValidationError(f"tools[{i}].type {kind!r} is not supported by this server (only function tools; "
                                   "built-in tools such as web search run on OpenAI's side)", param=f"tools[{i}].type",
                                   value=kind)
-        _known(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]")
+        check_keys(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]")
         function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters") and v is not None}
         out.append({"type": "function", "function": function})
     return out
@@ -461,20 +441,7 @@ def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        _known(choice, {"type", "name"}, "tool_choice")
+        check_keys(choice, {"type", "name"}, "tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     raise ValidationError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": "
                           f"...}} (built-in tool choices are not supported), got {choice!r}", param="tool_choice")
-
-
-def _renamed(error: ValidationError) -> ValidationError:
-    """A chat-path error naming the Responses field the client sent."""
-    if error.param is None:
-        return error
-    head, dot, rest = error.param.partition(".")
-    base, bracket, index = head.partition("[")
-    name = PARAM_NAMES.get(base)
-    if name is None:
-        return error
-    return ValidationError(error.message, param=name + bracket + index + dot + rest, value=error.value)
-

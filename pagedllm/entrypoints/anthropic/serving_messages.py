@@ -1,0 +1,316 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API as a thin mapping onto the
+chat completions path.
+
+A request becomes a ChatCompletionRequest (system -> a system message, text / tool_use / tool_result blocks
+-> messages with tool_calls and tool messages, tools and tool_choice -> chat's, stop_sequences -> stop)
+and runs through OpenAIServingChat.start: the same template, limits, tool calling, structured outputs and
+reasoning parser. The reply (or the stream of chat chunks) is mapped back into content blocks and
+Anthropic's events; errors on these paths take Anthropic's error shape (see api_server).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError as PydanticValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ErrorInfo, UsageInfo
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.limits import check_tools
+from pagedllm.entrypoints.openai.translate import chat_request, check_keys, renamed, string_field
+from pagedllm.errors import ValidationError
+
+PARAM_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+"""A chat request's field -> the Messages field it was made from (an error names what the client sent)."""
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+"""Chat's finish_reason -> Anthropic's stop_reason ("stop" is end_turn, or stop_sequence for a stop string)."""
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 504: "timeout_error"}
+"""HTTP status -> Anthropic's error type (anything else: api_error)."""
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+class AnthropicServingMessages:
+    """The Messages API over a chat server's request path."""
+
+    def __init__(self, chat: OpenAIServingChat) -> None:
+        self.chat = chat
+
+    async def create(self, req: MessagesRequest, raw: Request) -> Response:
+        chat_req = self._chat_request(req)
+        try:
+            run = await self.chat.start(chat_req, raw)
+        except ValidationError as e:
+            raise renamed(e, PARAM_NAMES) from None
+        if run is None:
+            return Response(status_code=499)  # the client went away while its request was prepared
+        message_id = f"msg_{uuid.uuid4().hex}"
+        if req.stream:
+            events = self._events(run, chat_req, message_id)
+            return StreamingResponse(self.chat.with_error_events(events, _error_events),
+                                     media_type="text/event-stream")
+        completion = await self.chat.response(run, raw)
+        if completion is None:
+            return Response(status_code=499)
+        choice = completion.choices[0]
+        m = choice.message
+        content = _blocks(m.reasoning_content, m.content, [(c.id, c.function.name, c.function.arguments)
+                                                            for c in m.tool_calls])
+        reason, sequence = _stop_reason(choice.finish_reason, choice.stop_reason)
+        return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": run.model,
+                             "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                             "usage": _usage(completion.usage)})
+
+    async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+        """{"input_tokens": N}: the prompt the same request would run, through the chat template."""
+        self.chat.check_model(req.model)
+        _refuse_thinking(req.thinking)
+        tools = _chat_tools(req.tools)
+        check_tools(tools, self.chat.limits)
+        messages = _chat_messages(req)
+        self.chat.check_prompt_size(messages, "messages")
+        try:
+            chat_messages = [ChatMessage(**m) for m in messages]
+        except PydanticValidationError as e:
+            raise ValidationError(f"messages: {e.errors()[0].get('msg')}", param="messages") from None
+        _, ids = self.chat.apply_chat_template(chat_messages, True, tools)
+        return {"input_tokens": len(ids)}
+
+    def _chat_request(self, req: MessagesRequest) -> ChatCompletionRequest:
+        """The chat completion request this Messages request maps onto (400 naming what cannot be)."""
+        _refuse_thinking(req.thinking)
+        choice, parallel = _chat_tool_choice(req.tool_choice)
+        fields: dict[str, Any] = {
+            "model": req.model, "messages": _chat_messages(req), "max_completion_tokens": req.max_tokens,
+            "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+            "tools": _chat_tools(req.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
+            "stream": req.stream}
+        if req.stream:
+            fields["stream_options"] = {"include_usage": True}
+        return chat_request(fields, PARAM_NAMES)
+
+    async def _events(self, run: Any, chat_req: ChatCompletionRequest, message_id: str) -> AsyncIterator[str]:
+        """message_start, a content_block_start / _delta... / _stop per block, message_delta, message_stop."""
+        start = {"id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
+                 "stop_reason": None, "stop_sequence": None, "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens))}
+        yield _event("message_start", message=start)
+        index, open_kind = -1, None  # the block being written: "thinking" or "text"
+        finish, stop, usage = None, None, None
+
+        def close() -> list[str]:
+            nonlocal open_kind
+            if open_kind is None:
+                return []
+            open_kind = None
+            return [_event("content_block_stop", index=index)]
+
+        async for chunk in self.chat.chunks(run, chat_req):
+            if chunk.usage is not None and not chunk.choices:
+                usage = chunk.usage
+                continue
+            choice = chunk.choices[0]
+            if choice.finish_reason is not None:
+                finish, stop = choice.finish_reason, choice.stop_reason
+            delta = choice.delta
+            for kind, piece in (("thinking", delta.reasoning_content), ("text", delta.content)):
+                if not piece:
+                    continue
+                if open_kind != kind:
+                    for event in close():
+                        yield event
+                    index, open_kind = index + 1, kind
+                    block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                        {"type": "text", "text": ""}
+                    yield _event("content_block_start", index=index, content_block=block)
+                body = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else \
+                    {"type": "text_delta", "text": piece}
+                yield _event("content_block_delta", index=index, delta=body)
+            for call in delta.tool_calls or []:
+                for event in close():
+                    yield event
+                index += 1
+                block = _tool_use(call.id, call.function.name, call.function.arguments)
+                yield _event("content_block_start", index=index, content_block={**block, "input": {}})
+                yield _event("content_block_delta", index=index,
+                             delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                yield _event("content_block_stop", index=index)
+        for event in close():
+            yield event
+        reason, sequence = _stop_reason(finish, stop)
+        yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                     usage=_usage(usage or UsageInfo(prompt_tokens=run.prompt_tokens)))
+        yield _event("message_stop")
+
+
+def add_messages_routes(app: Any, messages: AnthropicServingMessages) -> None:
+    """POST /v1/messages and /v1/messages/count_tokens."""
+
+    @app.post("/v1/messages")
+    async def create_message(req: MessagesRequest, raw: Request) -> Response:
+        return await messages.create(req, raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest) -> dict:
+        return await messages.count_tokens(req)
+
+
+def _event(kind: str, **fields: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+
+def _error_events(error: ErrorInfo) -> list[str]:
+    """A failure after the stream began: Anthropic's error event (the status line was already sent)."""
+    status = 504 if error.type == "timeout_error" else 503 if error.code == "engine_dead" else 500
+    return [f"event: error\ndata: {json.dumps(anthropic_error(status, error.message))}\n\n"]
+
+
+def _usage(usage: UsageInfo) -> dict[str, int]:
+    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+
+def _stop_reason(finish: str | None, stop: int | str | None) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a chat finish_reason and the stop string or token that ended it."""
+    if finish == "stop" and isinstance(stop, str):
+        return "stop_sequence", stop
+    return STOP_REASONS.get(finish or "", "end_turn"), None
+
+
+def _tool_use(call_id: str | None, name: str | None, arguments: str | None) -> dict[str, Any]:
+    """A tool_use block of one parsed call (its arguments are a JSON object: the parsers and grammar ensure it)."""
+    try:
+        arguments_json = json.loads(arguments or "{}")
+    except ValueError:
+        arguments_json = None
+    if not isinstance(arguments_json, dict):  # a model's own malformed call: its text, kept whole
+        arguments_json = {"arguments": arguments}
+    return {"type": "tool_use", "id": call_id or f"toolu_{uuid.uuid4().hex[:24]}", "name": name,
+            "input": arguments_json}
+
+
+def _blocks(reasoning: str | None, text: str | None, calls: list[tuple[str | None, str | None, str | None]]
+            ) -> list[dict[str, Any]]:
+    """The content blocks of a finished reply: thinking (--reasoning-parser), text, tool_use."""
+    blocks: list[dict[str, Any]] = []
+    if reasoning:
+        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if text or not calls:
+        blocks.append({"type": "text", "text": text or ""})
+    return blocks + [_tool_use(*call) for call in calls]
+
+
+def _chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    """system and messages as chat messages: tool_use blocks become an assistant's tool_calls, tool_result
+    blocks tool messages (before the user's text, as Anthropic orders them); thinking blocks are dropped, as
+    chat templates drop earlier turns' thinking."""
+    out: list[dict[str, Any]] = []
+    if req.system is not None:
+        out.append({"role": "system", "content": _text_of(req.system, "system")})
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        texts, calls, results = [], [], []
+        for j, block in enumerate(message.content):
+            where, kind = f"messages[{i}].content[{j}]", block.get("type")
+            if kind == "text":
+                check_keys(block, {"type", "text", "cache_control", "citations"}, where)
+                texts.append(string_field(block, "text", where))
+            elif kind == "tool_use" and message.role == "assistant":
+                check_keys(block, {"type", "id", "name", "input", "cache_control"}, where)
+                if not isinstance(block.get("input"), dict):
+                    raise ValidationError.bad_value(f"{where}.input", block.get("input"), "an object")
+                calls.append({"id": string_field(block, "id", where), "type": "function", "function": {
+                    "name": string_field(block, "name", where), "arguments": json.dumps(block["input"])}})
+            elif kind == "tool_result" and message.role == "user":
+                check_keys(block, {"type", "tool_use_id", "content", "is_error", "cache_control"}, where)
+                content = _text_of(block.get("content", ""), f"{where}.content")
+                if block.get("is_error"):  # the model is told the tool failed
+                    content = f"Error: {content}"
+                results.append({"role": "tool", "tool_call_id": string_field(block, "tool_use_id", where),
+                                "content": content})
+            elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
+                continue
+            else:
+                raise ValidationError(f"{where}: a {message.role} message's {kind!r} block is not supported (this "
+                                      "server takes text, tool_use from the assistant and tool_result from the user)",
+                                      param=f"{where}.type", value=kind)
+        out += results
+        if texts or calls or not results:
+            entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+            if calls:
+                entry["tool_calls"] = calls
+            out.append(entry)
+    return out
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A string, or a list of text blocks, as text (``cache_control`` is taken: prefix caching is automatic)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValidationError.bad_value(where, content, "a string or a list of text blocks")
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else block
+            raise ValidationError(f"{where}[{j}]: only text blocks are supported, got {kind!r}",
+                                  param=f"{where}[{j}].type", value=kind)
+        check_keys(block, {"type", "text", "cache_control", "citations"}, f"{where}[{j}]")
+        texts.append(string_field(block, "text", f"{where}[{j}]"))
+    return "".join(texts)
+
+
+def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Anthropic's client tools ({name, description, input_schema}) as chat tools; server tools (web search,
+    code execution, ...) are refused."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") not in (None, "custom"):
+            raise ValidationError(f"tools[{i}].type {tool.get('type')!r} is not supported by this server (only "
+                                  "client tools with an input_schema)", param=f"tools[{i}].type", value=tool.get("type"))
+        check_keys(tool, {"type", "name", "description", "input_schema", "cache_control"}, f"tools[{i}]")
+        function = {"name": tool.get("name"), "parameters": tool.get("input_schema", {"type": "object"})}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _chat_tool_choice(choice: dict | None) -> tuple[str | dict | None, bool]:
+    """(chat's tool_choice, parallel_tool_calls) of Anthropic's {"type": auto | any | tool | none}."""
+    if choice is None:
+        return None, True
+    kind = choice.get("type")
+    keys = {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set())
+    check_keys(choice, keys, "tool_choice")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise ValidationError.bad_value("tool_choice", choice, "{\"type\": \"auto\" | \"any\" | \"none\"} or "
+                                    "{\"type\": \"tool\", \"name\": ...}")
+
+
+def _refuse_thinking(thinking: dict | None) -> None:
+    """Extended thinking budgets cannot be honoured (a reasoning model's thinking comes back as thinking blocks
+    with --reasoning-parser, whatever the budget): refused, unless it turns thinking off."""
+    if thinking is not None and thinking.get("type") != "disabled":
+        raise ValidationError("thinking (an extended thinking budget) is not supported by this server; a reasoning "
+                              "model's thinking is returned as thinking blocks with --reasoning-parser",
+                              param="thinking")

@@ -1,0 +1,153 @@
+"""The Anthropic Messages API through the official `anthropic` SDK against a real server: messages.create,
+messages.stream and the raw event sequence, stop_sequences, a tool_use round trip, count_tokens, errors in
+Anthropic's shape and x-api-key. Each reply is held to the chat completion of the same conversation: both
+run one request path."""
+from __future__ import annotations
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+MODEL = "tiny"
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+TOOL = {"name": "get_weather", "description": "Weather now", "input_schema": WEATHER}
+CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                              "parameters": WEATHER}}
+ASK = {"role": "user", "content": "Weather in Paris?"}
+NOISELESS = {"temperature": 0}
+"""Greedy (the SDK has no temperature argument any more; older SDKs and raw clients send it)."""
+
+
+@pytest.fixture(scope="module")
+def client(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_create_is_the_chat_reply(client: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    m = client.messages.create(model=MODEL, max_tokens=10, system="Be brief.", extra_body=NOISELESS,
+                               messages=[{"role": "user", "content": "Tell me a story."}])
+    chat = oai.chat.completions.create(model=MODEL, max_completion_tokens=10, extra_body=NOISELESS, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}])
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_") and m.model == MODEL
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat.choices[0].message.content
+    assert m.usage.input_tokens == chat.usage.prompt_tokens
+    assert m.usage.output_tokens == chat.usage.completion_tokens
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    assert m.stop_sequence is None
+
+
+def test_stop_sequences(client: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Count for me."}]}]
+    whole = client.messages.create(model=MODEL, max_tokens=16, extra_body=NOISELESS, messages=messages).content[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    assert stop.strip(), whole
+    m = client.messages.create(model=MODEL, max_tokens=16, extra_body=NOISELESS, messages=messages, stop_sequences=[stop])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == whole[:whole.index(stop)]
+
+
+def test_stream_events_and_helper(client: anthropic.Anthropic) -> None:
+    kwargs = dict(model=MODEL, max_tokens=12, extra_body=NOISELESS, messages=[{"role": "user", "content": "Hi"}])
+    whole = client.messages.create(**kwargs)
+    events = list(client.messages.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    deltas = [e.delta.text for e in events if e.type == "content_block_delta"]
+    assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * len(deltas),
+                     "content_block_stop", "message_delta", "message_stop"] and deltas
+    assert "".join(deltas) == whole.content[0].text
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens
+    assert events[-2].delta.stop_reason == whole.stop_reason
+    assert events[-2].usage.output_tokens == whole.usage.output_tokens
+    with client.messages.stream(**kwargs) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == whole.content[0].text and final.usage == whole.usage
+    assert final.stop_reason == whole.stop_reason
+
+
+def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    first = client.messages.create(model=MODEL, max_tokens=80, extra_body=NOISELESS, messages=[ASK], tools=[TOOL],
+                                   tool_choice={"type": "any"})
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and uses and all(u.name == "get_weather" and u.id for u in uses)
+    for use in uses:
+        jsonschema.validate(use.input, WEATHER)
+    results = [{"type": "tool_result", "tool_use_id": u.id, "content": "21 C, sunny"} for u in uses]
+    second = client.messages.create(model=MODEL, max_tokens=8, extra_body=NOISELESS, tools=[TOOL], messages=[
+        ASK, {"role": "assistant", "content": first.content}, {"role": "user", "content": results}])
+    chat = oai.chat.completions.create(model=MODEL, max_completion_tokens=8, extra_body=NOISELESS, tools=[CHAT_TOOL], messages=[
+        ASK, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": __import__("json").dumps(u.input)}}
+            for u in uses]},
+        *[{"role": "tool", "tool_call_id": u.id, "content": "21 C, sunny"} for u in uses]])
+    assert second.content[0].text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    with client.messages.stream(model=MODEL, max_tokens=80, extra_body=NOISELESS, messages=[ASK], tools=[TOOL],
+                                tool_choice={"type": "tool", "name": "get_weather",
+                                             "disable_parallel_tool_use": True}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
+    jsonschema.validate(final.content[0].input, WEATHER)
+
+
+def test_count_tokens(client: anthropic.Anthropic) -> None:
+    kwargs = dict(model=MODEL, system="Be brief.", messages=[ASK], tools=[TOOL])
+    counted = client.messages.count_tokens(**kwargs)
+    m = client.messages.create(max_tokens=1, **kwargs)
+    assert counted.input_tokens == m.usage.input_tokens > 0
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"max_tokens": None}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+    ({"stop_sequences": ["x"] * 1000}, "stop_sequences"),
+    ({"container": "c"}, "container"),
+    ({"temperature": -1}, "temperature"),
+])
+def test_errors_take_anthropic_shape(server, fields: dict, fragment: str) -> None:
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+    assert fragment in error["error"]["message"], error
+
+
+def test_unknown_model_is_anthropic_not_found(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="claude-nope", max_tokens=4, messages=[ASK])
+    assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_x_api_key(tiny_llm_dir) -> None:
+    """--api-key is taken from the Anthropic SDK's x-api-key header as well as from Authorization."""
+    from fastapi.testclient import TestClient
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    with TestClient(build_app(engine, ServerMetrics("t"), ["t"], ["secret"])) as http:
+        good = anthropic.Anthropic(base_url="http://testserver", api_key="secret", http_client=http, max_retries=0)
+        assert good.messages.create(model="t", max_tokens=2, messages=[ASK]).usage.output_tokens == 2
+        bad = anthropic.Anthropic(base_url="http://testserver", api_key="wrong", http_client=http, max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            bad.messages.create(model="t", max_tokens=2, messages=[ASK])
+        assert e.value.body["error"]["type"] == "authentication_error"
+        bearer = anthropic.Anthropic(base_url="http://testserver", auth_token="secret", http_client=http,
+                                     max_retries=0)
+        assert bearer.messages.count_tokens(model="t", messages=[ASK]).input_tokens > 0
+        assert http.post("/v1/models", headers={"x-api-key": "wrong"}).status_code == 401
