@@ -282,7 +282,8 @@ def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
             raise ValidationError(f"tools[{i}].type {tool.get('type')!r} is not supported by this server (only "
                                   "client tools with an input_schema)", param=f"tools[{i}].type", value=tool.get("type"))
         check_keys(tool, {"type", "name", "description", "input_schema", "cache_control"}, f"tools[{i}]")
-        function = {"name": tool.get("name"), "parameters": tool.get("input_schema", {"type": "object"})}
+        function = {"name": string_field(tool, "name", f"tools[{i}]"),
+                    "parameters": tool.get("input_schema", {"type": "object"})}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})

@@ -431,6 +431,7 @@ def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
                                   "built-in tools such as web search run on OpenAI's side)", param=f"tools[{i}].type",
                                   value=kind)
         check_keys(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]")
+        string_field(tool, "name", f"tools[{i}]")
         function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters") and v is not None}
         out.append({"type": "function", "function": function})
     return out

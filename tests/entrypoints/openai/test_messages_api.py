@@ -113,6 +113,11 @@ def test_count_tokens(client: anthropic.Anthropic) -> None:
     ({"stop_sequences": ["x"] * 1000}, "stop_sequences"),
     ({"container": "c"}, "container"),
     ({"temperature": -1}, "temperature"),
+    ({"tools": [{"input_schema": {}}]}, "tools[0].name"),
+    ({"system": [{"type": "image"}]}, "system[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x",
+                                                  "content": [{"type": "image"}]}]}]}, "content[0].content[0]"),
+    ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
 ])
 def test_errors_take_anthropic_shape(server, fields: dict, fragment: str) -> None:
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], **fields}

@@ -171,6 +171,9 @@ def test_get_and_delete(client: openai.OpenAI, server) -> None:
      "text.format.colour"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"max_output_tokens": -1}, "max_output_tokens"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"text": {"format": "json"}}, "text.format"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k"),
 ])
 def test_what_we_cannot_honour_is_a_400_naming_it(server, fields: dict, param: str) -> None:
     body = {"model": MODEL, "input": "Hi", **fields}
