@@ -41,3 +41,5 @@ class MessagesRequest(CountTokensRequest):
     """{"user_id": ...}: accepted, as OpenAI's ``user``."""
     cache_control: dict[str, Any] | None = None
     """A prompt-caching hint: accepted (prefix caching is automatic here)."""
+    output_config: dict[str, Any] | None = None
+    """{"format": {"type": "json_schema", "schema": ...}}: the reply follows the schema (structured outputs)."""

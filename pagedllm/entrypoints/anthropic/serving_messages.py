@@ -25,7 +25,8 @@ from pagedllm.entrypoints.openai.limits import check_tools
 from pagedllm.entrypoints.openai.translate import chat_request, check_keys, renamed, string_field
 from pagedllm.errors import ValidationError
 
-PARAM_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+PARAM_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
+               "response_format": "output_config.format"}
 """A chat request's field -> the Messages field it was made from (an error names what the client sent)."""
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 """Chat's finish_reason -> Anthropic's stop_reason ("stop" is end_turn, or stop_sequence for a stop string)."""
@@ -94,7 +95,7 @@ class AnthropicServingMessages:
             "model": req.model, "messages": _chat_messages(req), "max_completion_tokens": req.max_tokens,
             "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
             "tools": _chat_tools(req.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
-            "stream": req.stream}
+            "stream": req.stream, "response_format": _response_format(req.output_config)}
         if req.stream:
             fields["stream_options"] = {"include_usage": True}
         return chat_request(fields, PARAM_NAMES)
@@ -306,6 +307,22 @@ def _chat_tool_choice(choice: dict | None) -> tuple[str | dict | None, bool]:
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
     raise ValidationError.bad_value("tool_choice", choice, "{\"type\": \"auto\" | \"any\" | \"none\"} or "
                                     "{\"type\": \"tool\", \"name\": ...}")
+
+
+def _response_format(config: dict | None) -> dict | None:
+    """output_config.format (Anthropic's structured outputs) as chat's response_format; an effort is refused."""
+    if config is None:
+        return None
+    check_keys(config, {"format", "effort"}, "output_config")
+    if config.get("effort") is not None:
+        raise ValidationError("output_config.effort is not supported by this server", param="output_config.effort")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ValidationError.bad_value("output_config.format", fmt, '{"type": "json_schema", "schema": {...}}')
+    check_keys(fmt, {"type", "schema"}, "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _refuse_thinking(thinking: dict | None) -> None:

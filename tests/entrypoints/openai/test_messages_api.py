@@ -4,11 +4,15 @@ Anthropic's shape and x-api-key. Each reply is held to the chat completion of th
 run one request path."""
 from __future__ import annotations
 
+import json
+from typing import Literal
+
 import anthropic
 import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -85,7 +89,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) ->
         ASK, {"role": "assistant", "content": first.content}, {"role": "user", "content": results}])
     chat = oai.chat.completions.create(model=MODEL, max_completion_tokens=8, extra_body=NOISELESS, tools=[CHAT_TOOL], messages=[
         ASK, {"role": "assistant", "content": "", "tool_calls": [
-            {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": __import__("json").dumps(u.input)}}
+            {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}}
             for u in uses]},
         *[{"role": "tool", "tool_call_id": u.id, "content": "21 C, sunny"} for u in uses]])
     assert second.content[0].text == chat.choices[0].message.content
@@ -96,6 +100,21 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) ->
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
     jsonschema.validate(final.content[0].input, WEATHER)
+
+
+class City(BaseModel):
+    city: Literal["Paris", "Rome"]  # the SDK moves maxLength into a description: an enum bounds the reply
+    unit: Literal["C", "F"]
+
+
+def test_output_config_format_and_parse(client: anthropic.Anthropic) -> None:
+    """Anthropic's structured outputs: output_config.format's schema is enforced; messages.parse reads it."""
+    m = client.messages.create(model=MODEL, max_tokens=80, messages=[ASK], extra_body=NOISELESS,
+                               output_config={"format": {"type": "json_schema", "schema": WEATHER}})
+    jsonschema.validate(json.loads(m.content[0].text), WEATHER)
+    parsed = client.messages.parse(model=MODEL, max_tokens=80, messages=[ASK], output_format=City,
+                                   extra_body=NOISELESS)
+    assert isinstance(parsed.parsed_output, City)
 
 
 def test_count_tokens(client: anthropic.Anthropic) -> None:
@@ -118,6 +137,8 @@ def test_count_tokens(client: anthropic.Anthropic) -> None:
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x",
                                                   "content": [{"type": "image"}]}]}]}, "content[0].content[0]"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
+    ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "regex", "pattern": "a"}}}, "output_config.format"),
 ])
 def test_errors_take_anthropic_shape(server, fields: dict, fragment: str) -> None:
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], **fields}
