@@ -14,7 +14,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequ
                                                   DeltaMessage, FunctionCall, ToolCall, TopLogprob,
                                                   random_id)
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
-from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constrained_calls, constraint,
+from pagedllm.entrypoints.openai.tool_calls import (ParsedCall, ToolParser, call_id, constrained_calls, constraint,
                                                     tool_functions)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.limits import check_constraint, check_tools
@@ -108,6 +108,8 @@ class OpenAIServingChat(OpenAIServing):
                 calls, content = constrained_calls(split.content or "", tools.named), None
             except ValueError:  # cut by max_tokens before the JSON ended (the grammar makes a whole reply parse)
                 assert finish_reason == "length", "a forced tool call that finished must parse"
+                if tools.named is not None:  # as vLLM: the named call, its arguments as far as they got
+                    calls, content = [ParsedCall(tools.named, split.content or "")], None
         elif tools.parser is not None:
             content, calls = tools.parser.parse(split.content or "")
         calls = calls if tools.parallel else calls[:1]

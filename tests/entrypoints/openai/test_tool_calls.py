@@ -118,7 +118,8 @@ def test_auto_with_a_parser_serves(tiny_llm_dir) -> None:
 
 def test_a_call_cut_by_max_tokens_is_parsed_when_complete(client: openai.OpenAI) -> None:
     """As vLLM: a forced call whose arguments are complete JSON when max_tokens ends it comes back as the call,
-    with finish_reason "length"; cut before its end, the reply stays text."""
+    with finish_reason "length"; cut before its end, a named call still comes back with its arguments so far,
+    and a "required" reply (no tool named yet) stays text."""
     named = {"type": "function", "function": {"name": "get_time"}}
     args = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, temperature=1.0, seed=3)
     whole = client.chat.completions.create(max_tokens=60, **args)
@@ -129,5 +130,14 @@ def test_a_call_cut_by_max_tokens_is_parsed_when_complete(client: openai.OpenAI)
     complete = [c for c in cut if c.finish_reason == "length"]  # (the end of the JSON, with or without its EOS)
     assert complete and complete[-1].message.tool_calls[0].function.arguments == arguments
     assert complete[-1].message.content is None
-    short = client.chat.completions.create(max_tokens=2, **args).choices[0]
-    assert short.finish_reason == "length" and not short.message.tool_calls and short.message.content
+    short = client.chat.completions.create(max_tokens=2, **args).choices[0]  # cut inside the JSON: as vLLM,
+    assert short.finish_reason == "length" and short.message.content is None  # the named call, its arguments
+    assert [c.function.name for c in short.message.tool_calls] == ["get_time"]  # as far as they got
+    with pytest.raises(ValueError):
+        json.loads(short.message.tool_calls[0].function.arguments)
+    streamed = [c.choices[0] for c in client.chat.completions.create(max_tokens=2, stream=True, **args) if c.choices]
+    calls = [call for c in streamed for call in c.delta.tool_calls or []]
+    assert [c.function.arguments for c in calls] == [short.message.tool_calls[0].function.arguments]
+    required = client.chat.completions.create(max_tokens=2, **{**args, "tool_choice": "required"}).choices[0]
+    assert required.finish_reason == "length" and not required.message.tool_calls  # which tool, unknown: text
+    assert required.message.content
