@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -97,10 +97,10 @@ class OpenAIServingResponses:
             return Response(status_code=499)  # the client went away while its request was prepared
         response_id, created = new_id("resp"), int(time.time())
         if req.stream:
-            events = self._events(req, run, chat_req, response_id, created, conversation)
-            return StreamingResponse(self.chat.with_error_events(events, self._error_events(req, run.model,
-                                                                                            response_id, created)),
-                                     media_type="text/event-stream")
+            writer = _EventWriter()  # one numbering for the events and a failure's events after them
+            events = self._events(req, run, chat_req, response_id, created, conversation, writer)
+            failed = self._error_events(req, run.model, response_id, created, writer)
+            return StreamingResponse(self.chat.with_error_events(events, failed), media_type="text/event-stream")
         completion = await self.chat.response(run, raw)
         if completion is None:
             return Response(status_code=499)
@@ -156,9 +156,8 @@ class OpenAIServingResponses:
         return chat_request(fields, PARAM_NAMES)
 
     async def _events(self, req: ResponsesRequest, run: Any, chat_req: ChatCompletionRequest, response_id: str,
-                      created: int, conversation: list[dict]) -> AsyncIterator[str]:
+                      created: int, conversation: list[dict], events: "_EventWriter") -> AsyncIterator[str]:
         """The SDK's event sequence, from the chat chunks as they come."""
-        events = _EventWriter()
         state = response_object(response_id, req, run.model, created, [], "in_progress")
         yield events.send("response.created", response=state)
         yield events.send("response.in_progress", response=state)
@@ -211,10 +210,11 @@ class OpenAIServingResponses:
         yield events.send("response.completed" if status == "completed" else "response.incomplete",
                           response=response)
 
-    def _error_events(self, req: ResponsesRequest, model: str, response_id: str, created: int):
+    @staticmethod
+    def _error_events(req: ResponsesRequest, model: str, response_id: str, created: int,
+                      writer: "_EventWriter") -> Callable[[ErrorInfo], list[str]]:
         """A failure after the stream began: response.failed, then an error event (the status line was sent)."""
         def events(error: ErrorInfo) -> list[str]:
-            writer = _EventWriter(sequence=10 ** 6)  # after any event sent: the SDK only needs them increasing
             failed = response_object(response_id, req, model, created, [], "failed",
                                      error={"code": error.code or "server_error", "message": error.message})
             return [writer.send("response.failed", response=failed),

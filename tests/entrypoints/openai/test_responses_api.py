@@ -219,3 +219,32 @@ def test_reasoning_items_from_the_reasoning_parser(tiny_llm_dir) -> None:
         text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
         assert text == chat.choices[0].message.reasoning_content
         assert events[-1].response.output[0].content[0].text == text
+
+
+def test_a_stream_that_fails_ends_in_each_apis_error_events(tiny_llm_dir) -> None:
+    """--request-timeout passing mid-stream: the Responses stream ends in response.failed and an error event
+    (numbered after the rest), the Messages stream in Anthropic's error event."""
+    import json as json_
+
+    from fastapi.testclient import TestClient
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.limits import ServingLimits
+    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    app = build_app(engine, ServerMetrics("t"), ["t"], [], limits=ServingLimits(request_timeout=0.3))
+    with TestClient(app) as http:
+        text = http.post("/v1/responses", json={"model": "t", "input": "Go on.", "max_output_tokens": 400,
+                                                "stream": True}).text
+        events = [json_.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+        assert [e["type"] for e in events[-2:]] == ["response.failed", "error"]
+        assert events[-2]["response"]["status"] == "failed" and events[-1]["code"] == "request_timeout"
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        text = http.post("/v1/messages", json={"model": "t", "max_tokens": 400, "stream": True,
+                                               "messages": [{"role": "user", "content": "Go on."}]}).text
+        assert text.rstrip().endswith('"type": "timeout_error", "message": "the request took over 0.3 s (the '
+                                      'server\'s request timeout) and was aborted"}}'), text[-300:]
+        assert "event: error" in text and "message_stop" not in text
