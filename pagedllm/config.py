@@ -197,7 +197,7 @@ class DeviceConfig:
     """"cpu" or "cuda" (resolved from EngineArgs.device "auto")."""
     attention_backend: str = "auto"
     """"torch" (reference), "cpu" (compiled CPU kernels), "triton" (Triton kernels: CUDA, or CPU under
-    TRITON_INTERPRET=1) or "auto" (cpu where it builds, else torch)."""
+    TRITON_INTERPRET=1) or "auto" (on a CPU: cpu where it builds, else torch; on CUDA: triton)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (a CPU always runs eagerly)."""
     cuda_graph_sizes: tuple[int, ...] = ()
@@ -366,8 +366,8 @@ class EngineArgs:
     """On a GPU: the share of its memory the engine may use; the KV pool gets what a profiling forward pass
     at max_num_batched_tokens leaves (kv_cache_memory / num_kv_blocks override it). Unused on a CPU."""
     attention_backend: str = "auto"
-    """"auto" (the compiled CPU kernels where they run, else torch), "cpu", "torch" or "triton" (CUDA, or CPU under
-    TRITON_INTERPRET=1)."""
+    """"auto" (on a CPU: the compiled CPU kernels where they run, else torch; on CUDA: triton), "cpu", "torch" or
+    "triton" (CUDA, or CPU under TRITON_INTERPRET=1)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs: every step runs eagerly (on a CPU every step does anyway)."""
     grammar_cache_memory: int | str = "512MiB"

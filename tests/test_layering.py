@@ -1,4 +1,5 @@
-"""DESIGN.md's layering: lower layers never import higher ones; core/ imports no torch."""
+"""The layering of docs/STRUCTURE.md (the project's DESIGN.md, kept outside this tree, draws the same layers):
+lower layers never import higher ones; core/ imports no torch."""
 from __future__ import annotations
 
 import subprocess
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from tests.import_graph import imports_of, package_modules
 
-#: Top-level module or sub-package of pagedllm -> layer (DESIGN.md: L0 ... L8).
+#: Top-level module or sub-package of pagedllm -> layer (docs/STRUCTURE.md: L0 ... L8).
 LAYERS = {
     "config": 0, "platform": 0, "sampling_params": 0, "request": 0, "outputs": 0, "errors": 0, "lora_request": 0,
     "core": 1, "distributed": 2, "layers": 3, "attention": 3, "lora": 3, "models": 4, "worker": 5,
@@ -57,7 +58,7 @@ def _modules() -> list[tuple[str, Path]]:
 def test_every_module_has_a_layer() -> None:
     for module, _ in _modules():
         if module != "pagedllm":
-            assert _layer_of(module) is not None, f"{module} is in no layer of DESIGN.md"
+            assert _layer_of(module) is not None, f"{module} is in no layer of docs/STRUCTURE.md"
 
 
 def test_no_module_imports_a_higher_layer() -> None:
