@@ -8,14 +8,14 @@ one per (request, block of query tokens). Runs on CUDA, and on CPU under Triton'
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.base import AttentionBackend, AttentionMetadataBuilder, StepInputs, triton_available
 
-SPLITS_ENV = "PAGEDLLM_TRITON_DECODE_SPLITS"
+SPLITS_ENV = envs.TRITON_DECODE_SPLITS.name
 """Force the split count of decode-only steps (a power of 2; 1 turns split-K off)."""
 TARGET_PROGRAMS = 256
 """Split-K aims at about this many programs per decode step (2 per SM of an H100/H200)."""
@@ -38,6 +38,8 @@ class TritonAttentionMetadata:
     max_seq_len: int
     _work: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _device: torch.device | None = None
+    forced_splits: int | None = None
+    """PAGEDLLM_TRITON_DECODE_SPLITS, as read when the builder was made (None: chosen per step)."""
 
     @property
     def decode_only(self) -> bool:
@@ -66,9 +68,8 @@ class TritonAttentionMetadata:
     def num_splits(self, num_kv_heads: int, block_size: int) -> int:
         """Splits per sequence for a decode-only step: enough programs to fill the GPU, each with at
         least MIN_BLOCKS_PER_SPLIT blocks; 1 (no split) otherwise."""
-        forced = os.environ.get(SPLITS_ENV)
-        if forced:
-            return int(forced)
+        if self.forced_splits is not None:
+            return self.forced_splits
         programs = len(self.query_lens) * num_kv_heads
         blocks = -(-self.max_seq_len // block_size)
         splits = 1
@@ -80,11 +81,15 @@ class TritonAttentionMetadata:
 class TritonMetadataBuilder(AttentionMetadataBuilder):
     """The scheduler's order; the step's layout as the kernels read it."""
 
+    def __init__(self) -> None:
+        self.forced_splits = envs.TRITON_DECODE_SPLITS.read()  # read once, when the model's builder is made
+
     def build(self, step: StepInputs) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
             slot_mapping=step.slot_mapping, block_tables=step.block_tables.to(torch.int32).contiguous(),
             seq_lens=step.seq_lens.to(torch.int32), query_start_loc=step.query_start_loc.to(torch.int32),
-            query_lens=step.query_lens.tolist(), max_seq_len=int(step.seq_lens.max()))
+            query_lens=step.query_lens.tolist(), max_seq_len=int(step.seq_lens.max()),
+            forced_splits=self.forced_splits)
 
     def build_for_graph(self, step: StepInputs, max_seq_len: int) -> TritonAttentionMetadata:
         # the static buffers already have the kernels' dtypes and live on the device: no copy, so a
@@ -92,7 +97,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         return TritonAttentionMetadata(
             slot_mapping=step.slot_mapping, block_tables=step.block_tables, seq_lens=step.seq_lens,
             query_start_loc=step.query_start_loc, query_lens=[1] * len(step.req_ids), max_seq_len=max_seq_len,
-            _device=step.seq_lens.device)
+            _device=step.seq_lens.device, forced_splits=self.forced_splits)
 
 
 class TritonAttentionBackend(AttentionBackend):

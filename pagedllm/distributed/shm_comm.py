@@ -21,8 +21,9 @@ import uuid
 import numpy as np
 import torch
 import torch.distributed as dist
+from pagedllm import envs
 
-SHM_ENV = "PAGEDLLM_CPU_SHM_ALLREDUCE"
+SHM_ENV = envs.CPU_SHM_ALLREDUCE.name
 """Set to 0 to keep every collective on gloo (A/B measurements)."""
 SLOT_BYTES = 8 << 20
 """Bytes one rank writes per operation; larger tensors go through in chunks."""
@@ -32,7 +33,7 @@ _SPINS_BEFORE_YIELD = 64
 
 def shm_usable(world_size: int, local_world_size: int) -> bool:
     """Whether the ranks can share memory: all on this machine, x86, not turned off."""
-    return (world_size > 1 and local_world_size == world_size and os.environ.get(SHM_ENV, "1") != "0"
+    return (world_size > 1 and local_world_size == world_size and envs.CPU_SHM_ALLREDUCE.read()
             and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm"))
 
 

@@ -8,32 +8,24 @@ on any number of machines).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from pagedllm import envs
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.errors import ValidationError
 from pagedllm.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-EXECUTE_TIMEOUT_ENV = "PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+EXECUTE_TIMEOUT_ENV = envs.EXECUTE_MODEL_TIMEOUT_SECONDS.name
 """Seconds a step may take on a worker before the engine declares it hung (default 300)."""
 
 
 def execute_timeout() -> float:
-    """The step timeout (EXECUTE_TIMEOUT_ENV)."""
-    raw = os.environ.get(EXECUTE_TIMEOUT_ENV, "300")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValidationError.bad_value(EXECUTE_TIMEOUT_ENV, raw, "a positive number of seconds")
-    return value
+    """The step timeout (EXECUTE_TIMEOUT_ENV), read when an executor starts."""
+    return envs.EXECUTE_MODEL_TIMEOUT_SECONDS.read()
 
 
 def process_stopped(pid: int) -> bool:

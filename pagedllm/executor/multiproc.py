@@ -60,6 +60,7 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
         from pagedllm.worker.worker import RankInfo  # the engine process itself loads no model code
+        self._timeout = execute_timeout()  # read once: a step's deadline
         tp = config.parallel.tensor_parallel_size
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -89,12 +90,12 @@ class MultiprocExecutor(Executor):
     # --------------------------------------------------------------- calls
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         self._broadcast(method, args, reply=True)
-        results = self._collect(range(len(self.workers)), execute_timeout(), method)
+        results = self._collect(range(len(self.workers)), self._timeout, method)
         return [results[rank] for rank in range(len(self.workers))]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast("execute_model", (scheduler_output,), reply=False)
-        return self._collect((0,), execute_timeout(), "execute_model")[0]
+        return self._collect((0,), self._timeout, "execute_model")[0]
 
     def shutdown(self) -> None:
         self._closing = True

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import ValidationError
@@ -26,7 +27,7 @@ from pagedllm.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-STRATEGY_ENV = "PAGEDLLM_RAY_PLACEMENT_STRATEGY"
+STRATEGY_ENV = envs.RAY_PLACEMENT_STRATEGY.name
 """Placement-group strategy of the rank bundles: PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD."""
 PLACEMENT_TIMEOUT_S = 60.0
 """Seconds to wait for the cluster to have room for every rank's bundle."""
@@ -91,9 +92,8 @@ class RayDistributedExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from pagedllm.worker.worker import RankInfo
         tp = config.parallel.tensor_parallel_size
-        strategy = os.environ.get(STRATEGY_ENV, "PACK")
-        if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValidationError.bad_value(STRATEGY_ENV, strategy, "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+        strategy = envs.RAY_PLACEMENT_STRATEGY.read()
+        self._timeout = execute_timeout()  # read once: a step's deadline
         super().__init__()
         self._closing = False
         self.actors: list[Any] = []
@@ -173,7 +173,7 @@ class RayDistributedExecutor(Executor):
         # pickled once; every actor gets the same bytes (cheaper than ray.put for a step's few KB: measured)
         data = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
         refs = [a.execute_method.remote(method, reply, data) for a in self.actors]
-        return self._wait(refs, execute_timeout(), method)
+        return self._wait(refs, self._timeout, method)
 
     def _wait(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         """Every rank's result, in rank order; any rank's error or death fails the engine at once."""

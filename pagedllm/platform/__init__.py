@@ -1,7 +1,7 @@
 """The one place that knows the machine: the CPU, its instruction-set level, which compiled
 kernels exist there, the dtype that runs fastest, and the environment switches (read once).
 
-Everything else asks this module; nothing else reads /proc/cpuinfo or a PAGEDLLM_* variable.
+Everything else asks this module; nothing else reads /proc/cpuinfo (the PAGEDLLM_* variables are pagedllm.envs').
 
 Which CPUs get which path (``pagedllm build-kernels --list`` shows this machine's):
 
@@ -20,11 +20,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
-from pagedllm.errors import ValidationError
+from pagedllm import envs
 from pagedllm.platform import build
 from pagedllm.platform.cpu import ISA_ENV, LEVELS, CpuInfo, check_level, cpu_info, is_forced, isa_level, native_bf16
 
@@ -48,11 +47,7 @@ class Switches:
 
 @functools.lru_cache(maxsize=1)
 def switches() -> Switches:
-    gemm = os.environ.get("PAGEDLLM_GEMM", "auto").strip().lower() or "auto"
-    if gemm not in ("auto", "onednn"):
-        raise ValidationError.bad_value("PAGEDLLM_GEMM", gemm, "'auto' or 'onednn'")
-    return Switches(os.environ.get("PAGEDLLM_FUSED_OPS", "1").strip() != "0", gemm,
-                    os.environ.get("PAGEDLLM_CPU_STACK", "1").strip() != "0")
+    return Switches(envs.FUSED_OPS.read(), envs.GEMM.read(), envs.CPU_STACK.read())
 
 
 @dataclass(frozen=True)

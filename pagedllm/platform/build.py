@@ -26,11 +26,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm import envs
 from pagedllm.platform.cpu import LEVELS
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "PAGEDLLM_CACHE_DIR"
+CACHE_ENV = envs.CACHE_DIR.name
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
 LIBRARY_NAME = "libpagedllm_kernels.so"
 LOCK_WAIT_S = 180.0
@@ -59,8 +60,8 @@ def library_level(level: str) -> str | None:
 
 def cache_root() -> Path:
     """``$PAGEDLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedllm``, else ``~/.cache/pagedllm``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
+    if envs.CACHE_DIR.read():
+        return Path(envs.CACHE_DIR.read()).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pagedllm"
 

@@ -12,12 +12,13 @@ import os
 import platform as _stdlib_platform
 from dataclasses import dataclass
 
+from pagedllm import envs
 from pagedllm.errors import ValidationError
 
 LEVELS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
 """Instruction-set levels, lowest first."""
 
-ISA_ENV = "PAGEDLLM_ISA"
+ISA_ENV = envs.ISA.name
 
 _X86 = ("x86_64", "amd64", "i686", "i386")
 _LEVEL_FLAGS = {  # /proc/cpuinfo flags each level needs on top of the level below
@@ -109,7 +110,7 @@ def check_level(level: str, native: str) -> str:
 def isa_level() -> str:
     """The level kernels run at: the CPU's own, or the lower one ``PAGEDLLM_ISA`` asks for."""
     native = cpu_info().native_level()
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    forced = envs.ISA.read()
     return check_level(forced, native) if forced else native
 
 
@@ -141,14 +142,14 @@ def cap_torch_to_forced_level(environ: dict[str, str] | None = None) -> dict[str
     Called by ``import pagedllm`` while torch is not imported yet; returns what it set.
     """
     env = os.environ if environ is None else environ
-    forced = env.get(ISA_ENV, "").strip().lower()
+    forced = envs.ISA.read(env)
     caps = _TORCH_CAPS.get(forced, {}) if forced and forced != cpu_info().native_level() else {}
     applied = {k: v for k, v in caps.items() if k not in env}
     env.update(applied)
     return applied
 
 
-THREADS_BIND_ENV = "PAGEDLLM_CPU_OMP_THREADS_BIND"
+THREADS_BIND_ENV = envs.CPU_OMP_THREADS_BIND.name
 """Cores per local rank, ranks separated by "|" ("0-3|4-7"; as vLLM's VLLM_CPU_OMP_THREADS_BIND),
 or "all" (no binding: every rank may use every core). Unset: the cores this process may use,
 split evenly between the ranks of this machine."""
@@ -166,7 +167,7 @@ def rank_cores(local_rank: int, local_world_size: int, environ: dict[str, str] |
     """The cores local rank ``local_rank`` of ``local_world_size`` binds its threads to (None: no
     binding). Ranks of one machine get disjoint cores so their kernels do not fight over them."""
     env = os.environ if environ is None else environ
-    spec = env.get(THREADS_BIND_ENV, "").strip()
+    spec = envs.CPU_OMP_THREADS_BIND.read(env)
     if spec == "all":
         return None
     if spec:

@@ -20,6 +20,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedllm
+from pagedllm import envs
 from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.core_client import AsyncLLM, ServingEngine
@@ -378,10 +379,7 @@ class _Server(GuardedServer):
 def engine_core_process() -> bool:
     """Whether `pagedllm serve` runs the engine core in its own process: yes unless
     PAGEDLLM_ENABLE_MULTIPROCESSING=0 (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING), which keeps it a thread."""
-    value = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "1")
-    if value not in ("0", "1"):
-        raise ValidationError.bad_value("PAGEDLLM_ENABLE_MULTIPROCESSING", value, "0 or 1")
-    return value == "1"
+    return envs.ENABLE_MULTIPROCESSING.read()
 
 
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
@@ -394,7 +392,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     if allow_lora_updating and not engine_args.enable_lora:
         raise ValidationError(f"--allow-runtime-lora-updating ({RUNTIME_LORA_ENV}) needs --enable-lora",
                               param="allow_runtime_lora_updating", value=True)
-    keys = ns.api_key or ([os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else [])
+    keys = ns.api_key or ([envs.API_KEY.read()] if envs.API_KEY.read() else [])
     raise_open_file_limit()  # each connection is a file; before the engine starts, so its processes inherit it
     metrics = ServerMetrics(names[0])
     server: _Server | None = None

@@ -12,9 +12,9 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 from dataclasses import dataclass
 
+from pagedllm import envs
 from pagedllm.engine.core_client import ServingEngine
 from pagedllm.errors import ValidationError
 from pagedllm.entrypoints.openai.protocol import ModelCard
@@ -54,18 +54,15 @@ def parse_lora_module(text: str) -> LoRAModulePath:
     return LoRAModulePath(name, path)
 
 
-RUNTIME_LORA_ENV = "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"
+RUNTIME_LORA_ENV = envs.ALLOW_RUNTIME_LORA_UPDATING.name
 """1 or true: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
 
 
 def runtime_lora_updating(flag: bool) -> bool:
     """Whether clients may load and unload adapters: ``--allow-runtime-lora-updating`` (``flag``) or
     PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1/true; off by default. Another value of the variable is refused."""
-    value = os.environ.get(RUNTIME_LORA_ENV) or "0"  # set but empty: unset, as vLLM reads it
-    on = value.strip().lower()
-    if on not in ("0", "1", "true", "false"):
-        raise ValidationError.bad_value(RUNTIME_LORA_ENV, value, "0, 1, true or false")
-    return flag or on in ("1", "true")
+    on = envs.ALLOW_RUNTIME_LORA_UPDATING.read()  # read (and checked) even when the flag is given
+    return flag or on
 
 
 class OpenAIServingModels:
