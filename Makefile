@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= $(shell nproc)
 TCMALLOC := $(shell ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $$NF; exit}')
 RUN := $(if $(TCMALLOC),LD_PRELOAD=$(TCMALLOC),)
 
-.PHONY: serve demo test test-fast bench bench-serve bench-isa clean-venv
+.PHONY: serve demo test test-fast lint bench bench-serve bench-isa clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# ruff over the sources (pyproject.toml's [tool.ruff]); tests/test_lint.py runs the same check
+lint: $(STAMP)
+	$(BIN)/ruff check pagedllm tests benchmarks examples
 
 clean-venv:
 	rm -rf $(VENV)

@@ -126,6 +126,19 @@ def _shm_reader(rank: int, name: str, results) -> None:
         shm.close()
 
 
+# A module-level function, not a closure over bench_shm's views: bench_shm drops its last references
+# to them (`del header, slots`) before shm.close(), which refuses while a view of the buffer is alive.
+def _shm_publish(header: np.ndarray, slots: memoryview, obj: object, seq: int) -> None:
+    """Write message ``seq`` into its slot once both readers are done with the slot's previous message."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    while min(header[1], header[2]) <= seq - SLOTS:  # the slot is still being read
+        os.sched_yield()
+    base = (seq % SLOTS) * SLOT_BYTES
+    struct.pack_into("<q", slots, base, len(data))
+    slots[base + 8:base + 8 + len(data)] = data
+    header[0] = seq + 1
+
+
 def bench_shm(payload: SchedulerOutput, iters: int) -> tuple[list[float], float]:
     ctx = mp.get_context("spawn")
     shm = shared_memory.SharedMemory(create=True, size=24 + SLOTS * SLOT_BYTES)
@@ -135,28 +148,18 @@ def bench_shm(payload: SchedulerOutput, iters: int) -> tuple[list[float], float]
     procs = [ctx.Process(target=_shm_reader, args=(rank, shm.name, res_write), daemon=True) for rank in range(2)]
     for p in procs:
         p.start()
-
-    def publish(obj: object, seq: int) -> None:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        while min(header[1], header[2]) <= seq - SLOTS:  # the slot is still being read
-            os.sched_yield()
-        base = (seq % SLOTS) * SLOT_BYTES
-        struct.pack_into("<q", slots, base, len(data))
-        slots[base + 8:base + 8 + len(data)] = data
-        header[0] = seq + 1
-
     times = []
     seq = 0
     try:
         for i in range(iters + 100):
             start = time.perf_counter()
-            publish(payload, seq)
+            _shm_publish(header, slots, payload, seq)
             seq += 1
             res_read.recv()
             if i >= 100:
                 times.append(time.perf_counter() - start)
         idle = idle_cpu(procs)
-        publish(None, seq)
+        _shm_publish(header, slots, None, seq)
         for p in procs:
             p.join()
     finally:
@@ -199,7 +202,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     args = parser.parse_args()
     print(f"cores: {len(os.sched_getaffinity(0))}")
-    for label, payload in (("decode step, 256 requests", decode_step()), ("prefill step, 8 x 256 tokens", prefill_step())):
+    for label, payload in (("decode step, 256 requests", decode_step()),
+                           ("prefill step, 8 x 256 tokens", prefill_step())):
         size = len(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
         for name, fn in (("pipe", bench_pipe), ("shm ring", bench_shm)):
             times, idle = fn(payload, args.iters)

@@ -169,7 +169,7 @@ def main() -> None:
     shape = args.shape or ("llama3-8b" if device == "cuda" else "tiny")
     batches = args.batches or ([1, 16, 64, 256] if device == "cuda" else [1, 4])
     rows = decode(device, shape, batches, args.prompt_len, args.output_len, args.enforce_eager)
-    print(f"\n| shape | dtype | CUDA graphs | batch | decode tok/s | roofline tok/s | of roofline |")
+    print("\n| shape | dtype | CUDA graphs | batch | decode tok/s | roofline tok/s | of roofline |")
     print("|---|---|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['shape']} | {r['dtype']} | {r['cuda_graphs']} | {r['batch']} | {r['decode_tok_s']} | "

@@ -73,7 +73,8 @@ class LLGuidance:
         self.mask = llguidance.torch.allocate_token_bitmask(1, self.tok.vocab_size)
 
     def compile(self, s: dict) -> Any:
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(s, defaults={"whitespace_flexible": True})  # its compact form has no spaces
+        # whitespace_flexible: its compact form has no spaces
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(s, defaults={"whitespace_flexible": True})
         return self.llg.LLMatcher(self.tok, grammar)  # llguidance builds lazily: the matcher is the compile
 
     def start(self, compiled: Any) -> Any:
@@ -117,7 +118,8 @@ def main() -> None:
     vocab = len(tok)
     tokens = tok.encode(REPLY, add_special_tokens=False)
     print(f"reply: {len(tokens)} tokens; vocabulary {vocab}")
-    print("| library | tokenizer set-up ms | compile ms (median of 20) | per step µs (mask + accept) | accepts the reply |")
+    print("| library | tokenizer set-up ms | compile ms (median of 20) | per step µs (mask + accept) "
+          "| accepts the reply |")
     print("|---|---|---|---|---|")
     for cls in (XGrammar, LLGuidance, OutlinesCore):
         try:

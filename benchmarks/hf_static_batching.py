@@ -36,7 +36,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, args.dtype),
                                                  quantization_config=GgufConfig(gguf_file=path, dequantize=True)).eval()
     vocab = model.config.vocab_size
-    prompts = [p["prompt_token_ids"] for p in random_prompts(args.num_prompts, args.input_len, vocab, args.dataset_seed)]
+    prompts = [p["prompt_token_ids"]
+               for p in random_prompts(args.num_prompts, args.input_len, vocab, args.dataset_seed)]
     gen = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.output_len,
                min_new_tokens=args.output_len, pad_token_id=0)
     with torch.inference_mode():

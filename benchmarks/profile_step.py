@@ -48,7 +48,8 @@ def main() -> None:
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
-    print(f"batch {args.batch}, context ~{args.context}: {(time.perf_counter() - start) / args.steps * 1e3:.1f} ms/step")
+    print(f"batch {args.batch}, context ~{args.context}: "
+          f"{(time.perf_counter() - start) / args.steps * 1e3:.1f} ms/step")
     if args.op_times:
         times = _wrap_ops()
         for _ in range(args.steps):

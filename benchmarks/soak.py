@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens a normal request asks for")
     parser.add_argument("--timeout", type=float, default=300.0, help="client timeout per request, seconds")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--abuse", action="store_true", help=f"add {ABUSE_SHARE * 100:.0f}%% abusive requests to the mix "
+    parser.add_argument("--abuse", action="store_true",
+                        help=f"add {ABUSE_SHARE * 100:.0f}%% abusive requests to the mix "
                         "(crashers, oversized lists, heavy grammars, bad Unicode: each must be answered or refused "
                         "with a 4xx, never a 5xx)")
     parser.add_argument("--output-json", default=None)

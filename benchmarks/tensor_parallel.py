@@ -47,7 +47,7 @@ def main() -> None:
         for name in ns.configs:
             results[name].append(run_once(*CONFIGS[name], ns))
             print(f"round {r + 1} {name}: {results[name][-1]['tokens_per_second']:.1f} tokens/s", flush=True)
-    print(f"\n| config | total tokens/s (per round) | median | rank: weights / KV pool / RSS (MiB) |")
+    print("\n| config | total tokens/s (per round) | median | rank: weights / KV pool / RSS (MiB) |")
     print("|---|---|---|---|")
     for name, runs in results.items():
         speeds = [run["tokens_per_second"] for run in runs]

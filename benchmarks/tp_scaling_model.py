@@ -49,7 +49,8 @@ def main() -> None:
           f"per GPU = {ALL_REDUCES} x {HIDDEN} x {BYTES} B x 2(N-1)/N")
     for link in LINKS:
         print(f"\n{link.name}, {link.latency * 1e6:.0f} us per all-reduce")
-        print("| GPUs | batch | weights/FLOPs ms | all-reduce ms | step ms | tokens/s | speed-up vs 1 GPU | MB sent per GPU |")
+        print("| GPUs | batch | weights/FLOPs ms | all-reduce ms | step ms | tokens/s | speed-up vs 1 GPU "
+              "| MB sent per GPU |")
         print("|---|---|---|---|---|---|---|---|")
         for batch in (1, 256):
             base = sum(step_time(1, batch, H200, link)[:2])

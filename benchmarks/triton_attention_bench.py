@@ -48,7 +48,8 @@ def one(batch: int, context: int, splits: int | None) -> tuple[float, float]:
     out = torch.empty_like(q)
     scale = HEAD_DIM ** -0.5
     block_q = triton_ops.block_q_for(HEADS, KV_HEADS)
-    work_req, work_qblock = torch.arange(batch, dtype=torch.int32, device=dev), torch.zeros(batch, dtype=torch.int32, device=dev)
+    work_req = torch.arange(batch, dtype=torch.int32, device=dev)
+    work_qblock = torch.zeros(batch, dtype=torch.int32, device=dev)
     if splits and splits > 1:
         paged = time_cuda(lambda: triton_ops.split_decode_attention(q, cache, tables, seq_lens, splits, scale, out))
     else:

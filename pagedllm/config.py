@@ -138,7 +138,8 @@ class CacheConfig:
             raise ValidationError.bad_value("kv_cache_dtype", self.cache_dtype,
                                             " or ".join(repr(d) for d in KV_CACHE_DTYPES) + hint)
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
-            raise ValidationError.bad_value("num_kv_blocks", self.num_kv_blocks, "an integer >= 2 (block 0 is the null block)")
+            raise ValidationError.bad_value("num_kv_blocks", self.num_kv_blocks,
+                                            "an integer >= 2 (block 0 is the null block)")
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,9 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids: tuple[int, ...] = (
-            () if eos_token_ids is None else (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids))
+            () if eos_token_ids is None
+            else (eos_token_ids,) if isinstance(eos_token_ids, int)
+            else tuple(eos_token_ids))
         """Tokens that end the sequence (the tokenizer's EOS and the checkpoint's extra ones)."""
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -3,8 +3,8 @@ for every other one.
 
 Its builder orders the step's requests decodes first. Decode tokens (one query each) are batched:
 their K/V blocks are gathered through the block tables into a padded (requests, max_blocks *
-block_size) view and attended with a length mask in one call. Prompt chunks are attended one request at a time, causally over the cached
-prefix plus the chunk.
+block_size) view and attended with a length mask in one call. Prompt chunks are attended one request
+at a time, causally over the cached prefix plus the chunk.
 
 An int8 cache (kv_cache_dtype="int8") is written quantized and read back through ``kv_quant``: the
 gathered blocks are dequantized to the query's dtype before SDPA.

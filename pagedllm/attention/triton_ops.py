@@ -179,11 +179,11 @@ def _split_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
     d = tl.arange(0, HEAD_DIM_P2)
     slot = (req.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + s
     m = tl.load(part_ml_ptr + slot * 2)
-    l = tl.load(part_ml_ptr + slot * 2 + 1)
+    l_i = tl.load(part_ml_ptr + slot * 2 + 1)
     acc = tl.load(part_acc_ptr + slot[:, None] * HEAD_DIM_P2 + d[None, :])  # (NUM_SPLITS, HEAD_DIM_P2)
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # empty splits weigh nothing
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_i * w, 0)
     tl.store(out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 

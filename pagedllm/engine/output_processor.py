@@ -66,7 +66,8 @@ class SequenceState:
             return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
                                     None if self.logprobs is None else list(self.logprobs),
                                     self.finish_reason, self.stop_reason)
-        if len(text) == self.sent_text and len(self.token_ids) == self.sent_tokens and self.finished == self.sent_finish:
+        if (len(text) == self.sent_text and len(self.token_ids) == self.sent_tokens
+                and self.finished == self.sent_finish):
             return None
         delta = CompletionOutput(self.index, text[self.sent_text:], self.token_ids[self.sent_tokens:],
                                  self.cumulative_logprob,

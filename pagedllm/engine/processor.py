@@ -53,7 +53,8 @@ class Processor:
         """(prompt text or None, token ids) of a string, {"prompt": ...} or {"prompt_token_ids": [...]}."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in ids):
                 raise ValidationError.bad_value("prompt_token_ids", ids, "a list of integers")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -64,7 +65,8 @@ class Processor:
         else:
             text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
             if not isinstance(text, str):
-                raise ValidationError.bad_value("prompt", prompt, "a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+                raise ValidationError.bad_value("prompt", prompt,
+                                                "a string, {'prompt': str} or {'prompt_token_ids': [...]}")
             ids = self.tokenizer.encode(text) if text else []
         if not ids:
             raise ValidationError("prompt must not be empty", param="prompt", value=prompt)

@@ -166,7 +166,8 @@ class LLM:
         return finished
 
 
-def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list[LoRARequest | None]:
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                count: int) -> list[LoRARequest | None]:
     """One adapter (or None) per prompt from generate's lora_request argument."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * count

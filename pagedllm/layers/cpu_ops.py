@@ -287,7 +287,8 @@ class CpuKernels:
         """Every decoder layer and the final norm on hidden (rows, hidden) in place (models/cpu_stack.py)."""
         rows = hidden.shape[0]
         assert hidden.is_contiguous() and residual.shape == hidden.shape and work.shape[0] == rows
-        assert positions.dtype == slot_mapping.dtype == torch.int64 and positions.numel() == slot_mapping.numel() == rows
+        assert positions.dtype == slot_mapping.dtype == torch.int64
+        assert positions.numel() == slot_mapping.numel() == rows
         assert tables.dtype == lens.dtype == torch.int32 and tables.is_contiguous() and tables.shape[0] == rows
         self._check(self._lib.pl_llama_stack(plan, rows, hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
                                              positions.data_ptr(), slot_mapping.data_ptr(), tables.data_ptr(),

@@ -98,7 +98,8 @@ class ArchConfig:
         partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
             from pagedllm.errors import ValidationError
-            raise ValidationError.bad_value("partial_rotary_factor", partial, "1.0 (partial rotary is not supported yet)")
+            raise ValidationError.bad_value("partial_rotary_factor", partial,
+                                            "1.0 (partial rotary is not supported yet)")
         num_heads = hf["num_attention_heads"]
         is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         is_qwen3 = arch == "Qwen3ForCausalLM"
@@ -164,7 +165,8 @@ class ArchConfig:
         from pagedllm.errors import ValidationError
 
         if not hf.get("layer_norm_elementwise_affine", True):
-            raise ValidationError.bad_value("layer_norm_elementwise_affine", False, "True (OPT without it is not supported)")
+            raise ValidationError.bad_value("layer_norm_elementwise_affine", False,
+                                            "True (OPT without it is not supported)")
         hidden, bias = hf["hidden_size"], hf.get("enable_bias", True)
         proj = hf.get("word_embed_proj_dim", hidden)
         before = hf.get("do_layer_norm_before", True)

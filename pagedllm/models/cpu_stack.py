@@ -74,7 +74,8 @@ class CpuDecoderStack:
         layers = (_LayerPlan * len(model.layers))()
         for plan, layer in zip(layers, model.layers):
             a, m = layer.self_attn, layer.mlp
-            plan.input_norm, plan.post_norm = _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight)
+            plan.input_norm = _ptr(layer.input_layernorm.weight)
+            plan.post_norm = _ptr(layer.post_attention_layernorm.weight)
             plan.o, plan.o_bias = self._weight(a.o_proj, plan, "o"), _ptr(a.o_proj.bias)
             plan.down, plan.down_bias = self._weight(m.down_proj, plan, "down"), _ptr(m.down_proj.bias)
             plan.qkv = self._weight(a.qkv_proj, plan, "qkv")  # column-parallel biases: float32 in our GEMM

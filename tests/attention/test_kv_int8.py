@@ -74,7 +74,8 @@ def test_kernel_matches_torch_reference(kernels, dtype: torch.dtype, heads: int,
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
     torch.testing.assert_close(outs[1], outs[0], atol=TOL[dtype], rtol=TOL[dtype])
-    exact = TorchAttentionBackend().forward(q, k, v, floats.to(dtype), TorchAttentionBackend().make_builder().build(step),
+    exact = TorchAttentionBackend().forward(q, k, v, floats.to(dtype),
+                                            TorchAttentionBackend().make_builder().build(step),
                                             head_dim ** -0.5).float()
     torch.testing.assert_close(outs[1], exact, atol=0.05, rtol=0.05)
 

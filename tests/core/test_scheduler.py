@@ -18,7 +18,8 @@ def add(scheduler: Scheduler, request_id: str, num_prompt_tokens: int, max_token
     return request
 
 
-def step(scheduler: Scheduler, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]]:
+def step(scheduler: Scheduler,
+         tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]]:
     """schedule -> fake model (``tokens``: what a request samples, else TOKEN) -> update; the schedule
     and the per-request news."""
     out = scheduler.schedule()

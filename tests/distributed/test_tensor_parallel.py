@@ -73,7 +73,8 @@ def test_ranks_sample_the_same_tokens(tp_llm: Callable[..., LLM], tiny_llm_dir: 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_replicated_kv_head_and_padded_vocabulary(tp_llm: Callable[..., LLM], mqa_model_dir: Path, backend: str) -> None:
+def test_replicated_kv_head_and_padded_vocabulary(tp_llm: Callable[..., LLM], mqa_model_dir: Path,
+                                                  backend: str) -> None:
     prompts = [{"prompt_token_ids": [1 + i, 40 + i, 7, 300 + i, 512]} for i in range(8)]
     want = [o.outputs[0].token_ids for o in tp_llm(mqa_model_dir).generate(prompts, GREEDY, use_tqdm=False)]
     llm = tp_llm(mqa_model_dir, tensor_parallel_size=2, distributed_executor_backend=backend)

@@ -32,7 +32,8 @@ def test_json_schema_replies_validate(llm: LLM) -> None:
     # any object: a random model may write one string until max_tokens; what it wrote is an object's start
     any_obj = llm.generate("Anything:", _params(StructuredOutputsParams(json_object=True), seed=1), use_tqdm=False)
     text = any_obj[0].outputs[0].text
-    assert text.startswith("{") and (any_obj[0].outputs[0].finish_reason != "stop" or isinstance(json.loads(text), dict))
+    assert text.startswith("{") and (any_obj[0].outputs[0].finish_reason != "stop"
+                                     or isinstance(json.loads(text), dict))
 
 
 def test_choice_and_regex_hold_on_every_sample(llm: LLM) -> None:

@@ -100,7 +100,8 @@ def test_unknown_llm_option(tiny_llm_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(dtype="float64"), "dtype"), (dict(block_size=0), "block_size"), (dict(kv_cache_memory="lots"), "kv_cache_memory"),
+    (dict(dtype="float64"), "dtype"), (dict(block_size=0), "block_size"),
+    (dict(kv_cache_memory="lots"), "kv_cache_memory"),
     (dict(max_model_len=100000), "max_model_len"), (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"), (dict(tensor_parallel_size=3), "tensor_parallel_size"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "distributed_executor_backend"),

@@ -21,7 +21,8 @@ def test_fit_recovers_a_linear_step_time() -> None:
     truth = np.array([2e-3, 1e-5, 5e-5, 3e-4])
     model = CostModel.fit(x.tolist(), (x @ truth).tolist())
     np.testing.assert_allclose(model.coef, truth, rtol=1e-6)
-    assert model.median_error < 1e-9 and abs(model.predict([1, 100, 10, 5]) - float(np.dot(truth, [1, 100, 10, 5]))) < 1e-12
+    assert model.median_error < 1e-9
+    assert abs(model.predict([1, 100, 10, 5]) - float(np.dot(truth, [1, 100, 10, 5]))) < 1e-12
     negative = CostModel.fit(x.tolist(), (x @ np.array([2e-3, 1e-5, 0, 3e-4]) - 1e-9 * x[:, 2]).tolist())
     assert min(negative.coef) >= 0  # a coefficient that fits negative is dropped, the others refit
 

@@ -144,7 +144,8 @@ def test_lora_needs_enable_lora_and_one_rank(tiny_llm_dir: Path, adapters: Calla
     assert err.value.param == "lora_request" and "enable_lora" in str(err.value)
     llm.shutdown()
     for kwargs, param in [(dict(tensor_parallel_size=2), "enable_lora"), (dict(max_loras=0), "max_loras"),
-                          (dict(max_lora_rank=-1), "max_lora_rank"), (dict(max_loras=2, max_cpu_loras=1), "max_cpu_loras")]:
+                          (dict(max_lora_rank=-1), "max_lora_rank"),
+                          (dict(max_loras=2, max_cpu_loras=1), "max_cpu_loras")]:
         with pytest.raises(ValidationError) as err:
             LLM(str(tiny_llm_dir), enable_lora=True, **kwargs)
         assert err.value.param == param

@@ -103,7 +103,8 @@ class AnthropicServingMessages:
     async def _events(self, run: Any, chat_req: ChatCompletionRequest, message_id: str) -> AsyncIterator[str]:
         """message_start, a content_block_start / _delta... / _stop per block, message_delta, message_stop."""
         start = {"id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
-                 "stop_reason": None, "stop_sequence": None, "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens))}
+                 "stop_reason": None, "stop_sequence": None,
+                 "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens))}
         yield _event("message_start", message=start)
         index, open_kind = -1, None  # the block being written: "thinking" or "text"
         finish, stop, usage = None, None, None
@@ -281,7 +282,8 @@ def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if tool.get("type") not in (None, "custom"):
             raise ValidationError(f"tools[{i}].type {tool.get('type')!r} is not supported by this server (only "
-                                  "client tools with an input_schema)", param=f"tools[{i}].type", value=tool.get("type"))
+                                  "client tools with an input_schema)",
+                                  param=f"tools[{i}].type", value=tool.get("type"))
         check_keys(tool, {"type", "name", "description", "input_schema", "cache_control"}, f"tools[{i}]")
         function = {"name": string_field(tool, "name", f"tools[{i}]"),
                     "parameters": tool.get("input_schema", {"type": "object"})}

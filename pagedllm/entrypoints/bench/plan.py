@@ -23,9 +23,8 @@ from typing import Any
 import numpy as np
 
 from pagedllm import platform
-from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig, default_kv_budget, parse_memory
+from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig, default_kv_budget
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.entrypoints.bench.datasets import (BenchRequest, add_dataset_args, check_dataset_args, dataset_seed,
                                                  requests_from_args)
 from pagedllm.entrypoints.bench.memory_sim.paged import fake_model
@@ -336,7 +335,8 @@ def run(ns: argparse.Namespace) -> int:
               f"TTFT p50 {p.ttft_ms['p50']:8.1f} p99 {p.ttft_ms['p99']:8.1f} ms  TPOT p50 {p.tpot_ms['p50']:7.1f} "
               f"p99 {p.tpot_ms['p99']:7.1f} ms  preemptions {p.num_preemptions:4d}  KV mean {p.mean_kv_usage:.0%} "
               f"max {p.max_kv_usage:.0%}")
-    result: dict[str, Any] = {"num_blocks": num_blocks, "requests": len(requests), "cost_model": dataclasses.asdict(cost),
+    result: dict[str, Any] = {"num_blocks": num_blocks, "requests": len(requests),
+                              "cost_model": dataclasses.asdict(cost),
                               "predictions": [dataclasses.asdict(p) for p in table]}
     if (ns.target_tpot_ms or ns.target_ttft_ms) and recorded is None:
         best: tuple[float, int] | None = None

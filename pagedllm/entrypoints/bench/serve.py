@@ -164,7 +164,8 @@ def run(ns: argparse.Namespace) -> int:
           f"{summary['output_tokens_per_second']:.1f} output tok/s, {summary['tokens_per_second']:.1f} total tok/s")
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):
         s = summary[name]
-        print(f"{name.replace('_ms', '').upper() + ' (ms)':<28}mean {s['mean']:.1f}  p50 {s['p50']:.1f}  p99 {s['p99']:.1f}")
+        print(f"{name.replace('_ms', '').upper() + ' (ms)':<28}"
+              f"mean {s['mean']:.1f}  p50 {s['p50']:.1f}  p99 {s['p99']:.1f}")
     print(f"{'normalized latency':<28}{summary['normalized_latency_s_per_token']:.4f} s/token")
     for r in results:
         if not r.ok:

@@ -149,7 +149,8 @@ def run(ns: argparse.Namespace) -> int:
         "tensor_parallel_size": llm.llm_engine.config.parallel.tensor_parallel_size,
         "ranks": [{k.replace("_bytes", "_mib"): v / 2**20 for k, v in rank.items()}
                   for rank in llm.llm_engine.rank_memory_usage()],
-        "stats": {k: v for k, v in vars(llm.get_stats()).items() if k in ("num_steps", "num_preemptions", "max_num_running")},
+        "stats": {k: v for k, v in vars(llm.get_stats()).items()
+                  if k in ("num_steps", "num_preemptions", "max_num_running")},
     }
     mean_in, mean_out = summarize(requests)
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "

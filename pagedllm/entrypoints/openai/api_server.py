@@ -32,7 +32,8 @@ from pagedllm.entrypoints.openai.http_guard import positive as _positive
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRAAdapterRequest,
-                                                  ModelList, TokenizeRequest, TokenizeResponse, UnloadLoRAAdapterRequest)
+                                                  ModelList, TokenizeRequest, TokenizeResponse,
+                                                  UnloadLoRAAdapterRequest)
 from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pagedllm.entrypoints.openai.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath, ModelNotFoundError,

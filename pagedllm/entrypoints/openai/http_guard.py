@@ -80,7 +80,8 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("connections (slow and many clients)")
     group.add_argument("--header-timeout", type=positive(float), default=DEFAULT_HEADER_TIMEOUT, metavar="SECONDS",
                        help="close a connection that has not sent a request's complete headers this long after it "
-                            f"opened, or after its first bytes following a response (default: {DEFAULT_HEADER_TIMEOUT:g})")
+                            "opened, or after its first bytes following a response "
+                            f"(default: {DEFAULT_HEADER_TIMEOUT:g})")
     group.add_argument("--body-timeout", type=positive(float), default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
                        help="answer 408 and close the connection when a request's whole body has not arrived this "
                             f"long after its headers (default: {DEFAULT_BODY_TIMEOUT:g})")

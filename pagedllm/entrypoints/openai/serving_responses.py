@@ -341,7 +341,8 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
         elif kind == "function_call":
             check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"input[{i}]")
             call = {"id": string_field(item, "call_id", f"input[{i}]"), "type": "function",
-                    "function": {"name": string_field(item, "name", f"input[{i}]"), "arguments": string_field(item, "arguments", f"input[{i}]")}}
+                    "function": {"name": string_field(item, "name", f"input[{i}]"),
+                                 "arguments": string_field(item, "arguments", f"input[{i}]")}}
             if messages and messages[-1]["role"] == "assistant":  # calls of one turn go in one message
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:

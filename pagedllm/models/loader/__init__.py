@@ -7,8 +7,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from pagedllm.errors import ValidationError
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import gguf_loader, hf_loader

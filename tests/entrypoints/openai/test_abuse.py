@@ -6,7 +6,6 @@ in the temp folder."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket

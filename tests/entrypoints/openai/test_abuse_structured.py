@@ -57,7 +57,8 @@ def _schema_format(schema: Any, **extra: Any) -> dict:
     ({"response_format": _schema_format({"$ref": "https://example.com/s.json"})}, "response_format.json_schema.schema"),
     ({"structured_outputs": {"json": {"properties": {"a": {"$ref": "/etc/passwd"}}}}}, "structured_outputs.json"),
     ({"response_format": {"type": "json_object", "schema": {"type": "object"}}}, "response_format.schema"),
-    ({"response_format": _schema_format({"type": "object"}, strictness=True)}, "response_format.json_schema.strictness"),
+    ({"response_format": _schema_format({"type": "object"}, strictness=True)},
+     "response_format.json_schema.strictness"),
     ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
     ({"structured_outputs": {"json_object": True, "whitespace_pattern": " "}}, "structured_outputs"),
 ])

@@ -1,6 +1,7 @@
 """The server's API fuzzed by schemathesis from its own /openapi.json (bounded: a fixed number of examples
 per operation, derandomized, a short context so no request generates for long): no 5xx, every 4xx in
-OpenAI's error shape (Anthropic's on /v1/messages), and afterwards the server alive, answering a normal request, every KV block free."""
+OpenAI's error shape (Anthropic's on /v1/messages), and afterwards the server alive, answering a normal
+request, every KV block free."""
 from __future__ import annotations
 
 from collections.abc import Iterator

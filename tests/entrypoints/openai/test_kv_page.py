@@ -102,9 +102,11 @@ def test_kv_page_in_headless_chromium(kv_server: RemoteServer, tmp_path: Path) -
             _check_dom(page, drawn)
             page.screenshot(path=str(shot))
             pixels = page.evaluate("""() => {
-                const c = document.getElementById('grid'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                const c = document.getElementById('grid'),
+                      d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
                 let coloured = 0;
-                for (let i = 0; i < d.length; i += 4) if (Math.max(d[i], d[i + 1], d[i + 2]) - Math.min(d[i], d[i + 1], d[i + 2]) > 60) coloured++;
+                for (let i = 0; i < d.length; i += 4)
+                    if (Math.max(d[i], d[i + 1], d[i + 2]) - Math.min(d[i], d[i + 1], d[i + 2]) > 60) coloured++;
                 return coloured; }""")
             assert pixels > 1000  # held blocks are drawn in their requests' colours
             load.join(timeout=60)

@@ -73,7 +73,8 @@ def test_dropped_streams_free_everything(server) -> None:
             r.close()
         dropped_at = time.monotonic()
         while time.monotonic() - dropped_at < 2.0:
-            if server.metric("pagedllm:num_requests_running") == 0 and server.metric("pagedllm:kv_cache_usage_perc") == 0:
+            if (server.metric("pagedllm:num_requests_running") == 0
+                    and server.metric("pagedllm:kv_cache_usage_perc") == 0):
                 break
             time.sleep(0.05)
         assert server.metric("pagedllm:num_requests_running") == 0

@@ -53,7 +53,8 @@ def test_stop_sequences(client: anthropic.Anthropic, oai: openai.OpenAI) -> None
     whole = client.messages.create(model=MODEL, max_tokens=16, extra_body=NOISELESS, messages=messages).content[0].text
     stop = whole[len(whole) // 2:len(whole) // 2 + 2]
     assert stop.strip(), whole
-    m = client.messages.create(model=MODEL, max_tokens=16, extra_body=NOISELESS, messages=messages, stop_sequences=[stop])
+    m = client.messages.create(model=MODEL, max_tokens=16, extra_body=NOISELESS, messages=messages,
+                               stop_sequences=[stop])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert m.content[0].text == whole[:whole.index(stop)]
 
@@ -87,11 +88,13 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) ->
     results = [{"type": "tool_result", "tool_use_id": u.id, "content": "21 C, sunny"} for u in uses]
     second = client.messages.create(model=MODEL, max_tokens=8, extra_body=NOISELESS, tools=[TOOL], messages=[
         ASK, {"role": "assistant", "content": first.content}, {"role": "user", "content": results}])
-    chat = oai.chat.completions.create(model=MODEL, max_completion_tokens=8, extra_body=NOISELESS, tools=[CHAT_TOOL], messages=[
+    chat_messages = [
         ASK, {"role": "assistant", "content": "", "tool_calls": [
             {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}}
             for u in uses]},
-        *[{"role": "tool", "tool_call_id": u.id, "content": "21 C, sunny"} for u in uses]])
+        *[{"role": "tool", "tool_call_id": u.id, "content": "21 C, sunny"} for u in uses]]
+    chat = oai.chat.completions.create(model=MODEL, max_completion_tokens=8, extra_body=NOISELESS, tools=[CHAT_TOOL],
+                                       messages=chat_messages)
     assert second.content[0].text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     with client.messages.stream(model=MODEL, max_tokens=80, extra_body=NOISELESS, messages=[ASK], tools=[TOOL],

@@ -65,7 +65,7 @@ def test_server_puts_an_unclosed_reply_in_reasoning_content(tiny_llm_dir) -> Non
         with TestClient(build_app(engine, ServerMetrics("t"), ["t"], [], parser)) as client:
             message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
             lines = client.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
-            deltas = [json.loads(l[6:])["choices"][0]["delta"] for l in lines if l.startswith("data: {")]
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in lines if line.startswith("data: {")]
             replies[parser] = (message, deltas)
     plain, _ = replies[None]
     message, deltas = replies["deepseek_r1"]

@@ -35,7 +35,8 @@ def test_first_request_is_not_spent_compiling(tiny_llm_dir: Path, tmp_path: Path
         built = list(tmp_path.glob(f"kernels/{isa}-*/libpagedllm_kernels.so"))
         assert built, "the server said it was ready before its kernels were built"
         sent = time.monotonic()
-        reply = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 1.0}, timeout=60)
+        reply = httpx.post(f"{srv.url}/v1/completions",
+                           json={"prompt": "Hello", "max_tokens": 4, "temperature": 1.0}, timeout=60)
         first = time.monotonic() - sent
         assert reply.status_code == 200 and first < 5, f"first request took {first:.1f} s"
     finally:

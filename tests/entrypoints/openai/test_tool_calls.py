@@ -51,7 +51,8 @@ def test_named_function_streamed_and_not(client: openai.OpenAI) -> None:
     _check_calls(reply.message.tool_calls, ("get_time",))
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named,
                                                  max_tokens=60, temperature=1.0, seed=3, stream=True))
-    calls = [call for c in chunks if c.choices and c.choices[0].delta.tool_calls for call in c.choices[0].delta.tool_calls]
+    calls = [call for c in chunks if c.choices and c.choices[0].delta.tool_calls
+             for call in c.choices[0].delta.tool_calls]
     assert [c.function.name for c in calls] == ["get_time"] and calls[0].index == 0
     assert calls[0].function.arguments == reply.message.tool_calls[0].function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
