@@ -398,7 +398,9 @@ class GuardedServer(uvicorn.Server):
 def serve_config(app: ASGIApp, ns: argparse.Namespace) -> tuple[uvicorn.Config, HTTPGuard]:
     """uvicorn's config for ``pagedllm serve`` (the app behind the guard, the guarded protocol) and the guard."""
     guard = HTTPGuard(app, ns.body_timeout, ns.max_body_bytes)
-    config = uvicorn.Config(guard, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+    # loop="asyncio", whatever else is installed: uvicorn's "auto" takes uvloop when present, which reports a
+    # failed accept (EMFILE) without asyncio's exception handler, so quiet_accept_errors would never see it
+    config = uvicorn.Config(guard, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, loop="asyncio",
                             http=guarded_protocol(ns.header_timeout, connection_cap(ns.limit_concurrency)),
                             timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
     return config, guard
