@@ -22,7 +22,7 @@ from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, Messages
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ErrorInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.limits import check_tools
-from pagedllm.entrypoints.openai.translate import chat_request, check_keys, renamed, string_field
+from pagedllm.entrypoints.openai.translate import chat_request, check_keys, format_field, renamed, string_field
 from pagedllm.errors import ValidationError
 
 PARAM_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
@@ -177,6 +177,8 @@ def _error_events(error: ErrorInfo) -> list[str]:
 
 
 def _usage(usage: UsageInfo) -> dict[str, int]:
+    """Anthropic's usage. input_tokens is the whole prompt (as count_tokens says), so no token is also counted
+    as a cache read or write: the cache fields are 0 (Anthropic's input_tokens excludes the cached ones)."""
     return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
@@ -313,12 +315,7 @@ def _chat_tool_choice(choice: dict | None) -> tuple[str | dict | None, bool]:
 
 def _response_format(config: dict | None) -> dict | None:
     """output_config.format (Anthropic's structured outputs) as chat's response_format; an effort is refused."""
-    if config is None:
-        return None
-    check_keys(config, {"format", "effort"}, "output_config")
-    if config.get("effort") is not None:
-        raise ValidationError("output_config.effort is not supported by this server", param="output_config.effort")
-    fmt = config.get("format")
+    fmt = format_field(config, "output_config", "effort")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):

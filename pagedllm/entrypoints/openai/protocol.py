@@ -149,6 +149,9 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = Field(default=0, exclude=True)
+    """Prompt tokens found in the prefix cache: not in chat's JSON (vLLM leaves it out by default); the
+    Responses and Messages APIs report it (cached_tokens, cache_read_input_tokens)."""
 
 
 class CompletionLogprobs(BaseModel):

@@ -69,7 +69,7 @@ def usage_of(usage: UsageInfo | None) -> dict[str, Any] | None:
     """Chat usage in the Responses API's shape."""
     if usage is None:
         return None
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens}
 

@@ -295,10 +295,10 @@ async def unless_disconnected(work: Awaitable[T], raw: Request) -> T | None:
     return None
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    """OpenAI's usage block."""
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    """OpenAI's usage block (``cached_tokens``: the prompt's prefix-cache hits, kept out of chat's JSON)."""
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens, cached_tokens=cached_tokens)
 
 
 def sse(payload: Any) -> str:

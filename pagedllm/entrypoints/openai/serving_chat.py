@@ -94,7 +94,7 @@ class OpenAIServingChat(OpenAIServing):
                                       finish_reason=finish, stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=run.request_id, model=run.model, choices=choices,
-                                      usage=usage_info(run.prompt_tokens, completion))
+                                      usage=usage_info(run.prompt_tokens, completion, max(out.num_cached_tokens, 0)))
 
     def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode"
                  ) -> tuple[ChatResponseMessage, str | None]:
@@ -183,11 +183,12 @@ class OpenAIServingChat(OpenAIServing):
 
         for index in range(req.n):  # the first chunk of each choice names the role
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-        completion_tokens = 0
+        completion_tokens, cached_tokens = 0, 0
         parsers: dict[int, ReasoningStream] = {}
         texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
         async for _, out in merge_streams(streams):
             prompt_tokens = len(out.prompt_token_ids)
+            cached_tokens = max(cached_tokens, out.num_cached_tokens)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
@@ -214,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
                                           stop_reason=c.stop_reason)
                 yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
-            usage = usage_info(prompt_tokens, completion_tokens)
+            usage = usage_info(prompt_tokens, completion_tokens, cached_tokens)
             yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
 
 

@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, fu
                                                             new_id, output_text, reasoning_item, response_object,
                                                             usage_of)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.translate import chat_request, check_keys, renamed, string_field
+from pagedllm.entrypoints.openai.translate import chat_request, check_keys, format_field, renamed, string_field
 from pagedllm.errors import ValidationError
 
 PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -400,12 +400,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
 
 def _response_format(text: dict | None) -> dict | None:
     """text.format as chat's response_format."""
-    if text is None:
-        return None
-    check_keys(text, {"format", "verbosity"}, "text")
-    if text.get("verbosity") is not None:
-        raise ValidationError("text.verbosity is not supported by this server", param="text.verbosity")
-    fmt = text.get("format")
+    fmt = format_field(text, "text", "verbosity")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):

@@ -40,6 +40,17 @@ def check_keys(item: dict, keys: set[str], where: str) -> None:
         raise ValidationError(f"{where}.{unknown[0]} is not supported by this server", param=f"{where}.{unknown[0]}")
 
 
+def format_field(outer: dict | None, where: str, refused: str) -> Any:
+    """``outer["format"]`` of an object that holds a format and one setting we cannot honour (``refused``: a 400
+    naming it unless null); None when either is absent."""
+    if outer is None:
+        return None
+    check_keys(outer, {"format", refused}, where)
+    if outer.get(refused) is not None:
+        raise ValidationError(f"{where}.{refused} is not supported by this server", param=f"{where}.{refused}")
+    return outer.get("format")
+
+
 def string_field(item: dict, key: str, where: str) -> str:
     """``item[key]``, which must be a string (400 naming ``where.key``)."""
     value = item.get(key)

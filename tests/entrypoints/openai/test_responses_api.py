@@ -141,6 +141,9 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) 
 
 def test_get_and_delete(client: openai.OpenAI, server) -> None:
     r = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, temperature=0)
+    again = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, temperature=0)
+    assert again.usage.input_tokens_details.cached_tokens > 0  # the prompt's blocks are in the prefix cache
+    assert r.usage.input_tokens_details.cached_tokens <= again.usage.input_tokens_details.cached_tokens
     got = client.responses.retrieve(r.id)
     assert got.id == r.id and got.output_text == r.output_text and got.usage == r.usage
     client.responses.delete(r.id)
