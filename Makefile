@@ -50,9 +50,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# ruff over the sources (pyproject.toml's [tool.ruff]); tests/test_lint.py runs the same check
+# ruff over the sources (pyproject.toml's [tool.ruff]) and clang-format over the C++ kernels
+# (.clang-format); tests/test_lint.py runs the same checks
 lint: $(STAMP)
 	$(BIN)/ruff check pagedllm tests benchmarks examples
+	$(BIN)/clang-format --dry-run -Werror pagedllm/csrc/*.cpp pagedllm/csrc/*.h
 
 clean-venv:
 	rm -rf $(VENV)

@@ -83,17 +83,19 @@ void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, c
 // Dims 2p and 2p + 1 of kLanes tokens from a pair-interleaved run (2 * kLanes values), in order.
 inline void k_pairs(const bf16* p, V& even, V& odd) { vload_split(p, even, odd); }
 template <typename T>
-inline void k_pairs(const T* p, V& even, V& odd) { vdeinterleave(vload(p), vload(p + kLanes), even, odd); }
+inline void k_pairs(const T* p, V& even, V& odd) {
+  vdeinterleave(vload(p), vload(p + kLanes), even, odd);
+}
 
 #ifdef PL_AVX512
 constexpr int kSubs = 4;        // runs of kLanes tokens per q.k iteration: 4 x 4 accumulators of 32 registers
 constexpr int kAccRegs = 16;    // P.V accumulators per pass
 constexpr int kPassDims = 128;  // P.V dims per pass (a whole head of 64 or 128)
 #else
-constexpr int kSubs = 2;        // 4 x 2 accumulators + 4 loaded + 2 broadcast of 16 registers
-constexpr int kAccRegs = 12;    // 3 heads x 32 dims (+ 2 loaded, 1 broadcast): a GQA group of 3 reads its V
-constexpr int kPassDims = 32;   // rows twice (two halves of 64 dims), not once per head with 8 sums each
-                                // (256 x 190 tokens, bf16, 30 layers' caches: 87.6 -> 82.6 ms, A/B in one process)
+constexpr int kSubs = 2;       // 4 x 2 accumulators + 4 loaded + 2 broadcast of 16 registers
+constexpr int kAccRegs = 12;   // 3 heads x 32 dims (+ 2 loaded, 1 broadcast): a GQA group of 3 reads its V
+constexpr int kPassDims = 32;  // rows twice (two halves of 64 dims), not once per head with 8 sums each
+                               // (256 x 190 tokens, bf16, 30 layers' caches: 87.6 -> 82.6 ms, A/B in one process)
 #endif
 
 template <int kDim, int kG, int kS, typename T>
@@ -125,14 +127,15 @@ inline void qk_heads(const float* q, const T* const* runs, int64_t bs, int64_t h
 
 // scores[g * len + t] = scale * q_g . k_t for the task's `group` heads (q: group x kDim float32).
 template <int kDim, typename T>
-void qk_fma(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t group,
-            const Shape& s, int64_t head_off, float* scores) {
+void qk_fma(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t group, const Shape& s,
+            int64_t head_off, float* scores) {
   constexpr int64_t kRun = kSubs * kLanes;
   const int64_t bs = s.bs, block_bytes = bs * kDim * sizeof(T);
   int64_t next_fetch = 0;  // first block not yet prefetched
   for (int64_t t0 = 0; t0 < len; t0 += kRun) {
     const int64_t n = std::min<int64_t>(kRun, len - t0), subs = (n + kLanes - 1) / kLanes;
-    for (; next_fetch * bs < std::min(len, t0 + kRun + 2 * bs); ++next_fetch) {  // K two blocks ahead, V of these tokens
+    // K two blocks ahead, V of these tokens
+    for (; next_fetch * bs < std::min(len, t0 + kRun + 2 * bs); ++next_fetch) {
       prefetch_bytes(head_block(kc, table, next_fetch, s.block_stride, head_off), block_bytes);
       prefetch_bytes(head_block(vc, table, next_fetch, s.block_stride, head_off), block_bytes);
     }

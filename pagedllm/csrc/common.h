@@ -23,9 +23,7 @@ inline int with_dtype(int dtype, const Fn& fn) {
     case kF32: return fn(float{});
     case kBF16: return fn(bf16{});
     case kF16: return fn(f16{});
-    default:
-      set_error("unknown dtype code %d", dtype);
-      return -1;
+    default: set_error("unknown dtype code %d", dtype); return -1;
   }
 }
 

@@ -112,8 +112,8 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
           (rc = pl_paged_attention_i8(qkv, qkv_cols, w.k_cache, w.v_cache, tables, maxb, lens, nullptr, attn, M, nh,
                                       nkv, p.block_size, D, p.scale, 0.f, dt, threads)))
         return rc;
-    } else if ((rc = pl_write_kv(k, qkv_cols, D, v, qkv_cols, D, w.k_cache, w.v_cache, slots, M, nkv, p.block_size,
-                                 D, p.num_blocks, esize, threads)) ||
+    } else if ((rc = pl_write_kv(k, qkv_cols, D, v, qkv_cols, D, w.k_cache, w.v_cache, slots, M, nkv, p.block_size, D,
+                                 p.num_blocks, esize, threads)) ||
                (rc = pl_paged_attention(qkv, qkv_cols, w.k_cache, w.v_cache, tables, maxb, lens, attn, M, nh, nkv,
                                         p.block_size, D, p.scale, dt, threads))) {
       return rc;
@@ -145,7 +145,7 @@ PL_EXPORT int pl_llama_stack(const StackPlan* plan, int64_t M, void* hidden, voi
                              const int32_t* lens, int threads) {
   return with_dtype(plan->dtype, [&](auto t) {
     using T = decltype(t);
-    return run<T>(*plan, M, static_cast<T*>(hidden), static_cast<T*>(residual), static_cast<T*>(work), positions,
-                  slots, tables, maxb, lens, threads);
+    return run<T>(*plan, M, static_cast<T*>(hidden), static_cast<T*>(residual), static_cast<T*>(work), positions, slots,
+                  tables, maxb, lens, threads);
   });
 }

@@ -17,12 +17,6 @@ using namespace pl;
 // Rows per task so that a task holds at least ~16k elements: below that, threads cost more than they save.
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
 // sum(x^2) over a row, added in the order torch's CPU sum kernel uses for a contiguous float32 row
 // (8-lane vectors, 4 interleaved accumulators, cascade levels of 16, the lanes added last), so the
 // norm rounds exactly as transformers' ``h.pow(2).mean(-1)`` does, bit for bit.
@@ -76,7 +70,9 @@ inline void for_vectors(int64_t n, const Fn& fn) {
   if (d < n) fn(d, static_cast<int>(n - d));
 }
 template <typename T>
-inline V load_any(const T* p, int n) { return n == kLanes ? vload(p) : vload_n(p, n); }
+inline V load_any(const T* p, int n) {
+  return n == kLanes ? vload(p) : vload_n(p, n);
+}
 template <typename T>
 inline void store_any(T* p, V v, int n) {
   if (n == kLanes) vstore(p, v);
@@ -201,7 +197,10 @@ void argmax_rows(const T* logits, int64_t ls, int64_t* out, int64_t rows, int64_
     for (int64_t i = begin; i < end; ++i) {
       const T* x = logits + i * ls;
       V vmx = vset1(-INFINITY);
-      for_vectors(vocab, [&](int64_t j, int n) { vmx = vmax(vmx, n == kLanes ? vload(x + j) : vload_n(x + j, n, -INFINITY)); });
+      for_vectors(vocab, [&](int64_t j, int n) {
+        const V v = n == kLanes ? vload(x + j) : vload_n(x + j, n, -INFINITY);
+        vmx = vmax(vmx, v);
+      });
       const float top = vmaxval(vmx);
       int64_t pick = 0;
       while (pick < vocab - 1 && to_f32(x[pick]) != top) ++pick;

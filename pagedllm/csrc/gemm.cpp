@@ -53,8 +53,8 @@ inline void load_w(const T* p, V (&w)[NV]) {
 // MR rows x NV vectors of outputs: c = a b (+ bias), or with `silu` the vector pairs (gate, up)
 // become silu(gate) * up, each product rounded to T where torch's unfused ops round it.
 template <int MR, int NV, typename T>
-void fma_tile(const float* a, int64_t lda, const T* b, int64_t bw, int64_t K, T* c, int64_t ldc,
-              const float* bias, bool silu) {
+void fma_tile(const float* a, int64_t lda, const T* b, int64_t bw, int64_t K, T* c, int64_t ldc, const float* bias,
+              bool silu) {
   V acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
@@ -252,8 +252,8 @@ void dot_pack(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int thre
   });
 }
 
-void dot_gemm(const uint16_t* a, int64_t lda, const uint16_t* b, const float* bias, uint16_t* c, int64_t ldc,
-              int64_t M, int64_t N, int64_t K, bool silu, int threads) {
+void dot_gemm(const uint16_t* a, int64_t lda, const uint16_t* b, const float* bias, uint16_t* c, int64_t ldc, int64_t M,
+              int64_t N, int64_t K, bool silu, int threads) {
   const Units units(M, N, kDotNB, 256, threads);  // a chunk of x stays in L2 while weight blocks stream past
   parallel_for(units.count(), threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
@@ -348,8 +348,8 @@ PL_EXPORT int pl_gemm(const void* x, int64_t lda, const void* packed, const floa
   }
   return with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    fma_gemm<T>(static_cast<const T*>(x), lda, static_cast<const T*>(packed), bias, static_cast<T*>(out), ldc, M, N,
-                K, silu != 0, threads);
+    fma_gemm<T>(static_cast<const T*>(x), lda, static_cast<const T*>(packed), bias, static_cast<T*>(out), ldc, M, N, K,
+                silu != 0, threads);
     return 0;
   });
 }

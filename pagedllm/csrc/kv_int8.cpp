@@ -47,8 +47,8 @@ inline f16 quantize_slot(const T* src, int8_t* dst, int64_t D, int64_t step) {
 
 // ------------------------------------------------------------------ scalar path (any shape)
 template <typename T>
-void task_scalar(const T* q, const int8_t* kc, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g,
-                 T* out, std::vector<float>& scores) {
+void task_scalar(const T* q, const int8_t* kc, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g, T* out,
+                 std::vector<float>& scores) {
   const Shape& s = g.s;
   const int64_t D = s.D, bs = s.bs, len = w.len;
   scores.resize(s.group * len);
@@ -101,8 +101,7 @@ inline void qk_tile(const float* q, int64_t D, const int8_t* const* runs, int64_
 }
 
 template <int kR>
-inline void qk_heads(const float* q, int64_t D, const int8_t* const* runs, int64_t bs, int64_t heads,
-                     V (*acc)[kRuns]) {
+inline void qk_heads(const float* q, int64_t D, const int8_t* const* runs, int64_t bs, int64_t heads, V (*acc)[kRuns]) {
   switch (heads) {
     case 1: qk_tile<1, kR>(q, D, runs, bs, acc); break;
     case 2: qk_tile<2, kR>(q, D, runs, bs, acc); break;
@@ -197,8 +196,8 @@ void pv_chunk(const float* p, const int8_t* vc, const Window& w, int64_t h, cons
 }
 
 template <typename T>
-void task_vector(const T* q, const int8_t* kc, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g,
-                 T* out, std::vector<float>& qf, std::vector<float>& scores) {
+void task_vector(const T* q, const int8_t* kc, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g, T* out,
+                 std::vector<float>& qf, std::vector<float>& scores) {
   const Shape& s = g.s;
   const int64_t D = s.D, bs = s.bs, len = w.len;
   for (int64_t i = 0; i < s.group * D; ++i) qf[i] = to_f32(q[i]);

@@ -128,13 +128,6 @@ struct QRow {
   std::vector<float> d, s;
 };
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
 // 32 values -> 32 int8 round(v / d) (nearest even, as torch.round), d = amax / 127; returns d and the int sum.
 template <typename T>
 inline float quantize_chunk(const T* src, int8_t* q, int& sum) {
@@ -142,19 +135,13 @@ inline float quantize_chunk(const T* src, int8_t* q, int& sum) {
   __m256 amax = _mm256_setzero_ps();
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int i = 0; i < 4; ++i) v[i] = load8(src + 8 * i), amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float d = _mm_cvtss_f32(m) / 127.f;
+  const float d = hmax8(amax) / 127.f;
   const __m256 inv = _mm256_set1_ps(d > 1e-30f ? 1.f / d : 0.f);  // a block of ~0 (1 / d would be inf): zeros
   __m256i n[4];
   for (int i = 0; i < 4; ++i)
     n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-  sum = _mm_cvtsi128_si32(t);
+  sum = hsum8_i32(total);
   // packs work per 128-bit half: 4-byte groups come out as values 0-3 of n[0..3], then values 4-7 of each;
   // the permute puts each vector's two groups together
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
@@ -191,16 +178,9 @@ inline __m256i dot32(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
 }
 
-inline float hsum(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // MR rows x NC output features, every chunk of K.
 template <int QT, int MR, int NC, typename T>
-void tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t K, T* out,
-          int64_t ldc) {
+void tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t K, T* out, int64_t ldc) {
   using F = Format<QT>;
   const int64_t chunks = K / 32;
   __m256 acc[MR][NC];
@@ -222,7 +202,7 @@ void tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t row_bytes, int64
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int n = 0; n < NC; ++n) out[(m0 + r) * ldc + n0 + n] = from_f32<T>(hsum(acc[r][n]) + off[r][n]);
+    for (int n = 0; n < NC; ++n) out[(m0 + r) * ldc + n0 + n] = from_f32<T>(hsum8(acc[r][n]) + off[r][n]);
 }
 
 template <int QT, int MR, typename T>
@@ -273,67 +253,8 @@ void rows_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, 
 // zero point folded into the offset (Q4_0: value = d u - 8 d, u in 0..15); Q8_0 likewise where VNNI runs it
 // (kQ8Unsigned), signed with no offset below. The layout depends on the level: a weight is packed by the
 // kernels that run it.
-#ifdef PL_AVX512
-constexpr int kGroup = 16;
-using VI = __m512i;
-using VF = __m512;
-inline VI vi_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline VI vi_and(VI a, VI b) { return _mm512_and_si512(a, b); }
-inline VI vi_high_nibbles(VI a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
-inline VI vi_bcast(int32_t v) { return _mm512_set1_epi32(v); }
-inline VI vi_set1_8(char v) { return _mm512_set1_epi8(v); }
-inline VI vi_zero() { return _mm512_setzero_si512(); }
-inline VI vi_abs8(VI w) { return _mm512_abs_epi8(w); }
-inline VI vi_sign8(VI x, VI w) {  // x negated where w < 0 (w == 0: |w| = 0 makes the product 0 anyway)
-  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-}
-inline VI vi_dot(VI acc, VI u, VI x) {  // u unsigned 8-bit . x signed 8-bit, 4 products per int32 lane
-#ifdef __AVX512VNNI__
-  return _mm512_dpbusd_epi32(acc, u, x);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
-#endif
-}
-inline VI vi_dot16(VI acc, VI u, VI x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, x)); }  // 2 a lane
-inline VI vi_widen(VI a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }  // int16 pairs -> int32 lanes
-inline VF vf_halfs(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline VF vf_zero() { return _mm512_setzero_ps(); }
-inline VF vf_set1(float v) { return _mm512_set1_ps(v); }
-inline VF vf_fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VF vf_mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline VF vf_int(VI a) { return _mm512_cvtepi32_ps(a); }
-#else
-constexpr int kGroup = 8;
-using VI = __m256i;
-using VF = __m256;
-inline VI vi_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline VI vi_and(VI a, VI b) { return _mm256_and_si256(a, b); }
-inline VI vi_high_nibbles(VI a) { return _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_set1_epi8(0x0F)); }
-inline VI vi_bcast(int32_t v) { return _mm256_set1_epi32(v); }
-inline VI vi_set1_8(char v) { return _mm256_set1_epi8(v); }
-inline VI vi_zero() { return _mm256_setzero_si256(); }
-inline VI vi_abs8(VI w) { return _mm256_sign_epi8(w, w); }
-inline VI vi_sign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
-inline VI vi_dot(VI acc, VI u, VI x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-}
-inline VI vi_dot16(VI acc, VI u, VI x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, x)); }
-inline VI vi_widen(VI a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
-inline VF vf_halfs(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline VF vf_zero() { return _mm256_setzero_ps(); }
-inline VF vf_set1(float v) { return _mm256_set1_ps(v); }
-inline VF vf_fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VF vf_mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-inline VF vf_int(VI a) { return _mm256_cvtepi32_ps(a); }
-#endif
+constexpr int kGroup = kLanes;         // one V of outputs: 8 rows with 256-bit registers, 16 with AVX-512's
 constexpr int64_t kQuad = 4 * kGroup;  // bytes of one quad of a group: 4 k of each of its rows
-#if defined(PL_AVX512) && defined(__AVX512VNNI__)
-constexpr bool kVnni = true;  // vpdpbusd: u8 x s8 products summed straight into int32 lanes, no saturation
-#else
-constexpr bool kVnni = false;  // vpmaddubsw: int16 pair sums, saturating at 2^15
-#endif
 // Q8_0 with VNNI is stored unsigned, u = q + 128 with offset -128 d (as Q4_0's zero point): one vpdpbusd a quad,
 // where signed values take two more operations to move w's sign onto x. vpmaddubsw cannot take it (a pair of
 // 255 x 127 saturates int16), so below VNNI Q8_0 stays signed.
@@ -422,9 +343,9 @@ void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_byt
                  T* out, int64_t ldc) {
   using P = Packed<QT>;
   const int64_t chunks = K / 32;
-  VF acc[MR][G];
+  V acc[MR][G];
   for (int r = 0; r < MR; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = vf_zero();
+    for (int g = 0; g < G; ++g) acc[r][g] = vzero();
   for (int64_t c = 0; c < chunks; ++c) {
     VI isum[MR][G];
     for (int r = 0; r < MR; ++r) {
@@ -477,13 +398,13 @@ void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_byt
     }
     for (int g = 0; g < G; ++g) {
       const uint8_t* head = w + (g0 + g) * group_bytes + c * P::kChunkBytes;
-      const VF scale = vf_halfs(head);
+      const V scale = vload(reinterpret_cast<const f16*>(head));
       constexpr bool kFloatOffset = P::kOffsets && !kIntOffset<QT>;
-      const VF offset = kFloatOffset ? vf_halfs(head + 2 * kGroup) : vf_zero();
+      const V offset = kFloatOffset ? vload(reinterpret_cast<const f16*>(head + 2 * kGroup)) : vzero();
       for (int r = 0; r < MR; ++r) {
         const int64_t i = (m0 + r) * chunks + c;
-        acc[r][g] = vf_fma(vf_int(isum[r][g]), vf_mul(scale, vf_set1(xq.d[i])), acc[r][g]);
-        if (kFloatOffset) acc[r][g] = vf_fma(offset, vf_set1(xq.s[i]), acc[r][g]);
+        acc[r][g] = vfma(vcvt_i32(isum[r][g]), vmul(scale, vset1(xq.d[i])), acc[r][g]);
+        if (kFloatOffset) acc[r][g] = vfma(offset, vset1(xq.s[i]), acc[r][g]);
       }
     }
   }
@@ -531,9 +452,7 @@ int with_qtype(int qtype, const Fn& fn) {
     case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
     case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
     case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
-    default:
-      set_error("quantized type %d is not supported by the kernels", qtype);
-      return -1;
+    default: set_error("quantized type %d is not supported by the kernels", qtype); return -1;
   }
 }
 }  // namespace
@@ -622,8 +541,9 @@ void packed_chunk(const uint8_t* w, int64_t n, int64_t c, int64_t K, float* y) {
   const uint8_t* v = head + P::kValues;
   for (int k = 0; k < 32; ++k) {
     const uint8_t byte = v[packed_pos(QT, j, k)];
-    const float q = QT != kQ8_0 ? static_cast<float>((k / 4) % 2 ? byte >> 4 : byte & 0x0F)
-                    : kQ8Unsigned ? static_cast<float>(byte) : static_cast<float>(static_cast<int8_t>(byte));
+    const float q = QT != kQ8_0   ? static_cast<float>((k / 4) % 2 ? byte >> 4 : byte & 0x0F)
+                    : kQ8Unsigned ? static_cast<float>(byte)
+                                  : static_cast<float>(static_cast<int8_t>(byte));
     y[k] = scale * q + offset;
   }
 }
@@ -664,8 +584,8 @@ PL_EXPORT int pl_qrows(const void* w, int packed, const int64_t* ids, int64_t M,
               const Chunk ch = F::decode(wb + ids[i] * row_bytes, c);
               _mm256_store_si256(reinterpret_cast<__m256i*>(q), ch.q);
               for (int j = 0; j < 32; ++j) {
-                const float v = F::kUnsigned ? static_cast<float>(static_cast<uint8_t>(q[j]))
-                                             : static_cast<float>(q[j]);
+                const float v =
+                    F::kUnsigned ? static_cast<float>(static_cast<uint8_t>(q[j])) : static_cast<float>(q[j]);
                 y[j] = (j < 16 ? ch.scale_lo : ch.scale_hi) * v + ch.offset;
               }
             }

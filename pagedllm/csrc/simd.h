@@ -2,8 +2,12 @@
 //
 // The library is compiled once per level (pagedllm/platform/build.py): -mavx2 -mfma -mf16c for
 // "avx2" (V = 8 float32 lanes in a ymm register), plus AVX-512 F/BW/VL/DQ for "avx512" (16 lanes
-// in a zmm register), plus AVX512-BF16 for "avx512_bf16". A kernel written against V, vload and
-// vstore runs at every level; nothing here uses an instruction the level's flags do not enable.
+// in a zmm register), plus AVX512-BF16 and VNNI for "avx512_bf16". A kernel written against V,
+// vload and vstore runs at every level; nothing here uses an instruction the level's flags do not
+// enable. This header is the kernels' one vector layer: beside V, the 8-lane ymm helpers (load8,
+// hsum8, ...) for code that is 256 bits wide at every level, and VI, V's integer counterpart for
+// int8 dot products (the quantized GEMM). Kernel files define no vector primitives of their own,
+// only their formats' decoding and their tiles.
 //
 // Storage types: float, bf16 (the top half of a float32; round to nearest even on store, as
 // torch's c10::BFloat16 does) and f16 (IEEE half, F16C conversions). Arithmetic is float32.
@@ -21,8 +25,12 @@
 
 namespace pl {
 
-struct bf16 { uint16_t x; };
-struct f16 { uint16_t x; };
+struct bf16 {
+  uint16_t x;
+};
+struct f16 {
+  uint16_t x;
+};
 
 // ----------------------------------------------------------------------------- scalars
 inline float to_f32(float v) { return v; }
@@ -44,7 +52,35 @@ inline uint16_t bf16_bits(float f) {  // round to nearest even; NaN -> quiet NaN
 template <typename T> inline T from_f32(float f);
 template <> inline float from_f32<float>(float f) { return f; }
 template <> inline bf16 from_f32<bf16>(float f) { return bf16{bf16_bits(f)}; }
-template <> inline f16 from_f32<f16>(float f) { return f16{static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))}; }
+template <> inline f16 from_f32<f16>(float f) {
+  return f16{static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
+}
+
+// ----------------------------------------------------------------------------- 8 float32 lanes
+// One ymm register at every level: for code whose layout is 256 bits wide whatever the level (the
+// quantized row kernel, torch's 8-lane summation order). The avx2 level's V is this vector.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float hsum8(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline float hmax8(__m256 a) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+inline int32_t hsum8_i32(__m256i a) {  // the 8 int32 lanes' sum
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
+}
 
 // ----------------------------------------------------------------------------- vectors
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -79,10 +115,15 @@ inline V vload(const int8_t* p) {  // 16 signed bytes as float32 lanes (int8 KV 
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
-inline __m256i bf16_pack(V v) {  // 16 float32 -> 16 bf16 bits, nearest even, NaN -> 0x7FC0
+// v's bits rounded to nearest even at bit 16 (NaN aside): the bf16 bits in the top half of each lane
+inline __m512i bf16_rne(V v) {
   const __m512i u = vcast_i(v);
-  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __m512i bias =
+      _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  return _mm512_add_epi32(u, bias);
+}
+inline __m256i bf16_pack(V v) {  // 16 float32 -> 16 bf16 bits, nearest even, NaN -> 0x7FC0
+  __m512i r = _mm512_srli_epi32(bf16_rne(v), 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 }
@@ -135,16 +176,8 @@ inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
 inline V vmin(V a, V b) { return _mm256_min_ps(a, b); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(V a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-inline float vmaxval(V a) {
-  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
-}
+inline float vsum(V a) { return hsum8(a); }
+inline float vmaxval(V a) { return hmax8(a); }
 inline V vfloor(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
 inline V vround(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline __m256i vcast_i(V a) { return _mm256_castps_si256(a); }
@@ -153,19 +186,21 @@ inline V vpow2i(V n) {
   return vcast_f(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 
-inline V vload(const float* p) { return _mm256_loadu_ps(p); }
-inline V vload(const bf16* p) {
-  return vcast_f(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline V vload(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline V vload(const float* p) { return load8(p); }
+inline V vload(const bf16* p) { return load8(p); }
+inline V vload(const f16* p) { return load8(p); }
 inline V vload(const int8_t* p) {  // 8 signed bytes as float32 lanes (int8 KV cache)
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
-inline __m128i bf16_pack(V v) {  // 8 float32 -> 8 bf16 bits, nearest even, NaN -> 0x7FC0
+inline __m256i bf16_rne(V v) {
   const __m256i u = vcast_i(v);
-  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i bias =
+      _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  return _mm256_add_epi32(u, bias);
+}
+inline __m128i bf16_pack(V v) {  // 8 float32 -> 8 bf16 bits, nearest even, NaN -> 0x7FC0
+  __m256i r = _mm256_srli_epi32(bf16_rne(v), 16);
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), vcast_i(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   // 32-bit lanes hold values < 2^16: pack them to 16 bits (packus works per 128-bit half)
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
@@ -208,22 +243,69 @@ inline void vdeinterleave(V a, V b, V& even, V& odd) {
 inline V vround_to(V v, const float*) { return v; }
 #ifdef PL_AVX512
 inline V vround_to(V v, const bf16*) {
-  const __m512i u = vcast_i(v);
-  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-  const V r = vcast_f(_mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const V r = vcast_f(_mm512_and_si512(bf16_rne(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, v);  // NaN stays NaN
 }
-inline V vround_to(V v, const f16*) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+inline V vround_to(V v, const f16*) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #else
 inline V vround_to(V v, const bf16*) {
-  const __m256i u = vcast_i(v);
-  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-  const V r = vcast_f(_mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const V r = vcast_f(_mm256_and_si256(bf16_rne(v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   return _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN stays NaN
 }
-inline V vround_to(V v, const f16*) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+inline V vround_to(V v, const f16*) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #endif
 template <typename T> inline V vround_as(V v) { return vround_to(v, static_cast<const T*>(nullptr)); }
+
+// ----------------------------------------------------------------------------- integer vectors
+// VI: a V's worth of integers (kLanes int32 lanes, 4 * kLanes bytes), for int8 dot products.
+#ifdef PL_AVX512
+using VI = __m512i;
+inline V vcvt_i32(VI a) { return _mm512_cvtepi32_ps(a); }  // int32 lanes -> float32
+inline VI vi_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VI vi_and(VI a, VI b) { return _mm512_and_si512(a, b); }
+inline VI vi_high_nibbles(VI a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
+inline VI vi_bcast(int32_t v) { return _mm512_set1_epi32(v); }
+inline VI vi_set1_8(char v) { return _mm512_set1_epi8(v); }
+inline VI vi_zero() { return _mm512_setzero_si512(); }
+inline VI vi_abs8(VI w) { return _mm512_abs_epi8(w); }
+inline VI vi_sign8(VI x, VI w) {  // x negated where w < 0 (w == 0: |w| = 0 makes the product 0 anyway)
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+inline VI vi_dot(VI acc, VI u, VI x) {  // u unsigned 8-bit . x signed 8-bit, 4 products per int32 lane
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, u, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
+#endif
+}
+inline VI vi_dot16(VI acc, VI u, VI x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, x)); }  // 2 a lane
+inline VI vi_widen(VI a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }  // int16 pairs -> int32 lanes
+#else
+using VI = __m256i;
+inline V vcvt_i32(VI a) { return _mm256_cvtepi32_ps(a); }  // int32 lanes -> float32
+inline VI vi_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VI vi_and(VI a, VI b) { return _mm256_and_si256(a, b); }
+inline VI vi_high_nibbles(VI a) { return _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_set1_epi8(0x0F)); }
+inline VI vi_bcast(int32_t v) { return _mm256_set1_epi32(v); }
+inline VI vi_set1_8(char v) { return _mm256_set1_epi8(v); }
+inline VI vi_zero() { return _mm256_setzero_si256(); }
+inline VI vi_abs8(VI w) { return _mm256_sign_epi8(w, w); }
+inline VI vi_sign8(VI x, VI w) { return _mm256_sign_epi8(x, w); }
+inline VI vi_dot(VI acc, VI u, VI x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+}
+inline VI vi_dot16(VI acc, VI u, VI x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, x)); }
+inline VI vi_widen(VI a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+#endif
+#if defined(PL_AVX512) && defined(__AVX512VNNI__)
+constexpr bool kVnni = true;  // vi_dot is vpdpbusd: u8 x s8 products summed straight into int32 lanes, no saturation
+#else
+constexpr bool kVnni = false;  // vi_dot is vpmaddubsw + vpmaddwd: int16 pair sums, saturating at 2^15
+#endif
 
 // exp(x) in float32: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (error
 // below 1 ulp), times 2^n built in two halves so that results down to the denormals and up to
