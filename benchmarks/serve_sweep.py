@@ -63,18 +63,25 @@ def start_server(engine: str, args: argparse.Namespace, log_dir: str) -> subproc
         env["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     proc = subprocess.Popen(server_command(engine, args, port), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                             env=env, start_new_session=True)
-    deadline = time.monotonic() + args.startup_timeout
+    wait_healthy(proc, port, args.startup_timeout, f"{engine} server (see {log.name})")
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, name: str) -> None:
+    """Wait until 127.0.0.1:``port``/health answers 200; the server stopped and SystemExit if it exits or
+    ``timeout`` s pass first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{engine} server exited with {proc.returncode}; see {log.name}")
+            raise SystemExit(f"{name} exited with {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)
     stop_server(proc)
-    raise SystemExit(f"{engine} server not healthy within {args.startup_timeout} s; see {log.name}")
+    raise SystemExit(f"{name} not healthy within {timeout} s")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -64,7 +64,7 @@ def default_kv_budget(block_bytes: int, block_size: int, max_num_seqs: int, max_
     return min(budget, (max_num_seqs * -(-max_model_len // block_size) + 1) * block_bytes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """What model to run and how."""
 
@@ -100,7 +100,7 @@ class ModelConfig:
             raise ValidationError.bad_value("max_model_len", self.max_model_len, ">= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     """The paged KV cache."""
 
@@ -142,7 +142,7 @@ class CacheConfig:
                                             "an integer >= 2 (block 0 is the null block)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Iteration-level scheduling limits."""
 
@@ -166,7 +166,7 @@ class SchedulerConfig:
             raise ValidationError.bad_value("max_num_batched_tokens", self.max_num_batched_tokens, "a positive integer")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How the model is split across ranks, and which executor runs them."""
 
@@ -190,7 +190,7 @@ class ParallelConfig:
                                             "'mp' or 'ray' with tensor_parallel_size > 1 (uni runs one rank)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceConfig:
     """Where the model runs."""
 
@@ -240,7 +240,7 @@ def parse_cuda_graph_sizes(sizes: str | list[int] | tuple[int, ...] | None, max_
     return tuple(sorted(set(parsed)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoRAConfig:
     """LoRA adapters over the base model (present only with enable_lora)."""
 
@@ -267,7 +267,7 @@ DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 1024**2
 """Compiled grammars kept per process by default (vLLM's VLLM_XGRAMMAR_CACHE_MB default)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StructuredOutputsConfig:
     """Structured outputs (grammar-constrained decoding through xgrammar)."""
 
@@ -281,7 +281,7 @@ class StructuredOutputsConfig:
             raise ValidationError.bad_value("grammar_cache_memory", self.grammar_cache_bytes, "a positive size")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """All subsystem configs of one engine."""
 
@@ -301,7 +301,7 @@ class EngineConfig:
     """The grammar compiler's cache."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineArgs:
     """Every user-facing engine option, with vLLM's names (``LLM(**kwargs)``, CLI flags)."""
 

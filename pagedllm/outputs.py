@@ -17,7 +17,7 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TokenLogprobs:
     """Log-probabilities for one sampled position, as plain lists (crosses the worker seam)."""
 
@@ -27,7 +27,7 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelRunnerOutput:
     """What one model step produced: per scheduled request, the sampled tokens (maybe none)."""
 
@@ -42,7 +42,7 @@ class ModelRunnerOutput:
     finishes it with an error; the other requests of the step are not touched."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineCoreOutput:
     """The scheduler's per-request news after a step: new tokens, and the finish if any."""
 

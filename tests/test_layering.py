@@ -2,6 +2,7 @@
 lower layers never import higher ones; core/ imports no torch."""
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,51 @@ def test_core_imports_no_torch() -> None:
     # and at run time: importing the scheduler must not pull torch in through anything
     code = "import sys, pagedllm.core.scheduler; assert 'torch' not in sys.modules, 'torch loaded'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _functions_stepping_a_core_in_a_loop() -> set[str]:
+    """Every function of pagedllm with a ``while`` loop that calls ``<x>.core.step()``, ``self.core.step()`` or
+    ``core.step()`` (directly, or through a method of its own class that does)."""
+    found = set()
+    for module, path in _modules():
+        tree = ast.parse(Path(path).read_text())
+        for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)] + [tree]:
+            methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+            stepping = {name for name, f in methods.items() if any(_calls_core_step(n) for n in ast.walk(f))}
+            for name, f in methods.items():
+                for loop in (n for n in ast.walk(f) if isinstance(n, ast.While)):
+                    calls = [n for n in ast.walk(loop) if isinstance(n, ast.Call)]
+                    if any(_calls_core_step(c) for c in calls) or any(
+                            isinstance(c.func, ast.Attribute) and c.func.attr in stepping
+                            and isinstance(c.func.value, ast.Name) and c.func.value.id == "self" for c in calls):
+                        found.add(f"{module}.{getattr(cls, 'name', '')}.{name}")
+    return found
+
+
+def _calls_core_step(node: ast.AST) -> bool:
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step"):
+        return False
+    target = node.func.value
+    return (isinstance(target, ast.Name) and target.id == "core") or (
+        isinstance(target, ast.Attribute) and target.attr == "core")
+
+
+def test_one_class_runs_the_step_loop_and_both_server_modes_use_it() -> None:
+    """One busy loop steps an engine core (engine/core_loop.py); the thread mode (ThreadClient) and the core
+    process (core_proc.main) both run that class, and nothing else loops over a core's step."""
+    import inspect
+
+    from pagedllm.engine import core_client, core_proc
+    from pagedllm.engine.core_loop import EngineCoreLoop
+
+    assert _functions_stepping_a_core_in_a_loop() == {"pagedllm.engine.core_loop.EngineCoreLoop.run"}
+    assert "EngineCoreLoop(" in inspect.getsource(core_client.ThreadClient.__init__)
+    assert "loop.run()" in inspect.getsource(core_proc.main) and "EngineCoreLoop(" in inspect.getsource(core_proc.main)
+    assert "target=self._loop.run" in inspect.getsource(core_client.ThreadClient.start)
+    # the front end reaches a core only through a client: it never imports the core's loop, process or class
+    for front in ("pagedllm.engine.async_llm", "pagedllm.engine.llm_engine"):
+        imported = set(_imports(front, MODULES[front]))
+        assert not imported & {"pagedllm.engine.core_loop", "pagedllm.engine.core_proc"}, front
+    assert issubclass(core_client.ThreadClient, core_client.AsyncCoreClient)
+    assert issubclass(core_client.MPClient, core_client.AsyncCoreClient)
+    assert EngineCoreLoop.run.__qualname__ == "EngineCoreLoop.run"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm.platform import build
-from tests.conftest import kernel_levels
+from tests.utils import kernel_levels
 
 ROOT = Path(__file__).resolve().parents[1]
 

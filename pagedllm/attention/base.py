@@ -132,7 +132,7 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackendEntry:
     """A registered backend: where its class is, and whether it can run here (answered without
     importing it)."""
@@ -154,7 +154,7 @@ def register_backend(name: str, path: str, is_available: Callable[[], bool], nee
     it available (shown when it is asked for and is not)."""
     if not callable(is_available):
         raise TypeError(f"attention backend {name!r}: is_available must be a function answering whether it runs here")
-    _BACKENDS[name] = BackendEntry(path, is_available, needs)
+    _BACKENDS[name] = BackendEntry(path=path, is_available=is_available, needs=needs)
 
 
 register_backend("cpu", "pagedllm.attention.cpu_backend:CpuAttentionBackend", cpu_kernels_available,

@@ -12,7 +12,7 @@ from typing import Any
 from pagedllm.attention.base import AttentionBackend
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ForwardContext:
     """What attention layers need during one forward pass."""
 
@@ -28,7 +28,7 @@ def forward_context(backend: AttentionBackend, metadata: Any) -> Iterator[Forwar
     """Make ``metadata`` visible to attention layers for the duration of one forward pass."""
     global _current
     assert _current is None, "forward contexts do not nest"
-    _current = ForwardContext(backend, metadata)
+    _current = ForwardContext(backend=backend, metadata=metadata)
     try:
         yield _current
     finally:

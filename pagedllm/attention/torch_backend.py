@@ -22,7 +22,7 @@ from pagedllm.attention import kv_quant
 from pagedllm.attention.base import AttentionBackend, AttentionMetadataBuilder, StepInputs, always_available
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PrefillChunk:
     """One request's prompt chunk: its query rows and, with a cached prefix, its context blocks."""
 
@@ -69,7 +69,8 @@ class TorchAttentionMetadata:
                 pos = torch.arange(c.seq_len - query_len, c.seq_len)[:, None]
                 keys = torch.arange(c.seq_len)[None, :]
                 mask = (keys <= pos) & (keys > pos - window)  # (query_len, seq_len)
-                prefills.append(PrefillChunk(c.start, c.end, c.seq_len, c.context_blocks, mask))
+                prefills.append(PrefillChunk(start=c.start, end=c.end, seq_len=c.seq_len,
+                                             context_blocks=c.context_blocks, mask=mask))
             self._windowed[window] = TorchAttentionMetadata(
                 slot_blocks=self.slot_blocks, slot_offsets=self.slot_offsets, num_decodes=self.num_decodes,
                 decode_blocks=self.decode_blocks, decode_mask=decode_mask, prefills=prefills)
@@ -100,12 +101,12 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens_list[i]
             query_len = end - start
             if query_len == seq_len:
-                prefills.append(PrefillChunk(start, end, seq_len, None, None))
+                prefills.append(PrefillChunk(start=start, end=end, seq_len=seq_len, context_blocks=None, mask=None))
                 continue
             blocks = step.block_tables[i, : -(-seq_len // bs)].long()
             # query row r sits at position seq_len - query_len + r and sees keys up to it
             mask = torch.ones(query_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - query_len)
-            prefills.append(PrefillChunk(start, end, seq_len, blocks, mask))
+            prefills.append(PrefillChunk(start=start, end=end, seq_len=seq_len, context_blocks=blocks, mask=mask))
         return TorchAttentionMetadata(slot_blocks=step.slot_mapping // bs, slot_offsets=step.slot_mapping % bs,
                                       num_decodes=nd, decode_blocks=decode_blocks, decode_mask=decode_mask,
                                       prefills=prefills)

@@ -36,7 +36,7 @@ from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SchedulerStats:
     """Counters since start, and the state after the last step."""
 
@@ -390,10 +390,11 @@ class Scheduler:
             prompt_logprobs = None
             if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                 prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-            results.append(EngineCoreOutput(req_id, new_tokens, [] if logprobs is None else [logprobs],
-                                            request.status.finish_reason, request.stop_reason,
-                                            request.first_scheduled_time, max(request.num_cached_tokens, 0),
-                                            prompt_logprobs))
+            results.append(EngineCoreOutput(
+                request_id=req_id, new_token_ids=new_tokens, new_logprobs=[] if logprobs is None else [logprobs],
+                finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+                first_scheduled_time=request.first_scheduled_time,
+                num_cached_tokens=max(request.num_cached_tokens, 0), prompt_logprobs=prompt_logprobs))
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
@@ -404,8 +405,9 @@ class Scheduler:
         """Finish one request whose own handling failed (finish_reason "error"); its blocks are free at once."""
         request = self.requests[req_id]
         self.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
-        return EngineCoreOutput(req_id, [], [], "error", None, request.first_scheduled_time,
-                                max(request.num_cached_tokens, 0), error=why)
+        return EngineCoreOutput(request_id=req_id, new_token_ids=[], new_logprobs=[], finish_reason="error",
+                                stop_reason=None, first_scheduled_time=request.first_scheduled_time,
+                                num_cached_tokens=max(request.num_cached_tokens, 0), error=why)
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

@@ -1,13 +1,14 @@
 """Turns user input (text, token ids, chat messages) into validated Requests."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.engine.messages import AddBeamSearch, AddRequest
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams, check_refs
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, check_refs
 
 if TYPE_CHECKING:
     from pagedllm.worker.structured_output import GrammarCompiler
@@ -71,6 +72,24 @@ class Processor:
         if not ids:
             raise ValidationError("prompt must not be empty", param="prompt", value=prompt)
         return text, list(ids)
+
+    def core_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
+                     arrival_time: float, lora_request: LoRARequest | None, seq_counter: Iterator[int]
+                     ) -> tuple[str | None, AddRequest | AddBeamSearch]:
+        """A front end's request as its engine core takes it: (prompt text, the tokenized request); a beam
+        search with BeamSearchParams, else ``params.n`` samples, each id "n:request_id" with n from ``seq_counter``
+        (front-made: users' ids can never collide with them)."""
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        if isinstance(params, BeamSearchParams):
+            return text, AddBeamSearch(request_id=request_id, text=text, prompt_ids=prompt_ids, params=params,
+                                       arrival_time=arrival_time, lora_request=lora_request)
+        if not isinstance(params, SamplingParams):
+            raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        seq_ids = [f"{next(seq_counter)}:{request_id}" for _ in range(params.n)]
+        return text, AddRequest(request_id=request_id, seq_ids=seq_ids,
+                                prompt_ids=prompt_ids, params=params, arrival_time=arrival_time,
+                                cache_salt=cache_salt, lora_request=lora_request)
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The request's max_tokens once its length is checked against max_model_len."""

@@ -1,8 +1,9 @@
-"""The messages between the API server's process and the engine core process: msgpack, no pickle.
+"""The messages between a front end and an engine core process, as bytes: msgpack, no pickle.
 
-A message is plain data (None, bool, int, float, str, bytes, lists, dicts) plus the dataclasses and
-enums listed here, each sent as an extension (name, field values). Decoding can only ever build these
-types, so a message cannot run code; a type not listed fails to encode, loudly.
+A message is one of engine/messages.py's records; it and its fields are plain data (None, bool, int,
+float, str, bytes, lists, dicts) or the dataclasses and enums listed here, each sent as an extension
+(class name, field values by name). Decoding can only ever build these types, so a message cannot run
+code; a type not listed fails to encode, loudly.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 import msgpack
 
 from pagedllm import config, outputs
-from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine import messages
+from pagedllm.engine.messages import EngineStats
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -25,7 +27,8 @@ _DATACLASSES: dict[str, type] = {cls.__name__: cls for cls in (
     SamplingParams, StructuredOutputsParams, BeamSearchParams, LoRARequest, EngineStats, config.EngineArgs,
     config.EngineConfig, config.ModelConfig, config.CacheConfig, config.SchedulerConfig, config.ParallelConfig,
     config.DeviceConfig, config.LoRAConfig, config.StructuredOutputsConfig, outputs.EngineCoreOutput,
-    outputs.TokenLogprobs, outputs.RequestOutput, outputs.CompletionOutput, outputs.RequestMetrics, outputs.Logprob)}
+    outputs.TokenLogprobs, outputs.RequestOutput, outputs.CompletionOutput, outputs.RequestMetrics, outputs.Logprob,
+    *messages.MESSAGE_TYPES)}
 _ENUMS: dict[str, type[enum.Enum]] = {cls.__name__: cls for cls in (RequestOutputKind,)}
 
 
@@ -67,7 +70,7 @@ def decode(data: bytes) -> Any:
     return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
 
-def encode_error(error: BaseException) -> dict[str, Any]:
+def encode_error(error: BaseException) -> messages.CoreError:
     """An exception as plain data: its type's name, message, and a ValidationError's param and value."""
     if isinstance(error, ValidationError):
         value = error.value
@@ -75,12 +78,12 @@ def encode_error(error: BaseException) -> dict[str, Any]:
             encode(value)
         except (TypeError, ValueError, OverflowError):
             value = repr(value)
-        return {"type": "ValidationError", "message": error.message, "param": error.param, "value": value}
-    return {"type": type(error).__name__, "message": str(error) or type(error).__name__}
+        return messages.CoreError(type="ValidationError", message=error.message, param=error.param, value=value)
+    return messages.CoreError(type=type(error).__name__, message=str(error) or type(error).__name__)
 
 
-def decode_error(error: dict[str, Any]) -> Exception:
+def decode_error(error: messages.CoreError) -> Exception:
     """A ValidationError as it was raised; anything else as a RuntimeError naming the original type."""
-    if error["type"] == "ValidationError":
-        return ValidationError(error["message"], error["param"], error["value"])
-    return RuntimeError(f"{error['type']} in the engine core: {error['message']}")
+    if error.type == "ValidationError":
+        return ValidationError(error.message, error.param, error.value)
+    return RuntimeError(f"{error.type} in the engine core: {error.message}")

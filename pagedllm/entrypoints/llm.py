@@ -9,7 +9,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+from pagedllm.engine.messages import EngineStats
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType, render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest

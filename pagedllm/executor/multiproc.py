@@ -71,7 +71,7 @@ class MultiprocExecutor(Executor):
         for rank in range(tp):
             cmd_read, cmd_write = ctx.Pipe(duplex=False)
             res_read, res_write = ctx.Pipe(duplex=False)
-            info = RankInfo(rank, rank, tp, init_method)
+            info = RankInfo(rank=rank, local_rank=rank, local_world_size=tp, distributed_init_method=init_method)
             proc = ctx.Process(target=_worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
                                args=(config, arch, eos_token_ids, info, cmd_read, res_write, level))
             proc.start()

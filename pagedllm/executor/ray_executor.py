@@ -132,7 +132,8 @@ class RayDistributedExecutor(Executor):
             infos = []
             for rank, (node_id, _, _) in enumerate(nodes):
                 same = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
-                infos.append(RankInfo(rank, same.index(rank), len(same), init_method))
+                infos.append(RankInfo(rank=rank, local_rank=same.index(rank), local_world_size=len(same),
+                                      distributed_init_method=init_method))
             logger.info("Ray actors: %s", ", ".join(f"rank {r} on {ip} (pid {pid})"
                                                     for r, (_, ip, pid) in enumerate(nodes)))
             self.node_ids = [n for n, _, _ in nodes]

@@ -5,20 +5,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.cpu_ops import fused_ops
+from pagedllm.layers.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
-    """(tokens, 2*d) packed [gate, up] -> (tokens, d) silu(gate) * up."""
+class SiluAndMul(CustomOp):
+    """(tokens, 2*d) packed [gate, up] -> (tokens, d) silu(gate) * up; ``forward_cpu`` in one pass where the
+    kernels run (layers/custom_op.py)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops(x) if x.dim() == 2 else None
-        if ops is not None:  # one pass instead of chunk, silu, mul
-            out = x.new_empty(x.shape[0], x.shape[1] // 2)  # (tokens, d)
-            ops.silu_and_mul(x, out)
-            return out
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """One pass instead of chunk, silu, mul (rows other than (tokens, 2*d): the native path)."""
+        if x.dim() != 2:
+            return self.forward_native(x)
+        out = x.new_empty(x.shape[0], x.shape[1] // 2)  # (tokens, d)
+        self.kernels.silu_and_mul(x, out)
+        return out
 
 
 class GeluAndMul(nn.Module):

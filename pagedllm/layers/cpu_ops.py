@@ -302,40 +302,26 @@ def kernels(level: str | None = None) -> CpuKernels | None:
 
 @functools.lru_cache(maxsize=None)
 def _kernels(level: str) -> CpuKernels | None:  # one object per level: layers compare them by identity
-    library = platform.kernels(level)
+    library = platform.kernel_library(level)
     return None if library is None else CpuKernels(library)
 
 
-_level: str | None = None
 _torch_only = False
+
+use_level = platform.use_level
+"""Re-exported: the level override is the platform's (``platform.use_level``)."""
+active_level = platform.active_level
+"""Re-exported: ``platform.active_level``, the level ``active()`` is asked for."""
 
 
 def active() -> CpuKernels | None:
-    """The kernels the engine uses now: the process's level, or the one ``use_level`` set."""
-    return kernels(_level)
-
-
-def active_level() -> str:
-    """The level ``active()`` is asked for (its kernels may come from a lower one: see platform.kernels)."""
-    return _level or platform.isa_level()
-
-
-@contextlib.contextmanager
-def use_level(level: str) -> Iterator[None]:
-    """Inside, the layers and the cpu attention backend run ``level``'s kernels (a level this
-    process runs: the CPU's own or PAGEDLLM_ISA's, or one below; "portable": none). Tests cover
-    every level below the machine's own this way."""
-    global _level
-    before, _level = _level, platform.check_level(level, platform.isa_level())
-    try:
-        yield
-    finally:
-        _level = before
+    """The kernels of the active level (``platform.active_level``: the process's, or the one ``use_level`` set)."""
+    return kernels(platform.active_level())
 
 
 @contextlib.contextmanager
 def torch_ops_only() -> Iterator[None]:
-    """Inside, the layers take their torch expressions (tests compare the two; A/B timings)."""
+    """Layers built (or bound) inside take their torch expressions (A/B timings; tests call ``forward_native``)."""
     global _torch_only
     before, _torch_only = _torch_only, True
     try:
@@ -344,9 +330,17 @@ def torch_ops_only() -> Iterator[None]:
         _torch_only = before
 
 
-def fused_ops(x: torch.Tensor) -> CpuKernels | None:
-    """The kernels for the layers' fused ops and GEMM when ``x`` is a CPU tensor of a kernel dtype,
-    the kernels exist here and are on (PAGEDLLM_FUSED_OPS), else None (the torch expressions serve)."""
-    if _torch_only or x.dtype not in DTYPE_CODES or x.device.type != "cpu" or not platform.switches().fused_ops:
+def kernels_for(device: torch.device, dtype: torch.dtype | None = None) -> CpuKernels | None:
+    """The kernels a layer on ``device`` running ``dtype`` (None: any of DTYPE_CODES) binds: the active level's
+    where ``device`` is the CPU, the kernels exist and are on (PAGEDLLM_FUSED_OPS), outside ``torch_ops_only``;
+    else None (its torch expressions serve). Asked once per layer, when the model loads (layers/custom_op.py)."""
+    if _torch_only or device.type != "cpu" or (dtype is not None and dtype not in DTYPE_CODES):
+        return None
+    if not platform.switches().fused_ops:
         return None
     return active()
+
+
+def fused_ops(x: torch.Tensor) -> CpuKernels | None:
+    """``kernels_for`` the device and dtype of ``x`` (a weight being packed or kept quantized at load)."""
+    return kernels_for(x.device, x.dtype)

@@ -11,7 +11,6 @@ from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_world_size
-from pagedllm.layers.cpu_ops import fused_ops
 from pagedllm.layers.prepack import PackedWeight, can_prepack, linear, prepack
 from pagedllm.layers.quant import QuantWeight, kept_quantized, quant_linear, store_rows
 
@@ -47,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
             return F.embedding(ids, self.weight)
-        kernels = fused_ops(self.weight)
+        kernels = self.quant.kernels  # the ones that packed the rows at load
         assert kernels is not None and len(self.quant.pieces) == 1
         rows = kernels.qrows(self.quant.pieces[0], ids.reshape(-1), self.weight.dtype)  # (ids, hidden)
         return rows.view(*ids.shape, rows.shape[-1])  # (..., hidden)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_ops import fused_ops
+from pagedllm.layers.custom_op import CustomOp
 
 
 def _rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -13,30 +13,39 @@ def _rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, in float32 and cast back; optionally adds the residual first."""
+class RMSNorm(CustomOp):
+    """x / rms(x) * weight, in float32 and cast back; optionally adds the residual first. ``forward`` is
+    ``forward_cpu`` (one fused pass) where the kernels run, else ``forward_native`` (layers/custom_op.py)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
+        self.hidden_size = hidden_size
+        super().__init__(dtype or torch.get_default_dtype())
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def kernels_suit(self) -> bool:
+        return self.hidden_size >= 8  # narrower rows: a vector's worth, not worth a kernel call
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * _rms_normalized(x, self.eps).to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual); the fused
-        bf16 path writes x + residual into ``residual`` itself and returns it."""
-        ops = fused_ops(x) if x.dim() == 2 and x.shape[-1] >= 8 else None
-        if ops is not None:  # one pass instead of add, float, pow, mean, rsqrt, mul, to, mul
-            out = torch.empty_like(x)
-            ops.rms_norm(x, residual, self.weight, out, self.eps)
-            return out if residual is None else (out, residual)
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As ``forward_native``, in one pass instead of add, float, pow, mean, rsqrt, mul, to, mul; x + residual
+        is written into ``residual`` itself, which is returned. Rows other than (tokens, hidden): the native path."""
+        if x.dim() != 2:
+            return self.forward_native(x, residual)
+        out = torch.empty_like(x)
+        self.kernels.rms_norm(x, residual, self.weight, out, self.eps)
+        return out if residual is None else (out, residual)
 
 
 class GemmaRMSNorm(nn.Module):

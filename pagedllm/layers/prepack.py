@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import platform
-from pagedllm.layers.cpu_ops import CpuKernels, active_level, fused_ops
+from pagedllm.layers.cpu_ops import CpuKernels, fused_ops
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _own_gemm(weight: torch.Tensor) -> CpuKernels | None:
     if ops is None or not ops.gemm_suits(weight):
         return None
     if weight.dtype == torch.bfloat16 and _onednn_available() and (
-            platform.switches().gemm == "onednn" or active_level() == "amx"):
+            platform.switches().gemm == "onednn" or platform.active_level() == "amx"):
         return None  # AMX tiles (or an A/B run) for bf16
     return ops
 

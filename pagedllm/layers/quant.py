@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedllm.layers.cpu_ops import fused_ops
+from pagedllm.layers.cpu_ops import CpuKernels, fused_ops
 
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 """The formats kept quantized, by GGML's type numbers (csrc/quant.cpp's QType)."""
@@ -79,6 +79,8 @@ class QuantWeight:
     pieces: dict[int, QuantTensor] = field(default_factory=dict)
     ready: bool = False
     """The pieces are the kernels' segments (joined by format, packed): set once, after loading."""
+    kernels: CpuKernels | None = None
+    """The kernels that packed the pieces and run them (set with ``ready``: chosen once, at load)."""
 
     def place(self, offset: int, piece: QuantTensor) -> None:
         assert piece.cols == self.cols and 0 <= offset and offset + piece.rows <= self.rows, (offset, piece.shape)
@@ -169,7 +171,7 @@ def kept_quantized(param: torch.nn.Parameter) -> "QuantWeight | None":
     if quant.ready or (kernels is not None and quant.complete()):
         if not quant.ready:  # once: a tied embedding and LM head share the parameter
             quant.pieces = {offset: kernels.qpack(seg) for offset, seg in quant.segments()}
-            quant.ready = True
+            quant.ready, quant.kernels = True, kernels
         param.data = torch.empty(0, dtype=param.dtype)  # the quantized rows replace it
         return quant
     quant.dequantize_into(param)
@@ -178,11 +180,10 @@ def kept_quantized(param: torch.nn.Parameter) -> "QuantWeight | None":
 
 
 def quant_linear(x: torch.Tensor, quant: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., cols) W^T + b -> (..., rows), each segment of W's rows by its format's kernel."""
-    kernels = fused_ops(x)
-    if kernels is None:
-        raise RuntimeError("quantized weights run on the compiled kernels, which are off here (torch_ops_only, or "
-                           "another device): load the model with quantization=None")
+    """x (..., cols) W^T + b -> (..., rows), each segment of W's rows by its format's kernel (the ones that
+    packed it at load)."""
+    kernels = quant.kernels
+    assert kernels is not None, "kept quantized only where the kernels run (kept_quantized)"
     x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()  # (tokens, cols)
     out = torch.empty(x2.shape[0], quant.rows, dtype=x.dtype)  # (tokens, rows)
     for offset, seg in quant.pieces.items():

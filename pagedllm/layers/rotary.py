@@ -5,10 +5,9 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagedllm.errors import ValidationError
-from pagedllm.layers.cpu_ops import fused_ops
+from pagedllm.layers.custom_op import CustomOp
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -55,12 +54,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies rotary embedding to q and k at given positions from a precomputed cos/sin cache."""
+class RotaryEmbedding(CustomOp):
+    """Applies rotary embedding to q and k at given positions from a precomputed cos/sin cache. ``forward`` takes
+    the packed qkv rows: ``forward_cpu`` rotates them in place where the kernels run, else ``forward_native``
+    (layers/custom_op.py); ``rotate`` turns separate q and k (torch ops)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict[str, Any] | None, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(dtype)  # the cos/sin cache below is in dtype: the kernels read it as it is
         self.head_dim = head_dim
         scale = 1.0
         if (scaling or {}).get("rope_type", (scaling or {}).get("type")) == "longrope":
@@ -79,8 +80,7 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (tokens, heads, head_dim), k (tokens, kv_heads, head_dim) -> rotated copies."""
         if positions is not self._positions:  # one module serves every layer: gather cos/sin once per step
             self._positions = positions
@@ -89,17 +89,27 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos, self._sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
-    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Packed (tokens, (heads + 2 kv_heads) * head_dim) -> rotated q, rotated k, v as
-        (tokens, heads, head_dim) views. The fused path rotates q and k inside ``qkv``."""
+    def _split(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.head_dim
         q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
         # q (tokens, heads, head_dim); k, v (tokens, kv_heads, head_dim)
-        q, k, v = q.view(-1, num_heads, d), k.view(-1, num_kv_heads, d), v.view(-1, num_kv_heads, d)
-        ops = fused_ops(qkv) if qkv.dim() == 2 and qkv.stride(-1) == 1 else None
-        if ops is not None and self.cos_cache.dtype == qkv.dtype and positions.dtype == torch.int64:
-            ops.rotary_inplace(positions, qkv, self.cos_cache, self.sin_cache, num_heads, num_kv_heads, d)
-            return q, k, v  # views of qkv, rotated in place
-        q, k = self.forward(positions, q, k)
+        return q.view(-1, num_heads, d), k.view(-1, num_kv_heads, d), v.view(-1, num_kv_heads, d)
+
+    def forward_native(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed (tokens, (heads + 2 kv_heads) * head_dim) -> rotated q, rotated k, v as
+        (tokens, heads, head_dim) tensors (v a view of qkv)."""
+        q, k, v = self._split(qkv, num_heads, num_kv_heads)
+        q, k = self.rotate(positions, q, k)
         return q, k, v
+
+    def forward_cpu(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As ``forward_native``, q and k rotated in place inside ``qkv`` (all three returned as views of it);
+        strided rows: the native path."""
+        if qkv.dim() != 2 or qkv.stride(-1) != 1:
+            return self.forward_native(positions, qkv, num_heads, num_kv_heads)
+        self.kernels.rotary_inplace(positions, qkv, self.cos_cache, self.sin_cache, num_heads, num_kv_heads,
+                                    self.head_dim)
+        return self._split(qkv, num_heads, num_kv_heads)  # views of qkv, rotated in place

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_ops import fused_ops
+from pagedllm.layers.cpu_ops import CpuKernels, kernels_for
 from pagedllm.outputs import TokenLogprobs
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingMetadata:
     """Per-row sampling settings of one step (rows = requests that sample)."""
 
@@ -54,7 +54,7 @@ class SamplingMetadata:
     wants_logprobs: list[bool] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplerOutput:
     sampled_token_ids: torch.Tensor
     """(rows,) int64."""
@@ -147,10 +147,12 @@ def _plain(md: SamplingMetadata) -> bool:
             and not md.allowed_token_ids)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """(rows,) int64 argmax per row; the compiled one reads bf16 logits in one vectorised pass."""
-    ops = fused_ops(logits) if logits.dim() == 2 and logits.stride(-1) == 1 else None
-    return ops.argmax(logits) if ops is not None else logits.argmax(dim=-1)
+def _argmax(logits: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
+    """(rows,) int64 argmax per row; the compiled one (``kernels``: the sampler's) reads bf16 logits in one
+    vectorised pass."""
+    if kernels is not None and logits.dim() == 2 and logits.stride(-1) == 1:
+        return kernels.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def _uniforms(rows: int, md: SamplingMetadata) -> torch.Tensor:
@@ -164,6 +166,12 @@ def _uniforms(rows: int, md: SamplingMetadata) -> torch.Tensor:
 
 class Sampler(nn.Module):
     """Logits (rows, vocab) float32, bf16 or f16 -> one token per row, and logprobs where asked."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        """``device``: where the logits are; the compiled argmax and draw serve on the CPU where the kernels run
+        (chosen here, once: layers/custom_op.py)."""
+        super().__init__()
+        self.kernels = kernels_for(torch.device(device))
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """``logits`` may be bf16 / f16 (the LM head's dtype): rows that need only a plain draw or
@@ -182,19 +190,19 @@ class Sampler(nn.Module):
         for row, token_ids in md.blocked_token_ids.items():
             logits[row, token_ids] = float("-inf")
         if md.all_greedy:
-            sampled = _argmax(logits)
+            sampled = _argmax(logits, self.kernels)
         else:
-            greedy = _argmax(logits) if md.any_greedy else None  # before _random_sample reuses logits
-            sampled = self._random_sample(logits, md)
+            greedy = _argmax(logits, self.kernels) if md.any_greedy else None  # before _random_sample reuses logits
+            sampled = self._random_sample(logits, md, self.kernels)
             if greedy is not None:
                 sampled = torch.where(md.greedy, greedy, sampled)
         logprobs = self._gather_logprobs(raw_logprobs, sampled, md) if raw_logprobs is not None else []
-        return SamplerOutput(sampled, logprobs or [None] * logits.shape[0])
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs or [None] * logits.shape[0])
 
     @staticmethod
-    def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def _random_sample(logits: torch.Tensor, md: SamplingMetadata, kernels: CpuKernels | None) -> torch.Tensor:
         """One draw per row; overwrites ``logits`` (the caller is done with them)."""
-        ops = fused_ops(logits) if logits.dim() == 2 and logits.stride(-1) == 1 else None
+        ops = kernels if logits.dim() == 2 and logits.stride(-1) == 1 else None
         if ops is not None and md.min_p is None and md.top_k is None and md.top_p is None:
             # temperature, softmax weights and the draw in one pass per row (no (rows, vocab) temporaries)
             return ops.sample(logits, md.temperature if md.any_temperature else None, _uniforms(logits.shape[0], md))
@@ -221,5 +229,5 @@ def gather_token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top_n: i
     top = logprobs.topk(top_n, dim=-1) if top_n else None
     top_ids = top.indices.tolist() if top is not None else [[] for _ in ranks]
     top_vals = top.values.tolist() if top is not None else [[] for _ in ranks]
-    return [TokenLogprobs(c, r, ids, vals) for c, r, ids, vals in zip(chosen.squeeze(1).tolist(), ranks, top_ids,
-                                                                       top_vals)]
+    return [TokenLogprobs(sampled_logprob=c, sampled_rank=r, top_token_ids=ids, top_logprobs=vals)
+            for c, r, ids, vals in zip(chosen.squeeze(1).tolist(), ranks, top_ids, top_vals)]

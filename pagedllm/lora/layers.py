@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoRAStep:
     """Which rows of this step run which slot; shared by every LoRA layer of a model."""
 

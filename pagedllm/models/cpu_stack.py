@@ -22,7 +22,7 @@ from torch import nn
 from pagedllm import platform
 from pagedllm.attention.context import get_forward_context
 from pagedllm.attention.cpu_backend import CpuAttentionMetadata
-from pagedllm.layers.cpu_ops import DTYPE_CODES, CpuKernels, fused_ops
+from pagedllm.layers.cpu_ops import DTYPE_CODES, CpuKernels
 from pagedllm.layers.quant import QuantTensor
 
 
@@ -122,7 +122,7 @@ class CpuDecoderStack:
         if not platform.switches().cpu_stack or not model.layers:
             return None
         weight = model.layers[0].input_layernorm.weight
-        kernels = fused_ops(weight)
+        kernels = getattr(model.layers[0].input_layernorm, "kernels", None)  # the layers' binding (custom_op.py)
         if kernels is None or not all(_eligible(layer, kernels, weight.dtype) for layer in model.layers):
             return None
         rotary = model.layers[0].self_attn.rotary_emb
@@ -131,10 +131,10 @@ class CpuDecoderStack:
         return cls(model, kernels)
 
     def usable(self, hidden: torch.Tensor, positions: torch.Tensor) -> bool:
-        """This step can run here: same kernels active, the cpu attention backend's metadata."""
+        """This step can run here: the cpu attention backend's metadata, its kernels the stack's."""
         ctx = get_forward_context()
         return (isinstance(ctx.metadata, CpuAttentionMetadata) and getattr(ctx.backend, "kernels", None) is self.kernels
-                and fused_ops(hidden) is self.kernels and positions.dtype == torch.int64 and hidden.is_contiguous())
+                and positions.dtype == torch.int64 and hidden.is_contiguous())
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Embeddings (tokens, hidden) -> the final norm's output, through every layer."""
@@ -161,4 +161,5 @@ def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
             and not hasattr(a, "q_norm")  # the stack has no per-head q/k norms (Qwen3)
             and a.attn.sliding_window is None  # nor sliding windows
             and a.attn.kv_cache is not None and a.attn.kv_cache.is_contiguous()
-            and layer.input_layernorm.weight.dtype == dtype == layer.post_attention_layernorm.weight.dtype)
+            and layer.input_layernorm.weight.dtype == dtype == layer.post_attention_layernorm.weight.dtype
+            and getattr(a.rotary_emb, "kernels", None) is kernels)

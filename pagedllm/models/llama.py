@@ -69,10 +69,10 @@ class LlamaAttention(nn.Module):
             q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
             q = self.q_norm(q.reshape(-1, d)).view(-1, self.num_heads, d)  # (tokens * heads, d) -> (tokens, heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(-1, self.num_kv_heads, d)
-            q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb.rotate(positions, q, k)
             return self.o_proj(self.attn(q, k, v.reshape(-1, self.num_kv_heads, d)))  # v (tokens, kv_heads, d)
         # q (tokens, heads, head_dim); k, v (tokens, kv_heads, head_dim); q and k rotated
-        q, k, v = self.rotary_emb.forward_qkv(positions, qkv, self.num_heads, self.num_kv_heads)
+        q, k, v = self.rotary_emb(positions, qkv, self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -1,5 +1,7 @@
-"""The one place that knows the machine: the CPU, its instruction-set level, which compiled
-kernels exist there, the dtype that runs fastest, and the environment switches (read once).
+"""The one place that knows the machine: the CPU, its instruction-set level (``isa_level``; ``active_level``
+with a test's ``use_level``), which compiled kernel library exists there (``kernel_library``), CPU or CUDA
+(``resolve_device``), the dtype that runs fastest, and the environment switches (read once). Layers ask it
+once, when the model loads (layers/custom_op.py), never per call.
 
 Everything else asks this module; nothing else reads /proc/cpuinfo (the PAGEDLLM_* variables are pagedllm.envs').
 
@@ -17,18 +19,22 @@ portable         ARM (Graviton, Ampere, Apple), older x86   torch's own ops (NEO
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagedllm import envs
+from pagedllm.errors import ValidationError
 from pagedllm.platform import build
 from pagedllm.platform.cpu import ISA_ENV, LEVELS, CpuInfo, check_level, cpu_info, is_forced, isa_level, native_bf16
 
-__all__ = ["ISA_ENV", "LEVELS", "CpuInfo", "KernelLibrary", "Switches", "check_level", "cpu_info", "default_dtype",
-           "describe", "is_forced", "isa_level", "kernels", "native_bf16", "switches"]
+__all__ = ["ISA_ENV", "LEVELS", "CpuInfo", "KernelLibrary", "Switches", "active_level", "check_level", "cpu_info",
+           "default_dtype", "describe", "is_forced", "isa_level", "kernel_library", "native_bf16", "resolve_device",
+           "switches", "use_level"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +65,53 @@ class KernelLibrary:
     path: str
 
 
-def kernels(level: str | None = None) -> KernelLibrary | None:
-    """The kernel library for ``level`` (default: the active level), built or taken from the
-    cache; where it does not build, the next level down (one WARNING line says which and why);
+_level: str | None = None
+"""The level ``use_level`` set (None: ``isa_level()``)."""
+
+
+def active_level() -> str:
+    """The level the layers and the cpu attention backend bind now: the process's (``isa_level``), or the one
+    ``use_level`` set (its kernels may come from a lower one: see ``kernel_library``)."""
+    return _level or isa_level()
+
+
+@contextlib.contextmanager
+def use_level(level: str) -> Iterator[None]:
+    """Inside, ``active_level()`` is ``level`` (a level this process runs: the CPU's own or PAGEDLLM_ISA's, or one
+    below; "portable": no kernels). Layers built (or bound) inside run that level's kernels: tests cover every
+    level below the machine's own this way."""
+    global _level
+    before, _level = _level, check_level(level, isa_level())
+    try:
+        yield
+    finally:
+        _level = before
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when torch sees a GPU, else "cpu"; "cuda" without one is refused (ValidationError on
+    ``device``); "cpu" stays. The one answer to CPU-or-CUDA. torch must be imported first (as for the kernels:
+    this module imports no torch, tests/test_layering.py)."""
+    assert "torch" in sys.modules, "import torch before asking whether it sees a GPU"
+    torch = sys.modules["torch"]
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValidationError("device 'cuda' was asked for but torch sees no CUDA device (this torch build: "
+                              f"{torch.__version__})", param="device", value=device)
+    return device
+
+
+def kernel_library(level: str | None = None) -> KernelLibrary | None:
+    """The compiled kernel library (ctypes) for ``level`` (default: the process's, ``isa_level``), built or taken
+    from the cache; where it does not build, the next level down (one WARNING line says which and why);
     None at the portable level or when none builds. torch must be imported first, so that the
     library's OpenMP calls bind to the libgomp.so.1 torch loaded (one thread pool for both)."""
-    return _kernels(level or isa_level())
+    return _library(level or isa_level())
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(level: str) -> KernelLibrary | None:
+def _library(level: str) -> KernelLibrary | None:
     assert "torch" in sys.modules, "import torch before loading the kernels (one OpenMP runtime)"
     wanted = build.library_level(level)
     if wanted is None:
@@ -110,7 +153,7 @@ def default_dtype() -> str:
     level = isa_level()
     if native_bf16(level):
         return "bfloat16"
-    if level != "portable" and switches().fused_ops and kernels() is not None:
+    if level != "portable" and switches().fused_ops and kernel_library() is not None:
         return "bfloat16"
     return "float32"
 
@@ -119,7 +162,7 @@ def describe(dtype: str) -> str:
     """The one line logged at start, e.g. ``CPU: AMD EPYC, AVX2+FMA (no AVX-512): kernels avx2,
     dtype bfloat16 storage / float32 compute``."""
     cpu = cpu_info()
-    lib = kernels()
+    lib = kernel_library()
     active = lib.level if lib is not None else "portable (torch ops)"
     if not switches().fused_ops and lib is not None:
         active += " (attention only: PAGEDLLM_FUSED_OPS=0)"

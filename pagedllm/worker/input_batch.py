@@ -15,7 +15,7 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CachedRequestState:
     """What a worker remembers about a request between steps (kept across preemption)."""
 

@@ -49,7 +49,7 @@ class ModelRunner:
         self.builder = backend.make_builder()
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.device)  # its kernels chosen for the device, once
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self._failed: dict[str, str] = {}
@@ -117,7 +117,7 @@ class ModelRunner:
         _copy_blocks(self.kv_caches, self.kv_caches, out.blocks_to_copy)
         _copy_blocks(self.host_kv_caches, self.kv_caches, out.blocks_to_swap_in)
         if out.is_empty:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
         order = self.builder.order(out.num_scheduled_tokens)  # the batch order the backend wants
         states = [self.requests[r] for r in order]
         inputs = build_step_inputs(states, [out.num_scheduled_tokens[r] for r in order], self.block_size)
@@ -137,7 +137,8 @@ class ModelRunner:
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
         if not inputs.sample_rows:
-            return ModelRunnerOutput(inputs.req_ids, [[] for _ in states], [None] * len(states), prompt_logprobs)
+            return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in states],
+                                     logprobs=[None] * len(states), prompt_logprobs=prompt_logprobs)
         # forked samples draw from their parent's logits row: the prompt was computed once
         samplers = [states[i] for i in inputs.sample_rows]
         row_of = {s.req_id: row for row, s in enumerate(samplers)}
@@ -163,8 +164,8 @@ class ModelRunner:
                 except Exception as e:  # this request's grammar: it fails alone
                     state.matcher = None
                     self._fail(state.req_id, "advancing the request's grammar", e)
-        return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in sampled], result.logprobs,
-                                 prompt_logprobs)
+        return ModelRunnerOutput(req_ids=[s.req_id for s in samplers], sampled_token_ids=[[t] for t in sampled],
+                                 logprobs=result.logprobs, prompt_logprobs=prompt_logprobs)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], starts: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
@@ -190,8 +191,9 @@ class ModelRunner:
             prompt = list(new.prompt_token_ids)
             generator, matcher = self._sampling_state(new.req_id, new.sampling_params, list(new.output_token_ids))
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, prompt + list(new.output_token_ids), len(prompt), new.sampling_params,
-                generator, list(new.block_ids), new.num_computed_tokens, matcher, new.lora_request)
+                req_id=new.req_id, token_ids=prompt + list(new.output_token_ids), num_prompt_tokens=len(prompt),
+                sampling_params=new.sampling_params, generator=generator, block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens, matcher=matcher, lora_request=new.lora_request)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replace_table:
@@ -203,8 +205,9 @@ class ModelRunner:
             parent = self.requests[fork.parent_id]
             generator, matcher = self._sampling_state(fork.req_id, fork.sampling_params, parent.output_token_ids)
             self.requests[fork.req_id] = CachedRequestState(
-                fork.req_id, list(parent.token_ids), parent.num_prompt_tokens, fork.sampling_params,
-                generator, list(fork.block_ids), fork.num_computed_tokens, matcher, parent.lora_request)
+                req_id=fork.req_id, token_ids=list(parent.token_ids), num_prompt_tokens=parent.num_prompt_tokens,
+                sampling_params=fork.sampling_params, generator=generator, block_ids=list(fork.block_ids),
+                num_computed_tokens=fork.num_computed_tokens, matcher=matcher, lora_request=parent.lora_request)
 
     def _sampling_state(self, req_id: str, params: SamplingParams, accepted: list[int]) -> tuple[Any, Any]:
         """(generator, grammar matcher) of a request joining the batch; if making them fails, the request is

@@ -15,6 +15,7 @@ from pagedllm.attention.base import get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, default_kv_budget
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
+from pagedllm.layers.custom_op import bind_ops
 from pagedllm.layers.quant import describe_quantized, int8_on_load
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora_request import LoRARequest
@@ -30,7 +31,7 @@ from pagedllm.worker.structured_output import compiler_for
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RankInfo:
     """Where a worker sits among the tensor-parallel ranks (plain data: executors send it)."""
 
@@ -88,6 +89,7 @@ class Worker:
             model.load_weights(tqdm(weights, desc="Loading weights", unit=" tensors", leave=False, dynamic_ncols=True,
                                     disable=info.rank != 0 or None))  # one bar, not one per rank
             model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
+        bind_ops(model, self.device)  # each layer's implementation for this device, chosen once (layers/custom_op.py)
         # LoRA layers first: packing leaves gate_up unfused where one is attached
         lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
         with int8_on_load(config.model.quantization == "int8"):

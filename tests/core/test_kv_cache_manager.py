@@ -4,7 +4,7 @@ import pytest
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
-from tests.core.conftest import make_request
+from tests.core.utils import make_request
 
 
 def grow(manager: KVCacheManager, request: Request, num_new_tokens: int) -> list[int] | None:

@@ -7,7 +7,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.outputs import EngineCoreOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from tests.core.conftest import EOS, TOKEN, fake_runner_output, make_request, make_scheduler
+from tests.core.utils import EOS, TOKEN, fake_runner_output, make_request, make_scheduler
 
 
 def add(scheduler: Scheduler, request_id: str, num_prompt_tokens: int, max_tokens: int = 16,

@@ -8,7 +8,7 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import ValidationError
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from tests.core.conftest import EOS, fake_runner_output, make_scheduler
+from tests.core.utils import EOS, fake_runner_output, make_scheduler
 
 NUM_KV_BLOCKS = 64
 MAX_NUM_SEQS = 8

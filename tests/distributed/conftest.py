@@ -1,18 +1,14 @@
-"""Tensor-parallel engines for the distributed tests, and what a test leaves behind."""
+"""Tensor-parallel engines for the distributed tests (what a test leaves behind: tests/distributed/utils.py)."""
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from pagedllm import LLM
-from tests.conftest import save_tiny_model
-
-BACKENDS = ["mp", "ray"]
+from tests.utils import save_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -35,14 +31,3 @@ def tp_llm() -> Iterator[Callable[..., LLM]]:
     yield make
     for llm in made:
         llm.shutdown()
-
-
-def descendants() -> list[psutil.Process]:
-    """Every live process this test process started, at any depth."""
-    return [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def shm_segments() -> set[str]:
-    """Names in /dev/shm (shared-memory segments) now."""
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()

@@ -20,8 +20,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.base import WorkerError
-from tests.distributed.conftest import BACKENDS, shm_segments
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.distributed.utils import BACKENDS, shm_segments
+from tests.utils import RemoteServer
 
 
 def _workers(server_pid: int, backend: str) -> list[psutil.Process]:
@@ -143,7 +143,7 @@ def test_sigterm_exits_0_and_leaves_nothing(tiny_llm_dir: Path, backend: str) ->
 
 def test_stopped_worker_and_raising_worker_name_their_rank(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
     llm = tp_llm(tiny_llm_dir, tensor_parallel_size=2)
-    executor = llm.llm_engine.executor
+    executor = llm.llm_engine.engine_core.core.executor
     rank1 = executor.workers[1].process.pid
     os.kill(rank1, signal.SIGSTOP)
     try:
@@ -161,5 +161,5 @@ def test_stopped_worker_and_raising_worker_name_their_rank(tp_llm: Callable[...,
 
     other = tp_llm(tiny_llm_dir, tensor_parallel_size=2)
     with pytest.raises(WorkerError, match="rank [01] failed") as e:  # both ranks raise; the first report wins
-        other.llm_engine.executor.collective_rpc("no_such_method")
+        other.llm_engine.engine_core.core.executor.collective_rpc("no_such_method")
     assert e.value.rank in (0, 1) and "AttributeError" in str(e.value)

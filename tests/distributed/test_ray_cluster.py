@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.entrypoints.openai.conftest import free_port
+from tests.utils import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -56,7 +56,7 @@ def test_ranks_on_two_nodes(two_node_cluster: str, tiny_llm_dir: Path) -> None:
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
     llm = LLM(str(tiny_llm_dir), dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray")
     try:
-        executor = llm.llm_engine.executor
+        executor = llm.llm_engine.engine_core.core.executor
         assert len(set(executor.node_ids)) == 2  # one rank per node
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want

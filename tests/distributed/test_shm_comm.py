@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.distributed import shm_comm
-from tests.entrypoints.openai.conftest import free_port
+from tests.utils import free_port
 
 
 def _check(rank: int, port: int, results: dict) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.distributed.shm_comm import SHM_ENV
-from tests.distributed.conftest import BACKENDS, descendants
+from tests.distributed.utils import BACKENDS, descendants
 
 PROMPTS = [f"Prompt number {i} says:" + " more" * i for i in range(8)]
 SHARED = ["A long shared system prefix that fills more than one block of sixteen tokens, surely. " + q
@@ -56,7 +56,7 @@ def test_tp2_matches_tp1(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, referen
     for key in ("greedy", "shared", "sampled", "beams"):
         assert got[key] == reference[key], key
     # every rank holds half of the 2 KV heads of every layer, for the same block ids
-    shapes = llm.llm_engine.executor.collective_rpc("kv_cache_shapes")
+    shapes = llm.llm_engine.engine_core.core.executor.collective_rpc("kv_cache_shapes")
     assert all(shape == (2, 20, 1, 16, 16) for rank in shapes for shape in rank), shapes
 
 
@@ -68,7 +68,7 @@ def test_ranks_sample_the_same_tokens(tp_llm: Callable[..., LLM], tiny_llm_dir: 
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True))
     for _ in range(10):
         engine.step()
-    rank0, rank1 = engine.executor.collective_rpc("request_token_ids")
+    rank0, rank1 = engine.engine_core.core.executor.collective_rpc("request_token_ids")
     assert len(rank0) == 4 and rank0 == rank1
 
 
@@ -80,7 +80,7 @@ def test_replicated_kv_head_and_padded_vocabulary(tp_llm: Callable[..., LLM], mq
     llm = tp_llm(mqa_model_dir, tensor_parallel_size=2, distributed_executor_backend=backend)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     # one KV head, on both ranks; each rank holds 2 of the 4 query heads
-    for rank in llm.llm_engine.executor.collective_rpc("kv_cache_shapes"):
+    for rank in llm.llm_engine.engine_core.core.executor.collective_rpc("kv_cache_shapes"):
         assert all(shape[2] == 1 for shape in rank)
 
 
@@ -102,12 +102,12 @@ def test_aborted_requests_leave_every_rank(tp_llm: Callable[..., LLM], tiny_llm_
     for i in range(3):
         engine.add_request(f"drop{i}", PROMPTS[i], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert all(len(rank) == 3 for rank in engine.executor.collective_rpc("request_token_ids"))
+    assert all(len(rank) == 3 for rank in engine.engine_core.core.executor.collective_rpc("request_token_ids"))
     engine.abort_request([f"drop{i}" for i in range(3)])
     assert engine.get_stats().kv_cache_usage == 0.0  # the one pool every rank's blocks mirror
     engine.add_request("next", PROMPTS[4], SamplingParams(max_tokens=2))
     engine.step()  # the workers hear of the aborts with the next step
-    assert [sorted(req.split(":", 1)[1] for req in rank) for rank in engine.executor.collective_rpc(
+    assert [sorted(req.split(":", 1)[1] for req in rank) for rank in engine.engine_core.core.executor.collective_rpc(
         "request_token_ids")] == [["next"], ["next"]]
 
 
@@ -148,10 +148,10 @@ def test_quantized_default_model_at_tp2(tp_llm: Callable[..., LLM], tokenizer: A
     params = SamplingParams(max_tokens=16, temperature=0)
     one = tp_llm(None, quantization="gguf")
     want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
-    whole = one.llm_engine.executor.collective_rpc("memory_usage")[0]["weights_bytes"]
+    whole = one.llm_engine.engine_core.core.executor.collective_rpc("memory_usage")[0]["weights_bytes"]
     two = tp_llm(None, quantization="gguf", tensor_parallel_size=2)
     assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == want
-    shares = [rank["weights_bytes"] for rank in two.llm_engine.executor.collective_rpc("memory_usage")]
+    shares = [rank["weights_bytes"] for rank in two.llm_engine.engine_core.core.executor.collective_rpc("memory_usage")]
     assert all(share < 0.7 * whole for share in shares) and sum(shares) < 1.1 * whole, (shares, whole)
-    heads = [rank[0][2] for rank in two.llm_engine.executor.collective_rpc("kv_cache_shapes")]
+    heads = [rank[0][2] for rank in two.llm_engine.engine_core.core.executor.collective_rpc("kv_cache_shapes")]
     assert heads == [2, 1]  # SmolLM2's 3 KV heads split 2 + 1 (9 query heads: 6 + 3)

@@ -1,18 +1,23 @@
-"""AsyncLLM, the API process's side of the engine core process, driven directly (no HTTP)."""
+"""AsyncLLM with its engine core in a child process (MPClient), driven directly (no HTTP)."""
 from __future__ import annotations
 
 import asyncio
 import glob
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+import zmq
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.core_client import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.messages import PROTOCOL_VERSION, StartCore, StartupError
+from pagedllm.engine.serial import decode, encode
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,7 +34,8 @@ def test_a_core_that_cannot_start_raises_its_error_and_leaves_nothing(tiny_llm_d
     before = _dirs()
     started = time.monotonic()
     with pytest.raises(ValidationError) as e:
-        AsyncLLM(EngineArgs(model=str(tiny_llm_dir), dtype="float32", max_model_len=10**9))
+        AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", max_model_len=10**9),
+                                  multiprocess=True)
     assert e.value.param == "max_model_len" and time.monotonic() - started < 60
     assert not _cores() and _dirs() <= before
 
@@ -38,7 +44,8 @@ def test_cancelled_and_short_requests_leave_nothing_behind(tiny_llm_dir: Path) -
     """A caller gone before the core accepted its request, requests that finish in their first step, an
     oversized integer: the core holds no request afterwards and nothing counts as waiting."""
     before = _dirs()
-    engine = AsyncLLM(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64),
+                                       multiprocess=True)
     core = _cores()
     assert len(core) == 1
 
@@ -70,3 +77,28 @@ def test_cancelled_and_short_requests_leave_nothing_behind(tiny_llm_dir: Path) -
     finally:
         engine.close()
     assert not core[0].is_running() and _dirs() <= before
+
+
+def test_a_core_of_another_protocol_version_refuses_to_start(tmp_path: Path) -> None:
+    """The handshake: StartCore carries the front's PROTOCOL_VERSION; a core of another version answers a
+    StartupError naming both and exits, before it loads anything."""
+    ctx = zmq.Context()
+    commands, results = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    commands.bind(f"ipc://{tmp_path}/commands")
+    results.bind(f"ipc://{tmp_path}/results")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_proc", f"ipc://{tmp_path}/commands",
+                             f"ipc://{tmp_path}/results"])
+    try:
+        commands.send(encode(StartCore(version=PROTOCOL_VERSION + 1, engine_args=EngineArgs(model="not-loaded"))))
+        assert results.poll(60_000), "no answer from the core"
+        answer = decode(results.recv())
+        assert isinstance(answer, StartupError), answer
+        message = answer.error.message
+        assert f"version {PROTOCOL_VERSION}" in message and str(PROTOCOL_VERSION + 1) in message
+        assert proc.wait(timeout=30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        commands.close(0)
+        results.close(0)
+        ctx.term()

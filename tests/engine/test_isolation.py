@@ -19,16 +19,11 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagedllm.worker import input_batch, model_runner
 from pagedllm.worker.structured_output import Matcher
+from tests.utils import assert_pool_clean
 
 LLM_OPTIONS = {"num_kv_blocks": 64, "max_model_len": 128}
 POISON_SEED = 4242
 """The seed that marks the one request whose stage is made to fail."""
-
-
-def _pool_clean(llm: LLM) -> None:
-    kv = llm.llm_engine.scheduler.kv_cache_manager
-    assert kv.check_integrity() and kv.num_free_blocks == kv.block_pool.num_usable_blocks
-    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def _run(llm: LLM, params: list[SamplingParams]) -> list[RequestOutput]:
@@ -53,7 +48,7 @@ def _check_only_poisoned_failed(llm: LLM, outs: list[RequestOutput], stage: str)
     for out in healthy:
         assert out.error is None
         assert all(c.finish_reason == "length" and len(c.token_ids) == 6 for c in out.outputs)
-    _pool_clean(llm)
+    assert_pool_clean(llm)
     again = llm.generate(["still serving"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert again.error is None and len(again.outputs[0].token_ids) == 3
 
@@ -92,7 +87,7 @@ def test_n_samples_one_failing_fail_the_request_and_free_every_block(llm: LLM,
     assert outs[0].error is not None and "injected: sample 1" in outs[0].error
     assert [c.finish_reason for c in outs[0].outputs].count("error") >= 1
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 6
-    _pool_clean(llm)
+    assert_pool_clean(llm)
 
 
 def test_a_failing_grammar_matcher_fails_its_request_alone(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,7 +157,7 @@ def test_a_failing_beam_step_fails_its_search_alone(llm: LLM, monkeypatch: pytes
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["beam-bad"].error is not None and "injected: beam step" in done["beam-bad"].error
     assert done["beam-good"].error is None and len(done["beam-good"].outputs) == 2
-    _pool_clean(llm)
+    assert_pool_clean(llm)
 
 
 @pytest.mark.parametrize("length_penalty", [-1e308, 1e308, float("-inf"), float("nan"), 41.0])

@@ -19,7 +19,7 @@ def test_map_accounts_for_every_slot(tiny_llm_dir: Path) -> None:
         engine.step()
     state = engine.kv_map()
     a, bs = state["accounting"], state["block_size"]
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.engine_core.core.scheduler.kv_cache_manager
     held = {r: len(blocks) for r, blocks in kv.req_to_blocks.items()}
     assert sorted(state["requests"]) == sorted(held) and len(held) == 5  # the pair: two sequences
     assert len(state["owner"]) == len(state["refs"]) == len(state["filled"]) == state["num_blocks"] == 64
@@ -28,7 +28,7 @@ def test_map_accounts_for_every_slot(tiny_llm_dir: Path) -> None:
     assert a["token_states"] + a["internal_fragmentation"] + a["reserved"] == a["used_blocks"] * bs
     assert a["used_blocks"] == sum(1 for r in state["refs"][1:] if r > 0) == round(kv.usage() * 63)
     assert a["shared_blocks"] >= 2  # the pair's 40-token prompt: two full blocks shared after the fork
-    computed = {r.request_id: r.num_computed_tokens for r in engine.scheduler.requests.values()}
+    computed = {r.request_id: r.num_computed_tokens for r in engine.engine_core.core.scheduler.requests.values()}
     shared_slots = sum(state["filled"][b] * (state["refs"][b] - 1) for b in range(64) if state["refs"][b] > 1)
     assert a["token_states"] == sum(computed[r] for r in held) - shared_slots  # shared slots counted once
     for index, req_id in enumerate(state["requests"]):

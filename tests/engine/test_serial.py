@@ -8,7 +8,8 @@ import msgpack
 import pytest
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine.messages import EngineStats
+from pagedllm.engine.messages import AddRequest, Call, StepOutputs
 from pagedllm.engine.serial import decode, decode_error, encode, encode_error
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
@@ -20,15 +21,18 @@ def test_messages_come_back_equal() -> None:
     params = SamplingParams(n=2, temperature=0.7, stop=["\n"], logit_bias={5: -1.5}, logprobs=2,
                             output_kind=RequestOutputKind.DELTA,
                             structured_outputs=StructuredOutputsParams(json={"type": "object"}))
-    core = EngineCoreOutput("0:r", [5, 6], [TokenLogprobs(-0.5, 1, [5, 9], [-0.5, -1.0]), None], "stop", "\n",
-                            12.5, 16)
+    logprobs = TokenLogprobs(sampled_logprob=-0.5, sampled_rank=1, top_token_ids=[5, 9], top_logprobs=[-0.5, -1.0])
+    core = EngineCoreOutput(request_id="0:r", new_token_ids=[5, 6], new_logprobs=[logprobs, None], finish_reason="stop",
+                            stop_reason="\n", first_scheduled_time=12.5, num_cached_tokens=16)
     out = RequestOutput("r", "hi", [1, 2], [CompletionOutput(0, "a", [5], -0.5, [{5: Logprob(-0.5, 1, "a")}])],
                         True, 0, RequestMetrics(1.0, 2.0), [None, {2: Logprob(-3.0, 4, "b")}])
-    message = ["add", "r", ["0:r", "1:r"], [1, 2], params, 3.5, None, LoRARequest("a", 1, "/x"),
-               BeamSearchParams(2, 8), core, out, EngineStats(num_steps=3, kv_cache_usage=0.25), EngineArgs(model="m")]
+    add = AddRequest(request_id="r", seq_ids=["0:r", "1:r"], prompt_ids=[1, 2], params=params, arrival_time=3.5,
+                     lora_request=LoRARequest("a", 1, "/x"))
+    step = StepOutputs(outputs=[core], beam_outputs=[out], stats=EngineStats(num_steps=3, kv_cache_usage=0.25))
+    message = [add, BeamSearchParams(2, 8), step, EngineArgs(model="m")]
     back = decode(encode(message))
     assert back == message
-    assert back[4].output_kind is RequestOutputKind.DELTA and back[4].logit_bias == {5: -1.5}
+    assert back[0].params.output_kind is RequestOutputKind.DELTA and back[0].params.logit_bias == {5: -1.5}
     assert decode(encode((1, 2))) == [1, 2]
 
 
@@ -39,7 +43,7 @@ def test_anything_else_is_refused_both_ways() -> None:
 
     for value in (Unlisted(), object(), {1, 2}):
         with pytest.raises(TypeError, match="cannot cross to the engine core process"):
-            encode(["call", 0, "x", [value]])
+            encode(Call(call_id=0, method="x", args=[value]))
     forged = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["Popen", {"args": ["true"]}])))  # not a listed type
     with pytest.raises(KeyError):
         decode(forged)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.utils import assert_pool_clean
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SHARED = list(range(1000, 1000 + 150))  # a 150-token prefix every prompt starts with
@@ -18,12 +19,6 @@ def _prompts(n: int = 6) -> list[dict]:
 
 def _tokens(outputs) -> list[list[int]]:
     return [c.token_ids for o in outputs for c in o.outputs]
-
-
-def _clean(llm: LLM) -> None:
-    kv = llm.llm_engine.scheduler.kv_cache_manager
-    assert kv.check_integrity() and kv.num_free_blocks == kv.block_pool.num_usable_blocks
-    assert len(kv.host_free) == kv.num_host_blocks
 
 
 KV_DTYPES = pytest.mark.parametrize("kv", ["auto", "int8"])
@@ -43,12 +38,12 @@ def test_prefix_caching_same_outputs_far_less_compute(make_llm: Callable[..., LL
     assert plain_stats.num_prompt_tokens_computed == 6 * 153 and plain_stats.prefix_cache_hits == 0
     assert stats.num_prompt_tokens_computed == 153 + 5 * (153 - 144)
     assert stats.prefix_cache_hits == 5 * 144 and stats.prefix_cache_queries == 6 * 153
-    _clean(cached)
+    assert_pool_clean(cached)
 
 
 def test_prefix_cache_reuses_the_physical_blocks(make_llm: Callable[..., LLM]) -> None:
     llm = make_llm(num_kv_blocks=64)
-    engine, kv = llm.llm_engine, llm.llm_engine.scheduler.kv_cache_manager
+    engine, kv = llm.llm_engine, llm.llm_engine.engine_core.core.scheduler.kv_cache_manager
     tables = []
     for i, prompt in enumerate(_prompts(2)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
@@ -59,7 +54,7 @@ def test_prefix_cache_reuses_the_physical_blocks(make_llm: Callable[..., LLM]) -
             engine.step()
     assert tables[1][:9] == tables[0][:9]  # the same physical blocks, freed by r0 and revived for r1
     assert tables[1][9:] != tables[0][9:]
-    _clean(llm)
+    assert_pool_clean(llm)
 
 
 def test_eviction_under_a_small_pool_keeps_outputs(make_llm: Callable[..., LLM]) -> None:
@@ -70,7 +65,7 @@ def test_eviction_under_a_small_pool_keeps_outputs(make_llm: Callable[..., LLM])
     assert _tokens(small.generate(prompts, GREEDY, use_tqdm=False)) == expected
     stats = small.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    _clean(small)
+    assert_pool_clean(small)
 
 
 def test_cache_salt_separates_tenants(make_llm: Callable[..., LLM]) -> None:
@@ -101,7 +96,7 @@ def test_n_samples_compute_the_prompt_once_and_share_blocks(make_llm: Callable[.
     assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in alone]
     again = shared.generate(prompt, params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
-    _clean(shared)
+    assert_pool_clean(shared)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -116,7 +111,7 @@ def test_n_samples_under_preemption(make_llm: Callable[..., LLM], n: int) -> Non
     expected = _tokens(roomy.generate(prompts, params, use_tqdm=False))
     assert _tokens(tight.generate(prompts, params, use_tqdm=False)) == expected
     assert tight.get_stats().num_preemptions > 0
-    _clean(tight)
+    assert_pool_clean(tight)
 
 
 @KV_DTYPES
@@ -132,4 +127,4 @@ def test_swap_and_recompute_give_the_same_outputs(make_llm: Callable[..., LLM], 
         stats = tight.get_stats()
         assert stats.num_preemptions > 0
         assert (stats.num_swapped_out > 0 and stats.num_swapped_in == stats.num_swapped_out) == (mode == "swap")
-        _clean(tight)
+        assert_pool_clean(tight)

@@ -89,8 +89,8 @@ def test_local_refs_are_followed(llm: LLM) -> None:
 
 def test_the_processor_and_an_in_process_worker_share_one_grammar_cache(llm: LLM) -> None:
     engine = llm.llm_engine
-    worker = engine.executor.worker  # the in-process (uni) executor's
-    compiler = engine.processor.grammars()
+    worker = engine.engine_core.core.executor.worker  # the in-process (uni) executor's
+    compiler = engine.engine_core.core.processor.grammars()
     assert worker.model_runner.grammars() is compiler
     assert compiler.cache_bytes == engine.config.structured_outputs.grammar_cache_bytes
     llm.generate("Pick:", _params(StructuredOutputsParams(choice=["a fresh choice", "another one"])), use_tqdm=False)

@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams, ValidationError
 from pagedllm.config import parse_cuda_graph_sizes
+from tests.utils import assert_pool_clean
 
 
 LLM_OPTIONS = dict(max_model_len=64, num_kv_blocks=32, block_size=4)
@@ -35,18 +36,11 @@ def test_sampling_params_refused(kwargs: dict, param: str) -> None:
     assert err.value.param == param and param in str(err.value) and repr(value) in str(err.value)
 
 
-def _assert_clean(llm: LLM) -> None:
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests() and not engine.output_processor.requests
-    kv = engine.scheduler.kv_cache_manager
-    assert kv.check_integrity() and kv.num_free_blocks == kv.block_pool.num_usable_blocks
-
-
 def test_empty_prompt(llm: LLM) -> None:
     with pytest.raises(ValidationError, match="prompt") as err:
         llm.generate("", use_tqdm=False)
     assert err.value.param == "prompt"
-    _assert_clean(llm)
+    assert_pool_clean(llm)
 
 
 def test_token_ids_outside_vocabulary(llm: LLM) -> None:
@@ -56,7 +50,7 @@ def test_token_ids_outside_vocabulary(llm: LLM) -> None:
     assert err.value.param == "prompt_token_ids" and err.value.value == vocab
     with pytest.raises(ValidationError):
         llm.generate({"prompt_token_ids": [5, -1]}, use_tqdm=False)
-    _assert_clean(llm)
+    assert_pool_clean(llm)
 
 
 def test_prompt_too_long_names_both_lengths(llm: LLM) -> None:
@@ -66,17 +60,17 @@ def test_prompt_too_long_names_both_lengths(llm: LLM) -> None:
     with pytest.raises(ValidationError) as err:
         llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10), use_tqdm=False)
     assert err.value.param == "max_tokens" and "70" in str(err.value) and "64" in str(err.value)
-    _assert_clean(llm)
+    assert_pool_clean(llm)
 
 
 def test_refused_request_in_a_batch_leaves_nothing_behind(llm: LLM) -> None:
     """The good prompts queued before the bad one are withdrawn too; then the engine still works."""
     with pytest.raises(ValidationError):
         llm.generate(["hello", "world", ""], use_tqdm=False)
-    _assert_clean(llm)
+    assert_pool_clean(llm)
     out = llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
-    _assert_clean(llm)
+    assert_pool_clean(llm)
 
 
 def test_request_larger_than_the_pool(make_llm: Callable[..., LLM]) -> None:
@@ -84,7 +78,7 @@ def test_request_larger_than_the_pool(make_llm: Callable[..., LLM]) -> None:
     with pytest.raises(ValidationError, match="pool") as err:
         small.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=20), use_tqdm=False)
     assert err.value.param == "max_tokens"
-    _assert_clean(small)
+    assert_pool_clean(small)
 
 
 def test_logprobs_beyond_the_limit(llm: LLM) -> None:
@@ -156,7 +150,7 @@ def test_generate_refuses_non_prompts(llm: LLM) -> None:
     with pytest.raises(ValidationError) as err:
         llm.generate("hi", [{"temperature": 0}], use_tqdm=False)
     assert err.value.param == "sampling_params"
-    _assert_clean(llm)
+    assert_pool_clean(llm)
 
 
 def test_user_ids_cannot_collide_with_sample_ids(llm: LLM) -> None:
@@ -171,7 +165,7 @@ def test_user_ids_cannot_collide_with_sample_ids(llm: LLM) -> None:
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert sorted(done) == ["1_y", "y"] and len(done["y"].outputs) == 2
-    _assert_clean(llm)
+    assert_pool_clean(llm)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams, ValidationError
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 TEMPLATE = "{% for m in messages %}{{ bos_token }}{{ m['content'] }} {% endfor %}"
 

@@ -146,7 +146,7 @@ def test_mixed_formats_and_tensor_parallel_slices() -> None:
 def test_a_packed_weight_runs_only_on_the_level_that_packed_it() -> None:
     """The packed layout is the level's (8-row groups below AVX-512, 16 with it): another level refuses it."""
     from pagedllm.layers import cpu_ops
-    from tests.conftest import kernel_levels
+    from tests.utils import kernel_levels
 
     levels = kernel_levels()
     if len(levels) < 2:

@@ -14,7 +14,8 @@ def _state(i: int, params: SamplingParams, prompt: list[int] | None = None, outp
            ) -> CachedRequestState:
     prompt = prompt or [1, 2, 3]
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    return CachedRequestState(str(i), prompt + (output or []), len(prompt), params, gen)
+    return CachedRequestState(req_id=str(i), token_ids=prompt + (output or []), num_prompt_tokens=len(prompt),
+                              sampling_params=params, generator=gen)
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, draws: int) -> set[int]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, LoRARequest, SamplingParams, ValidationError
-from tests.lora.conftest import greedy_reference
+from tests.lora.utils import greedy_reference
 
 PROMPTS = [[1 + i, 50 + 7 * i, 9, 300 + i, 17, 2 * i + 3] * (1 + i % 3) for i in range(6)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -48,7 +48,7 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(tiny_llm_dir: Path, adapte
         llm = LLM(str(tiny_llm_dir), dtype="float32", enable_lora=True, max_loras=max_loras, max_lora_rank=8,
                   num_kv_blocks=128, block_size=16)
         alone = [_tokens(llm, [p], lora)[0] for p, lora in zip(PROMPTS, loras)]
-        runner = llm.llm_engine.executor.worker.model_runner
+        runner = llm.llm_engine.engine_core.core.executor.worker.model_runner
         seen: list[int] = []
         prepare = runner.lora.prepare
 
@@ -131,7 +131,7 @@ def test_bad_adapters_are_refused_by_name(lora_llm: LLM, tiny_llm_dir: Path, ada
     with pytest.raises(ValidationError) as err:  # an id is one adapter
         lora_llm.generate("hi", GREEDY, use_tqdm=False, lora_request=LoRARequest("other", 1, str(folder)))
     assert err.value.param == "lora_request"
-    assert lora_llm.llm_engine.scheduler.requests == {}  # nothing refused stayed queued
+    assert lora_llm.llm_engine.engine_core.core.scheduler.requests == {}  # nothing refused stayed queued
     with pytest.raises(ValidationError) as err:
         LoRARequest("x", 0, str(folder))
     assert err.value.param == "lora_request.lora_int_id"
@@ -154,7 +154,7 @@ def test_lora_needs_enable_lora_and_one_rank(tiny_llm_dir: Path, adapters: Calla
 def test_phi3_adapters_of_the_fused_layers(tiny_model: Callable, tmp_path: Path) -> None:
     """Phi-3's checkpoint has qkv_proj and gate_up_proj: its PEFT adapters name those, and must equal
     transformers + peft's merged model."""
-    from tests.lora.conftest import make_adapter
+    from tests.lora.utils import make_adapter
 
     base = tiny_model("phi3-longrope")
     folder, merged = make_adapter(base, tmp_path / "phi3", seed=5, r=8, lora_alpha=16,

@@ -15,14 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedllm.config import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.serving_models import RUNTIME_LORA_ENV, LoRAModulePath, runtime_lora_updating
 from pagedllm.errors import ValidationError
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer, thread_engine
 
 SECRET = "SECRET123"
 """Planted in adapter folders: no error may quote it."""
@@ -145,8 +143,7 @@ def test_concurrent_loads_of_one_name_one_wins(open_server: tuple[RemoteServer, 
 
 def test_concurrent_loads_leave_one_adapter_in_the_engine(tiny_llm_dir: Path, adapters: Callable) -> None:
     """In process, so the engine's own list of adapters can be read: four loads of one name at once, one id more."""
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64,
-                                                        enable_lora=True, max_lora_rank=16))
+    engine = thread_engine(tiny_llm_dir, enable_lora=True, max_lora_rank=16)
     app = build_app(engine, ServerMetrics("tiny"), ["tiny"], [], lora_modules=[
         LoRAModulePath("first", str(adapters("all-r8")[0]))], allow_runtime_lora_updating=True)
     paths = [str(adapters(name)[0]) for name in ("attn-r2", "mlp-r16", "qv-r4-rslora", "attn-r2")]
@@ -158,7 +155,7 @@ def test_concurrent_loads_leave_one_adapter_in_the_engine(tiny_llm_dir: Path, ad
                 answers = await asyncio.gather(*[client.post("/v1/load_lora_adapter",
                                                              json={"lora_name": "race", "lora_path": p})
                                                  for p in paths])
-                ids = set(await engine.call(lambda e: e.list_loras()))
+                ids = set(await engine.list_loras())
             return sorted(r.status_code for r in answers), ids
         finally:
             await engine.shutdown()

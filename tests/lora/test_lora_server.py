@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 PROMPTS = ["Tell me about the sea", "A list of fruits:", "Once upon a time"]
 

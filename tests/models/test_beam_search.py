@@ -16,6 +16,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.sampling_params import BeamSearchParams
+from tests.utils import assert_pool_clean
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, there was a",
            "The three laws of robotics are", "Water boils at"]
@@ -63,8 +64,7 @@ def test_beam_search_matches_transformers(llm: LLM, hf_model: Any, prompt_ids: l
         assert [s.score for s in out.sequences] == sorted((s.score for s in out.sequences), reverse=True)
         reasons.add(best.finish_reason)
     assert reasons == {"stop", "length"}, reasons  # both ways of ending were compared
-    kv = llm.llm_engine.scheduler.kv_cache_manager
-    assert kv.check_integrity() and kv.num_free_blocks == kv.block_pool.num_usable_blocks
+    assert_pool_clean(llm)
 
 
 def test_beams_share_blocks(tiny_llm_dir) -> None:
@@ -78,5 +78,4 @@ def test_beams_share_blocks(tiny_llm_dir) -> None:
     independent = width * -(-(prompt_len + max_tokens) // 16)
     assert stats.num_forks >= width * (max_tokens - 2)
     assert peak_blocks < independent / 2, (peak_blocks, independent)
-    kv = llm.llm_engine.scheduler.kv_cache_manager
-    assert kv.check_integrity() and kv.num_free_blocks == kv.block_pool.num_usable_blocks
+    assert_pool_clean(llm)

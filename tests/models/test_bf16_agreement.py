@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import end_levels
+from tests.utils import end_levels
 from tests.models.smollm_prompts import MAX_TOKENS, smollm_prompt_ids
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import save_tiny_model
+from tests.utils import save_tiny_model
 
 VARIANTS = ["llama-gqa-untied", "qwen2-qkv-bias", "llama-attention-bias"]
 
@@ -36,7 +36,7 @@ def test_stack_with_the_int8_kv_cache(kernels, models: dict[str, Path], dtype: s
 def assert_stack_equals_the_layers(llm: LLM) -> None:
     """The same prompts (prompts and decodes in one step) through the stack, then through the layers one by one:
     the same tokens and the same log-probability floats. Shuts ``llm`` down."""
-    model = llm.llm_engine.executor.worker.model_runner.model.model
+    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model.model
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]  # prompts and decodes in one step
     stacked = llm.generate(prompts, params, use_tqdm=False)
@@ -55,4 +55,4 @@ def test_no_stack_where_a_piece_is_not_compiled(tiny_llm_dir: Path) -> None:
     with cpu_ops.use_level("portable"):
         llm = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64)
         llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)
-    assert llm.llm_engine.executor.worker.model_runner.model.model._stack is None
+    assert llm.llm_engine.engine_core.core.executor.worker.model_runner.model.model._stack is None

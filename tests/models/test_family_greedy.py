@@ -8,7 +8,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.base import registered_backends
-from tests.conftest import TINY_VARIANTS
+from tests.utils import TINY_VARIANTS
 
 STEPS = 32
 
@@ -65,7 +65,7 @@ def test_sliding_window_bounds_the_blocks_and_matches_transformers(backend: str,
     engine = llm.llm_engine
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=40, temperature=0.0,
                                                                           ignore_eos=True))
-    kv, most, out = engine.scheduler.kv_cache_manager, 0, None
+    kv, most, out = engine.engine_core.core.scheduler.kv_cache_manager, 0, None
     while engine.has_unfinished_requests():
         for o in engine.step():
             out = o

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ValidationError
 from pagedllm.layers.quant import QuantWeight, int8_rows
-from tests.conftest import save_tiny_model
+from tests.utils import save_tiny_model
 from tests.gguf_quant import quantize_matrix, requantize
 from tests.models.smollm_prompts import PROSE, common_prefixes, greedy_and_perplexity
 from tests.models.test_cpu_stack import assert_stack_equals_the_layers
@@ -67,7 +67,7 @@ def test_quantized_logits_stay_near_the_dequantized_ones(kernels, quantized: dic
     assert rel < 0.05, f"{name}: relative logits error {rel:.3f}"
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     llm = LLM(str(quantized[name]), quantization="gguf", dtype="float32", num_kv_blocks=16)
-    model = llm.llm_engine.executor.worker.model_runner.model
+    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
     llm.shutdown()
     layer = model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
@@ -96,7 +96,7 @@ def test_portable_level_dequantizes(quantized: dict[str, Path]) -> None:
         for quantization in ("gguf", None):
             llm = LLM(str(quantized["Q4_K"]), quantization=quantization, dtype="float32", num_kv_blocks=16)
             outs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
-            assert llm.llm_engine.executor.worker.model_runner.model.lm_head.quant is None
+            assert llm.llm_engine.engine_core.core.executor.worker.model_runner.model.lm_head.quant is None
             llm.shutdown()
     assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
 
@@ -115,7 +115,7 @@ def test_lora_adapters_keep_quantized_layers_off_the_stack(kernels, tiny_llm_dir
     """The compiled stack adds no adapter deltas: with enable_lora, quantized layers run one by one."""
     llm = LLM(str(tiny_llm_dir), quantization="int8", enable_lora=True, dtype="float32", num_kv_blocks=16)
     llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)
-    model = llm.llm_engine.executor.worker.model_runner.model
+    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
     llm.shutdown()
     assert model.model.layers[0].mlp.down_proj.quant is not None and model.model._stack is None
 
@@ -162,7 +162,7 @@ def test_int8_quantization_of_an_hf_checkpoint(kernels, tiny_model, variant: str
     assert (got - want).abs().max() / want.abs().max() < 0.05
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     llm = LLM(str(path), quantization="int8", dtype="float32", num_kv_blocks=16)
-    model = llm.llm_engine.executor.worker.model_runner.model
+    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
     llm.shutdown()
     original = load_file(str(path / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
     (piece,) = model.model.layers[0].mlp.down_proj.quant.pieces.values()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import end_levels
+from tests.utils import end_levels
 from tests.models.smollm_prompts import MAX_TOKENS, smollm_prompt_ids
 
 @pytest.fixture(scope="module")
@@ -61,4 +61,4 @@ def test_greedy_matches_under_preemption_and_chunking(default_model: str, prompt
     assert stats.num_preemptions > 0, stats
     assert stats.num_chunked_prefills > 0, stats
     assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
-    assert llm.llm_engine.scheduler.kv_cache_manager.check_integrity()
+    assert llm.llm_engine.engine_core.core.scheduler.kv_cache_manager.check_integrity()

@@ -17,7 +17,7 @@ from pagedllm.engine.llm_engine import create_engine_config
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, build_step_inputs
 from pagedllm.worker.worker import Worker
-from tests.conftest import TINY_VARIANTS
+from tests.utils import TINY_VARIANTS
 
 BLOCK_SIZE = 4
 
@@ -43,7 +43,8 @@ def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int
     worker.initialize_cache(64)
     runner = worker.model_runner
     free = list(range(63, 0, -1))  # hand out blocks high ids first: tables are not contiguous
-    states = [CachedRequestState(str(i), seq, len(seq), SamplingParams(), None) for i, seq in enumerate(sequences)]
+    states = [CachedRequestState(req_id=str(i), token_ids=seq, num_prompt_tokens=len(seq),
+                                 sampling_params=SamplingParams(), generator=None) for i, seq in enumerate(sequences)]
     logits: list[list[torch.Tensor]] = [[] for _ in sequences]
     for step in schedule:
         active = [(s, n) for s, n in zip(states, step) if n]

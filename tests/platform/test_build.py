@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm.platform import build
-from tests.conftest import kernel_levels
+from tests.utils import kernel_levels
 
 pytestmark = pytest.mark.skipif(not kernel_levels() or build.compiler() is None,
                                 reason="no kernel level on this CPU, or no C++ compiler")
@@ -55,7 +55,7 @@ def test_a_failed_build_is_one_warning_line_and_the_engine_falls_back(tmp_path: 
     env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(_fake_compiler(tmp_path, 1)),
            "PAGEDLLM_ISA": LEVEL}
     code = ("import logging, torch; logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s');"
-            "from pagedllm import platform; print('DTYPE', platform.default_dtype(), platform.kernels())")
+            "from pagedllm import platform; print('DTYPE', platform.default_dtype(), platform.kernel_library())")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]

@@ -56,7 +56,7 @@ def test_start_up_line_names_cpu_kernels_and_dtype() -> None:
     line = platform.describe("bfloat16")
     cpu = platform.cpu_info()
     assert line.startswith(f"CPU: {cpu.model_name}, {cpu.features()}") and "kernels " in line and "dtype " in line
-    lib = platform.kernels()
+    lib = platform.kernel_library()
     if lib is not None and not platform.native_bf16(lib.level):
         assert "bfloat16 storage / float32 compute" in line
     assert platform.describe("float32").endswith("dtype float32")

@@ -154,18 +154,6 @@ class AnthropicServingMessages:
         yield _event("message_stop")
 
 
-def add_messages_routes(app: Any, messages: AnthropicServingMessages) -> None:
-    """POST /v1/messages and /v1/messages/count_tokens."""
-
-    @app.post("/v1/messages")
-    async def create_message(req: MessagesRequest, raw: Request) -> Response:
-        return await messages.create(req, raw)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(req: CountTokensRequest) -> dict:
-        return await messages.count_tokens(req)
-
-
 def _event(kind: str, **fields: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 

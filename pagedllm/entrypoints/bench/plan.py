@@ -101,8 +101,8 @@ def calibrate(args: EngineArgs, seconds: float = 60.0, seed: int = 0) -> CostMod
                 start = time.perf_counter()
                 engine.step()
                 elapsed = time.perf_counter() - start
-                if warm <= 0 and engine.last_step_features[1] > 0:
-                    features.append(engine.last_step_features)
+                if warm <= 0 and engine.engine_core.core.last_step_features[1] > 0:
+                    features.append(engine.engine_core.core.last_step_features)
                     times.append(elapsed)
                 warm -= 1
                 if time.monotonic() > stop:
@@ -222,7 +222,7 @@ def replay(requests: list[BenchRequest], arrivals: list[float], cost: CostModel,
 
 def kv_blocks(args: EngineArgs) -> tuple[int, int]:
     """(KV blocks of the pool the options give, max_model_len), as the engine would size them (one rank)."""
-    from pagedllm.engine.llm_engine import create_engine_config
+    from pagedllm.engine.core import create_engine_config
 
     config, arch = create_engine_config(args)
     if config.parallel.tensor_parallel_size != 1 or config.device.device != "cpu":

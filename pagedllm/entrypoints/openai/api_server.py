@@ -9,10 +9,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,10 +23,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import pagedllm
 from pagedllm import envs
 from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.engine.core_client import AsyncLLM, ServingEngine
-from pagedllm.entrypoints.anthropic.serving_messages import (AnthropicServingMessages, add_messages_routes,
-                                                             anthropic_error)
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages, anthropic_error
 from pagedllm.entrypoints.openai.http_guard import (GuardedServer, UnicodeCheckedRoute, add_http_args,
                                                     raise_open_file_limit, serve_config)
 from pagedllm.entrypoints.openai.http_guard import positive as _positive
@@ -44,8 +45,8 @@ from pagedllm.entrypoints.openai.serving import (Admission, OverloadedError, Req
                                                  RequestTimeoutError)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_responses import (OpenAIServingResponses, ResponseNotFoundError,
-                                                           ResponseStore, add_responses_routes)
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseNotFoundError, ResponseStore
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger("pagedllm.server")
@@ -124,7 +125,225 @@ def _field_name(loc: tuple) -> str | None:
     return name
 
 
-def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names: list[str],
+router = APIRouter(route_class=UnicodeCheckedRoute)  # a lone surrogate in a JSON body: 400 naming the field
+"""The server's routes; each reaches the engine and the serving objects build_app made through
+``request.app.state``."""
+
+lora_router = APIRouter(route_class=UnicodeCheckedRoute)
+"""vLLM's run-time adapter routes: build_app includes them only with --allow-runtime-lora-updating (off: the routes
+do not exist, 404, as in vLLM); any client that reaches them may make the server read any folder it can."""
+
+
+def _engine(request: Request) -> Any:
+    """The engine build_app was given (its type: build_app's signature)."""
+    return request.app.state.engine
+
+
+def _models(request: Request) -> OpenAIServingModels:
+    return request.app.state.models
+
+
+def _completion(request: Request) -> OpenAIServingCompletion:
+    return request.app.state.completion
+
+
+def _chat(request: Request) -> OpenAIServingChat:
+    return request.app.state.chat
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if _engine(request).is_running:
+        return Response(status_code=200)
+    return error_response(503, "the engine loop is not running", type_="server_error")
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": pagedllm.__version__}
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    metrics: ServerMetrics = request.app.state.metrics
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/stats")
+async def stats(request: Request) -> dict:
+    """Engine statistics (steps, preemptions, max running, KV usage): pagedllm's own extra."""
+    return vars(_engine(request).get_stats())
+
+
+@router.get("/kv", include_in_schema=False)
+async def kv_page() -> Response:
+    """The live KV-cache map (an HTML page drawing /kv/state once a second)."""
+    return HTMLResponse(KV_PAGE.read_text(encoding="utf-8"))
+
+
+@router.get("/kv/state")
+async def kv_state(request: Request) -> dict:
+    """The KV pool between two steps: each block's holder, fill and sharing, the slots' accounting, and
+    its history (about a sample a second, the last ten minutes): pagedllm's own extra."""
+    return {"time": time.time(), **(await _engine(request).kv_state())}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    return ModelList(data=_models(request).cards()).model_dump()
+
+
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(req: LoadLoRAAdapterRequest, raw: Request) -> Response:
+    """The adapter is served under lora_name from then on (400 if the name is taken or it does not fit)."""
+    await _models(raw).load(req.lora_name, req.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, raw: Request) -> Response:
+    """Remove a run-time adapter (400 for a --lora-modules one, 404 if unknown)."""
+    await _models(raw).unload(req.lora_name, req.lora_int_id)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, raw: Request) -> Response:
+    return await _completion(raw).create(req, raw)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+    return await _chat(raw).create(req, raw)
+
+
+@router.post("/v1/responses")
+async def create_response(req: ResponsesRequest, raw: Request) -> Response:
+    return await raw.app.state.responses.create(req, raw)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict:
+    return request.app.state.responses.get(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict:
+    return request.app.state.responses.delete(response_id)
+
+
+@router.post("/v1/messages")
+async def create_message(req: MessagesRequest, raw: Request) -> Response:
+    return await raw.app.state.messages.create(req, raw)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(req: CountTokensRequest, raw: Request) -> dict:
+    return await raw.app.state.messages.count_tokens(req)
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, raw: Request) -> dict:
+    completion, chat = _completion(raw), _chat(raw)
+    completion.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise ValidationError("give exactly one of prompt and messages", param="prompt")
+    completion.check_prompt_size(req.prompt, "prompt")  # the --max-prompt-bytes cap, before tokenizing
+    chat.check_prompt_size(req.messages, "messages")
+    if req.messages is not None:
+        _, ids = chat.apply_chat_template(req.messages, req.add_generation_prompt)
+    else:
+        ids = completion.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    max_model_len = raw.app.state.config.model.max_model_len
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids).model_dump()
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, raw: Request) -> dict:
+    completion = _completion(raw)
+    completion.check_model(req.model)
+    max_model_len = raw.app.state.config.model.max_model_len
+    if len(req.tokens) > max_model_len:
+        raise ValidationError(f"tokens has {len(req.tokens)} entries, more than max_model_len "
+                              f"({max_model_len})", param="tokens", value=len(req.tokens))
+    vocab = _engine(raw).processor.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ValidationError(f"tokens contains {bad[0]}, outside the vocabulary [0, {vocab})", param="tokens",
+                              value=bad[0])
+    return DetokenizeResponse(prompt=completion.tokenizer.decode(req.tokens)).model_dump()
+
+
+async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    param = _field_name(tuple(first.get("loc", ())))
+    if first.get("type") == "json_invalid":
+        return _error(request, 400, f"request body is not valid JSON: {first.get('msg')}")
+    if first.get("type") == "extra_forbidden":
+        return _error(request, 400, f"{param} is not supported by this server (it is not ignored: the request is "
+                                    "refused)", param=param)
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
+    return _error(request, 400, message, param=param)
+
+
+async def on_validation(request: Request, exc: ValidationError) -> JSONResponse:
+    return _error(request, 400, exc.message, param=exc.param)
+
+
+async def on_model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+    return _error(request, 404, str(exc), param=exc.param, code="model_not_found")
+
+
+async def on_response_not_found(request: Request, exc: ResponseNotFoundError) -> JSONResponse:
+    return _error(request, 404, str(exc), param="response_id", code="not_found")
+
+
+async def on_overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
+    response = _error(request, 503, str(exc), type_="server_error", code="overloaded")
+    response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
+async def on_timeout(request: Request, exc: RequestTimeoutError) -> JSONResponse:
+    return _error(request, 504, str(exc), type_="timeout_error", code="request_timeout")
+
+
+async def on_request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+    return _error(request, 500, str(exc), type_="server_error", code="request_failed")
+
+
+async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+    return _error(request, 503, f"the engine is not running: {exc}", type_="server_error")
+
+
+async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return _error(request, exc.status_code, str(exc.detail), code=str(exc.status_code))
+
+
+async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """Anything else: a 500 in OpenAI's shape, never uvicorn's plain text (starlette then re-raises it: the
+    HTTPGuard, or uvicorn, logs the traceback)."""
+    return _error(request, 500, "the server failed while handling this request (the error is in its log)",
+                  type_="server_error", code="internal_error")
+
+
+EXCEPTION_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]] = {
+    RequestValidationError: on_request_validation, ValidationError: on_validation,
+    ModelNotFoundError: on_model_not_found, ResponseNotFoundError: on_response_not_found,
+    OverloadedError: on_overloaded, RequestTimeoutError: on_timeout, RequestFailedError: on_request_failed,
+    EngineDeadError: on_engine_dead, StarletteHTTPException: on_http, Exception: on_internal_error}
+"""Each error the endpoints raise -> its status and body (in the shape of the request's API: see _error)."""
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    engine = app.state.engine
+    engine.start()
+    yield
+    await engine.shutdown()  # in-flight requests that outlived the graceful period are aborted
+
+
+def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list[str],
               api_keys: list[str], reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None,
               chat_template: str | None = None, limits: ServingLimits | None = None,
@@ -142,166 +361,28 @@ def build_app(engine: ServingEngine, metrics: ServerMetrics, served_model_names:
         serving.limits = limits
         serving.on_refused = metrics.on_refused
         serving.admission = admission
-    config = engine.config
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        await engine.shutdown()  # in-flight requests that outlived the graceful period are aborted
+    store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes)
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
-    app.router.route_class = UnicodeCheckedRoute  # a lone surrogate in a JSON body: 400 naming the field
+    app.state.engine = engine  # what the routes reach through request.app.state
+    app.state.config = engine.config
+    app.state.metrics = metrics
+    app.state.models = models
+    app.state.completion = completion
+    app.state.chat = chat
+    app.state.responses = OpenAIServingResponses(chat, store)
+    app.state.messages = AnthropicServingMessages(chat)
+    app.include_router(router)
+    if allow_runtime_lora_updating:
+        logger.warning("run-time LoRA updating is on: any client that can reach /v1/load_lora_adapter may load an "
+                       "adapter from any folder this server can read (use --api-key, and only on a trusted "
+                       "network)")
+        app.include_router(lora_router)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = _field_name(tuple(first.get("loc", ())))
-        if first.get("type") == "json_invalid":
-            return _error(request, 400, f"request body is not valid JSON: {first.get('msg')}")
-        if first.get("type") == "extra_forbidden":
-            return _error(request, 400, f"{param} is not supported by this server (it is not ignored: the request is "
-                                  "refused)", param=param)
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
-        return _error(request, 400, message, param=param)
-
-    @app.exception_handler(ValidationError)
-    async def on_validation(request: Request, exc: ValidationError) -> JSONResponse:
-        return _error(request, 400, exc.message, param=exc.param)
-
-    @app.exception_handler(ModelNotFoundError)
-    async def on_model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return _error(request, 404, str(exc), param=exc.param, code="model_not_found")
-
-    @app.exception_handler(ResponseNotFoundError)
-    async def on_response_not_found(request: Request, exc: ResponseNotFoundError) -> JSONResponse:
-        return _error(request, 404, str(exc), param="response_id", code="not_found")
-
-    @app.exception_handler(OverloadedError)
-    async def on_overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
-        response = _error(request, 503, str(exc), type_="server_error", code="overloaded")
-        response.headers["Retry-After"] = str(exc.retry_after)
-        return response
-
-    @app.exception_handler(RequestTimeoutError)
-    async def on_timeout(request: Request, exc: RequestTimeoutError) -> JSONResponse:
-        return _error(request, 504, str(exc), type_="timeout_error", code="request_timeout")
-
-    @app.exception_handler(RequestFailedError)
-    async def on_request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
-        return _error(request, 500, str(exc), type_="server_error", code="request_failed")
-
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error(request, 503, f"the engine is not running: {exc}", type_="server_error")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(request, exc.status_code, str(exc.detail), code=str(exc.status_code))
-
-    @app.exception_handler(Exception)
-    async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
-        """Anything else: a 500 in OpenAI's shape, never uvicorn's plain text (starlette then re-raises it: the
-        HTTPGuard, or uvicorn, logs the traceback)."""
-        return _error(request, 500, "the server failed while handling this request (the error is in its log)",
-                              type_="server_error", code="internal_error")
-
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.is_running:
-            return Response(status_code=200)
-        return error_response(503, "the engine loop is not running", type_="server_error")
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": pagedllm.__version__}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/stats")
-    async def stats() -> dict:
-        """Engine statistics (steps, preemptions, max running, KV usage): pagedllm's own extra."""
-        return vars(engine.get_stats())
-
-    @app.get("/kv", include_in_schema=False)
-    async def kv_page() -> Response:
-        """The live KV-cache map (an HTML page drawing /kv/state once a second)."""
-        return HTMLResponse(KV_PAGE.read_text(encoding="utf-8"))
-
-    @app.get("/kv/state")
-    async def kv_state() -> dict:
-        """The KV pool between two steps: each block's holder, fill and sharing, the slots' accounting, and
-        its history (about a sample a second, the last ten minutes): pagedllm's own extra."""
-        return {"time": time.time(), **(await engine.kv_state())}
-
-    @app.get("/v1/models")
-    async def list_models() -> dict:
-        return ModelList(data=models.cards()).model_dump()
-
-    if allow_runtime_lora_updating:  # off: the routes do not exist (404), as in vLLM
-        _add_lora_routes(app, models)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return await completion.create(req, raw)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await chat.create(req, raw)
-
-    store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes)
-    add_responses_routes(app, OpenAIServingResponses(chat, store))
-    add_messages_routes(app, AnthropicServingMessages(chat))
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict:
-        completion.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ValidationError("give exactly one of prompt and messages", param="prompt")
-        completion.check_prompt_size(req.prompt, "prompt")  # the --max-prompt-bytes cap, before tokenizing
-        chat.check_prompt_size(req.messages, "messages")
-        if req.messages is not None:
-            _, ids = chat.apply_chat_template(req.messages, req.add_generation_prompt)
-        else:
-            ids = completion.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=config.model.max_model_len, tokens=ids).model_dump()
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict:
-        completion.check_model(req.model)
-        if len(req.tokens) > config.model.max_model_len:
-            raise ValidationError(f"tokens has {len(req.tokens)} entries, more than max_model_len "
-                                  f"({config.model.max_model_len})", param="tokens", value=len(req.tokens))
-        vocab = engine.processor.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValidationError(f"tokens contains {bad[0]}, outside the vocabulary [0, {vocab})", param="tokens",
-                                  value=bad[0])
-        return DetokenizeResponse(prompt=completion.tokenizer.decode(req.tokens)).model_dump()
-
+    for exc_class, handler in EXCEPTION_HANDLERS.items():
+        app.add_exception_handler(exc_class, handler)
     return app
-
-
-def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
-    """vLLM's run-time adapter routes; any client that reaches them may make the server read any folder it can."""
-    logger.warning("run-time LoRA updating is on: any client that can reach /v1/load_lora_adapter may load an "
-                   "adapter from any folder this server can read (use --api-key, and only on a trusted network)")
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
-        """The adapter is served under lora_name from then on (400 if the name is taken or it does not fit)."""
-        await models.load(req.lora_name, req.lora_path)
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
-        """Remove a run-time adapter (400 for a --lora-modules one, 404 if unknown)."""
-        await models.unload(req.lora_name, req.lora_int_id)
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -398,15 +479,14 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     metrics = ServerMetrics(names[0])
     server: _Server | None = None
 
-    def on_dead(error: BaseException) -> None:  # the engine thread: /health already says 503
+    def on_dead(error: BaseException) -> None:  # on the event loop: /health already says 503
         logger.error("the engine died (%s); the server exits with status 1 in %.0f s", error, DEAD_EXIT_DELAY_S)
         timer = threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True))
         timer.daemon = True
         timer.start()
 
-    engine_class = AsyncLLM if engine_core_process() else AsyncLLMEngine
-    engine = engine_class.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead,
-                                             step_log=ns.step_log)
+    engine = AsyncLLM.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead, step_log=ns.step_log,
+                                       multiprocess=engine_core_process())
     try:
         limits = serving_limits(ns)
         app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine.messages import EngineStats
 from pagedllm.engine.output_processor import IterationStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -12,7 +12,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
-    """Updated by the engine thread after every step; scraped at ``GET /metrics``."""
+    """Updated by the front end (on the event loop) after every step; scraped at ``GET /metrics``."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()

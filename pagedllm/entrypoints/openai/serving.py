@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestStream
-from pagedllm.engine.core_client import ServingEngine
+from pagedllm.engine.async_llm import AsyncLLM, RequestStream
+from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, check_constraint,
@@ -77,7 +77,7 @@ class Admission:
 class OpenAIServing:
     """What both endpoints need from the engine."""
 
-    def __init__(self, engine: ServingEngine, models: OpenAIServingModels,
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels,
                  limits: ServingLimits | None = None, admission: Admission | None = None) -> None:
         self.admission = admission or Admission()
         self.engine = engine

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 
 from pagedllm import envs
-from pagedllm.engine.core_client import ServingEngine
+from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.errors import ValidationError
 from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.lora_request import LoRARequest
@@ -68,7 +68,7 @@ def runtime_lora_updating(flag: bool) -> bool:
 class OpenAIServingModels:
     """Served names of the base model, and the adapters by name."""
 
-    def __init__(self, engine: ServingEngine, base_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, base_names: list[str]) -> None:
         self.engine = engine
         self.base_names = base_names
         self.loras: dict[str, LoRARequest] = {}

@@ -222,22 +222,6 @@ class OpenAIServingResponses:
         return events
 
 
-def add_responses_routes(app: Any, responses: OpenAIServingResponses) -> None:
-    """POST /v1/responses, GET and DELETE /v1/responses/{response_id}."""
-
-    @app.post("/v1/responses")
-    async def create_response(req: ResponsesRequest, raw: Request) -> Response:
-        return await responses.create(req, raw)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict:
-        return responses.get(response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict:
-        return responses.delete(response_id)
-
-
 class _EventWriter:
     """Server-sent events of the Responses stream, numbered in order (sequence_number)."""
 

@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -29,17 +29,6 @@ def srv(tiny_llm_dir: Path) -> Iterator[RemoteServer]:
     s = RemoteServer(tiny_llm_dir, "--served-model-name", "tiny", "--num-kv-blocks", "400", "--max-model-len", "512")
     yield s
     s.stop()
-
-
-def _idle(srv: RemoteServer, within: float = 10.0) -> float:
-    """Seconds until nothing runs or waits and every KV block is back (AssertionError after ``within``)."""
-    start = time.monotonic()
-    while time.monotonic() - start < within:
-        stats = httpx.get(f"{srv.url}/stats", timeout=5).json()
-        if stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0:
-            return time.monotonic() - start
-        time.sleep(0.02)
-    raise AssertionError(f"the server did not go idle: {stats}")
 
 
 def _serves(srv: RemoteServer) -> None:
@@ -199,7 +188,7 @@ def test_a_many_prompt_request_is_queued_at_once_and_withdrawn_within_a_second(s
             task.cancel()  # the client disconnects
 
     asyncio.run(leave_early())
-    assert _idle(srv, within=5.0) < 1.0
+    assert srv.wait_idle(within=5.0) < 1.0
     _serves(srv)
 
 
@@ -210,7 +199,7 @@ def test_a_request_timeout_covers_preparation(tiny_llm_dir: Path) -> None:
         r = httpx.post(f"{s.url}{C}", json={"prompt": "hi", "max_tokens": 2, "structured_outputs": {"choice": choice}},
                        timeout=60)
         assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
-        _idle(s)
+        s.wait_idle()
     finally:
         s.stop()
 

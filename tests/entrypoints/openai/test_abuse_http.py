@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

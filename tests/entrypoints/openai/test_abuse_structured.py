@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 

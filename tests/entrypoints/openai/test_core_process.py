@@ -14,7 +14,7 @@ import httpx
 import psutil
 
 from tests.distributed.test_faults import _assert_gone, kill_under_load
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 
 def _core(srv: RemoteServer) -> list[psutil.Process]:

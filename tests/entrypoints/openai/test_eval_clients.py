@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 EXAMPLES = 15
 """Per operation (22 operations): about 35 s in all on 2 cores."""

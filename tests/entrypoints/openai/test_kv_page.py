@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT = Path(os.environ.get("PAGEDLLM_KV_SCREENSHOT", "")) if os.environ.get("PAGEDLLM_KV_SCREENSHOT") else None

@@ -10,11 +10,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from pagedllm.config import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer, thread_engine
 
 
 def test_sigterm_under_load_exits_0_quickly(tiny_llm_dir: Path) -> None:
@@ -49,7 +47,7 @@ def test_sigterm_under_load_exits_0_quickly(tiny_llm_dir: Path) -> None:
 
 
 def test_health_is_503_once_the_engine_loop_died(tiny_llm_dir: Path) -> None:
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    engine = thread_engine(tiny_llm_dir)
     metrics = ServerMetrics("tiny")
     app = build_app(engine, metrics, ["tiny"], [])
 
@@ -58,7 +56,7 @@ def test_health_is_503_once_the_engine_loop_died(tiny_llm_dir: Path) -> None:
 
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200
-        engine.engine.step = broken_step
+        engine.client.core.step = broken_step
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
         assert client.get("/health").status_code == 503
@@ -69,7 +67,7 @@ def test_health_is_503_once_the_engine_loop_died(tiny_llm_dir: Path) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_in_process_app_serves(tiny_llm_dir: Path, stream: bool) -> None:
     """The same app in-process (TestClient): a plain request and a stream, then a clean shutdown."""
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    engine = thread_engine(tiny_llm_dir)
     with TestClient(build_app(engine, ServerMetrics("tiny"), ["tiny"], [])) as client:
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": stream,
                                                  "ignore_eos": True})

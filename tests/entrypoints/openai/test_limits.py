@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer
 
 C = "/v1/completions"
 
@@ -23,17 +23,6 @@ def limited(tiny_llm_dir: Path) -> Iterator[RemoteServer]:
                        "2000", "--num-kv-blocks", "20")
     yield srv
     srv.stop()
-
-
-def _idle(srv: RemoteServer) -> None:
-    """Every request finished or aborted: nothing running or waiting, every KV block back in the pool."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        stats = httpx.get(f"{srv.url}/stats", timeout=5).json()
-        if stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the server did not go idle: {stats}")
 
 
 def test_over_the_waiting_limit_503_with_retry_after(limited: RemoteServer) -> None:
@@ -54,7 +43,7 @@ def test_over_the_waiting_limit_503_with_retry_after(limited: RemoteServer) -> N
         assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 24
     assert limited.metric('pagedllm:requests_refused_total{model_name="' + str(limited_model(limited)) + '",'
                           'reason="overloaded"}') == len(shed)
-    _idle(limited)
+    limited.wait_idle()
     assert httpx.post(f"{limited.url}{C}", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
 
 
@@ -89,7 +78,7 @@ def test_request_timeout_aborts_and_frees_the_blocks(tiny_llm_dir: Path) -> None
             events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
         assert len(events) > 3  # tokens came before the deadline
-        _idle(srv)
+        srv.wait_idle()
         quick = httpx.post(f"{srv.url}{C}", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert quick.status_code == 200
         assert srv.metric('pagedllm:requests_refused_total{model_name="' + limited_model(srv) + '",'

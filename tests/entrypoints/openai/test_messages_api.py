@@ -14,6 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.utils import thread_engine
+
 MODEL = "tiny"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
@@ -163,12 +165,10 @@ def test_x_api_key(tiny_llm_dir) -> None:
     """--api-key is taken from the Anthropic SDK's x-api-key header as well as from Authorization."""
     from fastapi.testclient import TestClient
 
-    from pagedllm.config import EngineArgs
-    from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app
     from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    engine = thread_engine(tiny_llm_dir)
     with TestClient(build_app(engine, ServerMetrics("t"), ["t"], ["secret"])) as http:
         good = anthropic.Anthropic(base_url="http://testserver", api_key="secret", http_client=http, max_retries=0)
         assert good.messages.create(model="t", max_tokens=2, messages=[ASK]).usage.output_tokens == 2

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from pagedllm.entrypoints.openai.reasoning import ReasoningSplit, get_reasoning_parser
+from tests.utils import thread_engine
 
 CASES = [  # parser, reply, (reasoning, content)
     ("deepseek_r1", "Let me think. 2+2=4.</think>\n\nThe answer is 4.", ("Let me think. 2+2=4.", "The answer is 4.")),
@@ -52,8 +53,6 @@ def test_server_puts_an_unclosed_reply_in_reasoning_content(tiny_llm_dir) -> Non
 
     from fastapi.testclient import TestClient
 
-    from pagedllm.config import EngineArgs
-    from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app
     from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
@@ -61,7 +60,7 @@ def test_server_puts_an_unclosed_reply_in_reasoning_content(tiny_llm_dir) -> Non
             "ignore_eos": True}
     replies = {}
     for parser in (None, "deepseek_r1"):
-        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+        engine = thread_engine(tiny_llm_dir)
         with TestClient(build_app(engine, ServerMetrics("t"), ["t"], [], parser)) as client:
             message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
             lines = client.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()

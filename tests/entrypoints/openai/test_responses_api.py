@@ -15,17 +15,13 @@ import pytest
 from pydantic import BaseModel, Field
 
 from pagedllm.entrypoints.openai.serving_responses import ResponseStore
+from tests.utils import thread_engine
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather now", "parameters": WEATHER,
         "strict": True}
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def _chat(client: openai.OpenAI, messages: list[dict], max_tokens: int):
@@ -204,12 +200,10 @@ def test_reasoning_items_from_the_reasoning_parser(tiny_llm_dir) -> None:
     reasoning_text deltas), its text the chat reply's reasoning_content."""
     from fastapi.testclient import TestClient
 
-    from pagedllm.config import EngineArgs
-    from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app
     from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    engine = thread_engine(tiny_llm_dir)
     with TestClient(build_app(engine, ServerMetrics("t"), ["t"], [], "deepseek_r1")) as http:
         sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
         chat = sdk.chat.completions.create(model="t", messages=[{"role": "user", "content": "Think."}],
@@ -231,13 +225,11 @@ def test_a_stream_that_fails_ends_in_each_apis_error_events(tiny_llm_dir) -> Non
 
     from fastapi.testclient import TestClient
 
-    from pagedllm.config import EngineArgs
-    from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app
     from pagedllm.entrypoints.openai.limits import ServingLimits
     from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    engine = thread_engine(tiny_llm_dir)
     app = build_app(engine, ServerMetrics("t"), ["t"], [], limits=ServingLimits(request_timeout=0.3))
     with TestClient(app) as http:
         text = http.post("/v1/responses", json={"model": "t", "input": "Go on.", "max_output_tokens": 400,

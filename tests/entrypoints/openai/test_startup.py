@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from pagedllm.platform import build
-from tests.conftest import kernel_levels
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.utils import RemoteServer, kernel_levels
 
 COMPILER_OUTPUT = re.compile(r"error:|warning:|note:|In function|\^~|#include|g\+\+|\.cpp:\d+")
 

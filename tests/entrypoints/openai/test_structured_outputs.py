@@ -27,11 +27,6 @@ def _schema(i: int) -> dict:
             "required": sorted(props) if i % 2 else [f"field{i}", "meta"]}
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_replies_parse_and_validate(client: openai.OpenAI, stream: bool) -> None:
     for i in range(10):

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
+from tests.utils import thread_engine
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -19,11 +20,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def _check_calls(calls, names=tuple(SCHEMAS)) -> None:
@@ -103,12 +99,10 @@ def test_auto_with_a_parser_serves(tiny_llm_dir) -> None:
     format's tags stays content (the tiny model writes none)."""
     from fastapi.testclient import TestClient
 
-    from pagedllm.config import EngineArgs
-    from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app
     from pagedllm.entrypoints.openai.metrics import ServerMetrics
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_llm_dir), dtype="float32", num_kv_blocks=64))
+    engine = thread_engine(tiny_llm_dir)
     with TestClient(build_app(engine, ServerMetrics("t"), ["t"], [], tool_call_parser="hermes")) as http:
         body = {"messages": ASK, "tools": TOOLS, "max_tokens": 6}
         choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]

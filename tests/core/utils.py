@@ -1,6 +1,6 @@
 """Factories for the core tests: a scheduler over a small pool, requests, and the one fake model runner.
 
-Plain functions (imported as ``from tests.core.conftest import ...``): the tests call them with
+Plain functions (imported as ``from tests.core.utils import ...``): the tests call them with
 different arguments, which fixtures would only hide.
 """
 from __future__ import annotations
@@ -50,4 +50,4 @@ def fake_runner_output(scheduler: Scheduler, out: SchedulerOutput,
         request = scheduler.requests[req_id]
         caught_up = request.num_computed_tokens == request.num_tokens
         sampled.append([sample(req_id)] if caught_up else [])
-    return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=[None] * len(req_ids))

@@ -1,0 +1,293 @@
+"""The server's front end (vLLM v1's AsyncLLM): tokenizes prompts, sends tokenized requests to an engine core
+through a client (engine/core_client.py: a thread or a process, it does not know which), detokenizes the
+core's outputs (stop strings, logprobs' text) and hands them to one stream per request.
+
+The event loop owns every piece of state here: requests, streams, the output processor, what is sent.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pagedllm import envs
+from pagedllm.config import EngineArgs
+from pagedllm.engine.messages import EngineStats
+from pagedllm.engine.core_client import CORE_EXIT_TIMEOUT_S, AsyncCoreClient, EngineDeadError, make_async_client
+from pagedllm.engine.messages import (Abort, Accepted, AddRequest, Call, CoreMessage, FrontMessage, Reply, StepOutputs,
+                                      Stop)
+from pagedllm.engine.output_processor import IterationStats, OutputProcessor
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.serial import decode_error
+from pagedllm.errors import ValidationError
+from pagedllm.lora_request import LoRARequest
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: Called on the event loop after every step (and after aborts) with fresh statistics.
+StepCallback = Callable[[EngineStats, IterationStats], None]
+
+
+class AsyncLLM:
+    """Serves many concurrent callers from one engine core; ``add_request`` returns a RequestStream."""
+
+    def __init__(self, client: AsyncCoreClient, on_step: StepCallback | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+        self.client = client
+        self.on_step = on_step
+        self.on_dead = on_dead
+        """Called once (on the event loop) when the core dies: e.g. the server exits non-zero."""
+        ready = client.ready
+        self.config = ready.config
+        self.tokenizer = client.tokenizer
+        self.num_kv_blocks: int = ready.num_kv_blocks
+        self.processor = Processor(self.tokenizer, self.config.model.max_model_len, ready.vocab_size,
+                                   tuple(ready.eos_token_ids))
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
+        self.dead_error: BaseException | None = None
+        self._closing = False
+        """Set once shutdown began: nothing more is sent."""
+        self._stats: EngineStats = ready.stats
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._beams: set[str] = set()
+        self._accepting: dict[str, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._seq_counter = itertools.count()
+        self._started = False
+        self._waiting = 0
+        """Requests the core holds that have not run a step yet (as of its last statistics)."""
+        self._queued = 0
+        """Requests sent to the core and not yet accepted or refused."""
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, on_step: StepCallback | None = None,
+                         on_dead: Callable[[BaseException], None] | None = None, step_log: str | None = None,
+                         multiprocess: bool | None = None) -> "AsyncLLM":
+        """Load the engine core: in its own process unless ``multiprocess`` is False (default: from
+        PAGEDLLM_ENABLE_MULTIPROCESSING); ``step_log``: the core's per-step log (`pagedllm serve --step-log`)."""
+        if multiprocess is None:
+            multiprocess = envs.ENABLE_MULTIPROCESSING.read()
+        return cls(make_async_client(args, step_log, multiprocess), on_step, on_dead)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start receiving the core's messages on this event loop; call from it."""
+        assert not self._started
+        self._started = True
+        self.client.start(self._on_message, self._on_core_dead)
+
+    @property
+    def is_running(self) -> bool:
+        return self._started and self.dead_error is None and not self._closing and self.client.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted or on their way that have not run a step yet (what load shedding counts)."""
+        return self._waiting + self._queued
+
+    async def shutdown(self, timeout: float = CORE_EXIT_TIMEOUT_S) -> None:
+        """Fail what is still running, stop the core (and its workers)."""
+        self._closing = True
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        await asyncio.to_thread(self.close, timeout)
+
+    def close(self, timeout: float = CORE_EXIT_TIMEOUT_S) -> None:
+        """Stop the core and its workers; idempotent, from any thread once the event loop no longer sends."""
+        self._closing = True
+        self.client.close(timeout)
+
+    # ------------------------------------------------------------------ requests
+    def get_stats(self) -> EngineStats:
+        """The core's counters after its last step."""
+        return self._stats
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
+                          arrival_time: float | None = None, lora_request: LoRARequest | None = None
+                          ) -> RequestStream:
+        """Tokenize and send a request (a beam search with BeamSearchParams; with a LoRA adapter:
+        ``lora_request``); returns its output stream once the core accepted it (ValidationError if refused)."""
+        self._check_running()
+        if request_id in self.output_processor.requests or request_id in self._beams or request_id in self._accepting:
+            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
+        text, request = self.processor.core_request(request_id, prompt, params, arrival_time or time.monotonic(),
+                                                    lora_request, self._seq_counter)
+        seq_ids = request.seq_ids if isinstance(request, AddRequest) else []
+        stream = RequestStream(self, request_id)
+        accepted = self._accepting[request_id] = asyncio.get_running_loop().create_future()
+        try:
+            self.client.send(request)
+            if isinstance(request, AddRequest):
+                self.output_processor.add_request(request_id, text, request.prompt_ids, request.params, seq_ids,
+                                                  request.arrival_time)
+            else:
+                self._beams.add(request_id)
+            self._streams[request_id] = stream.queue
+            self._queued += 1  # until its Accepted arrives (counted there, in message order)
+            await accepted
+        except BaseException as e:
+            self._streams.pop(request_id, None)
+            self._accepting.pop(request_id, None)
+            self.output_processor.discard(request_id)
+            self._beams.discard(request_id)
+            if not isinstance(e, ValidationError):  # e.g. the client went away: the core may have it queued
+                self._send_quietly(Abort(request_id=request_id, seq_ids=seq_ids))
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """``add_request`` and iterate its outputs in one call."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        async for out in stream:
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request: forgotten here at once, its blocks freed by the core before its next step."""
+        self._streams.pop(request_id, None)
+        if request_id in self._beams:
+            self._beams.discard(request_id)
+            self._send_quietly(Abort(request_id=request_id, seq_ids=[]))
+        elif request_id in self.output_processor.requests:
+            seq_ids = self.output_processor.seq_ids(request_id)
+            self.output_processor.abort(request_id)
+            self._send_quietly(Abort(request_id=request_id, seq_ids=seq_ids))
+
+    # ------------------------------------------------------------------ calls between steps
+    async def add_lora(self, lora: LoRARequest) -> bool:
+        """Read and check an adapter in the core between two steps; True if it was new."""
+        return await self._call("add_lora", lora)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call("remove_lora", lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the adapters the core holds."""
+        return set(await self._call("list_loras"))
+
+    def add_lora_now(self, lora: LoRARequest) -> bool:
+        """add_lora before start() (the server's --lora-modules)."""
+        assert not self._started, "after start(): await add_lora"
+        return self.client.call_now("add_lora", [lora])
+
+    async def kv_state(self) -> dict[str, Any]:
+        """The KV pool now (each block's holder, the accounting) and its recent history, from the core."""
+        return await self._call("kv_state")
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        self._check_running()
+        call_id = next(self._call_ids)
+        done = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self.client.send(Call(call_id=call_id, method=method, args=list(args)))
+        return await done
+
+    # ------------------------------------------------------------------ the core's messages (event loop)
+    def _check_running(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self.dead_error
+
+    def _send_quietly(self, message: FrontMessage) -> None:
+        """Send unless shutting down or dead (a stream finishing then aborts into nothing)."""
+        if not self._closing and self.dead_error is None:
+            with contextlib.suppress(EngineDeadError):
+                self.client.send(message)
+
+    def _on_message(self, message: CoreMessage) -> None:
+        if self.dead_error is not None:
+            return
+        try:
+            if isinstance(message, StepOutputs):
+                self._on_outputs(message)
+            elif isinstance(message, Accepted):  # counted here, in the core's order: its next statistics have it
+                self._queued -= 1
+                self._waiting += message.error is None
+                _resolve(self._accepting.pop(message.request_id, None), message.error, None)
+            elif isinstance(message, Reply):
+                _resolve(self._calls.pop(message.call_id, None), message.error, message.result)
+        except Exception as e:  # outputs lost here would leave streams waiting: fail everything, loudly
+            logger.exception("an engine core message could not be handled")
+            self._on_core_dead(EngineDeadError(f"an engine core message could not be handled: {e!r}"))
+
+    def _on_outputs(self, message: StepOutputs) -> None:
+        outputs, stopped = self.output_processor.process(message.outputs)
+        if stopped:
+            self._send_quietly(Stop(seq_ids=stopped))
+        for out in outputs + message.beam_outputs:
+            if out.finished:
+                self._beams.discard(out.request_id)
+                stream = self._streams.pop(out.request_id, None)
+            else:
+                stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+        self._stats = message.stats
+        self._waiting = message.stats.num_waiting
+        if self.on_step is not None:
+            self.on_step(message.stats, self.output_processor.take_iteration_stats())
+
+    def _on_core_dead(self, error: EngineDeadError) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = error
+        logger.error("%s", error)
+        self._queued = 0
+        self._fail_all(error)
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Every stream ends with ``error``; every pending acceptance and call raises it."""
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+        self._streams.clear()
+        for future in [*self._accepting.values(), *self._calls.values()]:
+            if not future.done():
+                future.set_exception(EngineDeadError(str(error)))
+        self._accepting.clear()
+        self._calls.clear()
+        for request_id in list(self.output_processor.requests):
+            self.output_processor.abort(request_id)
+        self._beams.clear()
+
+
+class RequestStream:
+    """The outputs of one request, in order; leaving the iteration early aborts the request."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine loop stopped") from item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+def _resolve(future: asyncio.Future | None, error: Any, result: Any) -> None:
+    """Settle a caller's future with the core's answer, unless the caller went away."""
+    if future is None or future.done():
+        return
+    if error is not None:
+        future.set_exception(decode_error(error))
+    else:
+        future.set_result(result)

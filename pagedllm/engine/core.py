@@ -1,0 +1,251 @@
+"""The engine core: the scheduler, the executor (the model on its workers), beam search, the KV pool's state and
+the LoRA adapters. One ``step()`` is one batch. It takes tokenized requests (engine/messages.py) and answers
+token ids: prompts and text are the front end's (engine/llm_engine.py, engine/async_llm.py), which reaches
+it through a client (engine/core_client.py); engine/core_loop.py steps it for the server.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+from typing import Any
+
+from pagedllm import platform
+from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig, StructuredOutputsConfig, parse_cuda_graph_sizes,
+                             parse_memory)
+from pagedllm.core.kv_map import kv_map
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.distributed.parallel_state import shard_heads
+from pagedllm.engine.beam_search import BeamSearchManager
+from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, CoreReady, EngineStats,
+                                      StepOutputs)
+from pagedllm.engine.processor import MAX_LOGPROBS, Processor
+from pagedllm.errors import ValidationError
+from pagedllm.executor.factory import get_executor_class
+from pagedllm.layers import cpu_ops
+from pagedllm.lora_request import LoRARequest
+from pagedllm.models.config import ArchConfig
+from pagedllm.models.loader import (load_arch_config, load_eos_token_ids, load_tokenizer, quantized_formats,
+                                    resolve_model_path)
+from pagedllm.request import RequestStatus
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.structured_output import compiler_for
+
+logger = logging.getLogger(__name__)
+
+
+def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
+    """Resolve the model path, dtype and max_model_len; build every subsystem's config."""
+    path = resolve_model_path(args.model)
+    arch = load_arch_config(path)
+    device = platform.resolve_device(args.device)
+    quantization = args.quantization
+    if quantization == "auto":  # a GGUF file's quantized matrices stay so where the kernels run them
+        quantization = "gguf" if (device == "cpu" and args.load_format == "auto" and cpu_ops.active() is not None
+                                  and quantized_formats(path, arch)) else None
+    elif quantization is not None and device == "cuda":
+        raise ValidationError.bad_value("quantization", quantization,
+                                        "None on a GPU (the quantized kernels are the CPU's)")
+    dtype = args.dtype
+    if dtype == "auto":  # a GPU computes in bf16 natively; a CPU: what its kernels run fastest
+        dtype = "bfloat16" if device == "cuda" else platform.default_dtype()
+    limit = arch.max_position_embeddings
+    max_model_len = limit if args.max_model_len is None else args.max_model_len
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+        raise ValidationError.bad_value("max_model_len", max_model_len,
+                                        f"an integer in [1, the model's context length {limit}]")
+    if isinstance(args.seed, bool) or not isinstance(args.seed, int):
+        raise ValidationError.bad_value("seed", args.seed, "an integer")
+    parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                              distributed_executor_backend=args.distributed_executor_backend)
+    for rank in range(parallel.tensor_parallel_size):  # refuse a split the model cannot take before any worker starts
+        shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
+    kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
+    lora = _lora_config(args, parallel)
+    config = EngineConfig(
+        model=ModelConfig(model=path, dtype=dtype, max_model_len=max_model_len, seed=args.seed,
+                          load_format=args.load_format, quantization=quantization),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=kv_memory, num_kv_blocks=args.num_kv_blocks,
+                          enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          sliding_window=arch.sliding_window if arch.every_layer_slides else None,
+                          cache_dtype=args.kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=max_model_len, preemption_mode=args.preemption_mode,
+                                  max_loras=lora.max_loras if lora else None),
+        parallel=parallel,
+        device=DeviceConfig(device=device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                            cuda_graph_sizes=parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs)),
+        lora=lora,
+        structured_outputs=StructuredOutputsConfig(
+            grammar_cache_bytes=parse_memory(args.grammar_cache_memory, "grammar_cache_memory")),
+    )
+    return config, arch
+
+
+def _lora_config(args: EngineArgs, parallel: ParallelConfig) -> LoRAConfig | None:
+    """The LoRA config with enable_lora, else None."""
+    if not isinstance(args.enable_lora, bool):
+        raise ValidationError.bad_value("enable_lora", args.enable_lora, "true or false")
+    if not args.enable_lora:
+        return None
+    if parallel.distributed_executor_backend != "uni":
+        raise ValidationError("enable_lora runs in the in-process executor only (tensor_parallel_size 1, "
+                              "distributed_executor_backend 'uni'): LoRA layers are not split across ranks yet",
+                              param="enable_lora", value=True)
+    return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+
+
+class EngineCore:
+    """Schedules and runs batches of tokenized requests; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, arch: ArchConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.last_step_features: list[float] = []
+        """Scheduler.step_features of the last step (the step-time log of `pagedllm serve --step-log`)."""
+        eos = load_eos_token_ids(config.model.model, arch, tokenizer)
+        # the worker's own compiler when it runs in this process (one grammar cache per process)
+        grammars = functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(eos),
+                                     config.structured_outputs.grammar_cache_bytes)
+        self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars)
+        """Checks requests against the model (and prepares their grammars); prompts come tokenized."""
+        self.executor = get_executor_class(config)(config, arch, eos)
+        try:
+            self.num_kv_blocks = self.executor.determine_num_kv_blocks()
+            self.num_host_blocks = self.executor.determine_num_host_blocks()
+            self.executor.initialize_cache(self.num_kv_blocks, self.num_host_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.num_host_blocks)
+        self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
+        self._beam_seq_ids = itertools.count()
+        self.loras: dict[int, LoRARequest] = {}
+        """LoRA adapters added (checked by the workers), by lora_int_id."""
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "EngineCore":
+        """Resolve the configuration, load the tokenizer and the model, size the KV pool."""
+        config, arch = create_engine_config(args)
+        return cls(config, arch, load_tokenizer(config.model.model))
+
+    # ----------------------------------------------------------------------- requests
+    def add_request(self, request: AddRequest) -> None:
+        """Check the parameters against the model and queue the samples; on an error nothing is queued."""
+        if not isinstance(request.params, SamplingParams):
+            raise ValidationError.bad_value("sampling_params", request.params, "a SamplingParams")
+        try:
+            if request.lora_request is not None:
+                self.add_lora(request.lora_request)
+            samples = self.processor.make_requests(request.seq_ids, request.prompt_ids, request.params,
+                                                   request.arrival_time, request.cache_salt, request.lora_request)
+            # the n samples of a prompt fork from the first once its prompt is computed (shared blocks)
+            self.scheduler.add_request(samples[0], samples[1:])
+        except BaseException:
+            self.scheduler.finish_requests(request.seq_ids, RequestStatus.FINISHED_ABORTED)  # none of it left queued
+            raise
+
+    def add_beam_search(self, request: AddBeamSearch) -> None:
+        """Queue a beam search; its one RequestOutput (the beam_width best sequences, best first) comes out of
+        step() when it ends."""
+        params = request.params
+        if not isinstance(params, BeamSearchParams):
+            raise ValidationError.bad_value("params", params, "a BeamSearchParams")
+        if request.request_id in self.beam_search.groups:
+            raise ValidationError(f"request id {request.request_id!r} is already in use", param="request_id",
+                                  value=request.request_id)
+        if 2 * params.beam_width > MAX_LOGPROBS:
+            raise ValidationError.bad_value("beam_width", params.beam_width, f"<= {MAX_LOGPROBS // 2}")
+        seq_params = self.beam_search.sampling_params(params)
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
+        # "b": the core's own ids, never equal to a front's ("n:request_id")
+        seq_id = f"b{next(self._beam_seq_ids)}:{request.request_id}"
+        first = self.processor.make_requests([seq_id], request.prompt_ids, seq_params, request.arrival_time,
+                                             lora_request=request.lora_request)[0]
+        self.scheduler.add_request(first)
+        self.beam_search.add(request.request_id, request.text, first, params)
+
+    def abort(self, request: Abort) -> None:
+        """Free a request's samples now (or a beam search's beams)."""
+        self.scheduler.finish_requests(request.seq_ids, RequestStatus.FINISHED_ABORTED)
+        self.beam_search.abort(request.request_id)
+
+    def stop(self, seq_ids: list[str]) -> None:
+        """Finish samples a stop string ended (found by whoever detokenizes); unknown ids are ignored."""
+        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests still to run: step() has work."""
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> StepOutputs:
+        """Schedule one batch and run it: the samples' new tokens, the beam searches that ended, the counters.
+
+        The batch also tells the workers which requests finished since the last step (an idle engine runs no
+        step of its own for that: they learn it with the next real one)."""
+        scheduler_output = self.scheduler.schedule()
+        self.last_step_features = self.scheduler.step_features(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(runner_output)
+        beams = [o for o in core_outputs if self.beam_search.owns(o.request_id)]
+        return StepOutputs(outputs=[o for o in core_outputs if not self.beam_search.owns(o.request_id)],
+                           beam_outputs=self.beam_search.process(beams), stats=self.get_stats())
+
+    # ----------------------------------------------------------------------- LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter on every worker (ValidationError if it does not fit the model); True if
+        it was new. Requests naming an adapter not added yet add it first."""
+        if self.config.lora is None:
+            raise ValidationError("LoRA adapters need enable_lora=True", param="lora_request",
+                                  value=getattr(lora_request, "lora_name", lora_request))
+        if not isinstance(lora_request, LoRARequest):
+            raise ValidationError.bad_value("lora_request", lora_request, "a LoRARequest")
+        known = self.loras.get(lora_request.lora_int_id)
+        if known == lora_request:
+            return False
+        self.executor.collective_rpc("add_lora", (lora_request,))  # refuses an id taken by another adapter
+        self.loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter no live request uses; False if it was not added."""
+        users = [r.request_id for r in self.scheduler.requests.values()
+                 if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
+        if users:
+            raise ValidationError(f"LoRA adapter {lora_int_id} is in use by {len(users)} request(s)",
+                                  param="lora_int_id", value=lora_int_id)
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self.executor.collective_rpc("remove_lora", (lora_int_id,))
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters added."""
+        return set(self.loras)
+
+    # ----------------------------------------------------------------------- state
+    def rank_memory_usage(self) -> list[dict[str, int]]:
+        """Per tensor-parallel rank, in rank order: bytes of weights, of KV pools, and its process's RSS."""
+        return self.executor.collective_rpc("memory_usage")
+
+    def kv_map(self, cells: bool = True) -> dict[str, Any]:
+        """The KV pool now (between steps): each block's holder and the slots' accounting (core/kv_map.py)."""
+        return kv_map(self.scheduler.kv_cache_manager, self.scheduler.requests, cells)
+
+    def get_stats(self) -> EngineStats:
+        """Counters (steps, preemptions, chunked prefills, max running) and KV usage now and at peak."""
+        return EngineStats(**dataclasses.asdict(self.scheduler.stats), num_kv_blocks=self.num_kv_blocks,
+                           block_size=self.config.cache.block_size)
+
+    def ready_message(self) -> CoreReady:
+        """What a front needs to know of this core once it is loaded."""
+        return CoreReady(version=PROTOCOL_VERSION, config=self.config, vocab_size=self.processor.vocab_size,
+                         eos_token_ids=list(self.processor.eos_token_ids), num_kv_blocks=self.num_kv_blocks,
+                         stats=self.get_stats())
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes, Ray actors); idempotent."""
+        self.executor.shutdown()

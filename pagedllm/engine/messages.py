@@ -1,0 +1,166 @@
+"""What a front end and an engine core say to each other: one keyword-only record per kind of message.
+
+The same records serve every client (engine/core_client.py): handed over as objects to a core in this
+process, sent by field name (engine/serial.py, the class name is the kind) to a core in its own process.
+A new field is added with a default and both sides read it by name, so nothing shifts; a change an older
+peer cannot read bumps PROTOCOL_VERSION, which the handshake (StartCore, CoreReady) checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from pagedllm.core.scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineArgs, EngineConfig
+    from pagedllm.lora_request import LoRARequest
+    from pagedllm.outputs import EngineCoreOutput, RequestOutput
+    from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+PROTOCOL_VERSION = 1
+"""The message set's version: a front and a core process of different versions refuse each other at the start."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineStats(SchedulerStats):
+    """Scheduler counters plus the facts of this engine's KV pool (sent after each step)."""
+
+    num_kv_blocks: int = 0
+    block_size: int = 0
+
+
+# ---------------------------------------------------------------------------- front -> core
+@dataclasses.dataclass(kw_only=True)
+class StartCore:
+    """The first message to a core process: the engine to load; a core of another ``version`` refuses it."""
+
+    version: int
+    engine_args: EngineArgs
+    step_log: str | None = None
+    """With a path: one JSON line per step, its features and seconds (`pagedllm plan --calibrate-from`)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class AddRequest:
+    """A tokenized request and the ids of its ``params.n`` samples (made by the front)."""
+
+    request_id: str
+    seq_ids: list[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class AddBeamSearch:
+    """A tokenized beam search: the core runs it whole and answers one RequestOutput (``text``: the prompt's)."""
+
+    request_id: str
+    text: str | None
+    prompt_ids: list[int]
+    params: BeamSearchParams
+    arrival_time: float
+    lora_request: LoRARequest | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Abort:
+    """Stop a request now: its samples ``seq_ids`` (none for a beam search: the core knows its beams)."""
+
+    request_id: str
+    seq_ids: list[str]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Stop:
+    """Samples that a stop string ended (the front detokenizes, so it finds them)."""
+
+    seq_ids: list[str]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Call:
+    """Run one of the core's CALLS between two steps; answered by a Reply with the same ``call_id``."""
+
+    call_id: int
+    method: str
+    args: list[Any]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Shutdown:
+    """Stop the loop; the core process then stops its workers and exits."""
+
+
+# ---------------------------------------------------------------------------- core -> front
+@dataclasses.dataclass(kw_only=True)
+class CoreError:
+    """An exception as plain data: its type's name, its message, and a ValidationError's param and value."""
+
+    type: str
+    message: str
+    param: str | None = None
+    value: Any = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class CoreReady:
+    """The core is loaded: what the front needs to know of it."""
+
+    version: int
+    config: EngineConfig
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_kv_blocks: int
+    stats: EngineStats
+
+
+@dataclasses.dataclass(kw_only=True)
+class StartupError:
+    """The core could not start (a bad argument, a model that does not load, another protocol version)."""
+
+    error: CoreError
+
+
+@dataclasses.dataclass(kw_only=True)
+class Accepted:
+    """A request was queued (``error`` None) or refused; sent in the order the core took them."""
+
+    request_id: str
+    error: CoreError | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepOutputs:
+    """After each step (and after aborts): the samples' new tokens, the beam searches that finished, and the
+    counters now."""
+
+    outputs: list[EngineCoreOutput]
+    beam_outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclasses.dataclass(kw_only=True)
+class Reply:
+    """The answer to a Call: its result, or its error."""
+
+    call_id: int
+    error: CoreError | None = None
+    result: Any = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class CoreDead:
+    """The loop failed (a worker died, a bug): no request can be served any more."""
+
+    error: CoreError
+
+
+FrontMessage = AddRequest | AddBeamSearch | Abort | Stop | Call | Shutdown
+CoreMessage = Accepted | StepOutputs | Reply | CoreDead
+MESSAGE_TYPES: tuple[type, ...] = (StartCore, AddRequest, AddBeamSearch, Abort, Stop, Call, Shutdown, CoreError,
+                                   CoreReady, StartupError, Accepted, StepOutputs, Reply, CoreDead)
+"""Every record above (engine/serial.py may carry these and no other of this module)."""
