@@ -112,6 +112,10 @@ def test_a_loaded_model_steps_without_asking_the_platform(tiny_llm_dir: Path, mo
     ops = [m for m in model.modules() if isinstance(m, CustomOp)]
     want = "forward_cpu" if cpu_ops.active() is not None else "forward_native"
     assert ops and {op.implementation for op in ops} == {want}
+    # a linear layer kept quantized or packed at load has its matmul bound then; a plain one runs F.linear
+    linears = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    assert linears and all(("_matmul" in vars(m)) == (m.packed_weight is not None or m.quant is not None)
+                           for m in linears)
     params = SamplingParams(max_tokens=3, temperature=0.8, seed=1)
     llm.generate(["a b c", "d"], params, use_tqdm=False)  # the first step builds the compiled stack where it runs
     outs = []

@@ -139,10 +139,14 @@ class ThreadClient(AsyncCoreClient):
 
     def __init__(self, args: EngineArgs, step_log: str | None = None) -> None:
         self.core = EngineCore.from_engine_args(args)
-        self.tokenizer = load_tokenizer(self.core.config.model.model)
-        self.ready = self.core.ready_message()
-        self._channel = QueueChannel(self._deliver)
-        self._loop = EngineCoreLoop(self.core, self._channel, step_log)
+        try:
+            self.tokenizer = load_tokenizer(self.core.config.model.model)
+            self.ready = self.core.ready_message()
+            self._channel = QueueChannel(self._deliver)
+            self._loop = EngineCoreLoop(self.core, self._channel, step_log)
+        except BaseException:
+            self.core.shutdown()  # no worker left behind
+            raise
         self._thread: threading.Thread | None = None
         self._delivery: _Delivery | None = None
         self._dead = False

@@ -11,8 +11,8 @@ from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_world_size
-from pagedllm.layers.prepack import PackedWeight, can_prepack, linear, prepack
-from pagedllm.layers.quant import QuantWeight, kept_quantized, quant_linear, store_rows
+from pagedllm.layers.prepack import PackedWeight, can_prepack, matmul_for, prepack
+from pagedllm.layers.quant import QuantWeight, kept_quantized, store_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -73,12 +73,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().process_weights_after_loading()
         if self.quant is None and can_prepack(self.weight):
             self.packed_weight = prepack(self.weight)
+        matmul = matmul_for(self.packed_weight, self.quant)
+        if matmul is not None:  # bound once: compute_logits asks nothing about the weight's form
+            self._matmul = matmul
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T over the plain weight (with tied embeddings: the embedding table)."""
+        return F.linear(x, self.weight, bias)
 
     def compute_logits(self, hidden_states: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """(tokens, hidden) -> (tokens, vocab) logits in float32, or in the weights' dtype with
         ``keep_dtype`` (the sampler reads bf16 directly: no float32 copy of a (256, 49k) array)."""
-        local = (quant_linear(hidden_states, self.quant) if self.quant is not None
-                 else linear(hidden_states, self.weight, self.packed_weight))
+        local = self._matmul(hidden_states)
         logits = tensor_model_parallel_all_gather(local, dim=-1)
         if logits.shape[-1] != self.num_embeddings:  # the padding rows of the last rank
             logits = logits[:, :self.num_embeddings].contiguous()

@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_world_size, shard_heads, split_evenly
-from pagedllm.layers.prepack import (PackedWeight, can_prepack, linear, prepack, silu_and_mul_linear, silu_interleave,
-                                     silu_pack)
-from pagedllm.layers.quant import QuantWeight, kept_quantized, quant_linear, store_rows, will_quantize
+from pagedllm.layers.prepack import (PackedWeight, can_prepack, matmul_for, prepack, silu_and_mul_linear,
+                                     silu_interleave, silu_pack)
+from pagedllm.layers.quant import QuantWeight, kept_quantized, store_rows, will_quantize
 
 
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
@@ -56,11 +57,13 @@ class _PrepackedLinear(nn.Module):
         if self.quant is None and can_prepack(self.weight):
             self.packed_weight = prepack(self.weight)
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
+        matmul = matmul_for(self.packed_weight, self.quant)
+        if matmul is not None:  # bound once: forward asks nothing about the weight's form
+            self._matmul = matmul
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant is not None:
-            return quant_linear(x, self.quant, bias)
-        return linear(x, self.weight, self.packed_weight, bias)
+        """x W^T + b over the plain weight (what a weight kept quantized or packed at load replaces)."""
+        return F.linear(x, self.weight, bias)
 
 
 class ColumnParallelLinear(_PrepackedLinear):

@@ -16,13 +16,14 @@ as the product. Packing once after loading skips it. Two packers:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm import platform
 from pagedllm.layers.cpu_ops import CpuKernels, fused_ops
+from pagedllm.layers.quant import QuantWeight, quant_linear
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,32 @@ def silu_and_mul_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tenso
     return packed.kernels.gemm(x, packed.data, packed.out_features, bias, True)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b through the packed weight when there is one, else ``F.linear``."""
+Matmul = Callable[..., torch.Tensor]
+"""(x, bias=None) -> x W^T + b, for one weight as it was prepared at load."""
+
+
+def matmul_for(packed: PackedWeight | None, quant: QuantWeight | None) -> Matmul | None:
+    """A weight's matmul, chosen once when the model loads: the quantized kernels for rows kept quantized, our
+    GEMM or oneDNN's for a packed weight; None for a plain weight (``F.linear`` over the layer's own)."""
+    if quant is not None:
+        return functools.partial(_quantized, quant)
     if packed is None:
-        return F.linear(x, weight, bias)
+        return None
     if packed.kernels is not None:
-        return packed.kernels.gemm(x, packed.data, packed.out_features, bias, False)
+        return functools.partial(_ours, packed.kernels.gemm, packed.data, packed.out_features)
+    return functools.partial(_onednn, packed.data)
+
+
+def _quantized(quant: QuantWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return quant_linear(x, quant, bias)
+
+
+def _ours(gemm: Callable[..., torch.Tensor], data: torch.Tensor, out_features: int, x: torch.Tensor,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    return gemm(x, data, out_features, bias, False)
+
+
+def _onednn(data: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
-    out = torch.ops.mkldnn._linear_pointwise(x2, packed.data, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x2, data, bias, "none", [], "")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)
