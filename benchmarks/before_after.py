@@ -1,10 +1,10 @@
 """Before / after a refactor: offline throughput and serving latency of two source trees, alternating in one run.
 
-Each tree (a checkout: e.g. `git worktree add /tmp/before <commit>`) runs from its own sources with this
+Each tree (a checkout: e.g. `git worktree add ../pagedllm-before <commit>`) runs from its own sources with this
 venv (PYTHONPATH, cwd); rounds alternate A B A B, and a short bf16 GEMM probe is logged beside each run
 (this machine's speed drifts: only figures from the same run compare).
 
-    .venv/bin/python benchmarks/before_after.py --trees /tmp/before . --rounds 2
+    .venv/bin/python benchmarks/before_after.py --trees ../pagedllm-before . --rounds 2
 
 Per round and tree: `pagedllm bench throughput` (random 128/128, --num-prompts, bf16 on the dequantized
 default model), then `pagedllm bench serve` at --rate against `pagedllm serve` with its engine core in a
