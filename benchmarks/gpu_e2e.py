@@ -5,6 +5,9 @@
     python benchmarks/gpu_e2e.py decode [--batches 1 16 64 256] [--shape llama3-8b]
                                           # decode tokens/s of a random-weight model (load_format="dummy",
                                           # bfloat16, 128 in / 128 out, ignore_eos) next to its roofline
+    python benchmarks/gpu_e2e.py spec     # speculative decoding on the device: tiny random Llama, greedy and
+                                          # seeded tokens with ngram / a draft model == without; then the
+                                          # dummy-weight model's decode tokens/s with and without ngram drafts
 
 The roofline of a decode step is the bytes it must read (every weight but the input embedding, plus
 the K/V of every sequence's context, at its mean length over the run) divided by the copy bandwidth
@@ -15,6 +18,7 @@ benchmarks/gpu_check.sh). Prints a markdown table last.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -72,11 +76,74 @@ def greedy(device: str) -> dict:
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                               use_tqdm=False)]
-        graphs = llm.llm_engine.executor.worker.model_runner.graphs
+        graphs = llm.llm_engine.engine_core.core.executor.worker.model_runner.graphs
         name = "greedy_vs_transformers_" + ("eager" if eager else "graphs")
         result[name] = {"equal": got == want, "graph_replays": sum(graphs.replays.values()) if graphs else 0}
         print(name, result[name], flush=True)
         llm.shutdown()
+    return result
+
+
+def spec(device: str, shape: str, batches: list[int]) -> dict:
+    """Speculative decoding on ``device``: the tiny model's tokens with ngram and draft-model speculation equal
+    those without (greedy, and seeded sampling); then decode tokens/s of ``shape`` with dummy weights (whose
+    output repeats one token, so prompt lookup's drafts are all accepted: the best case, and the cost of a step
+    that verifies 5 drafts against a plain one)."""
+    from pagedllm import LLM, SamplingParams
+
+    folder = Path(tempfile.mkdtemp(prefix="gpu-spec-"))
+    config = save_config(folder, "tiny")
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+    LlamaForCausalLM(config).save_pretrained(folder)
+    prompts = [{"prompt_token_ids": [1 + i, 50 + 7 * i, 9, 300 + i, 17, 2 * i + 3] * (2 + i % 3)} for i in range(8)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=3, ignore_eos=True)]
+    result: dict = {}
+    got = {}
+    for name, cfg in (("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4,
+                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+                      ("draft", {"model": str(folder), "num_speculative_tokens": 3})):
+        llm = LLM(str(folder), dtype="float32", device=device, num_kv_blocks=256, max_model_len=512,
+                  speculative_config=cfg)
+        got[name] = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
+        stats = llm.get_stats()
+        result[f"check_{name}"] = {"equal_to_none": got[name] == got["none"],
+                                  "accepted": stats.spec_decode_num_accepted_tokens,
+                                  "drafted": stats.spec_decode_num_draft_tokens}
+        print(f"check_{name}", result[f"check_{name}"], flush=True)
+        llm.shutdown()
+    big = Path(tempfile.mkdtemp(prefix=f"gpu-spec-{shape}-"))
+    save_config(big, shape)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    rng = torch.Generator().manual_seed(0)
+    for name, cfg in (("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 5,
+                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4})):
+        llm = LLM(str(big), load_format="dummy", dtype=dtype, device=device, max_num_seqs=max(batches),
+                  max_model_len=128 + 256 + 16, enable_prefix_caching=False, speculative_config=cfg)
+        for batch in batches:
+            prompts = [{"prompt_token_ids": torch.randint(3, SHAPES[shape]["vocab_size"], (128,),
+                                                          generator=rng).tolist()} for _ in range(batch)]
+            sp = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+            llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+            before = llm.get_stats()
+            _sync(device)
+            t = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            _sync(device)
+            elapsed = time.perf_counter() - t
+            after = llm.get_stats()
+            steps = after.num_steps - before.num_steps
+            row = {"tok_s": round(batch * 256 / elapsed, 1), "steps": steps,
+                   "ms_per_step": round(1000 * elapsed / steps, 2),
+                   "accepted": after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens}
+            result[f"{shape}_{name}_batch{batch}"] = row
+            print(f"{shape}_{name}_batch{batch}", row, flush=True)
+        llm.shutdown()
+        del llm  # its weights and KV pool go before the next engine takes its share of the device
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return result
 
 
@@ -114,7 +181,7 @@ def decode(device: str, shape: str, batches: list[int], prompt_len: int, output_
               max_num_seqs=max(batches), max_model_len=prompt_len + output_len + 16, enable_prefix_caching=False)
     print(f"engine up in {time.perf_counter() - start:.1f} s", flush=True)
     itemsize = torch.finfo(getattr(torch, dtype)).bits // 8
-    model = llm.llm_engine.executor.worker.model_runner.model
+    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     head_dim = config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
@@ -150,7 +217,7 @@ def decode(device: str, shape: str, batches: list[int], prompt_len: int, output_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["greedy", "decode"])
+    parser.add_argument("what", choices=["greedy", "decode", "spec"])
     parser.add_argument("--shape", choices=list(SHAPES), default=None,
                         help="model shape (default: llama3-8b on CUDA, tiny on a CPU)")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
@@ -167,6 +234,11 @@ def main() -> None:
         print("ALL OK")
         return
     shape = args.shape or ("llama3-8b" if device == "cuda" else "tiny")
+    if args.what == "spec":
+        result = spec(device, shape, args.batches or [1, 16])
+        assert all(r["equal_to_none"] for k, r in result.items() if k.startswith("check_")), result
+        print("ALL OK")
+        return
     batches = args.batches or ([1, 16, 64, 256] if device == "cuda" else [1, 4])
     rows = decode(device, shape, batches, args.prompt_len, args.output_len, args.enforce_eager)
     print("\n| shape | dtype | CUDA graphs | batch | decode tok/s | roofline tok/s | of roofline |")

@@ -5,6 +5,7 @@ blocks, EOS ids) live in runtime objects, never in these.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, fields
@@ -263,6 +264,123 @@ class LoRAConfig:
             raise ValidationError.bad_value("max_cpu_loras", cpu, f"an integer >= max_loras ({self.max_loras})")
 
 
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
+"""speculative_config methods: prompt lookup, suffix decoding, and a smaller draft model."""
+MAX_SPEC_TOKENS = 32
+"""Most draft tokens verified per sequence and step (a bound on what one config can ask of a step)."""
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValidationError.bad_value(f"speculative_config.{name}", value, "a positive integer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys): a proposer drafts tokens, the model verifies
+    them all in one forward and keeps the longest prefix it would have produced itself (exact: greedy output
+    unchanged, sampled output in the model's distribution)."""
+
+    method: str = "ngram"
+    """"ngram" (prompt lookup over the prompt and output), "suffix" (suffix decoding over the request and
+    earlier responses) or "draft_model" (a smaller checkpoint with the same tokenizer; implied by ``model``)."""
+    num_speculative_tokens: int = 5
+    """Most draft tokens per sequence and step (suffix: up to this many, adapted to the match)."""
+    prompt_lookup_min: int = 5
+    """ngram: shortest suffix of the context looked up earlier in it."""
+    prompt_lookup_max: int = 5
+    """ngram: longest suffix looked up (tried first)."""
+    model: str | None = None
+    """draft_model: the draft's HF folder or .gguf file (its vocabulary must be the target's)."""
+    draft_tensor_parallel_size: int = 1
+    """draft_model: ranks of the draft (1: it runs whole)."""
+    suffix_decoding_max_tree_depth: int = 24
+    """suffix: the longest context suffix matched."""
+    suffix_decoding_max_cached_requests: int = 10000
+    """suffix: earlier responses kept for matching (0: only the request's own tokens)."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """suffix: at most this many draft tokens per matched token."""
+    suffix_decoding_min_token_prob: float = 0.1
+    """suffix: a continuation token is proposed only while its frequency after the match is at least this."""
+    disable_by_batch_size: int | None = None
+    """No speculation in a step with more running sequences than this (the step stops being bound by reading
+    the weights, so verifying drafts is no longer nearly free); None: speculate at every batch size."""
+    min_acceptance_rate: float = 0.2
+    """A sequence whose drafts are accepted less often than this (moving average) stops speculating for a
+    while (its back-off doubles each time it fails again); 0: never back off."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValidationError.bad_value("speculative_config.method", self.method,
+                                            " or ".join(repr(m) for m in SPEC_METHODS))
+        _positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPEC_TOKENS:
+            raise ValidationError.bad_value("speculative_config.num_speculative_tokens", self.num_speculative_tokens,
+                                            f"at most {MAX_SPEC_TOKENS}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_max_tree_depth",
+                     "draft_tensor_parallel_size"):
+            _positive_int(name, getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValidationError.bad_value("speculative_config.prompt_lookup_min", self.prompt_lookup_min,
+                                            f"<= prompt_lookup_max ({self.prompt_lookup_max})")
+        cached = self.suffix_decoding_max_cached_requests
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValidationError.bad_value("speculative_config.suffix_decoding_max_cached_requests", cached,
+                                            "an integer >= 0")
+        for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, 1e6),
+                                ("suffix_decoding_min_token_prob", 0.0, 1.0), ("min_acceptance_rate", 0.0, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValidationError.bad_value(f"speculative_config.{name}", value, f"a number in [{low}, {high}]")
+        if self.disable_by_batch_size is not None:
+            _positive_int("disable_by_batch_size", self.disable_by_batch_size)
+        if self.method == "draft_model" and self.model is None:
+            raise ValidationError("speculative_config method 'draft_model' needs 'model' (the draft checkpoint)",
+                                  param="speculative_config.model", value=None)
+        if self.method != "draft_model" and self.model is not None:
+            raise ValidationError.bad_value("speculative_config.model", self.model,
+                                            f"absent with method {self.method!r} (a draft model is method "
+                                            "'draft_model')")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValidationError.bad_value("speculative_config.draft_tensor_parallel_size",
+                                            self.draft_tensor_parallel_size, "1 (the draft runs whole on each rank)")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @classmethod
+    def from_user(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+        """The config from ``speculative_config`` as given: a dict, its JSON text (the CLI flag), or None (off).
+
+        As vLLM: ngram with only one of prompt_lookup_min / max sets both to it; suffix's default
+        num_speculative_tokens is its max_tree_depth; a "model" without a "method" is a draft model."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValidationError(f"speculative_config is not valid JSON: {e}", param="speculative_config",
+                                      value=value) from None
+        if not isinstance(value, dict):
+            raise ValidationError.bad_value("speculative_config", value, "a JSON object / dict of its keys, or None")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValidationError(f"unknown speculative_config key(s) {unknown}; known keys: {sorted(known)}",
+                                  param=f"speculative_config.{unknown[0]}", value=value[unknown[0]])
+        value = dict(value)
+        if "model" in value and value.get("model") is not None and "method" not in value:
+            value["method"] = "draft_model"
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if (lo is None) != (hi is None):
+            value["prompt_lookup_min"] = value["prompt_lookup_max"] = lo if hi is None else hi
+        if value.get("method") == "suffix" and "num_speculative_tokens" not in value:
+            value["num_speculative_tokens"] = min(MAX_SPEC_TOKENS, value.get("suffix_decoding_max_tree_depth", 24))
+        return cls(**{k: v for k, v in value.items() if v is not None or k in ("model", "disable_by_batch_size")})
+
+
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 1024**2
 """Compiled grammars kept per process by default (vLLM's VLLM_XGRAMMAR_CACHE_MB default)."""
 
@@ -299,6 +417,8 @@ class EngineConfig:
     """LoRA adapters (None: enable_lora is off)."""
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     """The grammar compiler's cache."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (None: off)."""
 
 
 @dataclass(kw_only=True)
@@ -378,6 +498,10 @@ class EngineArgs:
     """On a GPU: decode batch sizes captured as CUDA graphs at start-up, e.g. "1,2,4,8" (a decode step pads up
     to the next size; larger ones and steps with prompt tokens run eagerly). Default: 1, 2, 4 and every
     multiple of 8 up to min(max_num_seqs, 256)."""
+    speculative_config: str | dict | None = None
+    """Speculative decoding, as vLLM's (a dict, or its JSON on the command line), e.g. {"method": "ngram",
+    "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, {"method": "suffix"} or
+    {"model": DRAFT_PATH, "num_speculative_tokens": 4}; keys: pagedllm.config.SpeculativeConfig. None: off."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":

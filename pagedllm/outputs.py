@@ -33,13 +33,16 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[TokenLogprobs | None]
+    logprobs: list[list[TokenLogprobs] | None]
+    """Per request, one entry per sampled token (None: no logprobs asked)."""
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     """Request -> (position of the first scored prompt token, one entry per prompt token this step
     scored): for requests with prompt_logprobs, the prompt tokens their chunk predicts."""
     failed: dict[str, str] = field(default_factory=dict)
     """Request -> why its own preparation or sampling failed this step (its seed, grammar): the scheduler
     finishes it with an error; the other requests of the step are not touched."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Request -> draft tokens proposed to follow its tokens (speculative decoding), verified next step."""
 
 
 @dataclass(kw_only=True)

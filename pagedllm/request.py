@@ -86,6 +86,8 @@ class Request:
             None if sampling_params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1))
         """With prompt_logprobs: the TokenLogprobs of prompt tokens 1 .. P-1 as the workers score them."""
         self.prompt_logprobs_sent = False
+        self.spec_token_ids: list[int] = []
+        """Draft tokens the proposer offered after the last step (verified in the next one, if scheduled)."""
 
     @property
     def block_hash_salt(self) -> str | None:

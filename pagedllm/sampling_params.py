@@ -141,6 +141,8 @@ class SamplingParams:
     """The tokenized bad_words (set by the engine's processor from the model's tokenizer)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
+    speculate: bool = True
+    """With an engine's speculative_config: False opts this request out (it decodes one token per step)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -168,7 +170,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise bad(name, value, "an integer or None")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "true or false")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -69,3 +69,14 @@ def tiny_llm_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Pa
     """A tiny random Llama with the default model's tokenizer: fast engine tests with real text."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llm"), "llama-gqa-untied",
                            vocab_size=len(tokenizer), tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="session")
+def make_llm(tiny_llm_dir: Path) -> Callable[..., Any]:
+    """Engine options -> a fresh LLM on the tiny model, in float32 unless ``dtype`` says otherwise."""
+    from pagedllm import LLM
+
+    def make(**options: Any) -> LLM:
+        return LLM(str(tiny_llm_dir), **{"dtype": "float32", **options})
+
+    return make

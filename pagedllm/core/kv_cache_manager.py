@@ -108,8 +108,10 @@ class KVCacheManager:
 
     # -------------------------------------------------------------------- allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+                       computed_blocks: Sequence[KVCacheBlock] = (),
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones, and ``num_lookahead_tokens``
+        slots past them (a draft model's drafts).
 
         ``computed_blocks`` are prefix-cache hits for a request that holds no blocks yet (its
         computed tokens then start after them). Returns the newly taken blocks (maybe none),
@@ -121,7 +123,8 @@ class KVCacheManager:
         if held and self.sliding_window is not None:
             self._free_outside_window(request, held)
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        needed = self.num_blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
+        needed = (self.num_blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens) - len(held)
+                  - len(computed_blocks))
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # cached but free: they leave the free queue
         copy = 1 if self._writes_into_shared_block(held, num_computed) else 0
         if max(needed, 0) + revived + copy > self.block_pool.num_free_blocks:
@@ -184,6 +187,19 @@ class KVCacheManager:
         self.req_to_blocks[child.request_id] = list(blocks)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes[: len(child.all_token_ids) // self.block_size])
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Return the request's blocks wholly past its first ``num_tokens`` slots (rejected draft tokens' slots);
+        none of them is in the prefix cache (only full blocks of the request's own tokens are)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.num_blocks_needed(num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        assert all(b.block_hash is None or b.ref_cnt > 1 for b in tail), "a cached block past the request's tokens"
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+        self._replaced_tables.add(request.request_id)
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks; the tail goes first so it is evicted first."""

@@ -15,6 +15,12 @@
 3. The other samples of an n > 1 request fork off their leader once its prompt is computed,
    sharing its blocks (the partly filled last block is copied on write later).
 
+Speculative decoding: a decoding request with draft tokens (``Request.spec_token_ids``, proposed by the
+workers after the last step) gets slots for them too, within the budget, max_tokens and max_model_len; the
+drafts count in the token budget. ``update_from_output()`` takes back the rejected ones: num_computed_tokens
+steps back and the blocks wholly past the request's tokens and its next drafts return to the pool. Only full
+blocks of accepted tokens are ever hashed for the prefix cache (drafts are not tokens of the request).
+
 The SchedulerOutput tells the workers about new requests in full, known ones by their new
 blocks (the whole table when it changed in place), forks, block copies and swaps, and the
 requests finished since the last step. ``update_from_output()`` appends the sampled tokens,
@@ -59,6 +65,14 @@ class SchedulerStats:
     num_swapped_in: int = 0
     num_forks: int = 0
     """Sequences started from another's blocks (parallel samples, beams)."""
+    spec_decode_num_drafts: int = 0
+    """Draft sequences verified (one per speculating request and step; vLLM's spec_decode_num_drafts)."""
+    spec_decode_num_draft_tokens: int = 0
+    """Draft tokens verified."""
+    spec_decode_num_accepted_tokens: int = 0
+    """Draft tokens accepted."""
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    """Per draft position (0 first): drafts accepted there."""
 
 
 @dataclass
@@ -77,8 +91,11 @@ class Scheduler:
     """Owns the request queues and the KV cache manager; decides each step's batch."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_lookahead_tokens: int = 0) -> None:
+        """``num_lookahead_tokens``: slots kept past a decoding request's scheduled tokens (a draft model
+        writes the K/V of its drafts there before they are verified)."""
         self.config = scheduler_config
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, num_host_blocks,
                                                cache_config.sliding_window)
@@ -91,6 +108,8 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         """Requests the workers knew that finished since the last schedule(): sent with the next one."""
         self._seen_by_workers: set[str] = set()
+        self._verifying: dict[str, int] = {}
+        """Request -> draft tokens scheduled in the step now running (rolled back in update_from_output)."""
         self.stats = SchedulerStats()
 
     # ----------------------------------------------------------------- requests in and out
@@ -189,21 +208,42 @@ class Scheduler:
             request = self.running[index]
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
             assert num_new > 0, "a running request always lacks at least its newest token"
-            new_blocks = self._allocate_or_preempt(request, num_new, plan)
+            drafts = self._drafts_to_verify(request, num_new, plan)
+            new_blocks = self._allocate_or_preempt(request, num_new + len(drafts), plan)
             if new_blocks is None:  # the request preempted itself
                 break
-            self._add_to_batch(request, num_new, new_blocks, plan)
+            self._add_to_batch(request, num_new + len(drafts), new_blocks, plan)
+            if drafts:
+                plan.output.scheduled_spec_decode_tokens[request.request_id] = drafts
             index += 1
+
+    def _drafts_to_verify(self, request: Request, num_new: int, plan: _StepPlan) -> list[int]:
+        """The request's draft tokens this step verifies: none unless it decodes (lacks only its newest token);
+        at most what the budget left, max_tokens and max_model_len allow (a draft that is accepted becomes an
+        output token, and one more is sampled after the last)."""
+        if not request.spec_token_ids or request.num_computed_tokens + num_new != request.num_tokens or num_new != 1:
+            return []
+        room = min(plan.token_budget - num_new, request.max_tokens - request.num_output_tokens - 1,
+                   self.config.max_model_len - request.num_tokens)
+        return request.spec_token_ids[:max(room, 0)]
 
     @staticmethod
     def _num_tokens_to_schedule(request: Request, num_computed: int, plan: _StepPlan) -> int:
         """The tokens the request lacks after ``num_computed``, as many as the step's budget leaves."""
         return min(request.num_tokens - num_computed, plan.token_budget)
 
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Slots past the scheduled tokens a draft model writes into, within the request's checked length."""
+        if not self.num_lookahead_tokens:
+            return 0
+        end = request.num_computed_tokens + num_new
+        return max(0, min(self.num_lookahead_tokens, request.num_prompt_tokens + request.max_tokens - end))
+
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
         """Allocate slots, preempting the newest running requests until it fits (or is itself preempted)."""
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new,
+                                                              num_lookahead_tokens=self._lookahead(request, num_new))
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()
@@ -254,7 +294,8 @@ class Scheduler:
         if request.prompt_logprobs is not None:  # every prompt token must be scored: compute them all
             hits, num_hit = [], 0
         num_new = self._num_tokens_to_schedule(request, num_hit, plan)
-        new_blocks = kv.allocate_slots(request, num_new, hits)
+        lookahead = self._lookahead(request, num_hit + num_new - request.num_computed_tokens)
+        new_blocks = kv.allocate_slots(request, num_new, hits, num_lookahead_tokens=lookahead)
         if new_blocks is None:
             return None
         request.num_computed_tokens = num_hit
@@ -293,6 +334,7 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         plan.preempted = True
@@ -354,6 +396,7 @@ class Scheduler:
                                  num_computed_tokens=request.num_computed_tokens, replace_table=replace)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        self._verifying = {req_id: len(drafts) for req_id, drafts in out.scheduled_spec_decode_tokens.items()}
         for req_id, num_new in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
             self.stats.num_prompt_tokens_computed += max(
@@ -380,6 +423,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or not token_ids:  # aborted meanwhile, or a prompt chunk
                 continue
+            if req_id in self._verifying:
+                self._take_back_rejected(request, self._verifying[req_id], len(token_ids) - 1)
             new_tokens: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -391,15 +436,34 @@ class Scheduler:
             if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                 prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
             results.append(EngineCoreOutput(
-                request_id=req_id, new_token_ids=new_tokens, new_logprobs=[] if logprobs is None else [logprobs],
+                request_id=req_id, new_token_ids=new_tokens,
+                new_logprobs=[] if logprobs is None else logprobs[:len(new_tokens)],
                 finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                 first_scheduled_time=request.first_scheduled_time,
                 num_cached_tokens=max(request.num_cached_tokens, 0), prompt_logprobs=prompt_logprobs))
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+            elif runner_output.spec_token_ids or req_id in self._verifying:
+                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
+                self.kv_cache_manager.trim(request, request.num_tokens + len(request.spec_token_ids))
+        self._verifying = {}
         self._refresh_gauges()
         return results
+
+    def _take_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The step verified ``num_drafts`` drafts and kept ``num_accepted``: the rejected ones' slots are no
+        longer computed tokens (their K/V are overwritten later)."""
+        assert 0 <= num_accepted <= num_drafts, (num_accepted, num_drafts)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        stats = self.stats
+        stats.spec_decode_num_drafts += 1
+        stats.spec_decode_num_draft_tokens += num_drafts
+        stats.spec_decode_num_accepted_tokens += num_accepted
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def _fail(self, req_id: str, why: str) -> EngineCoreOutput:
         """Finish one request whose own handling failed (finish_reason "error"); its blocks are free at once."""

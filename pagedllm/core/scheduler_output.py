@@ -70,6 +70,8 @@ class SchedulerOutput:
     """(device, host) blocks to copy out first (preempted by swapping)."""
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host, device) blocks to copy back in before the forward."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Request -> the draft tokens verified this step: its last ``len(drafts)`` scheduled tokens (vLLM's name)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

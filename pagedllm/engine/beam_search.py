@@ -73,8 +73,9 @@ class BeamSearchManager:
 
     def sampling_params(self, params: BeamSearchParams) -> SamplingParams:
         """What each beam request asks of the model: its top 2k log-probabilities per step."""
+        # one token per beam and step: the beams are forked from each step's top 2k, never speculated
         return SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
-                              logprobs=2 * params.beam_width)
+                              logprobs=2 * params.beam_width, speculate=False)
 
     def add(self, request_id: str, prompt: str | None, first: Request, params: BeamSearchParams) -> None:
         """Track a prompt whose first beam (``first``) the caller has queued in the scheduler."""

@@ -13,8 +13,8 @@ from typing import Any
 
 from pagedllm import platform
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
-                             ParallelConfig, SchedulerConfig, StructuredOutputsConfig, parse_cuda_graph_sizes,
-                             parse_memory)
+                             ParallelConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
+                             parse_cuda_graph_sizes, parse_memory)
 from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.parallel_state import shard_heads
@@ -64,6 +64,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     lora = _lora_config(args, parallel)
+    speculative = _speculative_config(args, parallel, arch)
     config = EngineConfig(
         model=ModelConfig(model=path, dtype=dtype, max_model_len=max_model_len, seed=args.seed,
                           load_format=args.load_format, quantization=quantization),
@@ -81,8 +82,29 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         lora=lora,
         structured_outputs=StructuredOutputsConfig(
             grammar_cache_bytes=parse_memory(args.grammar_cache_memory, "grammar_cache_memory")),
+        speculative=speculative,
     )
     return config, arch
+
+
+def _speculative_config(args: EngineArgs, parallel: ParallelConfig, arch: ArchConfig) -> SpeculativeConfig | None:
+    """speculative_config parsed and checked against the rest of the engine; None when off."""
+    spec = SpeculativeConfig.from_user(args.speculative_config)
+    if spec is None or not spec.uses_draft_model:
+        return spec
+    if parallel.tensor_parallel_size > 1:
+        raise ValidationError("a draft model runs with tensor_parallel_size 1 only (the draft is not split "
+                              "across ranks yet); ngram and suffix speculation run at any size",
+                              param="speculative_config.model", value=spec.model)
+    if not isinstance(spec.model, str) or not spec.model:
+        raise ValidationError.bad_value("speculative_config.model", spec.model, "a model folder or .gguf file")
+    path = resolve_model_path(spec.model)
+    draft = load_arch_config(path)
+    if draft.vocab_size != arch.vocab_size:
+        raise ValidationError(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the model's "
+                              f"({arch.vocab_size}): a draft must share the target's tokenizer",
+                              param="speculative_config.model", value=spec.model)
+    return dataclasses.replace(spec, model=path)
 
 
 def _lora_config(args: EngineArgs, parallel: ParallelConfig) -> LoRAConfig | None:
@@ -119,7 +141,11 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.num_host_blocks)
+        spec = config.speculative
+        # a draft model writes its drafts' K/V before they are scheduled: slots past the scheduled tokens
+        lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.num_host_blocks,
+                                   num_lookahead_tokens=lookahead)
         self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
         self._beam_seq_ids = itertools.count()
         self.loras: dict[int, LoRARequest] = {}

@@ -204,12 +204,15 @@ class OutputProcessor:
                 stopped_by_string: list[str]) -> None:
         """One sample's news: tokens, logprobs, text, stop strings, finish."""
         self._record_timing(state, seq, out, now)
-        seq.token_ids.extend(out.new_token_ids)
+        before = seq.detokenizer.num_output_tokens
+        stop = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
+        # a stop string ends the output at the token that completed it (a step may bring several: speculation)
+        new = out.new_token_ids if stop is None else out.new_token_ids[:seq.detokenizer.num_output_tokens - before]
+        seq.token_ids.extend(new)
         if seq.logprobs is not None:
-            self._add_logprobs(seq, out.new_token_ids, out.new_logprobs, state.params.logprobs)
+            self._add_logprobs(seq, new, out.new_logprobs, state.params.logprobs)
         if out.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = self._prompt_logprobs(state, out.prompt_logprobs)
-        stop = seq.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
         if stop is not None:
             if out.finish_reason is None:
                 stopped_by_string.append(out.request_id)

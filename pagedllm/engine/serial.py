@@ -26,7 +26,8 @@ _ENUM = 2
 _DATACLASSES: dict[str, type] = {cls.__name__: cls for cls in (
     SamplingParams, StructuredOutputsParams, BeamSearchParams, LoRARequest, EngineStats, config.EngineArgs,
     config.EngineConfig, config.ModelConfig, config.CacheConfig, config.SchedulerConfig, config.ParallelConfig,
-    config.DeviceConfig, config.LoRAConfig, config.StructuredOutputsConfig, outputs.EngineCoreOutput,
+    config.DeviceConfig, config.LoRAConfig, config.StructuredOutputsConfig, config.SpeculativeConfig,
+    outputs.EngineCoreOutput,
     outputs.TokenLogprobs, outputs.RequestOutput, outputs.CompletionOutput, outputs.RequestMetrics, outputs.Logprob,
     *messages.MESSAGE_TYPES)}
 _ENUMS: dict[str, type[enum.Enum]] = {cls.__name__: cls for cls in (RequestOutputKind,)}

@@ -37,9 +37,10 @@ class CachedRequestState:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int) -> StepInputs:
+def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,
+                      spec_tokens: dict[str, list[int]] | None = None) -> StepInputs:
     """Flatten the scheduled tokens of ``states`` (already in the backend builder's batch order) into
-    the step's inputs."""
+    the step's inputs; a request in ``spec_tokens`` has its draft tokens after its own."""
     n = len(states)
     query_lens = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -49,7 +50,9 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
     # position of every token: its request's start + its offset inside the request's chunk
     req_of_token = np.repeat(np.arange(n), query_lens)
     positions = starts[req_of_token] + np.arange(query_start_loc[-1]) - query_start_loc[req_of_token]
-    input_ids = np.concatenate([np.asarray(s.token_ids[c:c + q], dtype=np.int64)
+    spec_tokens = spec_tokens or {}
+    input_ids = np.concatenate([np.asarray((s.token_ids[c:] + spec_tokens[s.req_id] if s.req_id in spec_tokens
+                                            else s.token_ids[c:c + q]), dtype=np.int64)
                                 for s, c, q in zip(states, starts.tolist(), query_lens.tolist())])
     max_blocks = max(len(s.block_ids) for s in states)
     block_tables = np.zeros((n, max_blocks), dtype=np.int64)

@@ -1,6 +1,17 @@
-"""Executes one scheduled step: state update, block moves, flat inputs, forward, logits, sampling."""
+"""Executes one scheduled step: state update, block moves, flat inputs, forward, logits, sampling.
+
+With speculative decoding a request's scheduled tokens end in draft tokens: its last 1 + d rows are all
+scored, row j as if drafts[:j] were its output (penalties, min_tokens, bad words, the grammar), and each row
+draws a token exactly as a step without drafts would. The drafts are kept up to the first row whose token
+differs, and that row's token follows them: every output token is drawn from the model's own distribution
+given the tokens before it, so greedy output is unchanged and sampled output keeps its distribution. This is
+rejection sampling for a deterministic proposer (accept draft x with probability p(x), else draw from p with
+x removed), and a seeded request draws one number per output token from its generator in the same order, so
+its tokens are those it gets without speculation.
+"""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +29,8 @@ from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import DecodeGraphs, Graph
 from pagedllm.worker.input_batch import CachedRequestState, build_sampling_metadata, build_step_inputs
-from pagedllm.worker.structured_output import GrammarCompiler, apply_masks
+from pagedllm.spec_decode.speculator import Speculator
+from pagedllm.worker.structured_output import GrammarCompiler, apply_draft_masks, apply_masks
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +50,11 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, seed: int,
                  eos_token_ids: tuple[int, ...], device: torch.device | None = None,
-                 grammars: Callable[[], GrammarCompiler] | None = None, lora: LoRAManager | None = None) -> None:
+                 grammars: Callable[[], GrammarCompiler] | None = None, lora: LoRAManager | None = None,
+                 speculator: Speculator | None = None) -> None:
         self.model = model
+        self.speculator = speculator
+        """With speculative_config: drafts for the requests that sampled, verified in the next step."""
         self.lora = lora
         """With enable_lora: the adapters' slots; each step tells it which rows run which adapter."""
         self.grammars = grammars
@@ -66,7 +81,7 @@ class ModelRunner:
         With ``num_host_blocks``, a host-memory twin of each for swapped-out blocks (on a GPU it
         would be pinned CPU memory; here both pools are host memory, the code path is the same).
         """
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        layers = self._attention_layers()
         self.kv_caches, self.host_kv_caches = [], []
         pinned = self.device.type == "cuda"  # swap copies from pinned host memory run asynchronously
         for layer in layers:
@@ -79,6 +94,11 @@ class ModelRunner:
                 self.host_kv_caches.append(torch.zeros((shape[0], num_host_blocks, *shape[2:]), dtype=dtype,
                                                        pin_memory=pinned))
 
+    def _attention_layers(self) -> list[Attention]:
+        """Every attention layer with a KV tensor: the model's, then a draft model's (same block ids)."""
+        models = [self.model, *self.speculator.models()] if self.speculator is not None else [self.model]
+        return [m for model in models for m in model.modules() if isinstance(m, Attention)]
+
     def profile_run(self, num_tokens: int, dtype: torch.dtype) -> None:
         """One prompt of ``num_tokens`` tokens through the model and the sampler, on a KV pool just
         big enough, then everything of it dropped: the peak memory of a full step (GPU sizing)."""
@@ -87,10 +107,9 @@ class ModelRunner:
         req = NewRequestData(req_id="profile", prompt_token_ids=[0] * num_tokens, sampling_params=SamplingParams(),
                              block_ids=list(range(1, blocks + 1)), num_computed_tokens=0)
         self.execute_model(SchedulerOutput(scheduled_new_reqs=[req], num_scheduled_tokens={"profile": num_tokens}))
-        self.requests.clear()
-        for layer in self.model.modules():
-            if isinstance(layer, Attention):
-                layer.kv_cache = None
+        self._update_states(SchedulerOutput(finished_req_ids={"profile"}))  # the speculator forgets it too
+        for layer in self._attention_layers():
+            layer.kv_cache = None
         self.kv_caches = []
 
     def capture_model(self, sizes: tuple[int, ...], max_model_len: int,
@@ -120,7 +139,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
         order = self.builder.order(out.num_scheduled_tokens)  # the batch order the backend wants
         states = [self.requests[r] for r in order]
-        inputs = build_step_inputs(states, [out.num_scheduled_tokens[r] for r in order], self.block_size)
+        spec = out.scheduled_spec_decode_tokens
+        inputs = build_step_inputs(states, [out.num_scheduled_tokens[r] for r in order], self.block_size, spec)
         # the rows of each LoRA adapter (graphs are captured without adapters: such steps run eagerly)
         adapters = self.lora is not None and self.lora.prepare([s.lora_request for s in states],
                                                                inputs.query_start_loc.tolist())
@@ -146,9 +166,26 @@ class ModelRunner:
         for fork in out.forked_reqs:
             samplers.append(self.requests[fork.req_id])
             rows.append(row_of[fork.parent_id])
+        if spec:
+            tokens, logprobs = self._sample_with_drafts(samplers, rows, [spec.get(s.req_id, []) for s in samplers],
+                                                        hidden, inputs.logits_indices)
+        else:
+            tokens, logprobs = self._sample(samplers, rows, hidden, inputs.logits_indices)
+        for state, new in zip(samplers, tokens):
+            state.token_ids.extend(new)
+            state.num_computed_tokens = len(state.token_ids) - 1  # rejected drafts are not computed tokens
+            if state.matcher is not None:
+                self._advance_grammar(state, new)
+        drafts = {} if self.speculator is None else self.speculator.propose(samplers)
+        return ModelRunnerOutput(req_ids=[s.req_id for s in samplers], sampled_token_ids=tokens, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs, spec_token_ids=drafts)
+
+    def _sample(self, samplers: list[CachedRequestState], rows: list[int], hidden: torch.Tensor,
+                logits_indices: torch.Tensor) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """One token per sampler from its logits row (``rows[i]``: which sample row it reads)."""
         # only rows that sample; in the model's dtype: the sampler makes a float32 copy only if it must
-        logits = self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)], keep_dtype=True)
-        if len(rows) > len(inputs.sample_rows):
+        logits = self.model.compute_logits(hidden[logits_indices.to(self.device)], keep_dtype=True)
+        if len(rows) > logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
         matchers = {row: s.matcher for row, s in enumerate(samplers) if s.matcher is not None}
         if matchers:  # only the constrained rows pay: one bitmask for them all
@@ -156,16 +193,60 @@ class ModelRunner:
         md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids, self.device, self._fail)
         result = self.sampler(logits, md)
         sampled = result.sampled_token_ids.tolist()  # the step's one wait for the device
-        for state, token in zip(samplers, sampled):
-            state.token_ids.append(token)
-            if state.matcher is not None and not state.matcher.is_terminated():
-                try:
-                    state.matcher.accept_token(token)
-                except Exception as e:  # this request's grammar: it fails alone
-                    state.matcher = None
-                    self._fail(state.req_id, "advancing the request's grammar", e)
-        return ModelRunnerOutput(req_ids=[s.req_id for s in samplers], sampled_token_ids=[[t] for t in sampled],
-                                 logprobs=result.logprobs, prompt_logprobs=prompt_logprobs)
+        return [[t] for t in sampled], [None if lp is None else [lp] for lp in result.logprobs]
+
+    def _sample_with_drafts(self, samplers: list[CachedRequestState], rows: list[int], drafts: list[list[int]],
+                            hidden: torch.Tensor, logits_indices: torch.Tensor
+                            ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """Verify each sampler's drafts (module docstring): its 1 + d last rows drawn as if the drafts before
+        each were its output; the drafts kept up to the first row that draws another token, plus that token."""
+        last = logits_indices.tolist()
+        index, first, views = [], [], []
+        for state, row, d in zip(samplers, rows, drafts):
+            first.append(len(index))
+            index.extend(range(last[row] - len(d), last[row] + 1))  # a request's rows end at its last token
+            views += [state] + [dataclasses.replace(state, token_ids=state.token_ids + d[:j])
+                                for j in range(1, len(d) + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)], keep_dtype=True)
+        allowed = [len(d) for d in drafts]
+        groups = [(first[i], s.matcher, d) for i, (s, d) in enumerate(zip(samplers, drafts)) if s.matcher is not None]
+        if groups:  # each row masked as the grammar stands after the drafts before it
+            logits, fed = apply_draft_masks(logits, groups)
+            for (start, _, _), n in zip(groups, fed):
+                allowed[first.index(start)] = n
+        # a seeded sampling request draws one number per row; it must end up having drawn one per output token
+        seeded = {i: s.generator.get_state() for i, (s, d) in enumerate(zip(samplers, drafts))
+                  if d and s.generator is not None and not s.sampling_params.greedy}
+        md = build_sampling_metadata(views, self.generator, self.eos_token_ids, self.device, self._fail)
+        result = self.sampler(logits, md)
+        sampled = result.sampled_token_ids.tolist()  # the step's one wait for the device
+        tokens, logprobs = [], []
+        for i, (state, d) in enumerate(zip(samplers, drafts)):
+            start, kept = first[i], 0
+            while kept < allowed[i] and sampled[start + kept] == d[kept]:
+                kept += 1
+            tokens.append(sampled[start:start + kept + 1])
+            lps = result.logprobs[start:start + kept + 1]
+            logprobs.append(None if lps[0] is None else lps)
+            if i in seeded:
+                state.generator.set_state(seeded[i])
+                for _ in range(kept + 1):
+                    torch.rand(1, generator=state.generator, device=self.device)
+            if d and self.speculator is not None:
+                self.speculator.record(state.req_id, len(d), kept)
+        return tokens, logprobs
+
+    def _advance_grammar(self, state: CachedRequestState, tokens: list[int]) -> None:
+        """Feed the request's new tokens to its grammar; a failure fails this request alone."""
+        for token in tokens:
+            if state.matcher.is_terminated():
+                return
+            try:
+                state.matcher.accept_token(token)
+            except Exception as e:  # this request's grammar: it fails alone
+                state.matcher = None
+                self._fail(state.req_id, "advancing the request's grammar", e)
+                return
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], starts: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
@@ -186,7 +267,9 @@ class ModelRunner:
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None and self.speculator is not None:
+                self.speculator.finish(req_id, state.token_ids, state.num_prompt_tokens)
         for new in out.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids)
             generator, matcher = self._sampling_state(new.req_id, new.sampling_params, list(new.output_token_ids))
@@ -201,6 +284,8 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.replace_table and self.speculator is not None:  # a draft's K/V past there may be gone
+                self.speculator.rewind(cached.req_id, cached.num_computed_tokens)
         for fork in out.forked_reqs:
             parent = self.requests[fork.parent_id]
             generator, matcher = self._sampling_state(fork.req_id, fork.sampling_params, parent.output_token_ids)

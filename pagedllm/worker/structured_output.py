@@ -104,6 +104,11 @@ class Matcher:
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, index)
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (draft tokens checked ahead of verification)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
 
 def choice_grammar(choices: list[str]) -> str:
     """EBNF accepting exactly one of ``choices``."""
@@ -117,6 +122,36 @@ def compiler_for(model_path: str, vocab_size: int, stop_token_ids: tuple[int, ..
     share it, and so its cache); built on first use: most engines never need it."""
     from pagedllm.models.loader import load_tokenizer
     return GrammarCompiler(load_tokenizer(model_path), vocab_size, stop_token_ids, cache_bytes)
+
+
+def apply_draft_masks(logits: torch.Tensor, groups: list[tuple[int, Any, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+    """Speculative decoding: each group (first row, matcher, drafts) owns rows first .. first + len(drafts),
+    row j scoring the token after drafts[:j]. Each row is masked as the grammar stands after those drafts
+    (fed ahead, then rolled back). Returns float32 logits and, per group, how many drafts the grammar allows
+    (the rows past the first draft it refuses are never used: that draft is rejected)."""
+    xgr = _xgrammar()
+    logits = logits.float() if logits.dtype != torch.float32 else logits
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # (rows, ceil(vocab / 32)) int32
+    bitmask.fill_(-1)  # all allowed: rows without a live grammar stay as they are
+    banned: list[tuple[int, torch.Tensor]] = []
+    allowed_drafts = []
+    for first, matcher, drafts in groups:
+        fed = 0
+        for j in range(len(drafts) + 1):
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, first + j)
+            if matcher.banned is not None:
+                banned.append((first + j, matcher.banned))
+            if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                break
+            fed += 1
+        matcher.rollback(fed)
+        allowed_drafts.append(fed)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+    for row, tokens in banned:
+        logits[row, tokens.to(logits.device)] = float("-inf")
+    return logits, allowed_drafts
 
 
 def apply_masks(logits: torch.Tensor, matchers: dict[int, Any]) -> torch.Tensor:

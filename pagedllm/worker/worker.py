@@ -21,10 +21,12 @@ from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora_request import LoRARequest
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.models.config import ArchConfig
-from pagedllm.models.loader import iter_weights
+from pagedllm.models.loader import iter_weights, load_arch_config
 from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.platform.cpu import rank_cores
+from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.speculator import Speculator, make_speculator
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.structured_output import compiler_for
 
@@ -80,23 +82,17 @@ class Worker:
                                   f"{where}", param="kv_cache_dtype", value=config.cache.cache_dtype)
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
-        model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)
-        if config.model.load_format == "dummy":
-            model.to(self.device)
-            _fill_dummy_weights(model, config.model.seed)
-        else:
-            weights = iter_weights(config.model.model, arch, config.model.quantization == "gguf")
-            model.load_weights(tqdm(weights, desc="Loading weights", unit=" tensors", leave=False, dynamic_ncols=True,
-                                    disable=info.rank != 0 or None))  # one bar, not one per rank
-            model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
-        bind_ops(model, self.device)  # each layer's implementation for this device, chosen once (layers/custom_op.py)
+        model = self._load_model(config.model.model, arch, "Loading weights")
         # LoRA layers first: packing leaves gate_up unfused where one is attached
         lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
-        with int8_on_load(config.model.quantization == "int8"):
-            for module in model.modules():  # once the checkpoint is in: e.g. weights packed for the CPU GEMM
-                if hasattr(module, "process_weights_after_loading"):
-                    module.process_weights_after_loading()
-        model.eval()
+        _process_weights(model, config.model.quantization == "int8")
+        spec = config.speculative
+        self.draft_arch = None if spec is None or not spec.uses_draft_model else load_arch_config(spec.model)
+        speculator = make_speculator(spec)
+        if self.draft_arch is not None:  # its weights kept as the target's are (a GGUF draft stays quantized)
+            draft = self._load_model(spec.model, self.draft_arch, "Loading draft weights")
+            _process_weights(draft, config.model.quantization == "int8")
+            speculator = Speculator(spec, DraftModelProposer(draft, backend, config.cache.block_size, self.device))
         if config.model.quantization and info.rank == 0:
             described = describe_quantized(model)
             (logger.warning if described.startswith("no weight") else logger.info)(
@@ -104,12 +100,33 @@ class Worker:
         self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
                                         self.device, functools.partial(
                                             compiler_for, config.model.model, arch.vocab_size, tuple(eos_token_ids),
-                                            config.structured_outputs.grammar_cache_bytes), lora)
+                                            config.structured_outputs.grammar_cache_bytes), lora, speculator)
+
+    def _load_model(self, path: str, arch: ArchConfig, desc: str) -> torch.nn.Module:
+        """The model at ``path`` on this worker's device with its kernels bound (weights not yet processed)."""
+        config = self.config
+        model = get_model_class(arch)(arch, self.dtype, config.model.max_model_len)
+        if config.model.load_format == "dummy":
+            model.to(self.device)
+            _fill_dummy_weights(model, config.model.seed)
+        else:
+            quantized = config.model.quantization == "gguf" and path.endswith(".gguf")
+            model.load_weights(tqdm(iter_weights(path, arch, quantized), desc=desc, unit=" tensors", leave=False,
+                                    dynamic_ncols=True, disable=self.rank_info.rank != 0 or None))  # one bar
+            model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
+        bind_ops(model, self.device)  # each layer's implementation for this device, chosen once (layers/custom_op.py)
+        return model
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one block across all layers (K and V; an int8 cache's scales included)."""
-        a, bs = self.arch, self.config.cache.block_size
-        return 2 * a.num_layers * self.num_kv_heads * kv_quant.head_block_bytes(bs, a.head_dim, self.kv_dtype)
+        """Bytes of one block across all layers (K and V; an int8 cache's scales included), a draft model's
+        layers included (its K/V sit in the same blocks)."""
+        bs = self.config.cache.block_size
+        total = 2 * self.arch.num_layers * self.num_kv_heads * kv_quant.head_block_bytes(bs, self.arch.head_dim,
+                                                                                          self.kv_dtype)
+        if self.draft_arch is not None:
+            d = self.draft_arch
+            total += 2 * d.num_layers * d.num_kv_heads * kv_quant.head_block_bytes(bs, d.head_dim, self.kv_dtype)
+        return total
 
     def determine_num_kv_blocks(self) -> int:
         """num_kv_blocks if given, else kv_cache_memory (or the default) / bytes per block.
@@ -226,6 +243,15 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+
+def _process_weights(model: torch.nn.Module, int8: bool) -> None:
+    """Once the checkpoint is in: e.g. weights packed for the CPU GEMM, or quantized to int8."""
+    with int8_on_load(int8):
+        for module in model.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+    model.eval()
 
 
 @torch.no_grad()

@@ -179,3 +179,23 @@ def test_remove_lora(lora_llm: LLM, adapters: Callable) -> None:
     first = _tokens(lora_llm, PROMPTS[:2], lora)
     assert lora_llm.remove_lora(9) and not lora_llm.remove_lora(9) and 9 not in lora_llm.list_loras()
     assert _tokens(lora_llm, PROMPTS[:2], lora) == first  # a request adds it again
+
+
+def test_speculation_with_adapters_gives_the_merged_models_tokens(tiny_llm_dir: Path, adapters: Callable) -> None:
+    """Drafts verified under each request's adapter (mixed in one batch) keep its greedy tokens; the prompts repeat
+    themselves, so prompt lookup drafts and some drafts are accepted."""
+    folder, merged = adapters("all-r8")
+    lora = LoRARequest("all-r8", 1, str(folder))
+    llm = LLM(str(tiny_llm_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 2})
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
+                        lora_request=[lora, None] * 3)
+    base = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=128)
+    for i, (p, out) in enumerate(zip(PROMPTS, outs)):
+        want = greedy_reference(merged, p, 24) if i % 2 == 0 else \
+            base.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out.outputs[0].token_ids == want, i
+    assert llm.get_stats().spec_decode_num_accepted_tokens > 0
+    llm.shutdown()

@@ -47,6 +47,14 @@ class ServerMetrics:
                           "--max-waiting-requests) or aborted at --request-timeout ('timeout').",
                           labels + ["reason"], registry=r)
         self.refused = {reason: refused.labels(m, reason) for reason in ("overloaded", "timeout")}
+        # speculative decoding, as vLLM's spec_decode_* counters (zero when it is off)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Draft sequences verified.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_per_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft.", labels + ["position"],
+                                    registry=r)
+        self._model_name = m
         self._last = EngineStats()
 
     def on_step(self, stats: EngineStats, iteration: IterationStats) -> None:
@@ -59,6 +67,14 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions - self._last.num_preemptions)
         self.cache_queries.inc(stats.prefix_cache_queries - self._last.prefix_cache_queries)
         self.cache_hits.inc(stats.prefix_cache_hits - self._last.prefix_cache_hits)
+        self.spec_drafts.inc(stats.spec_decode_num_drafts - self._last.spec_decode_num_drafts)
+        self.spec_draft_tokens.inc(stats.spec_decode_num_draft_tokens - self._last.spec_decode_num_draft_tokens)
+        self.spec_accepted.inc(stats.spec_decode_num_accepted_tokens - self._last.spec_decode_num_accepted_tokens)
+        before = self._last.spec_decode_num_accepted_tokens_per_pos
+        for pos, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            new = count - (before[pos] if pos < len(before) else 0)
+            if new:
+                self.spec_per_pos.labels(self._model_name, str(pos)).inc(new)
         self._last = stats
         for value in iteration.time_to_first_tokens:
             self.ttft.observe(value)

@@ -75,6 +75,9 @@ class SamplingFields(OpenAIModel):
     structured_outputs: dict | None = None
     """vLLM's extra: one of {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ebnf},
     {"json_object": true}."""
+    # ours
+    speculate: bool = True
+    """With a server started with --speculative-config: false opts this request out of speculation."""
 
 
 class CompletionRequest(SamplingFields):

@@ -152,7 +152,7 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
-            structured_outputs=self.constraint(req),
+            structured_outputs=self.constraint(req), speculate=req.speculate,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
     async def add_all(self, request_id: str, prompts: list[PromptType], params: SamplingParams | BeamSearchParams,
