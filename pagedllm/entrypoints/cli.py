@@ -83,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagedllm.entrypoints.bench import memory, perplexity
     from pagedllm.entrypoints.bench import serve as bench_serve
-    from pagedllm.entrypoints.bench import throughput
+    from pagedllm.entrypoints.bench import latency, throughput
 
     throughput.add_parser(bench_sub)
+    latency.add_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
     memory.add_parser(bench_sub)
     perplexity.add_parser(bench_sub)
