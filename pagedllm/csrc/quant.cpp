@@ -417,6 +417,21 @@ void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_byt
     }
 }
 
+// The last MR (1-3) rows of a unit, in one tile: each unpacked weight chunk serves them all (a speculative step's
+// 1 + drafts rows cost about one pass over the weights, not one per row). Each row's sums are the same as alone.
+template <int QT, int MR, typename T>
+void packed_tail(const QRow& q, int64_t m, const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t two, int64_t N,
+                 int64_t K, T* out, int64_t ldc) {
+#ifndef PL_AVX512
+  if constexpr (MR > 1) {  // 16 registers: one group at a time
+    for (int64_t g = g0; g < g0 + two; ++g) packed_tile<QT, MR, 1>(q, m, w, group_bytes, g, N, K, out, ldc);
+    return;
+  }
+#endif
+  if (two == 2) packed_tile<QT, MR, 2>(q, m, w, group_bytes, g0, N, K, out, ldc);
+  else packed_tile<QT, MR, 1>(q, m, w, group_bytes, g0, N, K, out, ldc);
+}
+
 template <int QT, typename T>
 void packed_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t groups = (N + kGroup - 1) / kGroup, group_bytes = (K / 32) * Packed<QT>::kChunkBytes;
@@ -436,9 +451,11 @@ void packed_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M
       for (int64_t g = g0; g < g0 + two; ++g)  // 4 rows x 1 group: 4 int + 4 float sums, 2 weight registers
         for (int64_t m = m0; m < full; m += 4) packed_tile<QT, 4, 1>(q, m, w, group_bytes, g, N, K, out, ldc);
 #endif
-      for (int64_t m = full; m < m1; ++m) {  // the last 1-3 rows (a decode step's one row): both groups at once
-        if (two == 2) packed_tile<QT, 1, 2>(q, m, w, group_bytes, g0, N, K, out, ldc);
-        else packed_tile<QT, 1, 1>(q, m, w, group_bytes, g0, N, K, out, ldc);
+      switch (m1 - full) {  // the last 1-3 rows (a decode step's one row) in one tile
+        case 1: packed_tail<QT, 1>(q, full, w, group_bytes, g0, two, N, K, out, ldc); break;
+        case 2: packed_tail<QT, 2>(q, full, w, group_bytes, g0, two, N, K, out, ldc); break;
+        case 3: packed_tail<QT, 3>(q, full, w, group_bytes, g0, two, N, K, out, ldc); break;
+        default: break;
       }
     }
   });
