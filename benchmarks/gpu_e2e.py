@@ -102,8 +102,9 @@ def spec(device: str, shape: str, batches: list[int]) -> dict:
     result: dict = {}
     got = {}
     for name, cfg in (("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4,
-                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
-                      ("draft", {"model": str(folder), "num_speculative_tokens": 3})):
+                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                                                 "disable_by_batch_size": None}),
+                      ("draft", {"model": str(folder), "num_speculative_tokens": 3, "disable_by_batch_size": None})):
         llm = LLM(str(folder), dtype="float32", device=device, num_kv_blocks=256, max_model_len=512,
                   speculative_config=cfg)
         got[name] = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
@@ -118,7 +119,8 @@ def spec(device: str, shape: str, batches: list[int]) -> dict:
     dtype = "bfloat16" if device == "cuda" else "float32"
     rng = torch.Generator().manual_seed(0)
     for name, cfg in (("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 5,
-                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4})):
+                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                                                 "disable_by_batch_size": None})):
         llm = LLM(str(big), load_format="dummy", dtype=dtype, device=device, max_num_seqs=max(batches),
                   max_model_len=128 + 256 + 16, enable_prefix_caching=False, speculative_config=cfg)
         for batch in batches:

@@ -302,9 +302,10 @@ class SpeculativeConfig:
     """suffix: at most this many draft tokens per matched token."""
     suffix_decoding_min_token_prob: float = 0.1
     """suffix: a continuation token is proposed only while its frequency after the match is at least this."""
-    disable_by_batch_size: int | None = None
-    """No speculation in a step with more running sequences than this (the step stops being bound by reading
-    the weights, so verifying drafts is no longer nearly free); None: speculate at every batch size."""
+    disable_by_batch_size: int | None = 4
+    """No speculation in a step with more decoding sequences than this: a larger batch is no longer bound by
+    reading the weights, so verifying drafts costs their full price (measured on 2 cores with AVX-512, a copy-heavy
+    task: 1.31x at 1 sequence, 1.16x at 2, 0.99x at 4, 0.85x at 16; docs/BENCHMARKS.md); None: every batch size."""
     min_acceptance_rate: float = 0.2
     """A sequence whose drafts are accepted less often than this (moving average) stops speculating for a
     while (its back-off doubles each time it fails again); 0: never back off."""

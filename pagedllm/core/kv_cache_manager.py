@@ -196,7 +196,7 @@ class KVCacheManager:
         if blocks is None or len(blocks) <= keep:
             return
         tail = blocks[keep:]
-        assert all(b.block_hash is None or b.ref_cnt > 1 for b in tail), "a cached block past the request's tokens"
+        assert all(b.block_hash is None for b in tail), "a cached block past the request's tokens"
         del blocks[keep:]
         self.block_pool.free_blocks(reversed(tail))
         self._replaced_tables.add(request.request_id)

@@ -11,25 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagedllm.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pagedllm.worker.input_batch import CachedRequestState
 
 EMA_WEIGHT = 0.3
 """Weight of the newest step in a request's acceptance rate."""
 MIN_BACKOFF, MAX_BACKOFF = 4, 256
 """Steps a failing request skips first, and at most."""
-
-
-class DraftState(Protocol):
-    """What the policy reads of a worker's request state (worker/input_batch.CachedRequestState)."""
-
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-
-    @property
-    def sampling_params(self): ...  # noqa: ANN201 - a SamplingParams
 
 
 class TokenProposer(Protocol):
@@ -43,7 +37,7 @@ class TokenProposer(Protocol):
 class BatchProposer(Protocol):
     """A proposer that drafts for a whole batch at once (the draft model)."""
 
-    def propose_batch(self, states: list, num_tokens: int) -> dict[str, list[int]]: ...
+    def propose_batch(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]: ...
 
     def finish(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None: ...
 
@@ -66,7 +60,7 @@ class Speculator:
         self.proposer = proposer
         self.records: dict[str, _Record] = {}
 
-    def propose(self, states: list) -> dict[str, list[int]]:
+    def propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
         """Drafts (possibly empty) for ``states``, the requests that sampled this step."""
         limit = self.config.disable_by_batch_size
         if not states or (limit is not None and len(states) > limit):
@@ -104,7 +98,7 @@ class Speculator:
         elif num_accepted:
             record.backoff //= 2
 
-    def models(self) -> list:
+    def models(self) -> list[nn.Module]:
         """The proposer's model (a draft model's attention layers get KV tensors), if it has one."""
         model = getattr(self.proposer, "model", None)
         return [] if model is None else [model]

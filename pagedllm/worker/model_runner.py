@@ -209,11 +209,11 @@ class ModelRunner:
                                 for j in range(1, len(d) + 1)]
         logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)], keep_dtype=True)
         allowed = [len(d) for d in drafts]
-        groups = [(first[i], s.matcher, d) for i, (s, d) in enumerate(zip(samplers, drafts)) if s.matcher is not None]
-        if groups:  # each row masked as the grammar stands after the drafts before it
-            logits, fed = apply_draft_masks(logits, groups)
-            for (start, _, _), n in zip(groups, fed):
-                allowed[first.index(start)] = n
+        constrained = [i for i, s in enumerate(samplers) if s.matcher is not None]
+        if constrained:  # each row masked as the grammar stands after the drafts before it
+            logits, fed = apply_draft_masks(logits, [(first[i], samplers[i].matcher, drafts[i]) for i in constrained])
+            for i, n in zip(constrained, fed):
+                allowed[i] = n
         # a seeded sampling request draws one number per row; it must end up having drawn one per output token
         seeded = {i: s.generator.get_state() for i, (s, d) in enumerate(zip(samplers, drafts))
                   if d and s.generator is not None and not s.sampling_params.greedy}

@@ -188,7 +188,7 @@ def test_speculation_with_adapters_gives_the_merged_models_tokens(tiny_llm_dir: 
     lora = LoRARequest("all-r8", 1, str(folder))
     llm = LLM(str(tiny_llm_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=128,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 2})
+                                  "prompt_lookup_max": 2, "disable_by_batch_size": None})
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False,
                         lora_request=[lora, None] * 3)

@@ -29,8 +29,10 @@ PROMPTS = ["one two three four five six one two three four five six one two thre
            "Hello",
            "A B C D E F G A B C D E F G A B C D E F G A B C"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
+# every batch size speculates (the default stops above 4 sequences; these tests run 5 and more)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": None}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6, "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +87,9 @@ def _spec(llm: LLM) -> tuple[int, int, int]:
 def test_greedy_output_is_unchanged(make_llm: Callable[..., LLM], reference_greedy: list, tiny_llm_dir: Path,
                                     noisy_draft_dir: Path, method: str) -> None:
     config = {"ngram": NGRAM, "suffix": SUFFIX,
-              "draft=target": {"model": str(tiny_llm_dir), "num_speculative_tokens": 3},
-              "draft=perturbed": {"model": str(noisy_draft_dir), "num_speculative_tokens": 3}}[method]
+              "draft=target": {"model": str(tiny_llm_dir), "num_speculative_tokens": 3, "disable_by_batch_size": None},
+              "draft=perturbed": {"model": str(noisy_draft_dir), "num_speculative_tokens": 3,
+                                  "disable_by_batch_size": None}}[method]
     llm = make_llm(speculative_config=config)
     assert _tokens(llm, PROMPTS, GREEDY) == reference_greedy
     drafts, draft_tokens, accepted = _spec(llm)
@@ -107,7 +110,8 @@ def test_greedy_output_is_unchanged(make_llm: Callable[..., LLM], reference_gree
 @pytest.mark.parametrize("draft", [False, True], ids=["ngram", "draft-model"])
 def test_greedy_unchanged_under_preemption_and_chunking(make_llm: Callable[..., LLM], reference_greedy: list,
                                                         noisy_draft_dir: Path, options: dict, draft: bool) -> None:
-    config = {"model": str(noisy_draft_dir), "num_speculative_tokens": 3} if draft else NGRAM
+    config = {"model": str(noisy_draft_dir), "num_speculative_tokens": 3, "disable_by_batch_size": None} if draft \
+        else NGRAM
     llm = make_llm(speculative_config=config, **options)
     assert _tokens(llm, PROMPTS, GREEDY) == reference_greedy
     stats = llm.get_stats()
@@ -172,7 +176,7 @@ def test_first_tokens_keep_the_distribution(tiny_model: Callable[[str], Path], n
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 10]] * 1500
     counts = []
-    for config in (None, {"model": str(model), "num_speculative_tokens": 2}):
+    for config in (None, {"model": str(model), "num_speculative_tokens": 2, "disable_by_batch_size": None}):
         llm = LLM(str(model), dtype="float32", seed=1 if config else 2, speculative_config=config)
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         counts.append(Counter(tuple(o.outputs[0].token_ids) for o in out))
