@@ -2,10 +2,10 @@
 prompts of benchmarks/spec_decode.py, with and without it. Run with the llama-cpp peer's Python
 (../shared/peers/README.md), on the prompts that spec_decode.py exports (chat-templated token ids):
 
-    .venv/bin/python benchmarks/spec_decode.py --export-prompts /tmp/prompts.json --workloads none
+    .venv/bin/python benchmarks/spec_decode.py --export-prompts prompts.json --workloads none
     GGUF=$(.venv/bin/python -c 'from pagedllm.models.loader import resolve_model_path as r; print(r(None))')
     ~/.cache/pagedllm-peers/llama-cpp/bin/python benchmarks/spec_decode_llamacpp.py --gguf "$GGUF" \\
-        --prompts /tmp/prompts.json --rounds 3 --max-tokens 384 --num-pred-tokens 2,10
+        --prompts prompts.json --rounds 3 --max-tokens 384 --num-pred-tokens 2,10
 
 (`benchmarks/spec_decode.py --llamacpp-python PATH` runs it for you.) One Llama per configuration
 (all loaded first): `none` (no draft model) and `lookup-N` for each --num-pred-tokens N

@@ -9,6 +9,7 @@ again and halves back when it succeeds.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from pagedllm.worker.input_batch import CachedRequestState
+
+logger = logging.getLogger(__name__)
 
 EMA_WEIGHT = 0.3
 """Weight of the newest step in a request's acceptance rate."""
@@ -75,11 +78,21 @@ class Speculator:
                 continue
             eligible.append(state)
         k = self.config.num_speculative_tokens
+        # drafts only ever save time: a proposer that fails costs its requests their drafts, never their tokens
         if hasattr(self.proposer, "propose_batch"):
-            return self.proposer.propose_batch(eligible, k) if eligible else {}
+            try:
+                return self.proposer.propose_batch(eligible, k) if eligible else {}
+            except Exception as e:
+                logger.warning("the draft model failed to propose (no drafts this step): %r", e, exc_info=True)
+                return {}
         drafts = {}
         for state in eligible:
-            tokens = self.proposer.propose(state.req_id, state.token_ids, k)
+            try:
+                tokens = self.proposer.propose(state.req_id, state.token_ids, k)
+            except Exception as e:
+                logger.warning("request %s: proposing drafts failed (none this step): %r", state.req_id, e,
+                               exc_info=True)
+                continue
             if tokens:
                 drafts[state.req_id] = tokens
         return drafts
@@ -122,11 +135,9 @@ def make_speculator(config: SpeculativeConfig | None) -> Speculator | None:
     if config.method == "ngram":
         from pagedllm.spec_decode.ngram import NgramProposer
         return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
-    if config.method == "suffix":
-        from pagedllm.spec_decode.suffix import SuffixProposer
-        return Speculator(config, SuffixProposer(
-            max_tree_depth=config.suffix_decoding_max_tree_depth,
-            max_cached_requests=config.suffix_decoding_max_cached_requests,
-            max_spec_factor=config.suffix_decoding_max_spec_factor,
-            min_token_prob=config.suffix_decoding_min_token_prob))
-    raise AssertionError(f"the worker builds the {config.method} proposer")
+    from pagedllm.spec_decode.suffix import SuffixProposer  # the one method left (SPEC_METHODS)
+    return Speculator(config, SuffixProposer(
+        max_tree_depth=config.suffix_decoding_max_tree_depth,
+        max_cached_requests=config.suffix_decoding_max_cached_requests,
+        max_spec_factor=config.suffix_decoding_max_spec_factor,
+        min_token_prob=config.suffix_decoding_min_token_prob))

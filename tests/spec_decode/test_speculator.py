@@ -69,3 +69,14 @@ def test_no_back_off_at_a_zero_floor() -> None:
     for _ in range(50):
         assert spec.propose([State("a")]) == {"a": [3, 3, 3]}
         spec.record("a", 3, 0)
+
+
+def test_a_failing_proposer_costs_only_that_requests_drafts() -> None:
+    class Flaky(Echo):
+        def propose(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+            if req_id == "bad":
+                raise RuntimeError("broken index")
+            return super().propose(req_id, token_ids, num_tokens)
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=2), Flaky())
+    assert spec.propose([State("bad"), State("good")]) == {"good": [3, 3]}
