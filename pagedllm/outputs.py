@@ -43,6 +43,8 @@ class ModelRunnerOutput:
     finishes it with an error; the other requests of the step are not touched."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Request -> draft tokens proposed to follow its tokens (speculative decoding), verified next step."""
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    """Pooling request -> its vector (embedding, class probabilities, score): the request is done."""
 
 
 @dataclass(kw_only=True)
@@ -62,6 +64,8 @@ class EngineCoreOutput:
     """With a request's first token: the log-probabilities of prompt tokens 1 .. P-1 (prompt_logprobs)."""
     error: str | None = None
     """With finish_reason "error": what failed (this request alone; the engine goes on)."""
+    pooling_output: list[float] | None = None
+    """A pooling request's vector (it comes with the finish)."""
 
     @property
     def finished(self) -> bool:
@@ -131,3 +135,82 @@ class BeamSearchOutput:
     """The beams of one prompt, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (vLLM's ``PoolingOutput``): an embedding, class probabilities or a score."""
+
+    data: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request (vLLM's fields): ``outputs.data`` is its vector."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    error: str | None = None
+    """Set when the engine failed this request alone (the server answers it as an error)."""
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """Class probabilities (raw logits with use_activation=False), in label order (vLLM's ``ClassificationOutput``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """The score of one pair (vLLM's ``ScoringOutput``): a cross-encoder's, or the cosine of two embeddings."""
+
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s answer per prompt (vLLM's fields)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s answer per prompt (vLLM's fields)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s answer per pair (vLLM's fields)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

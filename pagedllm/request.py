@@ -7,6 +7,7 @@ import enum
 import time
 
 from pagedllm.lora_request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -56,7 +57,11 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
+        """A pooling request (``pooling_params`` set) carries a neutral ``sampling_params`` and max_tokens 0: it
+        is computed whole in one step and ends with its vector, never sampling."""
         assert prompt_token_ids, "validated before a Request is made"
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,6 +93,10 @@ class Request:
         self.prompt_logprobs_sent = False
         self.spec_token_ids: list[int] = []
         """Draft tokens the proposer offered after the last step (verified in the next one, if scheduled)."""
+        self.pooling_params = pooling_params
+        """Set for a pooling request (embedding, classification, score): its output is one vector."""
+        self.token_type_ids = token_type_ids
+        """Per prompt token, its segment (BERT-style pair inputs of cross-encoders); None: all 0."""
 
     @property
     def block_hash_salt(self) -> str | None:

@@ -96,7 +96,10 @@ class Scheduler:
         writes the K/V of its drafts there before they are verified)."""
         self.config = scheduler_config
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, cache_config.block_size,
+        self.needs_kv_cache = num_kv_blocks > 0
+        """False for an encoder-only pooling model (no KV pool: 0 blocks): requests take no blocks."""
+        # without a pool the manager is a stand-in of two blocks that no request ever takes
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks if self.needs_kv_cache else 2, cache_config.block_size,
                                                cache_config.enable_prefix_caching, num_host_blocks,
                                                cache_config.sliding_window)
         self.requests: dict[str, Request] = {}
@@ -134,6 +137,13 @@ class Scheduler:
 
     def _check_fits(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        if request.pooling_params is not None and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise ValidationError(  # pooled inputs are never chunked: one step must hold the whole input
+                f"the input has {request.num_prompt_tokens} tokens but one step holds at most "
+                f"{self.config.max_num_batched_tokens} (max_num_batched_tokens)", param="input",
+                value=request.num_prompt_tokens)
+        if not self.needs_kv_cache:
+            return
         max_len = request.num_prompt_tokens + request.max_tokens
         needed = self.kv_cache_manager.max_blocks_held(max_len, self.config.max_num_batched_tokens)
         usable = self.kv_cache_manager.block_pool.num_usable_blocks
@@ -290,8 +300,14 @@ class Scheduler:
         Returns the tokens to schedule and the newly taken blocks, or None if the pool is short.
         """
         kv = self.kv_cache_manager
+        if request.pooling_params is not None:  # every token's hidden state is pooled: all computed, in one step
+            if request.num_tokens > plan.token_budget:
+                return None
+            if not self.needs_kv_cache:  # an encoder: no blocks at all
+                request.num_computed_tokens = request.num_cached_tokens = 0
+                return request.num_tokens, []
         hits, num_hit = kv.get_computed_blocks(request)
-        if request.prompt_logprobs is not None:  # every prompt token must be scored: compute them all
+        if request.prompt_logprobs is not None or request.pooling_params is not None:  # every token computed
             hits, num_hit = [], 0
         num_new = self._num_tokens_to_schedule(request, num_hit, plan)
         lookahead = self._lookahead(request, num_hit + num_new - request.num_computed_tokens)
@@ -385,7 +401,8 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens, output_token_ids=request.output_token_ids,
-            lora_request=request.lora_request)
+            lora_request=request.lora_request, pooling_params=request.pooling_params,
+            token_type_ids=request.token_type_ids)
 
     def _cached_request_data(self, request: Request, new_blocks: list[KVCacheBlock]) -> CachedRequestData:
         """A known request's new blocks, or its whole table when the table changed in place."""
@@ -414,6 +431,15 @@ class Scheduler:
         next schedule()'s ``finished_req_ids``.
         """
         results = [self._fail(req_id, why) for req_id, why in runner_output.failed.items() if req_id in self.requests]
+        for req_id, vector in runner_output.pooler_output.items():
+            request = self.requests.get(req_id)
+            if request is None:  # aborted meanwhile
+                continue
+            request.status = RequestStatus.FINISHED_STOPPED
+            results.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason="stop",
+                                            first_scheduled_time=request.first_scheduled_time, pooling_output=vector))
+            self.running.remove(request)
+            self._free_request(request)
         for req_id, (start, entries) in runner_output.prompt_logprobs.items():
             request = self.requests.get(req_id)
             if request is not None and request.prompt_logprobs is not None:  # a recompute scores them again

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.lora_request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -23,6 +24,10 @@ class NewRequestData:
     """Tokens generated before the workers saw it (beams forked mid-generation)."""
     lora_request: LoRARequest | None = None
     """The adapter it runs with (forked samples run with their leader's)."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request's parameters (it is pooled, not sampled)."""
+    token_type_ids: list[int] | None = None
+    """Per prompt token, its segment (cross-encoder pairs); None: all 0."""
 
 
 @dataclass(kw_only=True)

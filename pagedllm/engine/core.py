@@ -9,11 +9,12 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 from typing import Any
 
 from pagedllm import platform
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
-                             ParallelConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
+                             ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
                              parse_cuda_graph_sizes, parse_memory)
 from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler
@@ -27,8 +28,10 @@ from pagedllm.executor.factory import get_executor_class
 from pagedllm.layers import cpu_ops
 from pagedllm.lora_request import LoRARequest
 from pagedllm.models.config import ArchConfig
-from pagedllm.models.loader import (load_arch_config, load_eos_token_ids, load_tokenizer, quantized_formats,
-                                    resolve_model_path)
+from pagedllm.models.loader import (load_arch_config, load_eos_token_ids, load_tokenizer, matryoshka_dimensions,
+                                    quantized_formats, resolve_model_path)
+from pagedllm.models.loader.sentence_transformers import read_sentence_transformers_config
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.structured_output import compiler_for
@@ -51,8 +54,10 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     dtype = args.dtype
     if dtype == "auto":  # a GPU computes in bf16 natively; a CPU: what its kernels run fastest
         dtype = "bfloat16" if device == "cuda" else platform.default_dtype()
-    limit = arch.max_position_embeddings
-    max_model_len = limit if args.max_model_len is None else args.max_model_len
+    pooling = _pooling_setup(args, path, arch)
+    limit = arch.max_position_embeddings - arch_position_offset(arch)
+    default_len = limit if pooling.max_seq_length is None else min(limit, pooling.max_seq_length)
+    max_model_len = default_len if args.max_model_len is None else args.max_model_len
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
         raise ValidationError.bad_value("max_model_len", max_model_len,
                                         f"an integer in [1, the model's context length {limit}]")
@@ -65,15 +70,27 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     lora = _lora_config(args, parallel)
     speculative = _speculative_config(args, parallel, arch)
+    if pooling.runner == "pooling":
+        for name, value, off in (("speculative_config", speculative, None), ("enable_lora", lora, None)):
+            if value is not off:
+                raise ValidationError(f"{name} is for generating models: a pooling model ({pooling.convert}) "
+                                      "does not take it", param=name, value=getattr(args, name))
+    # a pooled input is never chunked (every token's hidden state is needed at once): a step holds the longest
+    max_batched = max(args.max_num_batched_tokens, max_model_len) if pooling.runner == "pooling" \
+        else args.max_num_batched_tokens
     config = EngineConfig(
         model=ModelConfig(model=path, dtype=dtype, max_model_len=max_model_len, seed=args.seed,
-                          load_format=args.load_format, quantization=quantization),
+                          load_format=args.load_format, quantization=quantization, runner=pooling.runner,
+                          convert=pooling.convert, pooler=pooling.pooler, encoder_only=arch.is_encoder_only,
+                          labels=_labels(arch) if pooling.convert == "classify" else ()),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=kv_memory, num_kv_blocks=args.num_kv_blocks,
-                          enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space,
+                          # pooled inputs want every token's hidden state: a cached prefix would skip some
+                          enable_prefix_caching=args.enable_prefix_caching and pooling.runner != "pooling",
+                          swap_space=args.swap_space,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           sliding_window=arch.sliding_window if arch.every_layer_slides else None,
                           cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                   max_model_len=max_model_len, preemption_mode=args.preemption_mode,
                                   max_loras=lora.max_loras if lora else None),
         parallel=parallel,
@@ -85,6 +102,65 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         speculative=speculative,
     )
     return config, arch
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pooling:
+    runner: str
+    convert: str
+    pooler: PoolerConfig | None
+    max_seq_length: int | None
+
+
+def arch_position_offset(arch: ArchConfig) -> int:
+    """Position slots a model uses before a sequence's first token (RoBERTa: pad_token_id + 1)."""
+    return getattr(arch, "position_offset", 0)
+
+
+def _pooling_setup(args: EngineArgs, path: str, arch: ArchConfig) -> _Pooling:
+    """runner and convert resolved as vLLM does ("auto": pooling for sentence-transformers folders, encoder-only
+    models and *ForSequenceClassification checkpoints), and the pooling from the folder's sentence-transformers
+    config (else CLS for encoders, LAST for decoders; normalized) with pooler_config over it."""
+    st = read_sentence_transformers_config(path)
+    encoder, classifier = arch.is_encoder_only, arch.architecture.endswith("ForSequenceClassification")
+    runner = args.runner
+    if runner not in ("auto", "generate", "pooling"):
+        raise ValidationError.bad_value("runner", runner, "'auto', 'generate' or 'pooling'")
+    if runner == "auto":
+        runner = "pooling" if st is not None or encoder or classifier else "generate"
+    convert = args.convert
+    if convert not in ("auto", "none", "embed", "classify"):
+        raise ValidationError.bad_value("convert", convert, "'auto', 'none', 'embed' or 'classify'")
+    if runner == "generate":
+        if encoder or classifier:
+            raise ValidationError(f"{arch.architecture} does not generate text: serve it with runner='pooling' "
+                                  "(--runner pooling) for embeddings, classes or scores", param="runner",
+                                  value=args.runner)
+        if convert not in ("auto", "none"):
+            raise ValidationError.bad_value("convert", convert, "'none' (or 'auto') with runner 'generate'")
+        if args.pooler_config is not None:
+            raise ValidationError.bad_value("pooler_config", args.pooler_config, "None with runner 'generate'")
+        return _Pooling("generate", "none", None, None)
+    if convert == "auto":
+        convert = "classify" if classifier else "embed"
+    if convert == "none":
+        raise ValidationError.bad_value("convert", convert, "'embed', 'classify' or 'auto' with runner 'pooling'")
+    if convert == "classify" and not classifier:
+        raise ValidationError(f"convert='classify' needs a classification head (*ForSequenceClassification); "
+                              f"{arch.architecture} has none: use convert='embed'", param="convert", value=convert)
+    if args.tensor_parallel_size != 1 and encoder:
+        raise ValidationError.bad_value("tensor_parallel_size", args.tensor_parallel_size,
+                                        f"1 for {arch.architecture} (encoders are not split across ranks)")
+    base = PoolerConfig(pooling_type=st.pooling_type if st else ("CLS" if encoder else "LAST"),
+                        normalize=st.normalize if st else True, matryoshka_dimensions=matryoshka_dimensions(path))
+    return _Pooling("pooling", convert, PoolerConfig.from_user(base, args.pooler_config),
+                    st.max_seq_length if st else None)
+
+
+def _labels(arch: ArchConfig) -> tuple[str, ...]:
+    """A classifier's label names in output order."""
+    names = tuple(arch.id2label)
+    return names if len(names) == arch.num_labels else tuple(f"LABEL_{i}" for i in range(arch.num_labels))
 
 
 def _speculative_config(args: EngineArgs, parallel: ParallelConfig, arch: ArchConfig) -> SpeculativeConfig | None:
@@ -120,11 +196,43 @@ def _lora_config(args: EngineArgs, parallel: ParallelConfig) -> LoRAConfig | Non
     return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
+def resolve_pooling_params(params: PoolingParams, model: ModelConfig, hidden_size: int) -> PoolingParams:
+    """A pooling request's parameters checked against the model, with its defaults filled in: task "embed" or
+    "classify" (what the workers run; "score" is the one the model scores pairs with), normalize and
+    use_activation decided."""
+    tasks = model.pooling_tasks
+    task = params.task or tasks[0]
+    if task not in tasks:
+        use = {"embed": "/v1/embeddings (LLM.embed)", "classify": "/classify (LLM.classify)"}[tasks[0]]
+        raise ValidationError(f"this model does not support the pooling task {task!r} (it supports {list(tasks)}): "
+                              f"use {use}", param="task", value=task)
+    run = tasks[0]  # a pair is scored by the model's own task: embeddings' cosine, or the cross-encoder's logit
+    bad = ValidationError.bad_value
+    if run == "embed":
+        if params.use_activation is not None:
+            raise bad("use_activation", params.use_activation, "null for embeddings (it is for classes and scores)")
+        dims, trained = params.dimensions, model.pooler.matryoshka_dimensions
+        if dims is not None and dims != hidden_size:
+            if trained is None:
+                raise ValidationError(f"this model does not support Matryoshka embeddings: dimensions must be "
+                                      f"{hidden_size} (its size) or left out, got {dims}", param="dimensions",
+                                      value=dims)
+            if dims > hidden_size or (trained and dims not in trained):
+                raise bad("dimensions", dims, f"one of {list(trained) or f'1 .. {hidden_size}'}")
+        normalize = model.pooler.normalize if params.normalize is None else params.normalize
+        return dataclasses.replace(params, task=run, normalize=normalize)
+    for name in ("dimensions", "normalize"):
+        if getattr(params, name) is not None:
+            raise bad(name, getattr(params, name), "null for classification and scores (it is for embeddings)")
+    return dataclasses.replace(params, task=run, use_activation=params.use_activation is not False)
+
+
 class EngineCore:
     """Schedules and runs batches of tokenized requests; see the module docstring."""
 
     def __init__(self, config: EngineConfig, arch: ArchConfig, tokenizer: Any) -> None:
         self.config = config
+        self.hidden_size = arch.hidden_size
         self.last_step_features: list[float] = []
         """Scheduler.step_features of the last step (the step-time log of `pagedllm serve --step-log`)."""
         eos = load_eos_token_ids(config.model.model, arch, tokenizer)
@@ -160,8 +268,11 @@ class EngineCore:
     # ----------------------------------------------------------------------- requests
     def add_request(self, request: AddRequest) -> None:
         """Check the parameters against the model and queue the samples; on an error nothing is queued."""
+        if isinstance(request.params, PoolingParams):
+            return self._add_pooling_request(request)
         if not isinstance(request.params, SamplingParams):
             raise ValidationError.bad_value("sampling_params", request.params, "a SamplingParams")
+        self._check_generates("a text generation request")
         try:
             if request.lora_request is not None:
                 self.add_lora(request.lora_request)
@@ -173,6 +284,29 @@ class EngineCore:
             self.scheduler.finish_requests(request.seq_ids, RequestStatus.FINISHED_ABORTED)  # none of it left queued
             raise
 
+    def _check_generates(self, what: str) -> None:
+        """ValidationError naming the endpoint to use when this is a pooling model."""
+        model = self.config.model
+        if model.runner == "pooling":
+            use = "/v1/embeddings (LLM.embed)" if model.convert == "embed" else "/classify or /v1/score (LLM.classify)"
+            raise ValidationError(f"this model is a pooling model ({model.convert}): it does not take {what}; "
+                                  f"use {use}, or /v1/score and /rerank for pairs", param="model",
+                                  value=os.path.basename(model.model))
+
+    def _add_pooling_request(self, request: AddRequest) -> None:
+        model = self.config.model
+        if model.runner != "pooling":
+            raise ValidationError("this model generates text: embeddings, classes and scores need a pooling model "
+                                  "(serve one with --runner pooling; --convert embed makes this one an embedder)",
+                                  param="model", value=os.path.basename(model.model))
+        if request.lora_request is not None:
+            raise ValidationError.bad_value("lora_request", request.lora_request, "None for a pooling model")
+        params = resolve_pooling_params(request.params, model, self.hidden_size)
+        [seq_id] = request.seq_ids
+        pooled = self.processor.pooling_request(seq_id, request.prompt_ids, params, request.arrival_time,
+                                                request.token_type_ids)
+        self.scheduler.add_request(pooled)
+
     def add_beam_search(self, request: AddBeamSearch) -> None:
         """Queue a beam search; its one RequestOutput (the beam_width best sequences, best first) comes out of
         step() when it ends."""
@@ -182,6 +316,7 @@ class EngineCore:
         if request.request_id in self.beam_search.groups:
             raise ValidationError(f"request id {request.request_id!r} is already in use", param="request_id",
                                   value=request.request_id)
+        self._check_generates("beam search")
         if 2 * params.beam_width > MAX_LOGPROBS:
             raise ValidationError.bad_value("beam_width", params.beam_width, f"<= {MAX_LOGPROBS // 2}")
         seq_params = self.beam_search.sampling_params(params)

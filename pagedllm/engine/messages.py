@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineArgs, EngineConfig
     from pagedllm.lora_request import LoRARequest
     from pagedllm.outputs import EngineCoreOutput, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -48,10 +49,13 @@ class AddRequest:
     request_id: str
     seq_ids: list[str]
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
+    """PoolingParams: a pooling request (one sample, its vector out)."""
     arrival_time: float
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    token_type_ids: list[int] | None = None
+    """A pooling request's segment ids (cross-encoder pairs)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import (CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics, RequestOutput,
-                              TokenLogprobs)
+from pagedllm.outputs import (CompletionOutput, EngineCoreOutput, Logprob, PoolingOutput, PoolingRequestOutput,
+                              RequestMetrics, RequestOutput, TokenLogprobs)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class SequenceState:
     """One sample of a request, as the user will see it."""
 
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
+    """None for a pooling request (no text)."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -92,13 +94,19 @@ class RequestState:
     prompt_logprobs_reported: bool = False
     error: str | None = None
     """Why the request failed (one of its samples' handling raised): every sample then ends with "error"."""
+    pooled: list[float] | None = None
+    """A pooling request's vector, once the engine sent it."""
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences.values())
 
-    def output(self) -> RequestOutput | None:
-        """This step's RequestOutput in the request's output kind (None: nothing to report)."""
+    def output(self) -> RequestOutput | PoolingRequestOutput | None:
+        """This step's RequestOutput in the request's output kind (None: nothing to report); a pooling
+        request's PoolingRequestOutput when it is done."""
+        if isinstance(self.params, PoolingParams):
+            return PoolingRequestOutput(self.request_id, PoolingOutput(self.pooled or []), self.prompt_token_ids,
+                                        True, self.prompt, self.error) if self.finished else None
         kind = self.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
@@ -126,11 +134,14 @@ class OutputProcessor:
         self.iteration_stats = IterationStats()
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, seq_ids: list[str], arrival_time: float) -> None:
+                    params: SamplingParams | PoolingParams, seq_ids: list[str], arrival_time: float) -> None:
         sequences = {}
         for index, seq_id in enumerate(seq_ids):
-            seq = SequenceState(index, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params))
-            if params.logprobs is not None:
+            # a pooling request's one sequence has no text: its vector comes whole with the finish
+            detokenizer = None if isinstance(params, PoolingParams) else \
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            seq = SequenceState(index, detokenizer)
+            if detokenizer is not None and params.logprobs is not None:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
             sequences[seq_id] = seq
             self.seq_to_request[seq_id] = request_id
@@ -184,6 +195,11 @@ class OutputProcessor:
             changed[state.request_id] = state
             if out.error is not None:
                 stopped_by_string += self._fail(state, out.error, now)
+                continue
+            if out.pooling_output is not None:
+                self._record_timing(state, seq, out, now)
+                state.pooled, seq.finish_reason = out.pooling_output, out.finish_reason or "stop"
+                self._record_finished(state, seq, now)
                 continue
             try:
                 self._update(state, seq, out, now, stopped_by_string)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.engine.messages import AddBeamSearch, AddRequest
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, check_refs
 
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
 
 #: Most top log-probabilities one request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+#: What a pooling request carries as its sampling parameters: it never samples.
+_NO_SAMPLING = SamplingParams(max_tokens=1)
 
 PromptType = str | dict[str, Any]
 
@@ -50,8 +53,12 @@ class Processor:
         """The structured-output compiler (shared with an in-process worker: one cache), made on the first
         constrained request; None: one of this processor's own."""
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a string, {"prompt": ...} or {"prompt_token_ids": [...]}."""
+    def tokenize_prompt(self, prompt: PromptType, truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a string, {"prompt": ...} or {"prompt_token_ids": [...]}.
+
+        ``truncate`` (a pooling request's truncate_prompt_tokens; -1: max_model_len): text is cut by the
+        tokenizer to that many tokens (its truncation side, special tokens kept), token ids keep their last ones."""
+        limit = None if truncate is None else (self.max_model_len if truncate == -1 else truncate)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
@@ -63,12 +70,19 @@ class Processor:
                     f"prompt_token_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
                     param="prompt_token_ids", value=bad[0])
             text = prompt.get("prompt")
+            if limit is not None:
+                ids = ids[-limit:]
         else:
             text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
             if not isinstance(text, str):
                 raise ValidationError.bad_value("prompt", prompt,
                                                 "a string, {'prompt': str} or {'prompt_token_ids': [...]}")
-            ids = self.tokenizer.encode(text) if text else []
+            if not text:
+                ids = []
+            elif limit is None:
+                ids = self.tokenizer.encode(text)
+            else:
+                ids = self.tokenizer(text, truncation=True, max_length=limit)["input_ids"]
         if not ids:
             raise ValidationError("prompt must not be empty", param="prompt", value=prompt)
         return text, list(ids)
@@ -79,6 +93,12 @@ class Processor:
         """A front end's request as its engine core takes it: (prompt text, the tokenized request); a beam
         search with BeamSearchParams, else ``params.n`` samples, each id "n:request_id" with n from ``seq_counter``
         (front-made: users' ids can never collide with them)."""
+        if isinstance(params, PoolingParams):
+            text, prompt_ids = self.tokenize_prompt(prompt, params.truncate_prompt_tokens)
+            types = self.token_type_ids(prompt, len(prompt_ids))
+            return text, AddRequest(request_id=request_id, seq_ids=[f"{next(seq_counter)}:{request_id}"],
+                                    prompt_ids=prompt_ids, params=params, arrival_time=arrival_time,
+                                    lora_request=lora_request, token_type_ids=types)
         text, prompt_ids = self.tokenize_prompt(prompt)
         if isinstance(params, BeamSearchParams):
             return text, AddBeamSearch(request_id=request_id, text=text, prompt_ids=prompt_ids, params=params,
@@ -90,6 +110,30 @@ class Processor:
         return text, AddRequest(request_id=request_id, seq_ids=seq_ids,
                                 prompt_ids=prompt_ids, params=params, arrival_time=arrival_time,
                                 cache_salt=cache_salt, lora_request=lora_request)
+
+    @staticmethod
+    def token_type_ids(prompt: PromptType, num_tokens: int) -> list[int] | None:
+        """A tokenized pair's segment ids ({"prompt_token_ids": ..., "token_type_ids": ...}), cut as the ids were
+        (their last ones); None when the prompt has none."""
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is None:
+            return None
+        if not isinstance(types, (list, tuple)) or "prompt_token_ids" not in prompt or \
+                len(types) != len(prompt["prompt_token_ids"]) or any(t not in (0, 1) for t in types):
+            raise ValidationError.bad_value("token_type_ids", types, "0s and 1s, one per prompt_token_ids entry")
+        return list(types[len(types) - num_tokens:])
+
+    def pooling_request(self, seq_id: str, prompt_ids: list[int], params: PoolingParams, arrival_time: float | None,
+                        token_type_ids: list[int] | None) -> Request:
+        """The Request of a pooling input, checked against max_model_len (a longer one is refused, naming
+        ``input``: truncate_prompt_tokens cuts it instead)."""
+        if len(prompt_ids) > self.max_model_len:
+            raise ValidationError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the input has "
+                f"{len(prompt_ids)} tokens: shorten it, or set truncate_prompt_tokens to cut it",
+                param="input", value=len(prompt_ids))
+        return Request(seq_id, prompt_ids, _NO_SAMPLING, (), 0, arrival_time, pooling_params=params,
+                       token_type_ids=token_type_ids)
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The request's max_tokens once its length is checked against max_model_len."""

@@ -18,6 +18,7 @@ from pagedllm.engine import messages
 from pagedllm.engine.messages import EngineStats
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _DATACLASS = 1
@@ -25,6 +26,7 @@ _ENUM = 2
 
 _DATACLASSES: dict[str, type] = {cls.__name__: cls for cls in (
     SamplingParams, StructuredOutputsParams, BeamSearchParams, LoRARequest, EngineStats, config.EngineArgs,
+    PoolingParams, config.PoolerConfig,
     config.EngineConfig, config.ModelConfig, config.CacheConfig, config.SchedulerConfig, config.ParallelConfig,
     config.DeviceConfig, config.LoRAConfig, config.StructuredOutputsConfig, config.SpeculativeConfig,
     outputs.EngineCoreOutput,

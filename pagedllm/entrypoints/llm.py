@@ -14,7 +14,11 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType, render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationOutput, ClassificationRequestOutput,
+                              EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
+from pagedllm.engine.scoring import cosine, pair_prompt, score_pairs
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -116,20 +120,81 @@ class LLM:
             raise ValidationError.bad_value("messages", conversation, "a non-empty list of {'role', 'content'} dicts")
         return render_chat(self.get_tokenizer(), conversation, chat_template, add_generation_prompt)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
-             loras: list[LoRARequest | None]) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None]) -> list[Any]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         try:
             for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
-                # one output per request, when it finishes: no per-step output objects
-                engine.add_request(request_id, prompt, dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY),
-                                   lora_request=lora)
+                if isinstance(p, SamplingParams):  # one output per request, when it finishes: no per-step objects
+                    p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(request_id, prompt, p, lora_request=lora)
         except ValidationError:
             engine.abort_request(ids)  # nothing of this call stays queued
             raise
         finished = self._drain(ids, use_tqdm, "Processed prompts")
         return [finished[i] for i in ids]
+
+    # ----------------------------------------------------------------------- pooling models
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled vector (a pooling model's default task), outputs in input order."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if isinstance(pooling_params, (list, tuple)):
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValidationError(f"got {len(params_list)} pooling_params for {len(prompt_list)} prompts",
+                                      param="pooling_params", value=len(params_list))
+        else:
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        if not all(isinstance(p, PoolingParams) for p in params_list):
+            raise ValidationError.bad_value("pooling_params", pooling_params, "PoolingParams or a list of them")
+        if truncate_prompt_tokens is not None:
+            params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        outputs = self._run(prompt_list, params_list, use_tqdm, [None] * len(prompt_list))
+        failed = next((o for o in outputs if o.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
+        return outputs
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (an embedding model: pooled as its sentence-transformers config says)."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed")
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data), o.prompt_token_ids)
+                for o in self.encode(prompts, params, use_tqdm, truncate_prompt_tokens)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (a *ForSequenceClassification model), in label order."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.data), o.prompt_token_ids)
+                for o in self.encode(prompts, params, use_tqdm, truncate_prompt_tokens)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """The score of each pair (one text against each of the others, or text i against text i, as vLLM):
+        a cross-encoder's (its one output; a sigmoid unless use_activation=False), or the cosine similarity
+        of an embedding model's embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="score")
+        model = self.llm_engine.config.model
+        if "score" not in model.pooling_tasks:
+            raise ValidationError("this model does not score pairs: it is not a pooling model with one output "
+                                  "(an embedding model or a cross-encoder)", param="model", value=model.model)
+        if model.convert == "embed":
+            texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text embedded once
+            vectors = {t: o.outputs.data for t, o in zip(texts, self.encode(texts, params, use_tqdm,
+                                                                             truncate_prompt_tokens))}
+            return [ScoringRequestOutput(str(i), ScoringOutput(cosine(vectors[a], vectors[b])), [])
+                    for i, (a, b) in enumerate(pairs)]
+        prompts = [pair_prompt(self.get_tokenizer(), a, b, truncate_prompt_tokens, model.max_model_len)
+                   for a, b in pairs]
+        outputs = self.encode(prompts, params, use_tqdm)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.data[0]), o.prompt_token_ids)
+                for o in outputs]
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter now (requests naming a new one add it themselves); True if it was new."""
@@ -154,7 +219,8 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         prompt_tokens += len(out.prompt_token_ids)
-                        output_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        output_tokens += 0 if isinstance(out, PoolingRequestOutput) else \
+                            sum(len(o.token_ids) for o in out.outputs)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} toks/s, "
                                             f"output: {output_tokens / elapsed:.1f} toks/s", refresh=False)

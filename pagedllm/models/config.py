@@ -7,7 +7,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ArchConfig:
-    """The facts a decoder-only model definition needs."""
+    """The facts a model definition needs (decoders; BERT-style encoders with the encoder fields at the end)."""
 
     architecture: str
     vocab_size: int
@@ -61,6 +61,19 @@ class ArchConfig:
     """Gemma 2: the output logits capped the same way."""
     local_rope_theta: float | None = None
     """Gemma 3: the sliding layers' rope base (their rope is unscaled); None: every layer uses rope_theta."""
+    is_encoder_only: bool = False
+    """BERT-style: bidirectional attention over whole inputs, no KV cache, hidden states pooled (never sampled).
+    Encoders' LayerNorm epsilon is ``rms_norm_eps``; ``max_position_embeddings`` is their position table's rows."""
+    type_vocab_size: int = 0
+    """Encoders: rows of the token type (segment) table (BERT 2, RoBERTa 1)."""
+    pad_token_id: int | None = None
+    """Encoders: the padding token's id (RoBERTa counts its positions from it)."""
+    position_offset: int = 0
+    """Rows of the position table before a sequence's first token (RoBERTa: pad_token_id + 1)."""
+    num_labels: int = 0
+    """Sequence classifiers: the classification head's outputs (0 for every other model)."""
+    id2label: tuple[str, ...] = ()
+    """Sequence classifiers: label names in index order, where the config names them."""
 
     @property
     def attention_scale(self) -> float:
@@ -85,6 +98,8 @@ class ArchConfig:
             return cls._from_gpt2(hf)
         if arch == "OPTForCausalLM":
             return cls._from_opt(hf)
+        if arch in ENCODER_ARCHITECTURES:
+            return cls._from_bert(arch, hf)
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         local_theta = hf.get("rope_local_base_freq")
         if "full_attention" in rope:  # transformers 5, Gemma 3: one rope per layer type
@@ -101,8 +116,9 @@ class ArchConfig:
             raise ValidationError.bad_value("partial_rotary_factor", partial,
                                             "1.0 (partial rotary is not supported yet)")
         num_heads = hf["num_attention_heads"]
-        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-        is_qwen3 = arch == "Qwen3ForCausalLM"
+        family = arch.replace("ForSequenceClassification", "ForCausalLM")  # a decoder classifier: its LM's flags
+        is_qwen2 = family in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        is_qwen3 = family == "Qwen3ForCausalLM"
         eos = hf.get("eos_token_id")
         window = hf.get("sliding_window") if hf.get("use_sliding_window", not (is_qwen2 or is_qwen3)) else None
         layer_types = tuple(hf.get("layer_types") or ())
@@ -132,6 +148,7 @@ class ArchConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=as_id_tuple(eos),
             qk_norm=is_qwen3 or arch == "Gemma3ForCausalLM",
+            **_labels(arch, hf),
             **{"layer_types": layer_types, **_moe_fields(arch, hf), **_gemma_fields(arch, hf, local_theta)},
         )
 
@@ -177,6 +194,43 @@ class ArchConfig:
             mlp_bias=bias, hidden_act=hf.get("activation_function", "relu"), norm_before=before,
             word_embed_proj_dim=None if proj == hidden else proj,
             final_norm=before and not hf.get("_remove_final_layer_norm", False))
+
+    @classmethod
+    def _from_bert(cls, arch: str, hf: dict[str, Any]) -> "ArchConfig":
+        """BERT / RoBERTa / XLM-R: post-LN encoder blocks, exact GELU, learned positions (RoBERTa's start at
+        pad_token_id + 1) and token types; a sequence classifier's labels."""
+        from pagedllm.errors import ValidationError
+
+        for key, want in (("position_embedding_type", "absolute"), ("is_decoder", False),
+                          ("add_cross_attention", False)):
+            if hf.get(key, want) != want:
+                raise ValidationError.bad_value(key, hf[key], f"{want!r} (encoders with it are not supported)")
+        roberta = arch.startswith(("Roberta", "XLMRoberta"))
+        pad = hf.get("pad_token_id")
+        offset = (1 if pad is None else pad) + 1 if roberta else 0  # RoBERTa: 1 + the pad id (transformers': 1)
+        return cls._learned_positions(
+            arch, hf, hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            rms_norm_eps=hf.get("layer_norm_eps", 1e-12),
+            max_position_embeddings=hf.get("max_position_embeddings", 512),
+            qkv_bias=True, o_bias=True, mlp_bias=True, hidden_act=hf.get("hidden_act", "gelu"), norm_before=False,
+            final_norm=False, is_encoder_only=True, type_vocab_size=hf.get("type_vocab_size", 2), pad_token_id=pad,
+            position_offset=offset, **_labels(arch, hf))
+
+
+ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForSequenceClassification", "RobertaModel",
+                         "RobertaForMaskedLM", "RobertaForSequenceClassification", "XLMRobertaModel",
+                         "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification")
+"""The BERT-family architectures ``ArchConfig.from_hf`` reads (models/bert.py runs them)."""
+
+
+def _labels(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """A sequence classifier's num_labels and label names (id2label in index order); nothing for other models."""
+    if not arch.endswith("ForSequenceClassification"):
+        return {}
+    names = {int(k): str(v) for k, v in (hf.get("id2label") or {}).items()}
+    labels = tuple(names[i] for i in range(len(names))) if names and sorted(names) == list(range(len(names))) else ()
+    return dict(num_labels=len(names) or hf.get("num_labels", 2), id2label=labels)  # transformers' default: 2
 
 
 def _gemma_fields(arch: str, hf: dict[str, Any], local_theta: float | None) -> dict[str, Any]:

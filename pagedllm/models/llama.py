@@ -186,3 +186,35 @@ class LlamaForCausalLM(nn.Module):
                 yield target, tensor, shard
 
         load_into(self, targets(), may_be_missing=["lm_head.weight"] if tied else [])
+
+
+class LlamaForSequenceClassification(nn.Module):
+    """A Llama-family decoder with a classification head (``score``: hidden -> num_labels, no bias) read at each
+    input's last token: reward models and decoder classifiers (Llama, Qwen2/3, Mistral ...ForSequenceClassification)."""
+
+    default_pooling_type = "LAST"
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, max(max_position, cfg.max_position_embeddings))
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(tokens,) ids and positions -> (tokens, hidden)."""
+        return self.model(input_ids, positions)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(sequences, hidden) last-token states -> (sequences, num_labels) logits."""
+        return self.score(pooled)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF-named tensors: the decoder's and ``score.weight``."""
+        def targets() -> Iterable[tuple[str, torch.Tensor, object]]:
+            for name, tensor in weights:
+                if "rotary_emb.inv_freq" in name or name.startswith("lm_head"):
+                    continue
+                target, shard = _target(name)
+                yield target, tensor, shard
+
+        load_into(self, targets())

@@ -29,6 +29,8 @@ class ModelEntry:
 
 
 _LLAMA = "pagedllm.models.llama:LlamaForCausalLM"
+_LLAMA_CLS = "pagedllm.models.llama:LlamaForSequenceClassification"
+_BERT = "pagedllm.models.bert"
 _MODELS: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry(_LLAMA, "Llama 2/3, SmolLM2", gguf=True, lora=True),
     "MistralForCausalLM": ModelEntry(_LLAMA, "Mistral", sliding_window=True, lora=True),
@@ -46,6 +48,25 @@ _MODELS: dict[str, ModelEntry] = {
                                     gguf=True, sliding_window=True),
     "GPT2LMHeadModel": ModelEntry("pagedllm.models.gpt2:GPT2LMHeadModel", "GPT-2", gguf=True),
     "OPTForCausalLM": ModelEntry("pagedllm.models.opt:OPTForCausalLM", "OPT (pre-LN, and opt-350m's post-LN)"),
+    # encoder-only (pooling: embeddings, scores, classes); a masked-LM checkpoint serves its encoder's states
+    # decoder classifiers and reward models: the decoder with a score head read at the last token (pooling runner)
+    "LlamaForSequenceClassification": ModelEntry(_LLAMA_CLS, "Llama classifiers / reward models"),
+    "MistralForSequenceClassification": ModelEntry(_LLAMA_CLS, "Mistral classifiers"),
+    "Qwen2ForSequenceClassification": ModelEntry(_LLAMA_CLS, "Qwen2 classifiers / reward models"),
+    "Qwen3ForSequenceClassification": ModelEntry(_LLAMA_CLS, "Qwen3 classifiers / rerankers"),
+    "BertModel": ModelEntry(f"{_BERT}:BertModel", "BERT embedders (all-MiniLM, BGE, E5)", tensor_parallel=False),
+    "BertForMaskedLM": ModelEntry(f"{_BERT}:BertModel", "BERT (encoder only)", tensor_parallel=False),
+    "BertForSequenceClassification": ModelEntry(f"{_BERT}:BertForSequenceClassification",
+                                                "BERT cross-encoders, classifiers", tensor_parallel=False),
+    "RobertaModel": ModelEntry(f"{_BERT}:RobertaModel", "RoBERTa embedders", tensor_parallel=False),
+    "RobertaForMaskedLM": ModelEntry(f"{_BERT}:RobertaModel", "RoBERTa (encoder only)", tensor_parallel=False),
+    "RobertaForSequenceClassification": ModelEntry(f"{_BERT}:RobertaForSequenceClassification",
+                                                   "RoBERTa cross-encoders, classifiers", tensor_parallel=False),
+    "XLMRobertaModel": ModelEntry(f"{_BERT}:RobertaModel", "XLM-R embedders (multilingual-e5, bge-m3)",
+                                  tensor_parallel=False),
+    "XLMRobertaForMaskedLM": ModelEntry(f"{_BERT}:RobertaModel", "XLM-R (encoder only)", tensor_parallel=False),
+    "XLMRobertaForSequenceClassification": ModelEntry(f"{_BERT}:RobertaForSequenceClassification",
+                                                      "XLM-R cross-encoders (bge-reranker)", tensor_parallel=False),
 }
 
 

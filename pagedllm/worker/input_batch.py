@@ -12,6 +12,7 @@ import torch
 from pagedllm.attention.base import StepInputs
 from pagedllm.layers.sampler import SamplingMetadata
 from pagedllm.lora_request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -31,6 +32,10 @@ class CachedRequestState:
     """The structured-output grammar matcher (xgrammar), fed every token this request sampled."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter it runs with."""
+    pooling_params: PoolingParams | None = None
+    """A pooling request's parameters (its hidden states are pooled, not sampled)."""
+    token_type_ids: list[int] | None = None
+    """Per prompt token, its segment (cross-encoder pairs); None: all 0."""
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,6 +24,7 @@ from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
+from pagedllm.layers.pooler import Pooler
 from pagedllm.layers.sampler import Sampler, gather_token_logprobs
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
@@ -51,8 +53,10 @@ class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, seed: int,
                  eos_token_ids: tuple[int, ...], device: torch.device | None = None,
                  grammars: Callable[[], GrammarCompiler] | None = None, lora: LoRAManager | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, pooler: Pooler | None = None) -> None:
         self.model = model
+        self.pooler = pooler
+        """A pooling model's pooler: every request's hidden states become its vector (nothing is sampled)."""
         self.speculator = speculator
         """With speculative_config: drafts for the requests that sampled, verified in the next step."""
         self.lora = lora
@@ -137,6 +141,8 @@ class ModelRunner:
         _copy_blocks(self.host_kv_caches, self.kv_caches, out.blocks_to_swap_in)
         if out.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        if getattr(self.model, "is_encoder_only", False):
+            return self._run_encoder(out)
         order = self.builder.order(out.num_scheduled_tokens)  # the batch order the backend wants
         states = [self.requests[r] for r in order]
         spec = out.scheduled_spec_decode_tokens
@@ -156,6 +162,8 @@ class ModelRunner:
             self._prompt_logprobs(states, counts, inputs.query_start_loc, hidden)
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
+        if self.pooler is not None:  # a decoder embedder / classifier: each request's whole input is in this step
+            return self._pooled(states, counts, hidden)
         if not inputs.sample_rows:
             return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in states],
                                      logprobs=[None] * len(states), prompt_logprobs=prompt_logprobs)
@@ -179,6 +187,36 @@ class ModelRunner:
         drafts = {} if self.speculator is None else self.speculator.propose(samplers)
         return ModelRunnerOutput(req_ids=[s.req_id for s in samplers], sampled_token_ids=tokens, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs, spec_token_ids=drafts)
+
+    def _run_encoder(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """An encoder-only model's step: each scheduled request's whole input, attending both ways (no KV cache),
+        then pooled."""
+        states = [self.requests[r] for r in out.num_scheduled_tokens]
+        lens = [len(s.token_ids) for s in states]
+        assert lens == [out.num_scheduled_tokens[s.req_id] for s in states], "encoder inputs are never chunked"
+        input_ids = torch.tensor([t for s in states for t in s.token_ids], dtype=torch.long)
+        positions = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in lens]))
+        types = None if all(s.token_type_ids is None for s in states) else \
+            torch.tensor([t for s, n in zip(states, lens) for t in (s.token_type_ids or [0] * n)], dtype=torch.long)
+        hidden = self.model(input_ids.to(self.device), positions.to(self.device), lens,
+                            None if types is None else types.to(self.device))
+        for state, n in zip(states, lens):
+            state.num_computed_tokens = n
+        return self._pooled(states, lens, hidden)
+
+    def _pooled(self, states: list[CachedRequestState], counts: list[int], hidden: torch.Tensor) -> ModelRunnerOutput:
+        """The step's output for pooling requests: each one's vector (a failure fails the step's requests alone)."""
+        assert self.pooler is not None
+        params = [s.pooling_params for s in states]
+        assert all(p is not None for p in params), "a pooling model runs pooling requests only"
+        try:
+            vectors = self.pooler(hidden, counts, params)
+        except Exception as e:  # e.g. a head that cannot take this input: these requests fail, the engine goes on
+            for state in states:
+                self._fail(state.req_id, "pooling", e)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[],
+                                 pooler_output={s.req_id: v for s, v in zip(states, vectors)})
 
     def _sample(self, samplers: list[CachedRequestState], rows: list[int], hidden: torch.Tensor,
                 logits_indices: torch.Tensor) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
@@ -276,7 +314,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, token_ids=prompt + list(new.output_token_ids), num_prompt_tokens=len(prompt),
                 sampling_params=new.sampling_params, generator=generator, block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens, matcher=matcher, lora_request=new.lora_request)
+                num_computed_tokens=new.num_computed_tokens, matcher=matcher, lora_request=new.lora_request,
+                pooling_params=new.pooling_params, token_type_ids=new.token_type_ids)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replace_table:

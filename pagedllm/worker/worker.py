@@ -16,6 +16,7 @@ from pagedllm.config import EngineConfig, default_kv_budget
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.layers.custom_op import bind_ops
+from pagedllm.layers.pooler import Pooler
 from pagedllm.layers.quant import describe_quantized, int8_on_load
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora_request import LoRARequest
@@ -97,10 +98,11 @@ class Worker:
             described = describe_quantized(model)
             (logger.warning if described.startswith("no weight") else logger.info)(
                 "quantization=%s: %s", config.model.quantization, described)
+        pooler = None if config.model.pooler is None else Pooler(model, config.model.pooler)
         self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
                                         self.device, functools.partial(
                                             compiler_for, config.model.model, arch.vocab_size, tuple(eos_token_ids),
-                                            config.structured_outputs.grammar_cache_bytes), lora, speculator)
+                                            config.structured_outputs.grammar_cache_bytes), lora, speculator, pooler)
 
     def _load_model(self, path: str, arch: ArchConfig, desc: str) -> torch.nn.Module:
         """The model at ``path`` on this worker's device with its kernels bound (weights not yet processed)."""
@@ -135,6 +137,8 @@ class Worker:
         free memory between the ranks on it. The executor takes the smallest answer of all ranks.
         """
         cache, sched = self.config.cache, self.config.scheduler
+        if self.config.model.encoder_only:  # bidirectional attention over whole inputs: nothing is cached
+            return 0
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         budget = cache.kv_cache_memory

@@ -45,7 +45,10 @@ from pagedllm.entrypoints.openai.serving import (Admission, OverloadedError, Req
                                                  RequestTimeoutError)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.protocol_pooling import (ClassificationRequest, EmbeddingRequest, PoolingRequest,
+                                                          RerankRequest, ScoreRequest)
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, check_generates
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseNotFoundError, ResponseStore
 from pagedllm.errors import ValidationError
 
@@ -81,9 +84,10 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 """Paths whose errors take Anthropic's shape."""
 
 
-PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize")
+PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2")
 """Paths an API key guards (the KV map's data names the requests it shows; the page itself holds no data and
-sends the key given in its address's fragment: /kv#key=KEY; /tokenize and /detokenize run the tokenizer)."""
+sends the key given in its address's fragment: /kv#key=KEY; /tokenize and /detokenize run the tokenizer; vLLM's
+pooling endpoints run the model)."""
 
 
 class APIKeyMiddleware:
@@ -151,6 +155,15 @@ def _chat(request: Request) -> OpenAIServingChat:
     return request.app.state.chat
 
 
+def _pooling(request: Request) -> OpenAIServingPooling:
+    return request.app.state.pooling
+
+
+def _generates(request: Request) -> None:
+    """A generation endpoint on a pooling model: 400 naming the endpoints to use instead."""
+    check_generates(request.app.state.config.model, request.url.path)
+
+
 @router.get("/health")
 async def health(request: Request) -> Response:
     if _engine(request).is_running:
@@ -209,16 +222,19 @@ async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, raw: Request) -> Re
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, raw: Request) -> Response:
+    _generates(raw)
     return await _completion(raw).create(req, raw)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+    _generates(raw)
     return await _chat(raw).create(req, raw)
 
 
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, raw: Request) -> Response:
+    _generates(raw)
     return await raw.app.state.responses.create(req, raw)
 
 
@@ -234,12 +250,41 @@ async def delete_response(response_id: str, request: Request) -> dict:
 
 @router.post("/v1/messages")
 async def create_message(req: MessagesRequest, raw: Request) -> Response:
+    _generates(raw)
     return await raw.app.state.messages.create(req, raw)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, raw: Request) -> dict:
     return await raw.app.state.messages.count_tokens(req)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+    return await _pooling(raw).embed(req, raw)
+
+
+@router.post("/pooling")
+async def pooling(req: PoolingRequest, raw: Request) -> Response:
+    return await _pooling(raw).pool(req, raw)
+
+
+@router.post("/classify")
+async def classify(req: ClassificationRequest, raw: Request) -> Response:
+    return await _pooling(raw).classify(req, raw)
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def score(req: ScoreRequest, raw: Request) -> Response:
+    return await _pooling(raw).score(req, raw)
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def rerank(req: RerankRequest, raw: Request) -> Response:
+    return await _pooling(raw).rerank(req, raw)
 
 
 @router.post("/tokenize")
@@ -355,9 +400,10 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
                              chat_template)
-    admission = Admission()  # one waiting count for both endpoints
+    pooling = OpenAIServingPooling(engine, models)
+    admission = Admission()  # one waiting count for every endpoint
     limits = limits or ServingLimits()
-    for serving in (completion, chat):
+    for serving in (completion, chat, pooling):
         serving.limits = limits
         serving.on_refused = metrics.on_refused
         serving.admission = admission
@@ -370,6 +416,7 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     app.state.models = models
     app.state.completion = completion
     app.state.chat = chat
+    app.state.pooling = pooling
     app.state.responses = OpenAIServingResponses(chat, store)
     app.state.messages = AnthropicServingMessages(chat)
     app.include_router(router)

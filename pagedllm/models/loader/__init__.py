@@ -66,6 +66,18 @@ def quantized_formats(path: str, config: ArchConfig) -> set[str]:
     return gguf_loader.kept_types(path, config) if is_gguf(path) else set()
 
 
+def matryoshka_dimensions(path: str) -> tuple[int, ...] | None:
+    """A Matryoshka embedding model's output sizes from its config.json (``matryoshka_dimensions``; empty for
+    ``is_matryoshka`` without a list: any size), or None for any other model."""
+    if is_gguf(path):
+        return None
+    hf = hf_loader.read_config(path)
+    dims = hf.get("matryoshka_dimensions")
+    if isinstance(dims, list) and dims:
+        return tuple(int(d) for d in dims)
+    return () if hf.get("is_matryoshka") else None
+
+
 def load_eos_token_ids(path: str, arch: ArchConfig, tokenizer: Any) -> tuple[int, ...]:
     """Every id that ends a sequence: the tokenizer's EOS first, then the others the checkpoint's
     config and generation_config.json name (Llama 3 lists <|end_of_text|>, <|eom_id|> and <|eot_id|>)."""

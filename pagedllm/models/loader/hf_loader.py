@@ -13,9 +13,14 @@ from pagedllm.errors import ValidationError
 from pagedllm.models.config import ArchConfig, as_id_tuple
 
 
-def load_arch_config(folder: str) -> ArchConfig:
+def read_config(folder: str) -> dict:
+    """The folder's config.json as a dict."""
     with open(os.path.join(folder, "config.json")) as f:
-        return ArchConfig.from_hf(json.load(f))
+        return json.load(f)
+
+
+def load_arch_config(folder: str) -> ArchConfig:
+    return ArchConfig.from_hf(read_config(folder))
 
 
 def generation_eos_token_ids(folder: str) -> tuple[int, ...]:

@@ -1,0 +1,200 @@
+"""Pydantic models of the pooling endpoints, in vLLM's shapes: OpenAI's /v1/embeddings, and vLLM's /pooling,
+/classify, /score and /rerank (Jina's and Cohere's rerank shape). A field we do not implement is refused (400
+naming it), as everywhere on this server."""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from pagedllm.entrypoints.openai.protocol import OpenAIModel
+from pagedllm.errors import ValidationError
+
+PoolingInput = str | list[int] | list[str] | list[list[int]]
+"""A text, token ids, a list of texts or a list of token-id lists (OpenAI's embeddings input)."""
+EncodingFormat = Literal["float", "base64"]
+"""How vectors come back: JSON floats, or base64 of their little-endian float32 bytes (what the openai client
+asks for by default)."""
+
+
+class EmbeddingRequest(OpenAIModel):
+    """POST /v1/embeddings (OpenAI's, with vLLM's truncate_prompt_tokens and normalize)."""
+
+    model: str | None = None
+    input: PoolingInput
+    encoding_format: EncodingFormat = "float"
+    dimensions: int | None = None
+    """Keep the first this many values (Matryoshka models only; others refuse it)."""
+    user: str | None = None
+    """Accepted and ignored, as OpenAI does."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's extra: keep the last this many tokens of each input (-1: max_model_len); unset, a longer input is a
+    400 naming ``input``."""
+    normalize: bool | None = None
+    """vLLM's extra: scale to unit length (unset: as the model's sentence-transformers config says)."""
+
+
+class PoolingRequest(OpenAIModel):
+    """POST /pooling (vLLM's): each input's vector in the model's own task (an embedding, class probabilities)."""
+
+    model: str | None = None
+    input: PoolingInput
+    encoding_format: EncodingFormat = "float"
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+class ClassificationRequest(OpenAIModel):
+    """POST /classify (vLLM's): each text's class probabilities and most likely label."""
+
+    model: str | None = None
+    input: str | list[str]
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+    """vLLM's: false returns the raw logits (default: softmax, or a sigmoid for one class)."""
+
+
+class ScoreRequest(OpenAIModel):
+    """POST /score and /v1/score (vLLM's): the score of each pair, one text against each of the others (1 -> N) or
+    text i against text i (N -> N). The two sides are text_1 / text_2, or vLLM's newer queries / documents or
+    data_1 / data_2: exactly one of those pairs."""
+
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+    """A cross-encoder's: false returns its raw logit (default: a sigmoid)."""
+
+    def sides(self) -> tuple[tuple[str, str | list[str]], tuple[str, str | list[str]]]:
+        """((name, texts), (name, texts)) of the one pair of fields given (ValidationError naming the problem)."""
+        given = [(a, b) for a, b in (("text_1", "text_2"), ("queries", "documents"), ("data_1", "data_2"))
+                 if getattr(self, a) is not None or getattr(self, b) is not None]
+        if len(given) != 1:
+            names = " and ".join(f"{a}/{b}" for a, b in given) if given else "none of them"
+            raise ValidationError(f"give exactly one of text_1/text_2, queries/documents or data_1/data_2 "
+                                  f"(got {names})", param=given[-1][0] if given else "text_1")
+        first, second = given[0]
+        for name in given[0]:
+            if getattr(self, name) is None:
+                raise ValidationError(f"{name} is missing (it goes with {first if name == second else second})",
+                                      param=name)
+        return (first, getattr(self, first)), (second, getattr(self, second))
+
+
+class RerankRequest(OpenAIModel):
+    """POST /rerank, /v1/rerank and /v2/rerank (Jina's and Cohere's shape, as vLLM serves it)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    """The best this many results (unset or 0: all of them)."""
+    return_documents: bool = True
+    """Each result carries its document's text (false: left out)."""
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+
+
+class PoolingUsage(BaseModel):
+    """Tokens of every input run (OpenAI's embeddings usage)."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+def _created() -> int:
+    return int(time.time())
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_created)
+    model: str
+    data: list[EmbeddingData]
+    usage: PoolingUsage
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_created)
+    model: str
+    data: list[PoolingData]
+    usage: PoolingUsage
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str
+    """The most likely class's name (the model's id2label)."""
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_created)
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_created)
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    """The document's position in the request."""
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+    """Highest score first, cut to top_n."""
