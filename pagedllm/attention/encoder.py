@@ -48,12 +48,13 @@ BUCKET_ROWS = 2048
 
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
-                            scale: float) -> torch.Tensor:
+                            scale: float, window: int | None = None) -> torch.Tensor:
     """q, k, v (tokens, heads, head_dim), the sequences of ``seq_lens`` one after the other -> (tokens, heads,
-    head_dim): each token's attention over all tokens of its sequence. Any float dtype SDPA takes."""
+    head_dim): each token's attention over all tokens of its sequence, or with ``window`` only over those at most
+    ``window`` positions before or after it (ModernBERT's local layers). Any float dtype SDPA takes."""
     assert q.shape[0] == sum(seq_lens), (q.shape, sum(seq_lens))
     if len(seq_lens) == 1:
-        return _alone(q, k, v, scale)
+        return _alone(q, k, v, scale, window)
     starts = [0]
     for n in seq_lens:
         starts.append(starts[-1] + n)
@@ -61,24 +62,31 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     for bucket in _buckets(seq_lens):
         if len(bucket) == 1:
             s, e = starts[bucket[0]], starts[bucket[0] + 1]
-            out[s:e] = _alone(q[s:e], k[s:e], v[s:e], scale)
+            out[s:e] = _alone(q[s:e], k[s:e], v[s:e], scale, window)
         else:
-            _padded(q, k, v, [seq_lens[i] for i in bucket], [starts[i] for i in bucket], scale, out)
+            _padded(q, k, v, [seq_lens[i] for i in bucket], [starts[i] for i in bucket], scale, out, window)
     return out
 
 
-def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           window: int | None = None) -> torch.Tensor:
     """One sequence's (len, heads, head_dim) q, k, v -> its output (len, heads, head_dim)."""
+    n = q.shape[0]
+    mask = None
+    if window is not None and n > window + 1:  # shorter: every pair is within the window
+        i = torch.arange(n, device=q.device)
+        mask = (i.unsqueeze(1) - i).abs() <= window  # (len, len), True: attend
     # (len, heads, d) -> (1, heads, len, d): a strided view, which SDPA's CPU kernel reads without a copy
     out = F.scaled_dot_product_attention(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
-                                         v.unsqueeze(0).transpose(1, 2), scale=scale)
+                                         v.unsqueeze(0).transpose(1, 2), attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)  # (len, heads, d)
 
 
 def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], starts: list[int], scale: float,
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, window: int | None = None) -> None:
     """The sequences of ``lens`` (longest first) starting at rows ``starts`` in one padded SDPA, written into
-    ``out``. Padding repeats a sequence's last token and is masked out of the keys (its own rows are dropped)."""
+    ``out``. Padding repeats a sequence's last token and is masked out of the keys (its own rows are dropped).
+    With ``window``, a band over it too."""
     device, b, longest = q.device, len(lens), lens[0]
     width = longest if lens[-1] == longest else -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
     length = torch.tensor(lens, device=device)
@@ -92,6 +100,11 @@ def _padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], 
         return x.index_select(0, gather).view(b, width, *x.shape[1:]).transpose(1, 2)
 
     mask = None if width == lens[-1] else valid.view(b, 1, 1, width)  # keys only: padded queries stay finite
+    if window is not None and longest > window + 1:
+        # a padded query stands where its sequence's last token is: it keeps at least that key (finite rows)
+        at = torch.minimum(j, length.unsqueeze(1) - 1)  # (b, width) each query's position
+        band = (at.unsqueeze(2) - j).abs() <= window  # (b, width, width)
+        mask = (band & valid.unsqueeze(1)).unsqueeze(1)  # (b, 1, width, width)
     padded = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask, scale=scale)
     rows = padded.transpose(1, 2).reshape(b * width, *out.shape[1:])  # (b * width, heads, d)
     keep = (torch.arange(b, device=device).unsqueeze(1) * width + j)[valid]  # padded rows of real tokens

@@ -74,6 +74,16 @@ class ArchConfig:
     """Sequence classifiers: the classification head's outputs (0 for every other model)."""
     id2label: tuple[str, ...] = ()
     """Sequence classifiers: label names in index order, where the config names them."""
+    local_attention: int = 0
+    """ModernBERT: the sliding layers' whole window: a token sees those within local_attention // 2 of it."""
+    norm_bias: bool = True
+    """ModernBERT: whether its LayerNorms have a bias."""
+    classifier_pooling: str = "cls"
+    """ModernBERT classifiers: "cls" (the first token's state) or "mean" (every token's) feeds the head."""
+    classifier_bias: bool = True
+    """ModernBERT classifiers: a bias in the head's dense layer."""
+    classifier_activation: str = "gelu"
+    """ModernBERT classifiers: the head's activation."""
 
     @property
     def attention_scale(self) -> float:
@@ -100,6 +110,8 @@ class ArchConfig:
             return cls._from_opt(hf)
         if arch in ENCODER_ARCHITECTURES:
             return cls._from_bert(arch, hf)
+        if arch in MODERNBERT_ARCHITECTURES:
+            return cls._from_modernbert(arch, hf)
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         local_theta = hf.get("rope_local_base_freq")
         if "full_attention" in rope:  # transformers 5, Gemma 3: one rope per layer type
@@ -217,11 +229,53 @@ class ArchConfig:
             final_norm=False, is_encoder_only=True, type_vocab_size=hf.get("type_vocab_size", 2), pad_token_id=pad,
             position_offset=offset, **_labels(arch, hf))
 
+    @classmethod
+    def _from_modernbert(cls, arch: str, hf: dict[str, Any]) -> "ArchConfig":
+        """ModernBERT: pre-LN encoder blocks, GeGLU MLP, rotary positions (one base for the global layers,
+        another for the local ones), every global_attn_every_n_layers-th layer global, the others windowed.
+        transformers 5 writes ``layer_types`` and ``rope_parameters`` per layer type; older configs
+        ``global_rope_theta`` / ``local_rope_theta`` and only ``global_attn_every_n_layers``."""
+        from pagedllm.errors import ValidationError
+
+        layers = hf["num_hidden_layers"]
+        every = hf.get("global_attn_every_n_layers", 3)
+        layer_types = tuple(hf.get("layer_types") or ("sliding_attention" if i % every else "full_attention"
+                                                      for i in range(layers)))
+        rope = hf.get("rope_parameters") or {}
+        if "full_attention" not in rope:  # transformers 4 (or one rope for both types)
+            rope = {"full_attention": dict(rope), "sliding_attention": dict(rope)}
+        full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+        theta = full.pop("rope_theta", hf.get("global_rope_theta", 160000.0))
+        local_theta = local.get("rope_theta", hf.get("local_rope_theta", 10000.0))
+        for name, params in (("full_attention", full), ("sliding_attention", local)):
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind != "default" and (name == "sliding_attention" or kind not in ("linear", "llama3")):
+                raise ValidationError.bad_value("rope_parameters", rope, "default rope (global layers: linear "
+                                                "or llama3 scaling too) for ModernBERT")
+        scaling = None if full.get("rope_type", full.get("type", "default")) == "default" else full
+        heads = hf["num_attention_heads"]
+        return cls(
+            architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=layers, num_heads=heads, num_kv_heads=heads,
+            head_dim=hf["hidden_size"] // heads, rms_norm_eps=hf.get("norm_eps", 1e-5), rope_theta=float(theta),
+            rope_scaling=scaling, max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            tie_word_embeddings=False, qkv_bias=hf.get("attention_bias", False),
+            o_bias=hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False), sliding_window=None,
+            bos_token_id=hf.get("bos_token_id"), eos_token_ids=as_id_tuple(hf.get("eos_token_id")),
+            hidden_act=hf.get("hidden_activation", "gelu"), final_norm=True, layer_types=layer_types,
+            local_rope_theta=float(local_theta), is_encoder_only=True, pad_token_id=hf.get("pad_token_id"),
+            local_attention=hf.get("local_attention", 128), norm_bias=hf.get("norm_bias", False),
+            classifier_pooling=hf.get("classifier_pooling", "cls"),
+            classifier_bias=hf.get("classifier_bias", False),
+            classifier_activation=hf.get("classifier_activation", "gelu"), **_labels(arch, hf))
+
 
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForSequenceClassification", "RobertaModel",
                          "RobertaForMaskedLM", "RobertaForSequenceClassification", "XLMRobertaModel",
                          "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification")
 """The BERT-family architectures ``ArchConfig.from_hf`` reads (models/bert.py runs them)."""
+MODERNBERT_ARCHITECTURES = ("ModernBertModel", "ModernBertForSequenceClassification")
+"""The ModernBERT architectures it reads (models/modernbert.py runs them)."""
 
 
 def _labels(arch: str, hf: dict[str, Any]) -> dict[str, Any]:

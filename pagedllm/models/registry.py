@@ -67,6 +67,10 @@ _MODELS: dict[str, ModelEntry] = {
     "XLMRobertaForMaskedLM": ModelEntry(f"{_BERT}:RobertaModel", "XLM-R (encoder only)", tensor_parallel=False),
     "XLMRobertaForSequenceClassification": ModelEntry(f"{_BERT}:RobertaForSequenceClassification",
                                                       "XLM-R cross-encoders (bge-reranker)", tensor_parallel=False),
+    "ModernBertModel": ModelEntry("pagedllm.models.modernbert:ModernBertModel",
+                                  "ModernBERT embedders (gte-modernbert, modernbert-embed)", tensor_parallel=False),
+    "ModernBertForSequenceClassification": ModelEntry("pagedllm.models.modernbert:ModernBertForSequenceClassification",
+                                                      "ModernBERT classifiers, cross-encoders", tensor_parallel=False),
 }
 
 
