@@ -66,6 +66,19 @@ def default_kv_budget(block_bytes: int, block_size: int, max_num_seqs: int, max_
     return min(budget, (max_num_seqs * -(-max_model_len // block_size) + 1) * block_bytes)
 
 
+def json_object(value: Any, param: str) -> dict[str, Any]:
+    """An option given as a dict or as its JSON text (a command-line flag), as a dict; ValidationError naming
+    ``param`` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValidationError(f"{param} is not valid JSON: {e}", param=param, value=value) from None
+    if not isinstance(value, dict):
+        raise ValidationError.bad_value(param, value, "a JSON object / dict of its keys, or None")
+    return value
+
+
 POOLING_TYPES = ("CLS", "MEAN", "LAST", "MAX")
 
 
@@ -95,14 +108,7 @@ class PoolerConfig:
         """``base`` (the model's own) with the keys of ``pooler_config`` (a dict or its JSON text) over it."""
         if value is None:
             return base
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValidationError(f"pooler_config is not valid JSON: {e}", param="pooler_config",
-                                      value=value) from None
-        if not isinstance(value, dict):
-            raise ValidationError.bad_value("pooler_config", value, "a JSON object / dict of its keys, or None")
+        value = json_object(value, "pooler_config")
         known = {"pooling_type", "normalize"}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -432,14 +438,7 @@ class SpeculativeConfig:
         num_speculative_tokens is its max_tree_depth; a "model" without a "method" is a draft model."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValidationError(f"speculative_config is not valid JSON: {e}", param="speculative_config",
-                                      value=value) from None
-        if not isinstance(value, dict):
-            raise ValidationError.bad_value("speculative_config", value, "a JSON object / dict of its keys, or None")
+        value = json_object(value, "speculative_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

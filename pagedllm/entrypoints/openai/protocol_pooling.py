@@ -115,19 +115,24 @@ def _created() -> int:
     return int(time.time())
 
 
+class _ListResponse(BaseModel):
+    """What every pooling endpoint's answer has besides its ``data`` list (vLLM's fields)."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_created)
+    model: str
+    usage: PoolingUsage
+
+
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     embedding: list[float] | str
     index: int
 
 
-class EmbeddingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=_created)
-    model: str
+class EmbeddingResponse(_ListResponse):
     data: list[EmbeddingData]
-    usage: PoolingUsage
 
 
 class PoolingData(BaseModel):
@@ -136,13 +141,8 @@ class PoolingData(BaseModel):
     data: list[float] | str
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=_created)
-    model: str
+class PoolingResponse(_ListResponse):
     data: list[PoolingData]
-    usage: PoolingUsage
 
 
 class ClassificationData(BaseModel):
@@ -153,13 +153,8 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassificationResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=_created)
-    model: str
+class ClassificationResponse(_ListResponse):
     data: list[ClassificationData]
-    usage: PoolingUsage
 
 
 class ScoreData(BaseModel):
@@ -168,13 +163,8 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=_created)
-    model: str
+class ScoreResponse(_ListResponse):
     data: list[ScoreData]
-    usage: PoolingUsage
 
 
 class RerankDocument(BaseModel):
