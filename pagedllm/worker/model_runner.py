@@ -194,10 +194,12 @@ class ModelRunner:
         states = [self.requests[r] for r in out.num_scheduled_tokens]
         lens = [len(s.token_ids) for s in states]
         assert lens == [out.num_scheduled_tokens[s.req_id] for s in states], "encoder inputs are never chunked"
-        input_ids = torch.tensor([t for s in states for t in s.token_ids], dtype=torch.long)
+        # one array per request, joined once: no Python loop over the step's tokens
+        input_ids = torch.from_numpy(np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in states]))
         positions = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in lens]))
-        types = None if all(s.token_type_ids is None for s in states) else \
-            torch.tensor([t for s, n in zip(states, lens) for t in (s.token_type_ids or [0] * n)], dtype=torch.long)
+        types = None if all(s.token_type_ids is None for s in states) else torch.from_numpy(np.concatenate(
+            [np.asarray(s.token_type_ids, dtype=np.int64) if s.token_type_ids is not None
+             else np.zeros(n, dtype=np.int64) for s, n in zip(states, lens)]))
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), lens,
                             None if types is None else types.to(self.device))
         for state, n in zip(states, lens):
