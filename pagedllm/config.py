@@ -257,10 +257,31 @@ class ParallelConfig:
     """"uni" (one worker in the engine's process), "mp" (a worker process per rank on this machine)
     or "ray" (a Ray actor per rank, any number of machines); None: "uni" at tp=1, else "mp"."""
 
+    data_parallel_size: int = 1
+    """Engine cores (replicas), each with its own KV pool, scheduler and tensor-parallel group, behind one front."""
+    data_parallel_backend: str = "mp"
+    """"mp" (replicas as processes on this machine, its cores split between them) or "ray" (one placement-group
+    bundle per replica, on any node of the cluster)."""
+    data_parallel_routing: str = "prefix"
+    """"prefix" (to the replica caching the longest prefix of the prompt, within a bound on imbalance),
+    "least-loaded" or "round-robin"."""
+    data_parallel_restart: bool = False
+    """Start a replica again when it dies (the others serve meanwhile)."""
+
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValidationError.bad_value("tensor_parallel_size", tp, "a positive integer")
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValidationError.bad_value("data_parallel_size", dp, "a positive integer")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValidationError.bad_value("data_parallel_backend", self.data_parallel_backend, "'mp' or 'ray'")
+        if self.data_parallel_routing not in ("prefix", "least-loaded", "round-robin"):
+            raise ValidationError.bad_value("data_parallel_routing", self.data_parallel_routing,
+                                            "'prefix', 'least-loaded' or 'round-robin'")
+        if not isinstance(self.data_parallel_restart, bool):
+            raise ValidationError.bad_value("data_parallel_restart", self.data_parallel_restart, "true or false")
         backend = self.distributed_executor_backend
         if backend is None:
             object.__setattr__(self, "distributed_executor_backend", "uni" if tp == 1 else "mp")
@@ -554,6 +575,17 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     """"mp" (worker processes on this machine; the default at tensor_parallel_size > 1), "ray" (Ray
     actors, several machines) or "uni" (in process; tensor_parallel_size 1 only)."""
+    data_parallel_size: int = 1
+    """Engine replicas behind one front (vLLM's --data-parallel-size): each its own KV pool, scheduler and
+    tensor-parallel group; requests are routed between them (data_parallel_routing)."""
+    data_parallel_backend: str = "mp"
+    """"mp" (replicas as processes of this machine, its cores split between them) or "ray" (one placement-group
+    bundle per replica, on any node; joins RAY_ADDRESS or starts a local cluster)."""
+    data_parallel_routing: str = "prefix"
+    """"prefix" (each request to the replica caching the longest prefix of its prompt, unless that replica holds
+    more than a few requests beyond the least loaded), "least-loaded" or "round-robin"."""
+    data_parallel_restart: bool = False
+    """Start a data-parallel replica again when it dies (the others serve meanwhile; on Ray, where there is room)."""
     device: str = "auto"
     """"auto" (CUDA when torch sees a GPU, else the CPU), "cpu" or "cuda" (weights, KV pool and sampling on
     the GPU, attention in the triton backend)."""

@@ -101,9 +101,7 @@ class Request:
     @property
     def block_hash_salt(self) -> str | None:
         """What the first block's hash mixes in: the cache salt and the adapter (K/V differ per adapter)."""
-        if self.lora_request is None:
-            return self.cache_salt
-        return f"{self.cache_salt or ''}\x00lora:{self.lora_request.lora_int_id}"
+        return block_hash_salt(self.cache_salt, self.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -131,3 +129,10 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
+
+
+def block_hash_salt(cache_salt: str | None, lora_request: LoRARequest | None) -> str | None:
+    """What a request's first block hash mixes in: its cache salt and its adapter's id (K/V differ per adapter)."""
+    if lora_request is None:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora:{lora_request.lora_int_id}"

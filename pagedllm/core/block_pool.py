@@ -58,6 +58,21 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[int, KVCacheBlock] = {}
         """Block hash -> the block holding those tokens (held or free)."""
+        self.cache_changes: dict[int, bool] | None = None
+        """With ``track_cache_changes()``: block hash -> whether it is cached now, for each hash cached or evicted
+        since the last ``take_cache_changes()`` (a data-parallel front routes by what each replica holds)."""
+
+    def track_cache_changes(self) -> None:
+        """Start recording which block hashes enter and leave the prefix cache (what is cached now counts as
+        entered)."""
+        self.cache_changes = dict.fromkeys(self.cached_blocks, True)
+
+    def take_cache_changes(self) -> tuple[list[int], list[int]]:
+        """The hashes cached and the hashes evicted since the last call (each hash in one list: its state now)."""
+        changes = self.cache_changes or {}
+        if self.cache_changes is not None:
+            self.cache_changes = {}
+        return [h for h, cached in changes.items() if cached], [h for h, cached in changes.items() if not cached]
 
     @property
     def num_blocks(self) -> int:
@@ -87,6 +102,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.cache_changes is not None:
+                    self.cache_changes[block.block_hash] = False
             block.block_hash = None
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
@@ -98,6 +115,8 @@ class BlockPool:
         if block_hash not in self.cached_blocks:  # an identical block may be cached already: keep that one
             self.cached_blocks[block_hash] = block
             block.block_hash = block_hash
+            if self.cache_changes is not None:
+                self.cache_changes[block_hash] = True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference to each block (reviving cached free blocks out of the free queue)."""

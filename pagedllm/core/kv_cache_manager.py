@@ -31,6 +31,20 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], salt: s
     return int.from_bytes(digest.digest(), "little")
 
 
+ROUTING_KEY_MASK = (1 << 64) - 1
+"""A block hash's low 64 bits name it between processes (a message carries 64-bit integers)."""
+
+
+def prompt_routing_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+    """The routing keys (low 64 bits of the chained hashes) of a prompt's full blocks: what a data-parallel
+    front matches against the keys each replica reports cached (BlockPool.take_cache_changes)."""
+    keys, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], salt if start == 0 else None)
+        keys.append(parent & ROUTING_KEY_MASK)
+    return keys
+
+
 class KVCacheManager:
     """Block tables of all requests, over one BlockPool."""
 

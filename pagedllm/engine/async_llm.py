@@ -17,6 +17,7 @@ from typing import Any
 from pagedllm import envs
 from pagedllm.config import EngineArgs
 from pagedllm.engine.messages import EngineStats
+from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.core_client import CORE_EXIT_TIMEOUT_S, AsyncCoreClient, EngineDeadError, make_async_client
 from pagedllm.engine.messages import (Abort, Accepted, AddRequest, Call, CoreMessage, FrontMessage, Reply, StepOutputs,
                                       Stop)
@@ -30,8 +31,9 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-#: Called on the event loop after every step (and after aborts) with fresh statistics.
-StepCallback = Callable[[EngineStats, IterationStats], None]
+#: Called on the event loop after every step (and after aborts) with fresh statistics: the stepping replica's
+#: (its index the third argument; 0 without data parallelism) and the front's timings.
+StepCallback = Callable[[EngineStats, IterationStats, int], None]
 
 
 class AsyncLLM:
@@ -54,6 +56,8 @@ class AsyncLLM:
         self._closing = False
         """Set once shutdown began: nothing more is sent."""
         self._stats: EngineStats = ready.stats
+        self._replica_stats: dict[int, EngineStats] = {}
+        """With data parallelism: each replica's statistics after its last step."""
         self._streams: dict[str, asyncio.Queue] = {}
         self._beams: set[str] = set()
         self._accepting: dict[str, asyncio.Future] = {}
@@ -72,6 +76,8 @@ class AsyncLLM:
                          multiprocess: bool | None = None) -> "AsyncLLM":
         """Load the engine core: in its own process unless ``multiprocess`` is False (default: from
         PAGEDLLM_ENABLE_MULTIPROCESSING); ``step_log``: the core's per-step log (`pagedllm serve --step-log`)."""
+        if args.data_parallel_size != 1:  # replicas are processes whatever ``multiprocess`` says
+            return cls(DPClient(args, step_log), on_step, on_dead)
         if multiprocess is None:
             multiprocess = envs.ENABLE_MULTIPROCESSING.read()
         return cls(make_async_client(args, step_log, multiprocess), on_step, on_dead)
@@ -105,8 +111,18 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
     def get_stats(self) -> EngineStats:
-        """The core's counters after its last step."""
+        """The core's counters after its last step (with data parallelism: every replica's, summed)."""
         return self._stats
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Engine replicas behind this front."""
+        return self.config.parallel.data_parallel_size
+
+    def replica_states(self) -> list[dict[str, Any]] | None:
+        """With data parallelism: per replica, whether it runs, its load, restarts and place (else None)."""
+        states = getattr(self.client, "replica_states", None)
+        return states() if states is not None else None
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                           arrival_time: float | None = None, lora_request: LoRARequest | None = None
@@ -226,10 +242,14 @@ class AsyncLLM:
                 stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
-        self._stats = message.stats
-        self._waiting = message.stats.num_waiting
+        if self.data_parallel_size > 1:
+            self._replica_stats[message.engine_index] = message.stats
+            self._stats = EngineStats.combine(list(self._replica_stats.values()))
+        else:
+            self._stats = message.stats
+        self._waiting = self._stats.num_waiting
         if self.on_step is not None:
-            self.on_step(message.stats, self.output_processor.take_iteration_stats())
+            self.on_step(message.stats, self.output_processor.take_iteration_stats(), message.engine_index)
 
     def _on_core_dead(self, error: EngineDeadError) -> None:
         if self.dead_error is not None:

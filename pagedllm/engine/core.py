@@ -16,6 +16,7 @@ from pagedllm import platform
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
                              ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
                              parse_cuda_graph_sizes, parse_memory)
+from pagedllm.core.kv_cache_manager import ROUTING_KEY_MASK
 from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.parallel_state import shard_heads
@@ -64,7 +65,11 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     if isinstance(args.seed, bool) or not isinstance(args.seed, int):
         raise ValidationError.bad_value("seed", args.seed, "an integer")
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                              distributed_executor_backend=args.distributed_executor_backend)
+                              distributed_executor_backend=args.distributed_executor_backend,
+                              data_parallel_size=args.data_parallel_size,
+                              data_parallel_backend=args.data_parallel_backend,
+                              data_parallel_routing=args.data_parallel_routing,
+                              data_parallel_restart=args.data_parallel_restart)
     for rank in range(parallel.tensor_parallel_size):  # refuse a split the model cannot take before any worker starts
         shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
@@ -352,8 +357,16 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(runner_output)
         beams = [o for o in core_outputs if self.beam_search.owns(o.request_id)]
+        stored, evicted = self.scheduler.kv_cache_manager.block_pool.take_cache_changes()
         return StepOutputs(outputs=[o for o in core_outputs if not self.beam_search.owns(o.request_id)],
-                           beam_outputs=self.beam_search.process(beams), stats=self.get_stats())
+                           beam_outputs=self.beam_search.process(beams), stats=self.get_stats(),
+                           cache_stored=[h & ROUTING_KEY_MASK for h in stored],
+                           cache_evicted=[h & ROUTING_KEY_MASK for h in evicted])
+
+    def report_cache_changes(self) -> None:
+        """From now on each step's outputs name the blocks its prefix cache took in and evicted (a
+        data-parallel replica: its front routes requests to where their prefix is)."""
+        self.scheduler.kv_cache_manager.block_pool.track_cache_changes()
 
     # ----------------------------------------------------------------------- LoRA adapters
     def add_lora(self, lora_request: LoRARequest) -> bool:

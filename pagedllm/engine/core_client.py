@@ -16,7 +16,6 @@ import itertools
 import logging
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,6 +29,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_loop import CALLS, EngineCoreLoop, QueueChannel
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, Call, CoreDead, CoreMessage,
                                       CoreReady, FrontMessage, Reply, Shutdown, StartCore, StartupError, StepOutputs)
+from pagedllm.engine.replica_launch import CoreProcess, Launcher, LocalLauncher
 from pagedllm.engine.serial import decode, decode_error, encode
 from pagedllm.errors import ValidationError
 from pagedllm.models.loader import load_tokenizer, resolve_model_path
@@ -117,7 +117,8 @@ class AsyncCoreClient:
 
 
 def make_async_client(args: EngineArgs, step_log: str | None, multiprocess: bool) -> AsyncCoreClient:
-    """The core in a child process (``multiprocess``) or in a thread of this one, loaded."""
+    """The core in a child process (``multiprocess``) or in a thread of this one, loaded (several behind one
+    client, with data parallelism: engine/dp_client.py's DPClient)."""
     return MPClient(args, step_log) if multiprocess else ThreadClient(args, step_log)
 
 
@@ -193,8 +194,14 @@ class ThreadClient(AsyncCoreClient):
 class MPClient(AsyncCoreClient):
     """The core in a child process; a thread here receives its messages, the event loop alone sends."""
 
-    def __init__(self, args: EngineArgs, step_log: str | None = None) -> None:
-        """Start the core process and wait until its engine is loaded (raises what the load raised)."""
+    def __init__(self, args: EngineArgs, step_log: str | None = None, launcher: Launcher | None = None,
+                 index: int = 0, report_cache: bool = False, tokenizer: Any = None, wait: bool = True) -> None:
+        """Start the core process (through ``launcher``: default, a child of this process; ``index``: which
+        data-parallel replica it is) and wait until its engine is loaded (raises what the load raised).
+        ``report_cache``: the core reports its prefix cache's changes with each step (data-parallel routing);
+        ``tokenizer``: the front's, when it has one already (else loaded here while the core loads);
+        ``wait`` False: return once started, call ``wait_ready()`` later (several cores load at once). A local
+        core dies with the thread that started it (PR_SET_PDEATHSIG): start it from one that lives as long."""
         self._core_error: BaseException | None = None
         self._closing = False
         """Set once close() began: its exit is no death."""
@@ -202,21 +209,34 @@ class MPClient(AsyncCoreClient):
         self._ready = False
         self._receiver: threading.Thread | None = None
         self._delivery: _Delivery | None = None
-        self.proc: subprocess.Popen | None = None
-        self._dir: str | None = tempfile.mkdtemp(prefix="pagedllm-core-")  # 0700: only this user connects
-        self._base = f"ipc://{self._dir}"
+        self.proc: CoreProcess | None = None
+        launcher = launcher or LocalLauncher()
+        # ipc:// for a core on this machine (a 0700 folder: only this user connects); tcp:// to a Ray node
+        self._dir: str | None = tempfile.mkdtemp(prefix="pagedllm-core-") if launcher.host is None else None
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._from_core = self._ctx.socket(zmq.PULL)
         self._call_ids = itertools.count()
         try:
+            addresses = []
             for sock, name in ((self._to_core, "commands"), (self._from_core, "results")):
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.bind(f"{self._base}/{name}")
-            self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_proc",
-                                          f"{self._base}/commands", f"{self._base}/results"])
-            self._send(encode(StartCore(version=PROTOCOL_VERSION, engine_args=args, step_log=step_log)))
-            self.tokenizer = load_tokenizer(resolve_model_path(args.model))  # while the core loads the model
+                sock.bind(f"ipc://{self._dir}/{name}" if self._dir else f"tcp://{launcher.host}:*")
+                addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.proc = launcher.launch(index, addresses)
+            self._send(encode(StartCore(version=PROTOCOL_VERSION, engine_args=args, step_log=step_log,
+                                        report_cache=report_cache)))
+            # while the core loads the model
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(resolve_model_path(args.model))
+        except BaseException:
+            self.close()
+            raise
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the core's engine is loaded (raises what the load raised, and then the core is stopped)."""
+        try:
             ready = self._recv_now(CoreReady)
         except BaseException:
             self.close()

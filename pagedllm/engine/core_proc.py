@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 
+import torch
 import zmq
 
 from pagedllm.engine.core import EngineCore
@@ -51,7 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pagedllm's engine core process (started by `pagedllm serve`)")
     parser.add_argument("commands", help="ZeroMQ address to read commands from")
     parser.add_argument("results", help="ZeroMQ address to send results to")
+    parser.add_argument("--cores", default=None,
+                        help="bind this process's threads to these cores, e.g. 0-3,8 (a data-parallel replica)")
+    parser.add_argument("--threads", type=int, default=None, help="compute threads (a replica on a Ray node)")
     ns = parser.parse_args(argv)
+    if ns.cores:  # before torch starts its thread pool: the pool's threads inherit the affinity
+        cores = [int(c) for c in ns.cores.split(",")]
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+    elif ns.threads:
+        torch.set_num_threads(ns.threads)
     from pagedllm.executor.multiproc import _die_with_parent
     _die_with_parent()  # killed with the API process, whatever kills it
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, systemd's stop: they reach the whole group, and the
@@ -73,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"the front speaks {getattr(start, 'version', type(start).__name__)!r}, this "
                                    f"engine core protocol version {PROTOCOL_VERSION}: same pagedllm on both sides?")
             core = EngineCore.from_engine_args(start.engine_args)
+            if start.report_cache:
+                core.report_cache_changes()
         except BaseException as e:
             logger.error("the engine could not start: %s", e)
             results.send(encode(StartupError(error=encode_error(e))))

@@ -9,6 +9,7 @@ from typing import Any
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core import EngineCore, create_engine_config
 from pagedllm.engine.core_client import InprocClient
+from pagedllm.engine.dp_sync import SyncDPClient
 from pagedllm.engine.messages import Abort, AddRequest, EngineStats
 from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
@@ -31,11 +32,12 @@ class LLMEngine:
     """The offline API's engine (``LLM.llm_engine``): ``add_request``, then ``step()`` until done; one step is one
     batch of the engine core, reached through an InprocClient (``engine_core``)."""
 
-    def __init__(self, core: EngineCore, tokenizer: Any, log_stats: bool = False) -> None:
-        self.engine_core = InprocClient(core)
-        self.config = core.config
+    def __init__(self, core: EngineCore | SyncDPClient, tokenizer: Any, log_stats: bool = False) -> None:
+        """``core``: the engine core to step in this thread, or data-parallel replicas (engine/dp_sync.py)."""
+        self.engine_core: InprocClient | SyncDPClient = core if isinstance(core, SyncDPClient) else InprocClient(core)
+        ready = core.ready if isinstance(core, SyncDPClient) else core.ready_message()
+        self.config = ready.config
         self.tokenizer = tokenizer
-        ready = core.ready_message()
         self.num_kv_blocks = ready.num_kv_blocks
         self.processor = Processor(tokenizer, self.config.model.max_model_len, ready.vocab_size,
                                    tuple(ready.eos_token_ids))
@@ -46,7 +48,11 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
-        """Build an engine; ``log_stats`` gathers per-step timing (take it with take_iteration_stats)."""
+        """Build an engine; ``log_stats`` gathers per-step timing (take it with take_iteration_stats). With
+        ``data_parallel_size`` > 1 its replicas are processes (engine/dp_sync.py) and this one only steps them."""
+        if args.data_parallel_size != 1:
+            replicas = SyncDPClient(args)
+            return cls(replicas, replicas.tokenizer, log_stats)
         config, arch = create_engine_config(args)
         tokenizer = load_tokenizer(config.model.model)
         return cls(EngineCore(config, arch, tokenizer), tokenizer, log_stats)

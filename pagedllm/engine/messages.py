@@ -30,6 +30,29 @@ class EngineStats(SchedulerStats):
     num_kv_blocks: int = 0
     block_size: int = 0
 
+    @classmethod
+    def combine(cls, parts: list["EngineStats"]) -> "EngineStats":
+        """Several replicas' statistics as one engine's: counts summed, peaks the highest, KV usage over all
+        their blocks."""
+        if len(parts) == 1:
+            return parts[0]
+        total = cls()
+        blocks = sum(p.num_kv_blocks for p in parts)
+        for f in dataclasses.fields(cls):
+            values = [getattr(p, f.name) for p in parts]
+            if f.name in ("kv_cache_usage", "max_kv_cache_usage"):
+                value = sum(v * p.num_kv_blocks for v, p in zip(values, parts)) / blocks if blocks else 0.0
+            elif f.name == "block_size":
+                value = values[0]
+            elif f.name == "max_num_running":
+                value = sum(values)
+            elif isinstance(values[0], list):  # per-position counts
+                value = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
+            else:
+                value = sum(values)
+            setattr(total, f.name, value)
+        return total
+
 
 # ---------------------------------------------------------------------------- front -> core
 @dataclasses.dataclass(kw_only=True)
@@ -40,6 +63,9 @@ class StartCore:
     engine_args: EngineArgs
     step_log: str | None = None
     """With a path: one JSON line per step, its features and seconds (`pagedllm plan --calibrate-from`)."""
+    report_cache: bool = False
+    """Report each step's prefix-cache changes (StepOutputs.cache_stored/cache_evicted): a data-parallel
+    replica, for its front's routing."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -145,6 +171,13 @@ class StepOutputs:
     outputs: list[EngineCoreOutput]
     beam_outputs: list[RequestOutput]
     stats: EngineStats
+    cache_stored: list[int] = dataclasses.field(default_factory=list)
+    """A data-parallel replica's report: routing keys (core/kv_cache_manager.py) of blocks its prefix cache took
+    in during the step ..."""
+    cache_evicted: list[int] = dataclasses.field(default_factory=list)
+    """... and of blocks it evicted."""
+    engine_index: int = 0
+    """Which data-parallel replica stepped (set by the front's client, engine/dp_client.py)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -72,3 +72,24 @@ def test_taking_more_than_free_is_an_assertion_error() -> None:
     with pytest.raises(AssertionError):
         pool.get_new_blocks(4)
     assert pool.free_queue.block_ids() == [1, 2, 3]
+
+
+def test_cache_changes_report_what_entered_and_left_since_the_last_take() -> None:
+    """A data-parallel replica reports its prefix cache's changes each step: each hash once, in its final state."""
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, 11)
+    assert pool.take_cache_changes() == ([], [])  # not tracking yet
+    pool.track_cache_changes()
+    assert pool.take_cache_changes() == ([11], [])  # what was cached already counts as entered
+    pool.cache_block(b, 22)
+    pool.free_blocks([a, b])
+    assert pool.take_cache_changes() == ([22], [])  # freed blocks stay cached
+    c = pool.get_new_blocks(1)[0]  # evicts the least recently freed: a (hash 11)
+    assert c is a and pool.take_cache_changes() == ([], [11])
+    pool.cache_block(c, 33)
+    pool.free_blocks([c])
+    pool.get_new_blocks(2)  # evicts 22 and 33 (33 entered and left within this "step")
+    stored, evicted = pool.take_cache_changes()
+    assert stored == [] and sorted(evicted) == [22, 33]
+    assert pool.take_cache_changes() == ([], [])

@@ -56,6 +56,21 @@ def test_replay_at_low_and_high_rates() -> None:
     assert arrival_times(3, 2.0, 0)[0] == 0.0 and arrival_times(3, float("inf"), 0) == [0.0, 0.0, 0.0]
 
 
+def test_replicas_split_the_load() -> None:
+    """Data parallelism on paper: at a rate that saturates one replica, two serve about twice the requests per
+    second at a lower TTFT; at a light rate they add nothing (the rate is the rate)."""
+    requests = [BenchRequest([], 64, 32)] * 80
+    cost = CostModel([2e-3, 2e-5, 2e-4, 0])
+    args = dict(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    heavy = arrival_times(80, 200.0, 0)
+    one, two = replay(requests, heavy, cost, **args), replay(requests, heavy, cost, replicas=2, **args)
+    assert 1.7 < two.requests_per_second / one.requests_per_second < 2.1
+    assert two.ttft_ms["p50"] < one.ttft_ms["p50"] and two.num_steps > one.num_steps
+    light = arrival_times(80, 1.0, 0)
+    one, two = replay(requests, light, cost, **args), replay(requests, light, cost, replicas=2, **args)
+    assert abs(two.requests_per_second - one.requests_per_second) < 0.1
+
+
 def test_plan_command(tiny_llm_dir: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     cost, out, log = tmp_path / "cost.json", tmp_path / "plan.json", tmp_path / "requests.jsonl"
     assert main(["plan", str(tiny_llm_dir), "--dtype", "float32", "--num-kv-blocks", "64", "--calibrate",

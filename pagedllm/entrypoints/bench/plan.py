@@ -169,55 +169,64 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
 
 def replay(requests: list[BenchRequest], arrivals: list[float], cost: CostModel, num_blocks: int,
            block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-           enable_prefix_caching: bool = False) -> Prediction:
+           enable_prefix_caching: bool = False, replicas: int = 1) -> Prediction:
     """Run the requests through the real scheduler on a virtual clock: each step lasts what ``cost`` says. A
-    request the pool could never hold is refused (as the server answers it with a 400) and counted."""
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                          max_model_len=max_model_len),
-                          CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-                          num_kv_blocks=num_blocks)
-    refused = 0
-    pending = deque(sorted(zip(arrivals, range(len(requests)))))
+    request the pool could never hold is refused (as the server answers it with a 400) and counted. With
+    ``replicas`` > 1 (data parallelism), request i goes to replica i % replicas, each its own scheduler, KV pool
+    and clock (each replica is one machine like the one the cost model was measured on); the figures are of
+    all of them together."""
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     arrived: dict[str, float] = {}
-    now, usage = 0.0, []
-    while pending or scheduler.has_unfinished_requests():
-        if not scheduler.has_unfinished_requests():
-            now = max(now, pending[0][0])
-        while pending and pending[0][0] <= now:
-            at, i = pending.popleft()
-            r = requests[i]
-            req_id = f"r{i}"
-            try:
-                scheduler.add_request(Request(req_id, [i + 1] * r.prompt_len, SamplingParams(
-                    max_tokens=r.output_len, ignore_eos=True), eos_token_ids=None, max_tokens=r.output_len,
-                    arrival_time=at))
-            except ValidationError:
-                refused += 1
+    usage: list[float] = []
+    totals = {"num_preemptions": 0, "max_kv_cache_usage": 0.0, "max_num_running": 0, "num_steps": 0, "refused": 0}
+    for replica in range(replicas):
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                              max_model_len=max_model_len),
+                              CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+                              num_kv_blocks=num_blocks)
+        pending = deque(sorted((at, i) for i, at in enumerate(arrivals) if i % replicas == replica))
+        now = 0.0
+        while pending or scheduler.has_unfinished_requests():
+            if not scheduler.has_unfinished_requests():
+                now = max(now, pending[0][0])
+            while pending and pending[0][0] <= now:
+                at, i = pending.popleft()
+                r = requests[i]
+                req_id = f"r{i}"
+                try:
+                    scheduler.add_request(Request(req_id, [i + 1] * r.prompt_len, SamplingParams(
+                        max_tokens=r.output_len, ignore_eos=True), eos_token_ids=None, max_tokens=r.output_len,
+                        arrival_time=at))
+                except ValidationError:
+                    totals["refused"] += 1
+                    continue
+                arrived[req_id] = at
+            out = scheduler.schedule()
+            if not out.num_scheduled_tokens:  # waiting for blocks with nothing running cannot happen; be safe
+                now = pending[0][0] if pending else now + 1e-3
                 continue
-            arrived[req_id] = at
-        out = scheduler.schedule()
-        if not out.num_scheduled_tokens:  # waiting for blocks with nothing running cannot happen; be safe
-            now = pending[0][0] if pending else now + 1e-3
-            continue
-        now += cost.predict(scheduler.step_features(out))
-        usage.append(scheduler.kv_cache_manager.usage())
-        for output in scheduler.update_from_output(fake_model(scheduler, out)):
-            if output.new_token_ids:
-                first.setdefault(output.request_id, now)
-            if output.finish_reason is not None:
-                done[output.request_id] = now
+            now += cost.predict(scheduler.step_features(out))
+            usage.append(scheduler.kv_cache_manager.usage())
+            for output in scheduler.update_from_output(fake_model(scheduler, out)):
+                if output.new_token_ids:
+                    first.setdefault(output.request_id, now)
+                if output.finish_reason is not None:
+                    done[output.request_id] = now
+        stats = scheduler.stats
+        totals["num_preemptions"] += stats.num_preemptions
+        totals["max_kv_cache_usage"] = max(totals["max_kv_cache_usage"], stats.max_kv_cache_usage)
+        totals["max_num_running"] += stats.max_num_running
+        totals["num_steps"] += stats.num_steps
     lengths = {f"r{i}": r.output_len for i, r in enumerate(requests)}
     elapsed = max(done.values()) if done else 1e-9
     tpot = [(done[r] - first[r]) / (lengths[r] - 1) for r in done if lengths[r] > 1]
-    stats = scheduler.stats
     return Prediction(request_rate=0.0, requests_per_second=len(done) / elapsed,
                       output_tokens_per_second=sum(lengths[r] for r in done) / elapsed,
                       ttft_ms=_stats([first[r] - arrived[r] for r in first]), tpot_ms=_stats(tpot),
-                      num_preemptions=stats.num_preemptions, mean_kv_usage=float(np.mean(usage)),
-                      max_kv_usage=stats.max_kv_cache_usage, max_num_running=stats.max_num_running,
-                      num_steps=stats.num_steps, refused=refused)
+                      num_preemptions=int(totals["num_preemptions"]), mean_kv_usage=float(np.mean(usage or [0.0])),
+                      max_kv_usage=float(totals["max_kv_cache_usage"]), max_num_running=int(totals["max_num_running"]),
+                      num_steps=int(totals["num_steps"]), refused=int(totals["refused"]))
 
 
 def kv_blocks(args: EngineArgs) -> tuple[int, int]:
@@ -323,7 +332,7 @@ def run(ns: argparse.Namespace) -> int:
         recorded = [t for t, ok in zip(recorded, fits) if ok]
     sched = {"block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
              "max_model_len": max_model_len, "num_blocks": num_blocks,
-             "enable_prefix_caching": args.enable_prefix_caching}
+             "enable_prefix_caching": args.enable_prefix_caching, "replicas": args.data_parallel_size}
     rates = ["recorded"] if recorded is not None else ns.rates
     table = []
     for rate in rates:

@@ -166,7 +166,14 @@ def _generates(request: Request) -> None:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    if _engine(request).is_running:
+    """200 while the engine serves (empty, as vLLM's); with data parallelism a JSON body names each replica's
+    state, and "degraded" while some are stopped (the others serve). 503 once nothing serves."""
+    engine = _engine(request)
+    replicas = engine.replica_states() if engine.is_running else None
+    if replicas is not None:
+        degraded = any(r["status"] != "running" for r in replicas)
+        return JSONResponse({"status": "degraded" if degraded else "ok", "replicas": replicas})
+    if engine.is_running:
         return Response(status_code=200)
     return error_response(503, "the engine loop is not running", type_="server_error")
 
@@ -523,7 +530,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
                               param="allow_runtime_lora_updating", value=True)
     keys = ns.api_key or ([envs.API_KEY.read()] if envs.API_KEY.read() else [])
     raise_open_file_limit()  # each connection is a file; before the engine starts, so its processes inherit it
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], engine_args.data_parallel_size)
     server: _Server | None = None
 
     def on_dead(error: BaseException) -> None:  # on the event loop: /health already says 503

@@ -26,7 +26,7 @@ def spec_server(tiny_llm_dir: Path) -> Iterator[RemoteServer]:
 
 def _metric(server: RemoteServer, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    found = re.findall(rf'^pagedllm:{name}_total{{model_name="tiny"}} (\S+)$', text, re.M)
+    found = re.findall(rf'^pagedllm:{name}_total{{engine="0",model_name="tiny"}} (\S+)$', text, re.M)
     assert found, f"{name} not in /metrics"
     return float(found[0])
 
@@ -43,7 +43,7 @@ def test_served_text_is_the_text_without_speculation(server: RemoteServer, spec_
     assert accepted > 0
     assert _metric(spec_server, "spec_decode_num_draft_tokens") >= _metric(spec_server,
                                                                            "spec_decode_num_accepted_tokens")
-    assert 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in \
+    assert 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"}' in \
         httpx.get(f"{spec_server.url}/metrics").text
 
 
