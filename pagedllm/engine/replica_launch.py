@@ -178,6 +178,7 @@ class RayLauncher:
         self._connected = False
         self.placement_group: Any = None
         self.nodes: dict[int, tuple[str, str]] = {}
+        local = False
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             if address:
@@ -187,9 +188,12 @@ class RayLauncher:
                 logger.info("starting a local Ray cluster (set RAY_ADDRESS to join one)")
                 ray.init(num_cpus=max(int(num_replicas * cpus), os.cpu_count() or 1), include_dashboard=False,
                          log_to_driver=True, _node_ip_address="127.0.0.1")  # a local cluster: loopback only
+                local = True
             self._connected = True
         try:
-            self.host = node_address(ray)  # the address the cluster knows this node by (loopback for a local one)
+            # the cores connect here: loopback when this process started a one-machine cluster, else the address
+            # the cluster knows this node by
+            self.host = "127.0.0.1" if local else node_address(ray)
             self.placement_group = placement_group([{"CPU": cpus} for _ in range(num_replicas)], strategy="SPREAD")
             ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
             if not ready:

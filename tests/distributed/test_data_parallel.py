@@ -37,11 +37,13 @@ def reference(tiny_llm_dir: Path) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("backend", ["mp", "ray"])
-def test_offline_replicas_give_one_engines_tokens_in_input_order(tiny_llm_dir: Path, reference: list,
-                                                                 backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backend, tp", [("mp", 1), ("ray", 1), ("mp", 2)])
+def test_offline_replicas_give_one_engines_tokens_in_input_order(tiny_llm_dir: Path, reference: list, backend: str,
+                                                                 tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dp=2 (each replica with its own tensor-parallel group at tp=2) gives one engine's greedy tokens."""
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    llm = LLM(str(tiny_llm_dir), dtype="float32", data_parallel_size=2, data_parallel_backend=backend)
+    llm = LLM(str(tiny_llm_dir), dtype="float32", data_parallel_size=2, data_parallel_backend=backend,
+              tensor_parallel_size=tp)
     try:
         states = llm.llm_engine.engine_core.replica_states()
         assert [s["status"] for s in states] == ["running", "running"] and states[0]["pid"] != states[1]["pid"]
@@ -50,9 +52,10 @@ def test_offline_replicas_give_one_engines_tokens_in_input_order(tiny_llm_dir: P
         assert [o.request_id for o in outs] == [str(i) for i in range(len(PROMPTS))]
         stats = llm.get_stats()
         assert stats.num_generated_tokens == sum(map(len, reference)) and stats.num_kv_blocks > 0
+        assert len(llm.llm_engine.rank_memory_usage()) == 2 * tp  # every rank of every replica
         if backend == "mp" and len(os.sched_getaffinity(0)) >= 2:  # each replica on its own cores
             assert not set(states[0]["cores"]) & set(states[1]["cores"]), states
-        pids = [s["pid"] for s in states]
+        pids = [p.pid for s in states for p in [psutil.Process(s["pid"])] + psutil.Process(s["pid"]).children()]
     finally:
         llm.shutdown()
     _assert_gone([psutil.Process(p) for p in pids if psutil.pid_exists(p)])
@@ -68,8 +71,10 @@ def test_two_ray_nodes_hold_one_replica_each(two_node_cluster: str, tiny_llm_dir
         assert len({s["node_id"] for s in states}) == 2, states
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference
+        cores = [psutil.Process(s["pid"]) for s in states]
     finally:
         llm.shutdown()
+    _assert_gone(cores)  # their actors were killed, and the cores died with them
 
 
 def _engine_counters(srv: RemoteServer, name: str) -> dict[str, float]:
