@@ -76,10 +76,14 @@ class AsyncLLM:
                          multiprocess: bool | None = None) -> "AsyncLLM":
         """Load the engine core: in its own process unless ``multiprocess`` is False (default: from
         PAGEDLLM_ENABLE_MULTIPROCESSING); ``step_log``: the core's per-step log (`pagedllm serve --step-log`)."""
-        if args.data_parallel_size != 1:  # replicas are processes whatever ``multiprocess`` says
-            return cls(DPClient(args, step_log), on_step, on_dead)
         if multiprocess is None:
             multiprocess = envs.ENABLE_MULTIPROCESSING.read()
+        if args.data_parallel_size != 1:
+            if not multiprocess:
+                raise ValidationError(f"data_parallel_size={args.data_parallel_size} runs each replica's engine core "
+                                      f"in a process of its own; {envs.ENABLE_MULTIPROCESSING.name}=0 (a core in a "
+                                      "thread) cannot apply", param="data_parallel_size", value=args.data_parallel_size)
+            return cls(DPClient(args, step_log), on_step, on_dead)
         return cls(make_async_client(args, step_log, multiprocess), on_step, on_dead)
 
     # ------------------------------------------------------------------ lifecycle
@@ -119,10 +123,11 @@ class AsyncLLM:
         """Engine replicas behind this front."""
         return self.config.parallel.data_parallel_size
 
-    def replica_states(self) -> list[dict[str, Any]] | None:
-        """With data parallelism: per replica, whether it runs, its load, restarts and place (else None)."""
+    def replica_states(self, details: bool = True) -> list[dict[str, Any]] | None:
+        """With data parallelism: per replica, whether it runs, its load and restarts (``details``: also its
+        process and place); else None."""
         states = getattr(self.client, "replica_states", None)
-        return states() if states is not None else None
+        return states(details) if states is not None else None
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                           arrival_time: float | None = None, lora_request: LoRARequest | None = None

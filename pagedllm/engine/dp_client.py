@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 1
 """Times a request with nothing streamed yet is sent again after its replica was lost."""
+RESTART_ATTEMPTS = 3
+"""With data_parallel_restart: a replica that fails to start this many times in a row stays stopped."""
+RESTART_BACKOFF_S = 5.0
+"""Seconds before the second attempt (twice that before the third)."""
 
 
 @dataclasses.dataclass
@@ -82,6 +86,7 @@ class DPClient(AsyncCoreClient):
         n = self.parallel.data_parallel_size
         self.replica_args = dataclasses.replace(args, data_parallel_size=1)
         self.step_log = step_log
+        self.tokenizer = load_tokenizer(resolve_model_path(args.model))  # once, shared by the replicas' clients
         self.launcher: Launcher
         self._factory = replica_factory or self._start_replica
         if replica_factory is not None:
@@ -90,11 +95,19 @@ class DPClient(AsyncCoreClient):
             self.launcher = RayLauncher(n, float(max(1, len(split_cores(n)[0]))))
         else:
             self.launcher = LocalLauncher(split_cores(n))
+        # every core is started from this one thread, which lives as long as the client: a local core dies with
+        # the thread that started it (PR_SET_PDEATHSIG), and a restart's start and load stay off the event loop
+        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-dp-spawner")
         self.replicas: list[MPClient | None] = [None] * n
-        self.tokenizer = load_tokenizer(resolve_model_path(args.model))  # once, before the threads (shared)
+        self._loading: dict[int, MPClient] = {}
+        """Replicas being started again (close() stops them too)."""
+        self._loras: dict[int, Any] = {}
+        """Adapters added through this client (by id): a restarted replica gets them again."""
         self.lost: dict[int, str] = {}
         """Replica -> why it stopped (until it is started again)."""
         self.restarts = [0] * n
+        self._failed_restarts = [0] * n
+        """Restarts of each replica that failed in a row (RESTART_ATTEMPTS of them: it stays stopped)."""
         self._closing = False
         self._delivery: tuple[asyncio.AbstractEventLoop, Callable[[CoreMessage], None],
                               Callable[[EngineDeadError], None]] | None = None
@@ -104,17 +117,19 @@ class DPClient(AsyncCoreClient):
         self._fanouts: dict[tuple[int, int], _FanOut] = {}
         """(replica, the call id it was sent) -> the front's call."""
         self._sub_ids = 0
+        self._restarting: set[int] = set()
         self._stats: list[EngineStats] = []
         self._dead = False
-        try:  # every core started from this thread (they die with it), then all load at once
+        try:  # all start, then all load at once
             for i in range(n):
-                self.replicas[i] = self._factory(i)
+                self.replicas[i] = self._spawner.submit(self._factory, i).result()
             for replica in self._live():
                 replica.wait_ready()
         except BaseException:
             for replica in self._live():
                 replica.close()
             self.launcher.close()
+            self._spawner.shutdown(wait=False)
             raise
         first = self.replicas[0]
         assert first is not None
@@ -142,6 +157,8 @@ class DPClient(AsyncCoreClient):
             replica.start(partial(self._on_message, i), partial(self._on_replica_dead, i))
 
     def call_now(self, method: str, args: list[Any]) -> Any:
+        if method == "add_lora" and args:
+            self._loras[args[0].lora_int_id] = args[0]
         results = [r.call_now(method, args) for r in self._live()]
         return results[0]
 
@@ -179,20 +196,24 @@ class DPClient(AsyncCoreClient):
         if self._closing and not self._live():
             return
         self._closing = True
-        replicas, self.replicas = self._live(), [None] * len(self.replicas)
+        replicas, self.replicas = self._live() + list(self._loading.values()), [None] * len(self.replicas)
         with concurrent.futures.ThreadPoolExecutor(max(1, len(replicas))) as pool:
             list(pool.map(lambda r: r.close(timeout), replicas))
+        self._spawner.shutdown(wait=True, cancel_futures=True)  # a restart's load ends at once: its core is gone
         self.launcher.close()
 
     # ------------------------------------------------------------------ what the server shows
-    def replica_states(self) -> list[dict[str, Any]]:
-        """Per replica: whether it serves, why not, its load, restarts and where it runs (/health)."""
+    def replica_states(self, details: bool = True) -> list[dict[str, Any]]:
+        """Per replica: whether it serves (or is starting again), why not, its load and restarts; with
+        ``details`` also its process id and where it runs (not for /health, which anyone may read)."""
         states = []
         for i, replica in enumerate(self.replicas):
             up = replica is not None and i not in self.lost and replica.is_alive()
-            state = {"index": i, "status": "running" if up else "stopped", "requests": self.router.load[i],
-                     "restarts": self.restarts[i], "pid": replica.proc.pid if replica and replica.proc else None,
-                     **self.launcher.describe(i)}
+            status = "running" if up else "starting" if i in self._restarting else "stopped"
+            state: dict[str, Any] = {"index": i, "status": status, "requests": self.router.load[i],
+                                     "restarts": self.restarts[i]}
+            if details:
+                state.update(pid=replica.proc.pid if replica and replica.proc else None, **self.launcher.describe(i))
             if not up:  # the reason arrives on the event loop just after the process is seen gone
                 state["error"] = self.lost.get(i, "its engine core process exited")
             states.append(state)
@@ -210,13 +231,23 @@ class DPClient(AsyncCoreClient):
             routed = self._routed[message.request_id] = _Routed(message, replica, seqs)
             for seq_id in seqs:
                 self._seq_request[seq_id] = message.request_id
-        routed.replica = replica
-        self.router.load[replica] += 1
-        try:
-            self._send_to(replica, message)
-        except BaseException:
-            self._forget(message.request_id)
-            raise
+        while True:
+            routed.replica = replica
+            self.router.load[replica] += 1
+            try:
+                self._send_to(replica, message)
+                return
+            except EngineDeadError:  # its process exited a moment ago (its death is on its way): another one
+                self.router.load[replica] -= 1
+                self.router.alive[replica] = False
+                try:
+                    replica, _ = self.router.choose(message.prompt_ids, salt)
+                except LookupError:
+                    self._forget(message.request_id)
+                    raise EngineDeadError("no data-parallel replica is running") from None
+            except BaseException:
+                self._forget(message.request_id)
+                raise
 
     def _send_to(self, replica: int, message: FrontMessage) -> None:
         client = self.replicas[replica]
@@ -264,11 +295,18 @@ class DPClient(AsyncCoreClient):
             self._deliver(message)
         elif isinstance(message, Accepted):
             routed = self._routed.get(message.request_id)
+            if routed is not None and routed.accepted:  # sent again after its first replica was lost: the front
+                if message.error is not None:           # has its Accepted, so a refusal ends its stream instead
+                    failed: list[EngineCoreOutput] = []
+                    beams: list[RequestOutput] = []
+                    self._fail(message.request_id, routed, f"its replica stopped and replica {replica} refused it: "
+                               f"{message.error.message}", failed, beams)
+                    self._deliver(StepOutputs(outputs=failed, beam_outputs=beams, stats=self._stats[replica],
+                                              engine_index=replica))
+                return
             if message.error is not None:
                 self._forget(message.request_id)
             elif routed is not None:
-                if routed.accepted:
-                    return  # sent again after its first replica was lost: the front has its Accepted
                 routed.accepted = True
             self._deliver(message)
         elif isinstance(message, Reply):
@@ -313,12 +351,9 @@ class DPClient(AsyncCoreClient):
         if failed or beams:
             self._deliver(StepOutputs(outputs=failed, beam_outputs=beams, stats=self._stats[replica],
                                       engine_index=replica))
-        if not any(self.router.alive) and not self.parallel.data_parallel_restart:
-            self._dead = True
-            assert self._delivery is not None
-            self._delivery[2](EngineDeadError(f"every data-parallel replica stopped; the last: {why}"))
-        elif self.parallel.data_parallel_restart:
+        if self.parallel.data_parallel_restart and not self._closing:
             self._restart(replica)
+        self._check_any_left(why)
 
     def _fail(self, request_id: str, routed: _Routed, why: str, failed: list[EngineCoreOutput],
               beams: list[RequestOutput]) -> None:
@@ -336,30 +371,40 @@ class DPClient(AsyncCoreClient):
 
     # ------------------------------------------------------------------ restarts
     def _restart(self, replica: int) -> None:
-        """Start the replica again in a worker thread; it serves once loaded."""
+        """Start the replica again on the spawner thread (started and loaded there, off the event loop, its
+        adapters added again); it serves once loaded."""
         old = self.replicas[replica]
         loop = asyncio.get_running_loop()
-        if old is not None:
-            old.close(timeout=2.0)  # it is dead already: this frees its sockets
-        try:  # started from the event loop's thread, which lives as long as the server; loaded in a worker thread
-            client = self._factory(replica)
-        except BaseException as e:
-            self._restart_failed(replica, f"restart failed: {e}")
-            return
+        loras = list(self._loras.values())
 
         def work() -> None:
+            if old is not None:
+                old.close(timeout=2.0)  # it is dead already: this frees its sockets
+            client = None
             try:
+                client = self._loading[replica] = self._factory(replica)
+                if self._closing:
+                    raise EngineDeadError("the engine is shut down")
                 client.wait_ready()
+                for lora in loras:
+                    client.call_now("add_lora", [lora])
             except BaseException as e:
+                if client is not None:
+                    client.close()
                 logger.error("data-parallel replica %d could not start again: %s", replica, e)
-                loop.call_soon_threadsafe(self._restart_failed, replica, f"restart failed: {e}")
+                _soon(loop, self._restart_failed, replica, f"restart failed: {e}")
                 return
-            loop.call_soon_threadsafe(self._restarted, replica, client)
+            finally:
+                self._loading.pop(replica, None)
+            _soon(loop, self._restarted, replica, client)
 
         logger.info("starting data-parallel replica %d again", replica)
-        loop.run_in_executor(None, work)
+        self._restarting.add(replica)
+        self._spawner.submit(work)
 
     def _restarted(self, replica: int, client: MPClient) -> None:
+        self._restarting.discard(replica)
+        self._failed_restarts[replica] = 0
         if self._closing:
             client.close()
             return
@@ -372,13 +417,32 @@ class DPClient(AsyncCoreClient):
         logger.info("data-parallel replica %d serves again (restart %d)", replica, self.restarts[replica])
 
     def _restart_failed(self, replica: int, why: str) -> None:
+        self._restarting.discard(replica)
         self.lost[replica] = why
-        if not any(self.router.alive) and self._delivery is not None and not self._dead:
+        self._failed_restarts[replica] += 1
+        if self._failed_restarts[replica] < RESTART_ATTEMPTS and not self._closing:
+            self._restarting.add(replica)  # still coming back: the front is not dead meanwhile
+            asyncio.get_running_loop().call_later(RESTART_BACKOFF_S * self._failed_restarts[replica],
+                                                  self._retry_restart, replica)
+        self._check_any_left(why)
+
+    def _retry_restart(self, replica: int) -> None:
+        self._restarting.discard(replica)
+        if not self._closing:
+            self._restart(replica)
+
+    def _check_any_left(self, why: str) -> None:
+        """The front is dead once no replica runs and none is starting again."""
+        if not any(self.router.alive) and not self._restarting and self._delivery is not None and not self._dead:
             self._dead = True
             self._delivery[2](EngineDeadError(f"every data-parallel replica stopped; the last: {why}"))
 
     # ------------------------------------------------------------------ calls
     def _fan_out(self, call: Call) -> None:
+        if call.method == "add_lora" and call.args:
+            self._loras[call.args[0].lora_int_id] = call.args[0]
+        elif call.method == "remove_lora" and call.args:
+            self._loras.pop(call.args[0], None)
         live = [i for i, r in enumerate(self.replicas) if r is not None and i not in self.lost]
         fan = _FanOut(call.call_id, call.method, set(live))
         for i in live:
@@ -411,11 +475,18 @@ class DPClient(AsyncCoreClient):
             result = sorted(set.intersection(*(set(r) for r in ordered)))
         elif fan.method == "get_stats":
             result = EngineStats.combine(ordered)
-        else:  # add_lora, remove_lora: done on every replica; the first one's answer
-            result = ordered[0]
+        else:  # add_lora, remove_lora: done on every replica; True if any replica changed
+            result = any(ordered)
         self._deliver(Reply(call_id=fan.call_id, result=result))
 
     def stats(self) -> list[EngineStats]:
         """Each replica's statistics after its last step."""
         return list(self._stats)
 
+
+def _soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` on the event loop, from another thread, unless the loop is gone (the front stopped)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nothing is left to tell
+        pass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedllm.core.kv_cache_manager import prompt_routing_keys
+from pagedllm.core.kv_cache_manager import ROUTING_KEY_MASK, hash_block_tokens
 
 ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
 DEFAULT_MAX_IMBALANCE = 4
@@ -42,13 +42,12 @@ class Router:
         if self.policy == "round-robin":
             pick = min(live, key=lambda i: (i - self._next) % len(self.alive))
             self._next = pick + 1
-            return pick, self._hits(pick, prompt_ids, salt)
+            return pick, 0
         lightest = min(self.load[i] for i in live)
-        if self.policy == "least-loaded" or not any(self.cached[i] for i in live):
-            return self._least_loaded(live, lightest), 0
-        keys = prompt_routing_keys(prompt_ids, self.block_size, salt)
-        hits = {i: _leading(keys, self.cached[i]) for i in live}
         eligible = [i for i in live if self.load[i] <= lightest + self.max_imbalance]
+        if self.policy == "least-loaded" or not any(self.cached[i] for i in eligible):
+            return self._least_loaded(live, lightest), 0
+        hits = self._leading_hits(prompt_ids, salt, eligible)
         best = max(hits[i] for i in eligible)
         if best == 0:
             return self._least_loaded(live, lightest), 0
@@ -61,10 +60,21 @@ class Router:
         self._next = pick + 1
         return pick
 
-    def _hits(self, replica: int, prompt_ids: Sequence[int], salt: str | None) -> int:
-        if not self.cached[replica]:
-            return 0
-        return _leading(prompt_routing_keys(prompt_ids, self.block_size, salt), self.cached[replica])
+    def _leading_hits(self, prompt_ids: Sequence[int], salt: str | None, replicas: list[int]) -> dict[int, int]:
+        """Per replica, how many of the prompt's leading blocks it caches. Blocks are hashed one by one and only
+        while some replica still holds the run (a long prompt nobody caches costs one hash, not one per block)."""
+        hits = dict.fromkeys(replicas, 0)
+        holding = [i for i in replicas if self.cached[i]]
+        parent = None
+        for n, start in enumerate(range(0, len(prompt_ids) - self.block_size + 1, self.block_size)):
+            parent = hash_block_tokens(parent, prompt_ids[start:start + self.block_size], salt if n == 0 else None)
+            key = parent & ROUTING_KEY_MASK
+            holding = [i for i in holding if key in self.cached[i]]
+            if not holding:
+                break
+            for i in holding:
+                hits[i] = n + 1
+        return hits
 
     def report(self, replica: int, stored: Sequence[int], evicted: Sequence[int]) -> None:
         """A replica's cache changes of one step."""
@@ -79,12 +89,3 @@ class Router:
         if alive:
             self.load[replica] = 0
 
-
-def _leading(keys: list[int], cached: set[int]) -> int:
-    """How many of ``keys`` from the first are in ``cached``."""
-    n = 0
-    for key in keys:
-        if key not in cached:
-            break
-        n += 1
-    return n

@@ -39,6 +39,8 @@ class SyncDPClient:
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._dead: BaseException | None = None
+        self._refused: BaseException | None = None
+        """A refusal that came with outputs: step() returned those and raises this next."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pagedllm-dp-front", daemon=True)
         self._thread.start()
@@ -71,9 +73,11 @@ class SyncDPClient:
 
     def _on_dead(self, error: EngineDeadError) -> None:
         self._inbox.put(error)
-        for future in self._calls.values():
-            future.set_exception(error)
-        self._calls.clear()
+        self._dead = error  # before failing the calls: a call made from now on raises at once
+        for call_id in list(self._calls):
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
 
     # ------------------------------------------------------------------ InprocClient's interface
     def add(self, request: AddRequest | AddBeamSearch) -> None:
@@ -102,11 +106,17 @@ class SyncDPClient:
             self._run(self._send(Stop(seq_ids=seq_ids)))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._open)
+        return bool(self._open) or self._refused is not None
 
     def step(self) -> StepOutputs:
-        """The outputs of every replica step since the last call (waits for at least one)."""
+        """The outputs of every replica step since the last call (waits for at least one while requests run).
+        A replica's refusal of a request raises here (after the outputs that came with it were returned)."""
         self._check()
+        if self._refused is not None:
+            refused, self._refused = self._refused, None
+            raise refused
+        if not self._open and self._inbox.empty():
+            return StepOutputs(outputs=[], beam_outputs=[], stats=EngineStats())
         items = [self._inbox.get()]
         while True:
             try:
@@ -118,7 +128,7 @@ class SyncDPClient:
             if isinstance(item, BaseException):
                 self._dead = item
             elif isinstance(item, Accepted):
-                if item.error is not None:
+                if item.error is not None and item.request_id in self._open:  # else: aborted since
                     self._close_request(item.request_id)
                     refused = refused or decode_error(item.error)
             elif isinstance(item, StepOutputs):
@@ -132,7 +142,9 @@ class SyncDPClient:
                     if beam.finished:
                         self._close_request(beam.request_id)
         if refused is not None:
-            raise refused
+            if not outputs and not beams:
+                raise refused
+            self._refused = refused  # the next call raises it: these outputs are not lost
         self._check()
         combined = EngineStats.combine(list(stats.values())) if stats else EngineStats()
         return StepOutputs(outputs=outputs, beam_outputs=beams, stats=combined)
@@ -144,14 +156,17 @@ class SyncDPClient:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._calls[call_id] = future
         self._run(self._send(Call(call_id=call_id, method=method, args=list(args))))
+        if self._dead is not None and not future.done():  # the replicas died while it was being sent
+            raise EngineDeadError(str(self._dead)) from self._dead
         return future.result(CALL_TIMEOUT_S)
 
     def kv_map(self, cells: bool = True) -> dict[str, Any]:
         """The KV pools now: every live replica's map under "replicas" (with its "index")."""
         return self.call("kv_state")
 
-    def replica_states(self) -> list[dict[str, Any]]:
-        return self.dp.replica_states()
+    def replica_states(self, details: bool = True) -> list[dict[str, Any]]:
+        """Per replica: whether it runs, its load and restarts (``details``: its process and place)."""
+        return self.dp.replica_states(details)
 
     def shutdown(self) -> None:
         """Stop every replica and the loop thread; idempotent."""

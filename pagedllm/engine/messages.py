@@ -32,8 +32,8 @@ class EngineStats(SchedulerStats):
 
     @classmethod
     def combine(cls, parts: list["EngineStats"]) -> "EngineStats":
-        """Several replicas' statistics as one engine's: counts summed, peaks the highest, KV usage over all
-        their blocks."""
+        """Several replicas' statistics as one engine's: counts (and most running at once) summed, KV usage and
+        its peak weighted by each replica's blocks."""
         if len(parts) == 1:
             return parts[0]
         total = cls()

@@ -212,8 +212,10 @@ class RayLauncher:
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
         actor = self._actor_class.options(scheduling_strategy=strategy, **self._actor_options).remote()
         try:
-            self.nodes[index] = self.ray.get(actor.node.remote())
-            pid = self.ray.get(actor.start.remote([*argv, "--threads", str(max(1, int(self.cpus)))]))
+            # bounded: a bundle whose node is gone waits for Ray to place it again
+            self.nodes[index] = self.ray.get(actor.node.remote(), timeout=PLACEMENT_TIMEOUT_S)
+            pid = self.ray.get(actor.start.remote([*argv, "--threads", str(max(1, int(self.cpus)))]),
+                               timeout=PLACEMENT_TIMEOUT_S)
         except BaseException:
             self.ray.kill(actor)
             raise

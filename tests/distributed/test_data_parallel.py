@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.errors import ValidationError
 from tests.distributed.test_faults import _assert_gone
 from tests.distributed.test_ray_cluster import two_node_cluster  # noqa: F401  (a fixture)
 from tests.distributed.utils import shm_segments
@@ -43,7 +44,7 @@ def test_offline_replicas_give_one_engines_tokens_in_input_order(tiny_llm_dir: P
     """dp=2 (each replica with its own tensor-parallel group at tp=2) gives one engine's greedy tokens."""
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     llm = LLM(str(tiny_llm_dir), dtype="float32", data_parallel_size=2, data_parallel_backend=backend,
-              tensor_parallel_size=tp)
+              tensor_parallel_size=tp, num_kv_blocks=24)
     try:
         states = llm.llm_engine.engine_core.replica_states()
         assert [s["status"] for s in states] == ["running", "running"] and states[0]["pid"] != states[1]["pid"]
@@ -53,6 +54,11 @@ def test_offline_replicas_give_one_engines_tokens_in_input_order(tiny_llm_dir: P
         stats = llm.get_stats()
         assert stats.num_generated_tokens == sum(map(len, reference)) and stats.num_kv_blocks > 0
         assert len(llm.llm_engine.rank_memory_usage()) == 2 * tp  # every rank of every replica
+        too_long = {"prompt_token_ids": [5] * 400}  # 25 blocks: more than a replica's pool holds
+        with pytest.raises(ValidationError, match="KV"):  # a replica's refusal reaches the caller ...
+            llm.generate(PROMPTS[:3] + [too_long], GREEDY, use_tqdm=False)
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # ... and nothing of that call lingers
+        assert [o.outputs[0].token_ids for o in outs] == reference
         if backend == "mp" and len(os.sched_getaffinity(0)) >= 2:  # each replica on its own cores
             assert not set(states[0]["cores"]) & set(states[1]["cores"]), states
         pids = [p.pid for s in states for p in [psutil.Process(s["pid"])] + psutil.Process(s["pid"]).children()]
@@ -171,8 +177,8 @@ def test_a_killed_replica_fails_its_streams_alone_and_comes_back(tiny_llm_dir: P
     try:
         health = httpx.get(f"{srv.url}/health", timeout=5).json()
         assert health["status"] == "ok" and [r["status"] for r in health["replicas"]] == ["running"] * 2
-        victim = health["replicas"][0]["pid"]
-        assert sorted(p.pid for p in _cores(srv.proc.pid)) == sorted(r["pid"] for r in health["replicas"])
+        assert "pid" not in health["replicas"][0]  # /health is open to anyone: no pids or addresses
+        [victim] = [p.pid for p in _cores(srv.proc.pid) if p.cmdline()[-2:] == ["--cores", "0"]]  # replica 0
         ends: list[str] = []
         started = [threading.Event() for _ in range(4)]
         threads = [threading.Thread(target=_stream, args=(srv.url, i, ends, started[i]), daemon=True)
@@ -198,7 +204,7 @@ def test_a_killed_replica_fails_its_streams_alone_and_comes_back(tiny_llm_dir: P
         while (state := httpx.get(f"{srv.url}/health", timeout=5).json())["status"] != "ok":
             assert time.monotonic() < deadline, state
             time.sleep(0.2)
-        assert state["replicas"][0]["restarts"] == 1 and state["replicas"][0]["pid"] != victim
+        assert state["replicas"][0]["restarts"] == 1 and victim not in [p.pid for p in _cores(srv.proc.pid)]
         for prompt in ("after the restart", "and another"):
             r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 3}, timeout=30)
             assert r.status_code == 200, r.text

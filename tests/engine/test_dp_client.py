@@ -15,8 +15,9 @@ from pagedllm.core.kv_cache_manager import prompt_routing_keys
 from pagedllm.engine.core import create_engine_config
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.dp_client import DPClient
-from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, Accepted, AddRequest, Call, CoreReady, EngineStats,
-                                      Reply, StepOutputs, Stop)
+from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, Accepted, AddRequest, Call, CoreError, CoreReady,
+                                      EngineStats, Reply, StepOutputs, Stop)
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EngineCoreOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -45,6 +46,10 @@ class FakeReplica:
 
     def close(self, timeout: float | None = None) -> None:
         self.closed = True
+
+    def call_now(self, method: str, args: list) -> Any:
+        self.sent.append(Call(call_id=-1, method=method, args=args))
+        return True
 
     def step(self, outputs: list[EngineCoreOutput], stored: list[int] = ()) -> None:
         self.on_message(StepOutputs(outputs=outputs, beam_outputs=[], stats=EngineStats(num_steps=1),
@@ -163,3 +168,79 @@ def test_calls_go_to_every_replica_and_answer_once(tiny_llm_dir: Path, ready: Co
         dp.close()
 
     asyncio.run(main())
+
+
+def test_a_moved_request_its_new_replica_refuses_ends_in_an_error(tiny_llm_dir: Path, ready: CoreReady) -> None:
+    """The front has the request's Accepted from its first replica: the second one's refusal must end its stream
+    (an error output), not arrive as an Accepted nobody waits for."""
+    async def main() -> None:
+        dp, (r0, r1) = _client(tiny_llm_dir, ready, data_parallel_routing="round-robin")
+        got: list[Any] = []
+        dp.start(got.append, got.append)
+        dp.send(_add("x", [1, 2, 3]))
+        r0.on_message(Accepted(request_id="x"))
+        r0.die()
+        assert r1.sent[-1].request_id == "x"
+        got.clear()
+        r1.on_message(Accepted(request_id="x", error=CoreError(type="ValidationError", message="too long")))
+        [out] = got
+        assert isinstance(out, StepOutputs) and out.outputs[0].finish_reason == "error"
+        assert "refused it: too long" in out.outputs[0].error and dp.router.load == [0, 0] and not dp._routed
+        dp.close()
+
+    asyncio.run(main())
+
+
+def test_a_replica_found_dead_when_sending_is_skipped(tiny_llm_dir: Path, ready: CoreReady) -> None:
+    async def main() -> None:
+        dp, (r0, r1) = _client(tiny_llm_dir, ready)
+        dp.start(lambda m: None, lambda e: None)
+
+        def gone(message: Any) -> None:
+            raise EngineDeadError("the engine core process is gone")
+
+        r0.send = gone  # its exit is not yet reported
+        dp.send(_add("y", [1, 2, 3]))
+        assert r1.sent[-1].request_id == "y" and dp.router.load == [0, 1]
+        r1.send = gone
+        with pytest.raises(EngineDeadError, match="no data-parallel replica"):
+            dp.send(_add("z", [4]))
+        assert "z" not in dp._routed
+        dp.close()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_replica_gets_the_adapters_and_serves_again(tiny_llm_dir: Path, ready: CoreReady) -> None:
+    async def main() -> None:
+        dp, fakes = _client(tiny_llm_dir, ready, data_parallel_restart=True)
+        dead: list[Any] = []
+        dp.start(lambda m: None, dead.append)
+        lora = LoRARequest("a", 3, "/nowhere")
+        dp.send(Call(call_id=1, method="add_lora", args=[lora]))
+        fakes[1].die()
+        assert [s["status"] for s in dp.replica_states()] == ["running", "starting"]
+        for _ in range(100):  # loaded on the spawner thread, then handed to the event loop
+            await asyncio.sleep(0.02)
+            if dp.restarts[1]:
+                break
+        new = fakes[2]
+        assert dp.replicas[1] is new and dp.restarts[1] == 1 and not dead
+        assert [(c.method, c.args) for c in new.sent] == [("add_lora", [lora])]
+        assert [s["status"] for s in dp.replica_states()] == ["running", "running"]
+        dp.send(_add("r", [1]))
+        dp.send(_add("s", [2]))
+        assert new.sent[-1].request_id in ("r", "s")  # it takes requests again
+        dp.close()
+        assert new.closed
+
+    asyncio.run(main())
+
+
+def test_replicas_in_threads_are_refused(tiny_llm_dir: Path) -> None:
+    """PAGEDLLM_ENABLE_MULTIPROCESSING=0 keeps a core in a thread: it cannot apply to replicas, and says so."""
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.errors import ValidationError
+    with pytest.raises(ValidationError, match="PAGEDLLM_ENABLE_MULTIPROCESSING=0") as e:
+        AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llm_dir), data_parallel_size=2), multiprocess=False)
+    assert e.value.param == "data_parallel_size"

@@ -169,7 +169,7 @@ async def health(request: Request) -> Response:
     """200 while the engine serves (empty, as vLLM's); with data parallelism a JSON body names each replica's
     state, and "degraded" while some are stopped (the others serve). 503 once nothing serves."""
     engine = _engine(request)
-    replicas = engine.replica_states() if engine.is_running else None
+    replicas = engine.replica_states(details=False) if engine.is_running else None  # no pids or addresses
     if replicas is not None:
         degraded = any(r["status"] != "running" for r in replicas)
         return JSONResponse({"status": "degraded" if degraded else "ok", "replicas": replicas})
