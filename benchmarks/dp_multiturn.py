@@ -8,7 +8,8 @@ server; the hit rate is the servers' own (Prometheus prefix_cache_hits / prefix_
     LD_PRELOAD=/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 .venv/bin/python benchmarks/dp_multiturn.py \\
         --settings dp1 dp2-prefix dp2-round-robin dp2-least-loaded --conversations 16 --turns 4 --rate 0.5
 
-A setting is "dp1" (one engine, every core) or "dp2-POLICY" (two replicas, one share of the cores each).
+A setting is "dp1" (one engine, every core) or "dp2-POLICY" (two replicas, one share of the cores each);
+--kv-total-mib gives every setting the same KV memory in all (each replica its share).
 """
 from __future__ import annotations
 
@@ -93,9 +94,12 @@ def counters(url: str) -> dict[str, float]:
 def serve(setting: str, port: int, ns: argparse.Namespace) -> subprocess.Popen:
     args = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([ns.model] if ns.model else []),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m", "--uvicorn-log-level", "warning"]
+    size = 1
     if setting != "dp1":
         size, policy = setting[2:].split("-", 1)
         args += ["--data-parallel-size", size, "--data-parallel-routing", policy]
+    if ns.kv_total_mib:  # the same KV memory in all, split between the replicas
+        args += ["--kv-cache-memory", f"{ns.kv_total_mib // int(size)}MiB"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -153,6 +157,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--kv-total-mib", type=int, default=None,
+                   help="KV cache memory of each setting in all, split evenly between its replicas (default: each "
+                        "engine's default)")
     p.add_argument("--output-json", default=None)
     ns = p.parse_args()
     results = []
