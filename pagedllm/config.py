@@ -291,6 +291,14 @@ class ParallelConfig:
             raise ValidationError.bad_value("distributed_executor_backend", backend,
                                             "'mp' or 'ray' with tensor_parallel_size > 1 (uni runs one rank)")
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> ParallelConfig:
+        """The parallel options of ``args``, validated."""
+        return cls(tensor_parallel_size=args.tensor_parallel_size,
+                   distributed_executor_backend=args.distributed_executor_backend,
+                   data_parallel_size=args.data_parallel_size, data_parallel_backend=args.data_parallel_backend,
+                   data_parallel_routing=args.data_parallel_routing, data_parallel_restart=args.data_parallel_restart)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.request import Request
@@ -35,14 +35,19 @@ ROUTING_KEY_MASK = (1 << 64) - 1
 """A block hash's low 64 bits name it between processes (a message carries 64-bit integers)."""
 
 
-def prompt_routing_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
-    """The routing keys (low 64 bits of the chained hashes) of a prompt's full blocks: what a data-parallel
-    front matches against the keys each replica reports cached (BlockPool.take_cache_changes)."""
-    keys, parent = [], None
+def iter_routing_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> Iterator[int]:
+    """The routing keys (low 64 bits of the chained hashes) of a prompt's full blocks, first block first, hashed
+    as they are taken: what a data-parallel front matches against the keys each replica reports cached
+    (BlockPool.take_cache_changes)."""
+    parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start:start + block_size], salt if start == 0 else None)
-        keys.append(parent & ROUTING_KEY_MASK)
-    return keys
+        yield parent & ROUTING_KEY_MASK
+
+
+def prompt_routing_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+    """All of ``iter_routing_keys``."""
+    return list(iter_routing_keys(token_ids, block_size, salt))
 
 
 class KVCacheManager:

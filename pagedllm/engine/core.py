@@ -64,12 +64,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
                                         f"an integer in [1, the model's context length {limit}]")
     if isinstance(args.seed, bool) or not isinstance(args.seed, int):
         raise ValidationError.bad_value("seed", args.seed, "an integer")
-    parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                              distributed_executor_backend=args.distributed_executor_backend,
-                              data_parallel_size=args.data_parallel_size,
-                              data_parallel_backend=args.data_parallel_backend,
-                              data_parallel_routing=args.data_parallel_routing,
-                              data_parallel_restart=args.data_parallel_restart)
+    parallel = ParallelConfig.from_engine_args(args)
     for rank in range(parallel.tensor_parallel_size):  # refuse a split the model cannot take before any worker starts
         shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)

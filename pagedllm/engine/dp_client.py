@@ -77,12 +77,7 @@ class DPClient(AsyncCoreClient):
                  replica_factory: Callable[[int], MPClient] | None = None) -> None:
         """Start every replica and wait until all are loaded (they load at once); if one fails, stop the others
         and raise its error. ``replica_factory``: index -> a started, not yet ready client (tests' fakes)."""
-        self.parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                       distributed_executor_backend=args.distributed_executor_backend,
-                                       data_parallel_size=args.data_parallel_size,
-                                       data_parallel_backend=args.data_parallel_backend,
-                                       data_parallel_routing=args.data_parallel_routing,
-                                       data_parallel_restart=args.data_parallel_restart)
+        self.parallel = ParallelConfig.from_engine_args(args)
         n = self.parallel.data_parallel_size
         self.replica_args = dataclasses.replace(args, data_parallel_size=1)
         self.step_log = step_log
@@ -109,8 +104,8 @@ class DPClient(AsyncCoreClient):
         self._failed_restarts = [0] * n
         """Restarts of each replica that failed in a row (RESTART_ATTEMPTS of them: it stays stopped)."""
         self._closing = False
-        self._delivery: tuple[asyncio.AbstractEventLoop, Callable[[CoreMessage], None],
-                              Callable[[EngineDeadError], None]] | None = None
+        self._delivery: tuple[Callable[[CoreMessage], None], Callable[[EngineDeadError], None]] | None = None
+        """The front's callbacks (start())."""
         self._routed: dict[str, _Routed] = {}
         self._seq_request: dict[str, str] = {}
         """Sample id -> its request's id."""
@@ -151,7 +146,7 @@ class DPClient(AsyncCoreClient):
     # ------------------------------------------------------------------ AsyncCoreClient
     def start(self, on_message: Callable[[CoreMessage], None],
               on_dead: Callable[[EngineDeadError], None]) -> None:
-        self._delivery = (asyncio.get_running_loop(), on_message, on_dead)
+        self._delivery = (on_message, on_dead)
         for i, replica in enumerate(self.replicas):
             assert replica is not None
             replica.start(partial(self._on_message, i), partial(self._on_replica_dead, i))
@@ -274,7 +269,7 @@ class DPClient(AsyncCoreClient):
     # ------------------------------------------------------------------ the replicas' messages (event loop)
     def _deliver(self, message: CoreMessage) -> None:
         assert self._delivery is not None
-        self._delivery[1](message)
+        self._delivery[0](message)
 
     def _on_message(self, replica: int, message: CoreMessage) -> None:
         if replica in self.lost:
@@ -435,7 +430,7 @@ class DPClient(AsyncCoreClient):
         """The front is dead once no replica runs and none is starting again."""
         if not any(self.router.alive) and not self._restarting and self._delivery is not None and not self._dead:
             self._dead = True
-            self._delivery[2](EngineDeadError(f"every data-parallel replica stopped; the last: {why}"))
+            self._delivery[1](EngineDeadError(f"every data-parallel replica stopped; the last: {why}"))
 
     # ------------------------------------------------------------------ calls
     def _fan_out(self, call: Call) -> None:

@@ -1,7 +1,7 @@
 """Which data-parallel replica takes a request (the front's side of `--data-parallel-size`).
 
 Each replica reports after every step the blocks its prefix cache took in and evicted (their routing keys:
-core/kv_cache_manager.py's ``prompt_routing_keys``); the router keeps one set of keys per replica. ``prefix``
+core/kv_cache_manager.py's ``iter_routing_keys``); the router keeps one set of keys per replica. ``prefix``
 sends a request to the replica holding the longest run of its prompt's leading blocks, unless that replica has
 more than ``max_imbalance`` requests beyond the least loaded one (a prefix hit saves the prefill, a queue costs
 it back); ties go to the least loaded. ``least-loaded`` and ``round-robin`` ignore the caches. Load is what the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedllm.core.kv_cache_manager import ROUTING_KEY_MASK, hash_block_tokens
+from pagedllm.core.kv_cache_manager import iter_routing_keys
 
 ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
 DEFAULT_MAX_IMBALANCE = 4
@@ -65,10 +65,7 @@ class Router:
         while some replica still holds the run (a long prompt nobody caches costs one hash, not one per block)."""
         hits = dict.fromkeys(replicas, 0)
         holding = [i for i in replicas if self.cached[i]]
-        parent = None
-        for n, start in enumerate(range(0, len(prompt_ids) - self.block_size + 1, self.block_size)):
-            parent = hash_block_tokens(parent, prompt_ids[start:start + self.block_size], salt if n == 0 else None)
-            key = parent & ROUTING_KEY_MASK
+        for n, key in enumerate(iter_routing_keys(prompt_ids, self.block_size, salt)):
             holding = [i for i in holding if key in self.cached[i]]
             if not holding:
                 break

@@ -34,7 +34,9 @@ class SyncDPClient:
         self.tokenizer = self.dp.tokenizer
         self._inbox: queue.Queue = queue.Queue()
         self._open: dict[str, set[str]] = {}
-        """Request id -> samples not finished (a beam search: empty, it ends with its output)."""
+        """Request id -> samples not finished (a beam search: empty, it ends with its output). Kept here, not read
+        from the DPClient's own: this one changes only as step() hands outputs over, so a request is never
+        finished before its last output was returned."""
         self._seq_request: dict[str, str] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()

@@ -18,14 +18,14 @@ import sys
 from typing import Any, Protocol
 
 from pagedllm.errors import ValidationError
+from pagedllm.executor.ray_executor import FORWARDED_ENV_PREFIXES
 
 logger = logging.getLogger(__name__)
 
 CORE_MODULE = "pagedllm.engine.core_proc"
 PLACEMENT_TIMEOUT_S = 60.0
 """Seconds to wait for the Ray cluster to have room for every replica's bundle."""
-_FORWARDED_PREFIXES = ("PAGEDLLM_", "GLOO_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_", "MKL_ENABLE", "LD_PRELOAD",
-                       "OMP_")
+_FORWARDED_PREFIXES = (*FORWARDED_ENV_PREFIXES, "LD_PRELOAD", "OMP_")
 """Environment variables a core on a Ray node gets from the front's process."""
 
 

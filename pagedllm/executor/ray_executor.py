@@ -35,7 +35,7 @@ STARTUP_TIMEOUT_S = 600.0
 """Seconds the actors may take to load their shards."""
 POLL_S = 0.5
 #: Environment variables the actors get from the engine's process (Ray starts them elsewhere).
-_FORWARDED_PREFIXES = ("PAGEDLLM_", "GLOO_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_", "MKL_ENABLE")
+FORWARDED_ENV_PREFIXES = ("PAGEDLLM_", "GLOO_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_", "MKL_ENABLE")
 
 
 def _import_ray() -> Any:
@@ -118,7 +118,7 @@ class RayDistributedExecutor(Executor):
             if not ready:
                 raise WorkerError(f"the Ray cluster has no room for {tp} bundles of 1 CPU ({strategy}) after "
                                   f"{PLACEMENT_TIMEOUT_S:.0f} s: {ray.cluster_resources()}")
-            env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_PREFIXES)}
+            env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
             actor_cls = ray.remote(num_cpus=1, concurrency_groups={"watch": 1})(RayWorker)
             level = logging.getLogger("pagedllm").getEffectiveLevel()
             self.actors = [actor_cls.options(
