@@ -1,6 +1,7 @@
 """Bidirectional (non-causal) attention over a flat, unpadded batch of whole sequences, for encoder-only models
 (BERT-style embedders and cross-encoders): no KV cache, no block tables, every token attends to every token of
-its own sequence.
+its own sequence. ``EncoderAttention`` is the layers' op: the compiled kernel (csrc/encoder.cpp) where the CPU
+has one, else ``bidirectional_attention``, torch's SDPA over length buckets, whose measurements follow.
 
 Measured on 2 Xeon cores (AVX512-BF16/AMX), torch 2.13's SDPA, tcmalloc, best of several runs, ms float32 /
 bfloat16; each batch with 12 heads of 32 (MiniLM), then 12 heads of 64 (BERT-base):
@@ -29,8 +30,12 @@ SDPA: 250+ ms for 32 x 64 tokens, quadratic in the batch.)
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
+
+from pagedllm.layers.custom_op import CustomOp
 
 BATCHED_UP_TO = 64
 """Sequences up to this long are padded into buckets with others (a call's overhead outweighs their attention);
@@ -45,6 +50,47 @@ ragged tails slowly (85 sequences of 24 tokens: 1.65 ms; of 32: 1.22 ms; of 31: 
 BUCKET_ROWS = 2048
 """Padded tokens per bucket at most: small buffers stay in memory the allocator reuses (256 x 8..32 tokens of
 768 float32 lanes: 12 ms in buckets of 2,048, 44 ms in one)."""
+
+
+KERNEL_UP_TO = 96
+"""With the compiled kernel, sequences up to this long go to it, longer ones to one SDPA call each: past ~100
+tokens torch's SDPA (oneDNN's blocked GEMMs, AMX tiles for bfloat16 where the CPU has them) runs a sequence faster
+than the kernel's vector FMAs, while below it the kernel saves SDPA's per-call cost and the bucketing's copies.
+Measured on 2 Xeon cores (AMX), 12 heads of 32, ~4,096 tokens of one length, kernel / torch ms, float32 then
+bfloat16: 16 tokens 2.1 / 4.1 and 1.7 / 4.1; 64: 4.6 / 5.9 and 3.2 / 4.0; 96: 6.3 / 6.5 and 4.7 / 4.6; 128: 9.2 /
+8.5 and 6.1 / 4.8; 384: 21 / 13 and 17 / 7.0. A windowed layer runs every sequence in the kernel (its band costs
+the kernel O(length x window); SDPA pays for the whole masked square)."""
+
+
+class EncoderAttention(CustomOp):
+    """Bidirectional attention of an encoder layer: ``forward(q, k, v, seq_lens)``, q, k, v (tokens, heads,
+    head_dim) of whole sequences one after the other -> (tokens, heads, head_dim). ``forward_cpu`` is the compiled
+    kernel (``pl_encoder_attention``: q, k, v read in place, no padding; long sequences to SDPA, see
+    ``KERNEL_UP_TO``); ``forward_native`` is ``bidirectional_attention`` (torch's SDPA over length buckets)."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, window: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.num_heads, self.head_dim, self.scale, self.window = num_heads, head_dim, scale, window
+        super().__init__(dtype)
+
+    def kernels_suit(self) -> bool:
+        return self.head_dim % 32 == 0  # the kernel's tiles hold 32 dims
+
+    def forward_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        return bidirectional_attention(q, k, v, seq_lens, self.scale, self.window)
+
+    def forward_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        assert self.kernels is not None and q.shape[0] == sum(seq_lens), (q.shape, sum(seq_lens))
+        starts = list(itertools.accumulate(seq_lens, initial=0))
+        longest = 0 if self.window is not None else KERNEL_UP_TO
+        out = self.kernels.encoder_attention(q, k, v, torch.tensor(starts, dtype=torch.int32), self.scale,
+                                             self.window, longest)
+        if longest:
+            for i, n in enumerate(seq_lens):
+                if n > longest:
+                    s, e = starts[i], starts[i + 1]
+                    out[s:e] = _alone(q[s:e], k[s:e], v[s:e], self.scale)
+        return out
 
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],

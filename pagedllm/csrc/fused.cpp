@@ -1,5 +1,5 @@
 // Fused element-wise ops of a decoder layer: residual add + RMSNorm, rotary embedding (in place,
-// neox layout), SiLU-and-mul, and the sampler's inverse-CDF draw. Each replaces 4-8 torch ops
+// neox layout), SiLU-and-mul, and the sampler's inverse-CDF draw; and an encoder's residual add + LayerNorm. Each replaces 4-8 torch ops
 // that each read and write the whole activation; here every element is read once, written once.
 //
 // float, bf16 and f16 storage, float32 arithmetic. The rounding follows the torch expressions in
@@ -93,6 +93,40 @@ void rms_norm(const T* x, int64_t xs, T* res, int64_t rs, const T* w, T* out, in
       T* orow = out + i * os;
       for_vectors(H, [&](int64_t d, int n) {  // scale, round as torch's .to(T), times the weight
         store_any(orow + d, vmul(vround_as<T>(vmul(load_any(src + d, n), inv)), load_any(w + d, n)), n);
+      });
+    }
+  });
+}
+
+// LayerNorm(x + res) (res may be null): the sum rounded to T as torch's x + res, then mean and (biased)
+// variance in float32, (h - mean) / sqrt(var + eps) * w + b rounded to T. One read of each input, one write.
+template <typename T>
+void layer_norm(const T* x, int64_t xs, const T* res, int64_t rs, const T* w, const T* b, T* out, int64_t os,
+                int64_t rows, int64_t H, float eps, int threads) {
+  parallel_for(rows, threads, grain(H), [&](int64_t begin, int64_t end) {
+    std::vector<float> h(H);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xr = x + i * xs;
+      const T* rr = res ? res + i * rs : nullptr;
+      V total = vzero();
+      for_vectors(H, [&](int64_t d, int n) {  // lanes past n load as 0
+        V v = load_any(xr + d, n);
+        if (rr) v = vround_as<T>(vadd(v, load_any(rr + d, n)));
+        store_any(h.data() + d, v, n);
+        total = vadd(total, v);
+      });
+      const float mean = vsum(total) / static_cast<float>(H);
+      const V vmean = vset1(mean);
+      V sq = vzero();
+      for_vectors(H, [&](int64_t d, int n) {
+        const V c = vkeep_range(vsub(load_any(h.data() + d, n), vmean), 0, n, 0.f);
+        sq = vfma(c, c, sq);
+      });
+      const V rstd = vset1(1.f / std::sqrt(vsum(sq) / static_cast<float>(H) + eps));
+      T* orow = out + i * os;
+      for_vectors(H, [&](int64_t d, int n) {
+        const V c = vmul(vsub(load_any(h.data() + d, n), vmean), rstd);
+        store_any(orow + d, vfma(c, load_any(w + d, n), load_any(b + d, n)), n);
       });
     }
   });
@@ -218,6 +252,18 @@ PL_EXPORT int pl_rms_norm(const void* x, int64_t xs, void* residual, int64_t rs,
     using T = decltype(t);
     rms_norm<T>(static_cast<const T*>(x), xs, static_cast<T*>(residual), rs, static_cast<const T*>(weight),
                 static_cast<T*>(out), os, rows, H, eps, threads);
+    return 0;
+  });
+}
+
+// LayerNorm(x + residual) into out (residual may be null; row strides xs, rs, os), weight and bias (H,).
+PL_EXPORT int pl_layer_norm(const void* x, int64_t xs, const void* residual, int64_t rs, const void* weight,
+                            const void* bias, void* out, int64_t os, int64_t rows, int64_t H, float eps, int dtype,
+                            int threads) {
+  return with_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    layer_norm<T>(static_cast<const T*>(x), xs, static_cast<const T*>(residual), rs, static_cast<const T*>(weight),
+                  static_cast<const T*>(bias), static_cast<T*>(out), os, rows, H, eps, threads);
     return 0;
   });
 }

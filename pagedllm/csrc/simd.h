@@ -133,6 +133,16 @@ inline void vstore(f16* p, V v) {
 }
 // the first n lanes (n < kLanes), the rest `fill`
 inline __mmask16 lane_mask(int n) { return static_cast<__mmask16>((1u << n) - 1); }
+// v, with 0 in the lanes where x < bound
+inline V vzero_below(V v, V x, float bound) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(bound), _CMP_GE_OQ), v);
+}
+// x in the lanes i with from <= i < to, `fill` in the others
+inline V vkeep_range(V x, int64_t from, int64_t to, float fill) {
+  const int lo = static_cast<int>(std::clamp<int64_t>(from, 0, kLanes));
+  const int hi = static_cast<int>(std::clamp<int64_t>(to, 0, kLanes));
+  return _mm512_mask_blend_ps(static_cast<__mmask16>(lane_mask(hi) & ~lane_mask(lo)), vset1(fill), x);
+}
 inline V vload_n(const float* p, int n, float fill = 0.f) { return _mm512_mask_loadu_ps(vset1(fill), lane_mask(n), p); }
 template <typename T>
 inline V vload_n(const T* p, int n, float fill = 0.f) {
@@ -163,6 +173,30 @@ inline void vdeinterleave(V a, V b, V& even, V& odd) {
   const __m512i i_even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   even = _mm512_permutex2var_ps(a, i_even, b);
   odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(i_even, _mm512_set1_epi32(1)), b);
+}
+// r[0..15] as a 16 x 16 matrix of 32-bit lanes, transposed in place (64 shuffles)
+inline void vtranspose(V* r) {
+  V t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane k: r[2i][4k], r[2i+1][4k], r[2i][4k+1], r[2i+1][4k+1] | ...
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], 128-bit lane k: column 4k + c of rows 4i .. 4i + 3
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int c = 0; c < 4; ++c) {  // the 4 x 4 transpose of 128-bit lanes among u[c], u[4 + c], u[8 + c], u[12 + c]
+    const V v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const V v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
 }
 #else
 constexpr int kLanes = 8;
@@ -222,6 +256,16 @@ inline void vstore_n(T* p, V v, int n) {
   vstore(buf, v);
   for (int i = 0; i < n; ++i) p[i] = buf[i];
 }
+// v, with 0 in the lanes where x < bound
+inline V vzero_below(V v, V x, float bound) { return _mm256_and_ps(v, _mm256_cmp_ps(x, vset1(bound), _CMP_GE_OQ)); }
+// x in the lanes i with from <= i < to, `fill` in the others
+inline V vkeep_range(V x, int64_t from, int64_t to, float fill) {
+  const V i = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const V lo = vset1(static_cast<float>(std::clamp<int64_t>(from, -1, kLanes + 1)));
+  const V hi = vset1(static_cast<float>(std::clamp<int64_t>(to, -1, kLanes + 1)));
+  const V keep = _mm256_and_ps(_mm256_cmp_ps(i, lo, _CMP_GE_OQ), _mm256_cmp_ps(i, hi, _CMP_LT_OQ));
+  return _mm256_blendv_ps(vset1(fill), x, keep);
+}
 inline void vload_split(const bf16* p, V& even, V& odd) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = vcast_f(_mm256_slli_epi32(w, 16));
@@ -236,6 +280,24 @@ inline void vdeinterleave(V a, V b, V& even, V& odd) {
   // shuffle_ps works per 128-bit half: lanes come out as pairs 0 1 4 5 2 3 6 7; permute4x64 fixes that
   even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
   odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+// r[0..7] as an 8 x 8 matrix of 32-bit lanes, transposed in place (24 shuffles)
+inline void vtranspose(V* r) {
+  V t[8], u[8];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit half k: r[2i][4k], r[2i+1][4k], r[2i][4k+1], r[2i+1][4k+1] | ...
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4i + c], half k: column 4k + c of rows 4i .. 4i + 3
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
 }
 #endif
 
@@ -325,6 +387,24 @@ inline V vexp(V x) {
   p = vfma(p, r, vset1(1.f));
   const V half = vfloor(vmul(n, vset1(0.5f)));  // 2^n = 2^half * 2^(n - half), each factor in range
   return vmul(vmul(p, vpow2i(half)), vpow2i(vsub(n, half)));
+}
+
+// exp(x) for x <= 0, as softmax weights need it: exactly 0 below -87 (where exp is under float32's normal
+// range), else 2^n exp(r) with |r| <= ln2 / 2 and exp(r) by its Taylor series to r^6 (relative error ~1.2e-7);
+// -inf gives 0. About 2/3 of vexp's instructions.
+inline V vexp_neg(V x) {
+  const V y = vmax(x, vset1(-87.f));
+  const V n = vround(vmul(y, vset1(1.44269504088896341f)));
+  V r = vfma(n, vset1(-0.693145751953125f), y);
+  r = vfma(n, vset1(-1.428606765330187045e-06f), r);
+  V p = vset1(1.f / 720);
+  p = vfma(p, r, vset1(1.f / 120));
+  p = vfma(p, r, vset1(1.f / 24));
+  p = vfma(p, r, vset1(1.f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.f));
+  p = vfma(p, r, vset1(1.f));
+  return vzero_below(vmul(p, vpow2i(n)), x, -87.f);
 }
 
 // silu(g) = g / (1 + exp(-g))

@@ -47,6 +47,7 @@ _SIGNATURES = {
     "pl_gemm_pack": [_P, _P, _I64, _I64, _I32, _I32],
     "pl_gemm": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32],
     "pl_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I32, _I32],
+    "pl_layer_norm": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I32, _I32],
     "pl_rotary": [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
     "pl_silu_and_mul": [_P, _I64, _P, _I64, _I64, _I64, _I32, _I32],
     "pl_sample": [_P, _I64, _P, _P, _P, _I64, _I64, _I32, _I32],
@@ -63,6 +64,7 @@ _SIGNATURES = {
     "pl_qpack": [_P, _P, _I64, _I64, _I32, _I32],
     "pl_qgemm": [_P, _I64, _P, _I32, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32],
     "pl_qrows": [_P, _I32, _P, _I64, _I64, _I64, _I32, _P, _I32, _I32],
+    "pl_encoder_attention": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I64, _I64, _I32, _I32],
 }
 
 
@@ -201,6 +203,21 @@ class CpuKernels:
                                           out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps,
                                           DTYPE_CODES[x.dtype], torch.get_num_threads()))
 
+    def layer_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+        """LayerNorm(x + residual) of x (rows, hidden) (row strides as they are) -> a new (rows, hidden) tensor;
+        the sum rounded to x's dtype as torch's ``x + residual`` is."""
+        rows, h = x.shape
+        assert x.stride(1) == 1 and weight.shape == bias.shape == (h,) and weight.is_contiguous() and bias.is_contiguous()
+        assert residual is None or (residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype)
+        assert weight.dtype == bias.dtype == x.dtype
+        out = torch.empty(rows, h, dtype=x.dtype)
+        self._check(self._lib.pl_layer_norm(x.data_ptr(), x.stride(0), _ptr(residual),
+                                            0 if residual is None else residual.stride(0), weight.data_ptr(),
+                                            bias.data_ptr(), out.data_ptr(), h, rows, h, eps, DTYPE_CODES[x.dtype],
+                                            torch.get_num_threads()))
+        return out
+
     def rotary_inplace(self, positions: torch.Tensor, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         """Rotates the q and k heads of packed qkv rows (tokens, (heads + 2 kv_heads) * head_dim) in place."""
@@ -280,6 +297,25 @@ class CpuKernels:
             q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), _ptr(starts), out.data_ptr(), rows, nh, nkv, bs, d, scale, softcap or 0.0,
             DTYPE_CODES[q.dtype], torch.get_num_threads()))
+
+    def encoder_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                          scale: float, window: int | None = None, longest: int = 0) -> torch.Tensor:
+        """Bidirectional attention over whole sequences one after the other (encoder-only models): q, k, v
+        (tokens, heads, head_dim; any token stride, head_dim a multiple of 32), ``starts`` (sequences + 1,) int32
+        the first token of each sequence and then the token count; each token attends to every token of its
+        sequence, or with ``window`` to those at most ``window`` positions away -> (tokens, heads, head_dim).
+        With ``longest`` > 0, the rows of longer sequences are left unwritten (for the caller to fill)."""
+        tokens, nh, d = q.shape
+        assert k.shape == v.shape == q.shape and q.dtype == k.dtype == v.dtype, (q.shape, k.shape, v.shape)
+        for x in (q, k, v):
+            assert x.stride(2) == 1 and x.stride(1) == d, x.stride()
+        assert starts.dtype == torch.int32 and starts.is_contiguous() and starts.dim() == 1
+        out = torch.empty(tokens, nh, d, dtype=q.dtype)
+        self._check(self._lib.pl_encoder_attention(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
+            starts.data_ptr(), starts.numel() - 1, nh, d, scale, -1 if window is None else window, longest,
+            DTYPE_CODES[q.dtype], torch.get_num_threads()))
+        return out
 
     def llama_stack(self, plan: int, hidden: torch.Tensor, residual: torch.Tensor, work: torch.Tensor,
                     positions: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,

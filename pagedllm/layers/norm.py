@@ -1,4 +1,5 @@
-"""RMSNorm with the residual add fused in (computed as transformers' LlamaRMSNorm does)."""
+"""RMSNorm with the residual add fused in (computed as transformers' LlamaRMSNorm does), and an encoder's
+LayerNorm of a residual sum."""
 from __future__ import annotations
 
 import torch
@@ -59,3 +60,27 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (_rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(CustomOp):
+    """``nn.LayerNorm`` over the last dim (``weight``, ``bias``, ``eps``), optionally of ``x + residual`` (a
+    post-LN encoder's block output): ``forward_cpu`` is one fused pass over rows of a 2-D input (the sum rounded
+    to x's dtype as torch's add is; mean and variance in float32), ``forward_native`` torch's add and
+    ``layer_norm``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-12, dtype: torch.dtype | None = None) -> None:
+        self.hidden_size = hidden_size
+        super().__init__(dtype or torch.get_default_dtype())
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        h = x if residual is None else x + residual
+        return torch.nn.functional.layer_norm(h, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(1) != 1 or (residual is not None and residual.stride(-1) != 1):
+            return self.forward_native(x, residual)
+        assert self.kernels is not None
+        return self.kernels.layer_norm(x, residual, self.weight, self.bias, self.eps)

@@ -119,6 +119,21 @@ def matmul_for(packed: PackedWeight | None, quant: QuantWeight | None) -> Matmul
     return functools.partial(_onednn, packed.data)
 
 
+def on_onednn(packed: PackedWeight | None, quant: QuantWeight | None) -> bool:
+    """Whether ``matmul_for`` gives this weight oneDNN's matmul."""
+    return quant is None and packed is not None and packed.kernels is None
+
+
+def rows_for(packed: PackedWeight | None, quant: QuantWeight | None) -> Callable[[int], int]:
+    """rows -> the row count a weight's matmul (``matmul_for``'s choice) computes for them: ``onednn_rows`` for
+    oneDNN's, the same count otherwise. A caller that hands oneDNN that many rows saves the padding copy."""
+    return onednn_rows if on_onednn(packed, quant) else _same_rows
+
+
+def _same_rows(rows: int) -> int:
+    return rows
+
+
 def _quantized(quant: QuantWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return quant_linear(x, quant, bias)
 

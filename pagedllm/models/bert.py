@@ -14,10 +14,11 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagedllm.attention.encoder import bidirectional_attention
+from pagedllm.attention.encoder import EncoderAttention
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.norm import LayerNorm
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.weights import load_into
 
@@ -33,7 +34,7 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype)
         self.token_type_embeddings = nn.Embedding(max(cfg.type_vocab_size, 1), cfg.hidden_size, dtype=dtype)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.LayerNorm = LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None) -> torch.Tensor:
@@ -52,18 +53,19 @@ class BertAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_heads, bias=True,
                                           dtype=dtype)
         heads = self.qkv_proj.heads
-        self.num_heads, self.head_dim, self.scale = heads.num_heads, cfg.head_dim, cfg.head_dim ** -0.5
+        self.num_heads, self.head_dim = heads.num_heads, cfg.head_dim
+        self.attn = EncoderAttention(self.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, dtype=dtype)
         self.output = nn.Module()
         self.output.dense = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=True, dtype=dtype,
                                               partition=(heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim))
-        self.output.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.output.LayerNorm = LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
         shape = (-1, self.num_heads, self.head_dim)  # (tokens, heads * d) -> (tokens, heads, d)
-        out = bidirectional_attention(q.view(shape), k.view(shape), v.view(shape), seq_lens, self.scale)
+        out = self.attn(q.view(shape), k.view(shape), v.view(shape), seq_lens)
         out = self.output.dense(out.reshape(-1, self.num_heads * self.head_dim))  # (tokens, heads * d) in
-        return self.output.LayerNorm(out + hidden)
+        return self.output.LayerNorm(out, hidden)
 
 
 class BertLayer(nn.Module):
@@ -75,12 +77,12 @@ class BertLayer(nn.Module):
                                                        dtype=dtype)
         self.output = nn.Module()
         self.output.dense = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=True, dtype=dtype)
-        self.output.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.output.LayerNorm = LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.act = get_act_fn(cfg.hidden_act)
 
     def forward(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         hidden = self.attention(hidden, seq_lens)
-        return self.output.LayerNorm(self.output.dense(self.act(self.intermediate.dense(hidden))) + hidden)
+        return self.output.LayerNorm(self.output.dense(self.act(self.intermediate.dense(hidden))), hidden)
 
 
 class BertModel(nn.Module):
@@ -109,10 +111,22 @@ class BertModel(nn.Module):
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(tokens,) ids, positions (0.. within each sequence) and token types (None: all 0) of sequences of
         ``seq_lens`` tokens, one after the other -> (tokens, hidden)."""
+        tokens = input_ids.shape[0]
+        rows = self.encoder.layer[0].attention.qkv_proj.rows_for(tokens) if len(self.encoder.layer) else tokens
+        if rows > tokens:
+            # one more sequence, of padding, to the row count the matmuls compute anyway (oneDNN's cached
+            # shapes): they then take every activation as it is, where each would have copied it into a padded
+            # buffer (~9% of all-MiniLM's time at ~2,000 tokens a step)
+            extra = rows - tokens
+            input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+            positions = torch.cat([positions, torch.arange(extra, device=positions.device)])
+            if token_type_ids is not None:
+                token_type_ids = torch.nn.functional.pad(token_type_ids, (0, extra))
+            seq_lens = [*seq_lens, extra]
         hidden = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             hidden = layer(hidden, seq_lens)
-        return hidden
+        return hidden[:tokens]
 
     def checkpoint_targets(self, weights: Iterable[tuple[str, torch.Tensor]]
                            ) -> Iterator[tuple[str, torch.Tensor, object]]:

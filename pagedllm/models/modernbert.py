@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagedllm.attention.encoder import bidirectional_attention
+from pagedllm.attention.encoder import EncoderAttention
 from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -40,8 +40,9 @@ class ModernBertAttention(nn.Module):
 
     def __init__(self, cfg: ArchConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads, self.head_dim, self.scale = cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5
-        self.window = None if _is_global(cfg, layer) else cfg.local_attention // 2
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.attn = EncoderAttention(cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5,
+                                     None if _is_global(cfg, layer) else cfg.local_attention // 2, dtype)
         self.Wqkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias,
                                          dtype=dtype)
         self.Wo = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
@@ -50,7 +51,7 @@ class ModernBertAttention(nn.Module):
                 rotary: RotaryEmbedding) -> torch.Tensor:
         # (tokens, 3 * heads * d) -> q, k, v (tokens, heads, d), q and k rotated
         q, k, v = rotary(positions, self.Wqkv(hidden), self.num_heads, self.num_heads)
-        out = bidirectional_attention(q, k, v, seq_lens, self.scale, self.window)
+        out = self.attn(q, k, v, seq_lens)
         return self.Wo(out.reshape(-1, self.num_heads * self.head_dim))
 
 
