@@ -64,7 +64,8 @@ _SIGNATURES = {
     "pl_qpack": [_P, _P, _I64, _I64, _I32, _I32],
     "pl_qgemm": [_P, _I64, _P, _I32, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32],
     "pl_qrows": [_P, _I32, _P, _I64, _I64, _I64, _I32, _P, _I32, _I32],
-    "pl_encoder_attention": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I64, _I64, _I32, _I32],
+    "pl_encoder_attention": [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I64, _I64, _I32, _I32,
+                             _I32],
 }
 
 
@@ -103,8 +104,11 @@ class CpuKernels:
     the engine's own layers); a kernel's own error (a position outside the rotary table, a slot
     outside the cache) raises RuntimeError with its message, and nothing is written."""
 
-    def __init__(self, library: platform.KernelLibrary) -> None:
+    def __init__(self, library: platform.KernelLibrary, amx: bool = False) -> None:
+        """``amx``: the kernels of the "amx" level (the avx512_bf16 library, whose encoder attention then runs
+        bfloat16 on AMX tiles)."""
         self.level = library.level
+        self.amx = amx
         self._lib = library.lib
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self._lib, name)
@@ -314,7 +318,7 @@ class CpuKernels:
         self._check(self._lib.pl_encoder_attention(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
             starts.data_ptr(), starts.numel() - 1, nh, d, scale, -1 if window is None else window, longest,
-            DTYPE_CODES[q.dtype], torch.get_num_threads()))
+            int(self.amx), DTYPE_CODES[q.dtype], torch.get_num_threads()))
         return out
 
     def llama_stack(self, plan: int, hidden: torch.Tensor, residual: torch.Tensor, work: torch.Tensor,
@@ -339,7 +343,7 @@ def kernels(level: str | None = None) -> CpuKernels | None:
 @functools.lru_cache(maxsize=None)
 def _kernels(level: str) -> CpuKernels | None:  # one object per level: layers compare them by identity
     library = platform.kernel_library(level)
-    return None if library is None else CpuKernels(library)
+    return None if library is None else CpuKernels(library, amx=level == "amx" and library.level == "avx512_bf16")
 
 
 _torch_only = False

@@ -102,3 +102,33 @@ def test_op_matches_the_native_path_at_every_level(level: str, window: int | Non
 
 def test_op_keeps_odd_head_dims_on_the_native_path(kernels) -> None:
     assert EncoderAttention(2, 48, 0.1, dtype=torch.float32).implementation == "forward_native"
+
+
+def amx_kernels():  # noqa: ANN201 - the "amx" level's CpuKernels, or a skip where the CPU has no AMX
+    from pagedllm.layers import cpu_ops
+    from pagedllm.platform import isa_level
+
+    if isa_level() != "amx":
+        pytest.skip("AMX tiles: this CPU (or PAGEDLLM_ISA) has no amx level")
+    kernels = cpu_ops.kernels("amx")
+    assert kernels is not None and kernels.amx
+    return kernels
+
+
+@pytest.mark.parametrize(("lens", "d", "window"), [(MIXED, 32, None), ([1], 32, None), ([300], 32, None),
+                                                   ([16] * 40, 32, None), (MIXED, 64, None), (MIXED, 96, None),
+                                                   (MIXED, 128, None), ([300, *MIXED], 32, 20),
+                                                   ([300, *MIXED], 64, 0), ([300, *MIXED], 64, 64)])
+def test_amx_tiles_match_float64_attention(lens: list[int], d: int, window: int | None) -> None:
+    """bfloat16 on AMX tiles (blocks of 16 rows: partial blocks, 1 to 4 chunks of 32 dims, outputs in 64-dim
+    groups) against float64, and against the vdpbf16ps path of the same library."""
+    kernels = amx_kernels()
+    from pagedllm.layers import cpu_ops
+
+    q, k, v = packed_qkv(lens, 3, d, torch.bfloat16, seed=4)
+    out = kernels.encoder_attention(q, k, v, starts_of(lens), d ** -0.5, window)
+    ref = reference(q, k, v, lens, d ** -0.5, window)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    vector = cpu_ops.kernels("avx512_bf16").encoder_attention(q, k, v, starts_of(lens), d ** -0.5, window)
+    assert not vector.equal(out) or lens == [1] or window == 0  # a different path: the sums' order differs
+    torch.testing.assert_close(out.float(), vector.float(), atol=1.6e-2, rtol=1.6e-2)
