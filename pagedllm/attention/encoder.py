@@ -69,7 +69,8 @@ class EncoderAttention(CustomOp):
     """Bidirectional attention of an encoder layer: ``forward(q, k, v, seq_lens)``, q, k, v (tokens, heads,
     head_dim) of whole sequences one after the other -> (tokens, heads, head_dim). ``forward_cpu`` is the compiled
     kernel (``pl_encoder_attention``: q, k, v read in place, no padding; bfloat16 on AMX tiles at the "amx" level;
-    long sequences to SDPA, see ``KERNEL_UP_TO``); ``forward_native`` is ``bidirectional_attention`` (torch's SDPA over length buckets)."""
+    long sequences to SDPA, see ``KERNEL_UP_TO``); ``forward_native`` is ``bidirectional_attention`` (torch's SDPA
+    over length buckets)."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, window: int | None = None,
                  dtype: torch.dtype | None = None) -> None:

@@ -49,9 +49,9 @@ struct Args {
   const int32_t* starts;  // (sequences + 1,) each sequence's first token; the last entry is the token count
   int64_t nh, D;
   float scale;
-  int64_t window;  // < 0: none
-  int64_t longest;  // > 0: longer sequences are skipped
-  uint32_t* packed;  // each (sequence, head)'s keys as packed by the path (D x W 32-bit words), one after another
+  int64_t window;          // < 0: none
+  int64_t longest;         // > 0: longer sequences are skipped
+  uint32_t* packed;        // each (sequence, head)'s keys as packed by the path (D x W 32-bit words), one after another
   const int64_t* offsets;  // (sequences,) where each sequence's heads start in `packed`
 };
 
@@ -154,8 +154,8 @@ inline void transpose_block(const Load& load, int64_t rows, float* dst, int64_t 
 // s (R x W) = q rows (R x D, float32) . kt (W / kStep panels of (D, kStep) keys), -inf outside each row's band;
 // the rows' maxima in top
 template <int R>
-inline void scores_fma(const float* qf, const float* kt, int64_t D, int64_t W, const TileBands& b,
-                       float* s, float* top) {
+inline void scores_fma(const float* qf, const float* kt, int64_t D, int64_t W, const TileBands& b, float* s,
+                       float* top) {
   V mx[R];
   for (int r = 0; r < R; ++r) mx[r] = vset1(-INFINITY);
   for (int64_t j = 0; j < W; j += kStep) {
@@ -247,8 +247,8 @@ struct FmaPath {
 // s (R x W) = q rows (R x D bf16 as D / 2 pairs, row stride qs words) . kp (W / kStep panels of (D / 2, kStep)
 // key pairs), -inf outside each row's band; the rows' maxima in top
 template <int R>
-inline void scores_dp(const uint32_t* qp, int64_t qs, const uint32_t* kp, int64_t D, int64_t W,
-                      const TileBands& b, float* s, float* top) {
+inline void scores_dp(const uint32_t* qp, int64_t qs, const uint32_t* kp, int64_t D, int64_t W, const TileBands& b,
+                      float* s, float* top) {
   const int64_t P = D / 2;
   V mx[R];
   for (int r = 0; r < R; ++r) mx[r] = vset1(-INFINITY);
@@ -328,8 +328,8 @@ struct DpPath {
 
   void run(const Args& a, const Item& it) {
     const Keys ks = keys_of(a, it);
-    const int64_t D = a.D, P = D / 2, base = a.starts[it.seq], SW = width(seq_len(a, it.seq)), W = ks.W,
-                  PW = W / 2, hd = it.head * D;
+    const int64_t D = a.D, P = D / 2, base = a.starts[it.seq], SW = width(seq_len(a, it.seq)), W = ks.W, PW = W / 2,
+                  hd = it.head * D;
     const uint32_t* kp = a.packed + a.offsets[it.seq] + it.head * D * SW;
     const uint32_t* vp = kp + P * SW + ks.k0 / 2 * D;  // from the item's first key pair
     kp += ks.k0 * P;
@@ -347,9 +347,8 @@ struct DpPath {
         inv[r] = exp_row(s.data() + r * W, b.jlo, b.jhi, top[r], a.scale, [&](int64_t t, V e) { vstore(pr + t, e); });
       }
       bf16* out = static_cast<bf16*>(a.out) + (base + r0) * a.nh * D + hd;
-      with_rows(rows, [&](auto R) {
-        output_dp<R.value>(pp.data(), PW, vp, D, b.jlo / 2, b.jhi / 2, inv, out, a.nh * D);
-      });
+      with_rows(rows,
+                [&](auto R) { output_dp<R.value>(pp.data(), PW, vp, D, b.jlo / 2, b.jhi / 2, inv, out, a.nh * D); });
     }
   }
 };
@@ -397,7 +396,7 @@ struct AmxPath : DpPath {
   // keys each; 2-5: q by 32 dims; 6, 7: key pairs)
   template <int kChunks>
   __attribute__((target("amx-tile,amx-bf16"))) static void scores(const void* q, int64_t qs, const uint32_t* kp,
-                                                                   int64_t D, int64_t W, float* s) {
+                                                                  int64_t D, int64_t W, float* s) {
     const int64_t P = D / 2;
     _tile_loadd(2, q, qs);
     if (kChunks > 1) _tile_loadd(3, static_cast<const char*>(q) + 64, qs);
@@ -407,15 +406,21 @@ struct AmxPath : DpPath {
       const uint32_t* panel = kp + j * P;  // (P, 32 keys) words: rows of 128 bytes
       _tile_zero(0);
       _tile_zero(1);
-#define PL_QK_CHUNK(c, qt)                                   \
-  _tile_loadd(6, panel + (c) * 16 * kStep, kStep * 4);        \
-  _tile_loadd(7, panel + (c) * 16 * kStep + 16, kStep * 4);   \
-  _tile_dpbf16ps(0, qt, 6);                                   \
+#define PL_QK_CHUNK(c, qt)                                  \
+  _tile_loadd(6, panel + (c) * 16 * kStep, kStep * 4);      \
+  _tile_loadd(7, panel + (c) * 16 * kStep + 16, kStep * 4); \
+  _tile_dpbf16ps(0, qt, 6);                                 \
   _tile_dpbf16ps(1, qt, 7);
       PL_QK_CHUNK(0, 2)
-      if (kChunks > 1) { PL_QK_CHUNK(1, 3) }
-      if (kChunks > 2) { PL_QK_CHUNK(2, 4) }
-      if (kChunks > 3) { PL_QK_CHUNK(3, 5) }
+      if (kChunks > 1) {
+        PL_QK_CHUNK(1, 3)
+      }
+      if (kChunks > 2) {
+        PL_QK_CHUNK(2, 4)
+      }
+      if (kChunks > 3) {
+        PL_QK_CHUNK(3, 5)
+      }
 #undef PL_QK_CHUNK
       _tile_stored(0, s + j, W * 4);
       _tile_stored(1, s + j + 16, W * 4);
@@ -432,13 +437,22 @@ struct AmxPath : DpPath {
     if (kTiles > 2) _tile_zero(2);
     if (kTiles > 3) _tile_zero(3);
     for (int64_t jp = plo; jp < phi; jp += 16) {
-      _tile_loadd(4, pp + jp, PW * 4);  // 16 rows x 32 keys of weights
+      _tile_loadd(4, pp + jp, PW * 4);       // 16 rows x 32 keys of weights
       const uint32_t* v = vp + jp * D + d0;  // 16 key pairs x 16 dims, rows D words apart
       _tile_loadd(5, v, D * 4);
       _tile_dpbf16ps(0, 4, 5);
-      if (kTiles > 1) { _tile_loadd(5, v + 16, D * 4); _tile_dpbf16ps(1, 4, 5); }
-      if (kTiles > 2) { _tile_loadd(5, v + 32, D * 4); _tile_dpbf16ps(2, 4, 5); }
-      if (kTiles > 3) { _tile_loadd(5, v + 48, D * 4); _tile_dpbf16ps(3, 4, 5); }
+      if (kTiles > 1) {
+        _tile_loadd(5, v + 16, D * 4);
+        _tile_dpbf16ps(1, 4, 5);
+      }
+      if (kTiles > 2) {
+        _tile_loadd(5, v + 32, D * 4);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (kTiles > 3) {
+        _tile_loadd(5, v + 48, D * 4);
+        _tile_dpbf16ps(3, 4, 5);
+      }
     }
     _tile_stored(0, obuf, 64 * 4);
     if (kTiles > 1) _tile_stored(1, obuf + 16, 64 * 4);
@@ -448,8 +462,8 @@ struct AmxPath : DpPath {
 
   __attribute__((target("amx-tile,amx-bf16"))) void run(const Args& a, const Item& it) {
     const Keys ks = keys_of(a, it);
-    const int64_t D = a.D, P = D / 2, base = a.starts[it.seq], SW = width(seq_len(a, it.seq)), W = ks.W,
-                  PW = W / 2, hd = it.head * D;
+    const int64_t D = a.D, P = D / 2, base = a.starts[it.seq], SW = width(seq_len(a, it.seq)), W = ks.W, PW = W / 2,
+                  hd = it.head * D;
     const uint32_t* kp = a.packed + a.offsets[it.seq] + it.head * D * SW;
     const uint32_t* vp = kp + P * SW + ks.k0 / 2 * D;
     kp += ks.k0 * P;

@@ -1,6 +1,6 @@
 // Fused element-wise ops of a decoder layer: residual add + RMSNorm, rotary embedding (in place,
-// neox layout), SiLU-and-mul, and the sampler's inverse-CDF draw; and an encoder's residual add + LayerNorm. Each replaces 4-8 torch ops
-// that each read and write the whole activation; here every element is read once, written once.
+// neox layout), SiLU-and-mul, and the sampler's inverse-CDF draw; and an encoder's residual add + LayerNorm. Each
+// replaces 4-8 torch ops that each read and write the whole activation; here every element is read once, written once.
 //
 // float, bf16 and f16 storage, float32 arithmetic. The rounding follows the torch expressions in
 // layers/norm.py, rotary.py and activation.py op by op (every intermediate torch stores as T is

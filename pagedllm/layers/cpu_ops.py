@@ -212,8 +212,10 @@ class CpuKernels:
         """LayerNorm(x + residual) of x (rows, hidden) (row strides as they are) -> a new (rows, hidden) tensor;
         the sum rounded to x's dtype as torch's ``x + residual`` is."""
         rows, h = x.shape
-        assert x.stride(1) == 1 and weight.shape == bias.shape == (h,) and weight.is_contiguous() and bias.is_contiguous()
-        assert residual is None or (residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype)
+        assert x.stride(1) == 1 and weight.shape == bias.shape == (h,)
+        assert weight.is_contiguous() and bias.is_contiguous()
+        assert residual is None or (residual.shape == x.shape and residual.stride(1) == 1
+                                    and residual.dtype == x.dtype)
         assert weight.dtype == bias.dtype == x.dtype
         out = torch.empty(rows, h, dtype=x.dtype)
         self._check(self._lib.pl_layer_norm(x.data_ptr(), x.stride(0), _ptr(residual),
