@@ -369,42 +369,44 @@ constexpr bool kVnni = true;  // vi_dot is vpdpbusd: u8 x s8 products summed str
 constexpr bool kVnni = false;  // vi_dot is vpmaddubsw + vpmaddwd: int16 pair sums, saturating at 2^15
 #endif
 
+// x = n ln2 + r, |r| <= ln2 / 2: returns n (integral), r in `r` (ln2 in two parts: r keeps its precision)
+inline V vexp_split(V x, V& r) {
+  const V n = vround(vmul(x, vset1(1.44269504088896341f)));
+  r = vfma(n, vset1(-0.693145751953125f), x);
+  r = vfma(n, vset1(-1.428606765330187045e-06f), r);
+  return n;
+}
+
+// exp(r) for |r| <= ln2 / 2 by its Taylor series to r^kDegree, Horner from the highest term
+template <int kDegree>
+inline V vexp_taylor(V r) {
+  constexpr float kInvFactorial[] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
+  static_assert(kDegree >= 1 && kDegree <= 7, "up to r^7");
+  V p = vset1(kInvFactorial[kDegree]);
+  for (int k = kDegree - 1; k >= 0; --k) p = vfma(p, r, vset1(kInvFactorial[k]));
+  return p;
+}
+
 // exp(x) in float32: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (error
 // below 1 ulp), times 2^n built in two halves so that results down to the denormals and up to
 // inf come out right (x is clamped to [-104, 89]: exp of anything lower is 0 in float32).
 inline V vexp(V x) {
   x = vmin(vmax(x, vset1(-104.f)), vset1(89.f));
-  const V n = vround(vmul(x, vset1(1.44269504088896341f)));
-  V r = vfma(n, vset1(-0.693145751953125f), x);  // ln2 in two parts: r keeps its precision
-  r = vfma(n, vset1(-1.428606765330187045e-06f), r);
-  V p = vset1(1.f / 5040);
-  p = vfma(p, r, vset1(1.f / 720));
-  p = vfma(p, r, vset1(1.f / 120));
-  p = vfma(p, r, vset1(1.f / 24));
-  p = vfma(p, r, vset1(1.f / 6));
-  p = vfma(p, r, vset1(0.5f));
-  p = vfma(p, r, vset1(1.f));
-  p = vfma(p, r, vset1(1.f));
+  V r;
+  const V n = vexp_split(x, r);
+  const V p = vexp_taylor<7>(r);
   const V half = vfloor(vmul(n, vset1(0.5f)));  // 2^n = 2^half * 2^(n - half), each factor in range
   return vmul(vmul(p, vpow2i(half)), vpow2i(vsub(n, half)));
 }
 
 // exp(x) for x <= 0, as softmax weights need it: exactly 0 below -87 (where exp is under float32's normal
-// range), else 2^n exp(r) with |r| <= ln2 / 2 and exp(r) by its Taylor series to r^6 (relative error ~1.2e-7);
-// -inf gives 0. About 2/3 of vexp's instructions.
+// range), else 2^n exp(r) with exp(r) by its Taylor series to r^6 (relative error ~1.2e-7); -inf gives 0. About
+// 2/3 of vexp's instructions.
 inline V vexp_neg(V x) {
   const V y = vmax(x, vset1(-87.f));
-  const V n = vround(vmul(y, vset1(1.44269504088896341f)));
-  V r = vfma(n, vset1(-0.693145751953125f), y);
-  r = vfma(n, vset1(-1.428606765330187045e-06f), r);
-  V p = vset1(1.f / 720);
-  p = vfma(p, r, vset1(1.f / 120));
-  p = vfma(p, r, vset1(1.f / 24));
-  p = vfma(p, r, vset1(1.f / 6));
-  p = vfma(p, r, vset1(0.5f));
-  p = vfma(p, r, vset1(1.f));
-  p = vfma(p, r, vset1(1.f));
-  return vzero_below(vmul(p, vpow2i(n)), x, -87.f);
+  V r;
+  const V n = vexp_split(y, r);
+  return vzero_below(vmul(vexp_taylor<6>(r), vpow2i(n)), x, -87.f);
 }
 
 // silu(g) = g / (1 + exp(-g))
