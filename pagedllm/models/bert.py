@@ -27,6 +27,22 @@ _SKIPPED = ("cls.", "lm_head.")  # masked-LM / next-sentence heads: an embedder 
 _BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # old checkpoints saved these buffers
 
 
+def pad_step(rows: int, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None,
+             seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
+    """An encoder step's inputs with one more sequence, of padding, up to ``rows`` tokens: the row count its
+    matmuls compute anyway (``rows_for`` of a linear layer: oneDNN's cached shapes). They then take every
+    activation as it is, where each would have copied it into a padded buffer (~9% of all-MiniLM's op time at
+    ~2,000 tokens a step). The caller keeps the first ``input_ids.shape[0]`` rows of its output."""
+    extra = rows - input_ids.shape[0]
+    if extra <= 0:
+        return input_ids, positions, token_type_ids, seq_lens
+    input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+    positions = torch.cat([positions, torch.arange(extra, device=positions.device)])
+    if token_type_ids is not None:
+        token_type_ids = torch.nn.functional.pad(token_type_ids, (0, extra))
+    return input_ids, positions, token_type_ids, [*seq_lens, extra]
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -113,16 +129,8 @@ class BertModel(nn.Module):
         ``seq_lens`` tokens, one after the other -> (tokens, hidden)."""
         tokens = input_ids.shape[0]
         rows = self.encoder.layer[0].attention.qkv_proj.rows_for(tokens) if len(self.encoder.layer) else tokens
-        if rows > tokens:
-            # one more sequence, of padding, to the row count the matmuls compute anyway (oneDNN's cached
-            # shapes): they then take every activation as it is, where each would have copied it into a padded
-            # buffer (~9% of all-MiniLM's time at ~2,000 tokens a step)
-            extra = rows - tokens
-            input_ids = torch.nn.functional.pad(input_ids, (0, extra))
-            positions = torch.cat([positions, torch.arange(extra, device=positions.device)])
-            if token_type_ids is not None:
-                token_type_ids = torch.nn.functional.pad(token_type_ids, (0, extra))
-            seq_lens = [*seq_lens, extra]
+        input_ids, positions, token_type_ids, seq_lens = pad_step(rows, input_ids, positions, token_type_ids,
+                                                                  seq_lens)
         hidden = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             hidden = layer(hidden, seq_lens)

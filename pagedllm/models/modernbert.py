@@ -21,6 +21,7 @@ from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.bert import pad_step
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.weights import load_into
 
@@ -111,10 +112,13 @@ class ModernBertModel(nn.Module):
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(tokens,) ids and positions (0.. within each sequence) of sequences of ``seq_lens`` tokens, one after
         the other -> (tokens, hidden). ModernBERT has no token types: ``token_type_ids`` is ignored."""
+        tokens = input_ids.shape[0]
+        rows = self.layers[0].attn.Wqkv.rows_for(tokens) if len(self.layers) else tokens
+        input_ids, positions, _, seq_lens = pad_step(rows, input_ids, positions, None, seq_lens)
         hidden = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))
         for layer in self.layers:
             hidden = layer(hidden, positions, seq_lens, self.global_rotary if layer.is_global else self.local_rotary)
-        return self.final_norm(hidden)
+        return self.final_norm(hidden[:tokens])
 
     def checkpoint_targets(self, weights: Iterable[tuple[str, torch.Tensor]]
                            ) -> Iterator[tuple[str, torch.Tensor, object]]:
