@@ -86,7 +86,8 @@ class EncoderAttention(CustomOp):
     def forward_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         assert self.kernels is not None and q.shape[0] == sum(seq_lens), (q.shape, sum(seq_lens))
         starts = list(itertools.accumulate(seq_lens, initial=0))
-        longest = 0 if self.window is not None else AMX_KERNEL_UP_TO if self.kernels.amx else KERNEL_UP_TO
+        tiles = self.kernels.amx and q.dtype == torch.bfloat16 and self.head_dim <= 128  # the AMX path's reach
+        longest = 0 if self.window is not None else AMX_KERNEL_UP_TO if tiles else KERNEL_UP_TO
         out = self.kernels.encoder_attention(q, k, v, torch.tensor(starts, dtype=torch.int32), self.scale,
                                              self.window, longest)
         if longest:
