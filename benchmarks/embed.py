@@ -136,7 +136,8 @@ async def _clients(port: int, sentences: list[str], clients: int, total: int) ->
             latencies.append(time.perf_counter() - start)
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
+    async with client:  # closed inside the loop that opened its connections
+        await asyncio.gather(*(worker() for _ in range(clients)))
     return latencies, time.perf_counter() - start
 
 
