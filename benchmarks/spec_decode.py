@@ -39,6 +39,10 @@ Measures, per workload and configuration:
   acceptance  accepted / draft tokens, from llm.get_stats() deltas over all rounds
             (spec_decode_num_accepted_tokens / spec_decode_num_draft_tokens), and the mean
             acceptance length 1 + accepted / drafts (tokens per verifying forward).
+  ceiling   single stream: output tokens / forward passes that emitted them (output tokens - accepted
+            drafts: a plain step emits one, a verifying step 1 + its accepted drafts), over all rounds:
+            the speedup these very drafts would give if a verifying forward cost no more than a plain
+            one, prefill and detokenization free. No kernel makes a configuration faster than this.
   identical  greedy workloads: whether every prompt's output token ids equal those of `none` in the
             same round (and `none`'s own rounds agree); each difference prints a MISMATCH line with
             the first differing position.
@@ -377,6 +381,12 @@ def acceptance(spec: dict[str, int]) -> dict[str, Any] | None:
             "acceptance_rate": accepted / draft_tokens, "mean_acceptance_length": 1 + accepted / drafts}
 
 
+def ceiling(tokens: int, spec: dict[str, int]) -> float | None:
+    """Output tokens per forward that emitted them: the speedup if verifying cost what a plain step does."""
+    accepted = spec[SPEC_KEYS[2]]
+    return tokens / (tokens - accepted) if accepted and tokens > accepted else None
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -441,6 +451,11 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def prompt_spec(rounds: list[dict[str, Any]], i: int) -> dict[str, int]:
+    """Prompt i's spec counters summed over rounds."""
+    return {k: sum(r["per_prompt"][i]["spec"][k] for r in rounds) for k in SPEC_KEYS}
+
+
 def summarize(results: dict, configs: list[str], workloads: list[str], rounds: int,
               identical: dict[str, dict[str, bool]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
@@ -460,13 +475,15 @@ def summarize(results: dict, configs: list[str], workloads: list[str], rounds: i
                 entry["output_tok_s_per_round"] = [r["output_tok_s"] for r in results[w][c]]
             else:
                 entry["output_tokens_per_round"] = [r["output_tokens"] for r in results[w][c]]
+                entry["ceiling"] = ceiling(sum(entry["output_tokens_per_round"]), spec)
                 entry["per_prompt"] = {
                     p["name"]: {"tok_s_median": statistics.median(
                                     results[w][c][r]["per_prompt"][i]["tokens"]
                                     / results[w][c][r]["per_prompt"][i]["seconds"] for r in range(rounds)),
                                 "output_tokens": p["tokens"], "finish_reason": p["finish_reason"],
-                                "acceptance": acceptance({k: sum(results[w][c][r]["per_prompt"][i]["spec"][k]
-                                                                 for r in range(rounds)) for k in SPEC_KEYS})}
+                                "acceptance": acceptance(prompt_spec(results[w][c], i)),
+                                "ceiling": ceiling(sum(results[w][c][r]["per_prompt"][i]["tokens"]
+                                                       for r in range(rounds)), prompt_spec(results[w][c], i))}
                     for i, p in enumerate(results[w][c][0]["per_prompt"])}
             summary[w][c] = entry
     return summary
@@ -474,8 +491,8 @@ def summarize(results: dict, configs: list[str], workloads: list[str], rounds: i
 
 def print_tables(summary: dict[str, Any], configs: list[str], workloads: list[str]) -> None:
     print("\n| workload | config | tok/s median | per round | speedup vs none | acceptance | mean accept len "
-          "| identical to none |")
-    print("|---|---|---:|---|---:|---:|---:|---|")
+          "| ceiling | identical to none |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---|")
     for w in workloads:
         for c in configs:
             e = summary[w][c]
@@ -484,24 +501,28 @@ def print_tables(summary: dict[str, Any], configs: list[str], workloads: list[st
             ident_s = "-" if w == "batched" or c == "none" or ident is None else ("yes" if ident else "NO")
             print(f"| {w} | {c} | {e['tok_s_median']:.1f} | {' / '.join(f'{x:.1f}' for x in e['tok_s_per_round'])} "
                   f"| {fmt(e['speedup_vs_none'], '.2f')} | {fmt(acc and acc['acceptance_rate'], '.3f')} "
-                  f"| {fmt(acc and acc['mean_acceptance_length'], '.2f')} | {ident_s} |")
+                  f"| {fmt(acc and acc['mean_acceptance_length'], '.2f')} | {fmt(e.get('ceiling'), '.2f')} "
+                  f"| {ident_s} |")
     single = [w for w in workloads if w != "batched"]
     if single:
-        print("\nPer prompt (median tok/s over rounds; acceptance over rounds; output tokens of round 1):\n")
-        print("| workload | prompt | " + " | ".join(f"{c} tok/s | {c} acc" for c in configs) + " | tokens |")
-        print("|---|---|" + "---:|---:|" * len(configs) + "---:|")
+        print("\nPer prompt (median tok/s over rounds; acceptance and ceiling over rounds; output tokens of "
+              "round 1):\n")
+        print("| workload | prompt | " + " | ".join(f"{c} tok/s | {c} acc | {c} ceil" for c in configs)
+              + " | tokens |")
+        print("|---|---|" + "---:|---:|---:|" * len(configs) + "---:|")
         for w in single:
             for name in summary[w][configs[0]]["per_prompt"]:
                 cells = []
                 for c in configs:
                     p = summary[w][c]["per_prompt"][name]
                     cells += [f"{p['tok_s_median']:.1f}", fmt(p["acceptance"] and p["acceptance"]["acceptance_rate"],
-                                                               ".2f")]
+                                                               ".2f"), fmt(p["ceiling"], ".2f")]
                 ref = summary[w][configs[0]]["per_prompt"][name]
                 tokens = f"{ref['output_tokens']} ({ref['finish_reason']})"
                 print(f"| {w} | {name} | " + " | ".join(cells) + f" | {tokens} |")
     print("\ntok/s: single stream = output tokens / wall time of LLM.generate (one call per prompt, prefill and "
-          "detokenization included, nothing subtracted); batched = (prompt + output tokens) / wall time.")
+          "detokenization included, nothing subtracted); batched = (prompt + output tokens) / wall time. "
+          "ceiling: output tokens / forwards that emitted them, the speedup if verifying were free.")
 
 
 def print_llamacpp(result: dict[str, Any], pagedllm_none: dict[str, list[list[int]]] | None) -> None:
