@@ -16,6 +16,7 @@ from pagedllm.config import EngineConfig, default_kv_budget
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.layers.custom_op import bind_ops
+from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.pooler import Pooler
 from pagedllm.layers.quant import describe_quantized, int8_on_load
 from pagedllm.lora.manager import LoRAManager
@@ -261,11 +262,19 @@ def _process_weights(model: torch.nn.Module, int8: bool) -> None:
 @torch.no_grad()
 def _fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """load_format="dummy": every weight uniform in [-1e-3, 1e-3] (vLLM's range: activations stay finite
-    through any depth), norm weights 1; drawn where the model lives (fast on a GPU)."""
+    through any depth), drawn where the model lives (fast on a GPU); every norm module (RMSNorm, LayerNorm,
+    whatever its parameters are called: BERT's "LayerNorm", GPT-2's "ln_1") the identity: weight 1 (0 for
+    Gemma's, stored as an offset from 1), bias 0."""
+    identity: dict[int, float] = {}
+    for module in model.modules():
+        if "norm" in type(module).__name__.lower():
+            offset = isinstance(module, GemmaRMSNorm)
+            for pname, param in module.named_parameters(recurse=False):
+                identity[id(param)] = 0.0 if pname == "bias" or offset else 1.0
     generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.fill_(1.0)
+    for param in model.parameters():
+        if id(param) in identity:
+            param.fill_(identity[id(param)])
         else:
             param.uniform_(-1e-3, 1e-3, generator=generator)
 

@@ -202,3 +202,29 @@ def test_dummy_load_format_reads_no_weights(tiny_llm_dir: Path, tmp_path: Path) 
         llm.shutdown()
     assert len(runs[0][0]) == 6 and runs[0][0] == runs[1][0]
     assert all(bool((a == b).all()) for a, b in zip(runs[0][1], runs[1][1]))  # the same seed, the same weights
+
+
+def test_dummy_weights_make_every_norm_the_identity() -> None:
+    """Norms are found by module, not by parameter name: BERT's "LayerNorm" and GPT-2's "ln_1" get weight 1 and
+    bias 0, Gemma's offset-from-1 weight 0; everything else is drawn in [-1e-3, 1e-3]."""
+    import torch
+
+    from pagedllm.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm
+    from pagedllm.worker.worker import _fill_dummy_weights
+
+    model = torch.nn.Module()
+    model.LayerNorm = LayerNorm(8, dtype=torch.float32)
+    model.ln_1 = LayerNorm(8, dtype=torch.float32)
+    model.input_layernorm = RMSNorm(8, dtype=torch.float32)
+    model.gemma_norm = GemmaRMSNorm(8, 1e-6, torch.float32)
+    model.dense = torch.nn.Linear(8, 8)
+    for p in model.parameters():
+        torch.nn.init.constant_(p, 5.0)
+    _fill_dummy_weights(model, seed=0)
+    for norm in (model.LayerNorm, model.ln_1):
+        assert bool((norm.weight == 1).all()) and bool((norm.bias == 0).all())
+    assert bool((model.input_layernorm.weight == 1).all()) and bool((model.gemma_norm.weight == 0).all())
+    for p in model.dense.parameters():
+        assert 0 < float(p.abs().max()) <= 1.0001e-3
+    x = torch.randn(3, 8)
+    assert torch.allclose(model.LayerNorm.forward_native(x), torch.nn.functional.layer_norm(x, (8,)), atol=1e-5)
