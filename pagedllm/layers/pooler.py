@@ -4,7 +4,9 @@ A step's hidden states are (tokens, hidden), the sequences one after the other w
 sequence's vector is its first token's (CLS), last token's (LAST: decoder embedders), the mean or the
 max over its tokens. "embed" then cuts to ``dimensions`` (Matryoshka) and normalizes; "classify" runs the
 model's classification head on the pooled vector (its own pooling: CLS for BERT-style cross-encoders,
-LAST for decoder classifiers) and a softmax (a sigmoid for one label).
+LAST for decoder classifiers) and its activation, as transformers' loss for the checkpoint's ``problem_type``
+implies (and vLLM applies): a softmax, a sigmoid per label for multi-label classifiers, none for regression
+heads of several outputs; a sigmoid for one label (cross-encoders' scores).
 """
 from __future__ import annotations
 
@@ -35,12 +37,25 @@ def pool(hidden: torch.Tensor, seq_lens: list[int], pooling_type: str) -> torch.
                                include_self=False)
 
 
+def classify_activation(logits: torch.Tensor, problem_type: str) -> torch.Tensor:
+    """(sequences, num_labels) logits -> what a classify or score request returns with ``use_activation`` on.
+    One label is always a sigmoid: scores are cross-encoders' (sentence-transformers' CrossEncoder default and
+    vLLM's scores, whatever the config's problem_type)."""
+    if logits.shape[1] == 1 or problem_type == "multi_label_classification":
+        return torch.sigmoid(logits)
+    if problem_type == "regression":
+        return logits
+    return torch.softmax(logits, dim=-1)
+
+
 class Pooler:
     """Turns a step's hidden states into each pooling request's output vector."""
 
-    def __init__(self, model: torch.nn.Module, config: PoolerConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: PoolerConfig, problem_type: str = "") -> None:
+        """``problem_type``: a classifier's (ArchConfig.problem_type), which picks its activation."""
         self.model = model
         self.config = config
+        self.problem_type = problem_type
 
     def __call__(self, hidden: torch.Tensor, seq_lens: list[int], params: list[PoolingParams]) -> list[list[float]]:
         """One vector per sequence (as plain floats) for the sequences of ``hidden`` (tokens, hidden), in order;
@@ -84,6 +99,6 @@ class Pooler:
     def _classify(self, hidden: torch.Tensor, seq_lens: list[int], params: list[PoolingParams]) -> list[list[float]]:
         pooled = pool(hidden, seq_lens, getattr(self.model, "default_pooling_type", "CLS"))
         logits = self.model.classify(pooled.to(hidden.dtype)).float()  # (sequences, num_labels)
-        probs = torch.sigmoid(logits) if logits.shape[1] == 1 else torch.softmax(logits, dim=-1)
+        probs = classify_activation(logits, self.problem_type)
         keep = torch.tensor([p.use_activation is not False for p in params], device=logits.device).unsqueeze(1)
         return torch.where(keep, probs, logits).tolist()

@@ -74,6 +74,9 @@ class ArchConfig:
     """Sequence classifiers: the classification head's outputs (0 for every other model)."""
     id2label: tuple[str, ...] = ()
     """Sequence classifiers: label names in index order, where the config names them."""
+    problem_type: str = ""
+    """Sequence classifiers: transformers' ``problem_type`` where config.json sets it. "multi_label_classification":
+    a sigmoid per label; "regression": the raw outputs; otherwise a softmax. One label: a sigmoid always."""
     local_attention: int = 0
     """ModernBERT: the sliding layers' whole window: a token sees those within local_attention // 2 of it."""
     norm_bias: bool = True
@@ -284,7 +287,8 @@ def _labels(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         return {}
     names = {int(k): str(v) for k, v in (hf.get("id2label") or {}).items()}
     labels = tuple(names[i] for i in range(len(names))) if names and sorted(names) == list(range(len(names))) else ()
-    return dict(num_labels=len(names) or hf.get("num_labels", 2), id2label=labels)  # transformers' default: 2
+    return dict(num_labels=len(names) or hf.get("num_labels", 2), id2label=labels,  # transformers' default: 2
+                problem_type=str(hf.get("problem_type") or ""))
 
 
 def _gemma_fields(arch: str, hf: dict[str, Any], local_theta: float | None) -> dict[str, Any]:

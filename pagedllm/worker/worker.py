@@ -99,7 +99,7 @@ class Worker:
             described = describe_quantized(model)
             (logger.warning if described.startswith("no weight") else logger.info)(
                 "quantization=%s: %s", config.model.quantization, described)
-        pooler = None if config.model.pooler is None else Pooler(model, config.model.pooler)
+        pooler = None if config.model.pooler is None else Pooler(model, config.model.pooler, self.arch.problem_type)
         self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
                                         self.device, functools.partial(
                                             compiler_for, config.model.model, arch.vocab_size, tuple(eos_token_ids),

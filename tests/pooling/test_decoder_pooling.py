@@ -48,12 +48,19 @@ def test_causal_lm_converted_to_embedder_matches_transformers(tiny_model: Callab
         llm.shutdown()
 
 
-def test_decoder_classifier_matches_transformers(tmp_path: Path) -> None:
+# the activation transformers' loss implies for a config's problem_type (vLLM applies the same)
+ACTIVATIONS = {None: lambda x: x.softmax(-1), "single_label_classification": lambda x: x.softmax(-1),
+               "multi_label_classification": torch.sigmoid, "regression": lambda x: x}
+
+
+@pytest.mark.parametrize("problem_type", list(ACTIVATIONS))
+def test_decoder_classifier_matches_transformers(tmp_path: Path, problem_type: str | None) -> None:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0,
-                         id2label={0: "neg", 1: "neu", 2: "pos"}, label2id={"neg": 0, "neu": 1, "pos": 2})
+                         id2label={0: "neg", 1: "neu", 2: "pos"}, label2id={"neg": 0, "neu": 1, "pos": 2},
+                         problem_type=problem_type)
     torch.manual_seed(0)
     ref = LlamaForSequenceClassification(config).eval()
     ref.save_pretrained(tmp_path / "cls")
@@ -71,7 +78,8 @@ def test_decoder_classifier_matches_transformers(tmp_path: Path) -> None:
             with torch.no_grad():
                 want = ref(torch.tensor([ids])).logits[0]
             torch.testing.assert_close(torch.tensor(logits.outputs.probs), want, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(torch.tensor(out.outputs.probs), want.softmax(-1), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(out.outputs.probs), ACTIVATIONS[problem_type](want), rtol=1e-4,
+                                       atol=1e-5)
         rewards = llm.reward([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)  # the raw head outputs
         assert [r.outputs.data for r in rewards] == [r.outputs.probs for r in raw]
         with pytest.raises(ValidationError) as e:  # three labels: no single score
