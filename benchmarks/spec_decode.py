@@ -451,12 +451,16 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def prompt_spec(rounds: list[dict[str, Any]], i: int) -> dict[str, int]:
-    """Prompt i's spec counters summed over rounds."""
-    return {k: sum(r["per_prompt"][i]["spec"][k] for r in rounds) for k in SPEC_KEYS}
+def prompt_summary(rounds: list[dict[str, Any]], i: int) -> dict[str, Any]:
+    """Prompt i of a single-stream workload over every round of one configuration."""
+    runs = [r["per_prompt"][i] for r in rounds]
+    spec = {k: sum(run["spec"][k] for run in runs) for k in SPEC_KEYS}
+    return {"tok_s_median": statistics.median(run["tokens"] / run["seconds"] for run in runs),
+            "output_tokens": runs[0]["tokens"], "finish_reason": runs[0]["finish_reason"],
+            "acceptance": acceptance(spec), "ceiling": ceiling(sum(run["tokens"] for run in runs), spec)}
 
 
-def summarize(results: dict, configs: list[str], workloads: list[str], rounds: int,
+def summarize(results: dict, configs: list[str], workloads: list[str],
               identical: dict[str, dict[str, bool]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for w in workloads:
@@ -476,15 +480,8 @@ def summarize(results: dict, configs: list[str], workloads: list[str], rounds: i
             else:
                 entry["output_tokens_per_round"] = [r["output_tokens"] for r in results[w][c]]
                 entry["ceiling"] = ceiling(sum(entry["output_tokens_per_round"]), spec)
-                entry["per_prompt"] = {
-                    p["name"]: {"tok_s_median": statistics.median(
-                                    results[w][c][r]["per_prompt"][i]["tokens"]
-                                    / results[w][c][r]["per_prompt"][i]["seconds"] for r in range(rounds)),
-                                "output_tokens": p["tokens"], "finish_reason": p["finish_reason"],
-                                "acceptance": acceptance(prompt_spec(results[w][c], i)),
-                                "ceiling": ceiling(sum(results[w][c][r]["per_prompt"][i]["tokens"]
-                                                       for r in range(rounds)), prompt_spec(results[w][c], i))}
-                    for i, p in enumerate(results[w][c][0]["per_prompt"])}
+                entry["per_prompt"] = {p["name"]: prompt_summary(results[w][c], i)
+                                       for i, p in enumerate(results[w][c][0]["per_prompt"])}
             summary[w][c] = entry
     return summary
 
@@ -608,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         llm.shutdown()
     del llms
 
-    summary = summarize(results, ns.configs, ns.workloads, ns.rounds, identical)
+    summary = summarize(results, ns.configs, ns.workloads, identical)
     if ns.workloads:
         print_tables(summary, ns.configs, ns.workloads)
         if "suffix" in ns.configs and ns.rounds > 1 and set(ns.workloads) & {"grounded", "free"}:
