@@ -190,12 +190,14 @@ class TorchAttentionBackend(AttentionBackend):
 def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float,
                       cap: float, is_causal: bool = False) -> torch.Tensor:
     """SDPA's arithmetic with Gemma 2's soft cap on the scores: softmax(cap * tanh(q k^T * scale / cap) + mask) v,
-    in float32. q (..., lq, d), k and v (..., lk, d), attn_mask broadcastable to (..., lq, lk), True: allowed."""
+    in float32 at least (float64 stays float64: a test's reference). q (..., lq, d), k and v (..., lk, d), attn_mask
+    broadcastable to (..., lq, lk), True: allowed."""
     assert not is_causal, "callers pass an explicit mask"
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (..., lq, lk)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)) * scale  # (..., lq, lk)
     scores = cap * torch.tanh(scores / cap)
     scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    return torch.matmul(scores.softmax(-1), v.to(wide)).to(q.dtype)
 
 
 def _context(read: Callable[[torch.Tensor], torch.Tensor], blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
