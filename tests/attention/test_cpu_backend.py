@@ -85,12 +85,12 @@ def test_sliding_window_and_soft_cap_match_torch_backend(kernels, dtype: torch.d
     torch_backend, cpu = TorchAttentionBackend(), CpuAttentionBackend()
     # the reference in float64 from the same (rounded) inputs measures the kernel's own rounding alone: against a
     # float32 reference, one CI run saw 4.9e-5 (soft cap, head_dim 64) that no rerun here reproduced
-    ref = torch_backend.forward(q.double(), k.double(), v.double(), cache.double(), torch_backend.make_builder().build(
-        common), head_dim ** -0.5, window, softcap).float()
-    runs = [cpu.forward(q, k, v, CpuAttentionBackend.to_kernel_layout(cache), cpu.make_builder().build(common),
-                        head_dim ** -0.5, window, softcap).float() for _ in range(2)]
+    torch_md, cpu_md = torch_backend.make_builder().build(common), cpu.make_builder().build(common)
+    ref = torch_backend.forward(q.double(), k.double(), v.double(), cache.double(), torch_md, head_dim ** -0.5,
+                                window, softcap).float()
+    runs = [cpu.forward(q, k, v, CpuAttentionBackend.to_kernel_layout(cache), cpu_md, head_dim ** -0.5, window,
+                        softcap).float() for _ in range(2)]
     assert torch.equal(runs[0], runs[1])  # deterministic: threads split the rows, never a sum
-    full = torch_backend.forward(q, k, v, cache.clone(), torch_backend.make_builder().build(common),
-                                 head_dim ** -0.5).float()
+    full = torch_backend.forward(q, k, v, cache.clone(), torch_md, head_dim ** -0.5).float()
     torch.testing.assert_close(runs[0], ref, atol=TOL[dtype], rtol=TOL[dtype])
     assert not torch.allclose(ref, full, atol=1e-2)  # the window / cap changed the result: the test bites
