@@ -6,8 +6,11 @@
   gets 408 in OpenAI's shape and its connection is closed.
 - ``--max-body-bytes``: a request body over that many bytes gets 413 in OpenAI's shape before it is read
   (by its Content-Length) or as soon as it passes the bound (a chunked body): no body is held whole past it.
-- ``--limit-concurrency``: over that many open connections (or requests in flight) a request is answered
-  503 in OpenAI's shape, with Retry-After, and its connection closed (uvicorn's own answer is plain text).
+- ``--limit-concurrency``: over that many requests in flight (their headers in, their response not yet
+  complete) a request is answered 503 in OpenAI's shape, with Retry-After, and its connection closed
+  (uvicorn's own answer is plain text). Idle connections are not requests: they are not counted here.
+- ``--max-connections-per-client``: a connection from an address that already holds that many is closed
+  as soon as it is accepted (one log line a minute), so that one address cannot hold every file descriptor.
 - The soft open-file limit is raised to the hard one at start; at the limit, ``accept()`` fails and asyncio
   would log a traceback per attempt (thousands a second): one line a minute instead, while the admitted
   requests go on and new connections wait in the listen backlog.
@@ -15,6 +18,9 @@
   event and ``data: [DONE]`` (uvicorn would cancel it: a plain-text 500, or a stream cut short).
 - No error leaves as plain text: a failure escaping the app, and uvicorn's 400 for bytes that are not HTTP,
   are JSON bodies too; a lone surrogate in any string of a JSON body is a 400 naming the field.
+- "OpenAI's shape" above is the request's API's: on ``/v1/messages`` Anthropic's error body, and its
+  ``event: error`` ending a stream; on a ``/v1/responses`` stream the Responses API's error event (numbered
+  after the last event sent), without [DONE].
 """
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from pagedllm.entrypoints.anthropic.protocol import anthropic_error
+from pagedllm.entrypoints.openai.json_scan import check_json_shape
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger("pagedllm.server")
@@ -51,8 +59,12 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 """Bytes of one request body by default: room for the largest prompt the default byte cap allows (64 bytes per
 token of a 128k context, 8 MiB) with JSON's escapes, plus tools and schemas at their caps."""
 DEFAULT_LIMIT_CONCURRENCY = 4096
-"""Open connections served at once by default; lowered to half the open-file limit where that is lower, so
-the cap answers 503 before the process runs out of file descriptors."""
+"""Requests in flight at once by default; lowered to half the open-file limit where that is lower, so the cap
+answers 503 before the requests' own connections take every file descriptor."""
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 1024
+"""Open connections of one client address by default: above the concurrency of a benchmark client or of a
+reverse proxy (one connection per request it forwards; raise it behind a busier proxy), yet an attacker
+needs many addresses to hold the ~1M descriptors of a typical hard open-file limit."""
 SHUTDOWN_BACKSTOP_S = 2.0
 """uvicorn's own cancellation comes this long after ours, for a request that ignored ours."""
 LOG_INTERVAL_S = 60.0
@@ -89,9 +101,12 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
                        help="answer 413 to a request body over this many bytes, before reading it whole "
                             f"(default: {DEFAULT_MAX_BODY_BYTES})")
     group.add_argument("--limit-concurrency", type=positive(int), default=None, metavar="N",
-                       help="over N open connections (or requests in flight), answer 503 with Retry-After and close "
-                            f"the connection (default: {DEFAULT_LIMIT_CONCURRENCY}, or half the open-file limit if "
-                            "that is lower)")
+                       help="over N requests in flight (idle connections do not count), answer 503 with Retry-After "
+                            f"and close the connection (default: {DEFAULT_LIMIT_CONCURRENCY}, or half the open-file "
+                            "limit if that is lower)")
+    group.add_argument("--max-connections-per-client", type=positive(int), default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                       metavar="N", help="close a new connection at once when its client address already holds N "
+                                         f"open connections (default: {DEFAULT_MAX_CONNECTIONS_PER_CLIENT})")
 
 
 class EveryInterval:
@@ -155,9 +170,34 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_exception_handler(handler)
 
 
-def error_json(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
-    """OpenAI's error body, as bytes."""
+ANTHROPIC_PATHS = ("/v1/messages",)
+"""Paths whose errors take Anthropic's shape."""
+RESPONSES_PATHS = ("/v1/responses",)
+"""Paths whose streams end in the Responses API's error event."""
+_SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
+"""A Responses stream event's number, as its events are written (serving_responses._EventWriter)."""
+
+
+def error_json(message: str, type_: str, code: str | None, param: str | None = None, status: int = 500,
+               path: str = "") -> bytes:
+    """The error body of ``path``'s API, as bytes: Anthropic's on the Messages API ({"type": "error", "error":
+    {"type", "message"}}, its type from ``status``), OpenAI's elsewhere (the Responses API's too)."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return json.dumps(anthropic_error(status, message)).encode()
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+
+
+def stream_error(status: int, message: str, type_: str, code: str | None, path: str = "",
+                 last_sequence: int = -1) -> bytes:
+    """The end of a stream already begun, in ``path``'s API: Anthropic's error event; the Responses API's error
+    event, numbered after ``last_sequence``; elsewhere OpenAI's error chunk and [DONE]."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return b"event: error\ndata: " + error_json(message, type_, code, None, status, path) + b"\n\n"
+    if path.startswith(RESPONSES_PATHS):
+        event = {"type": "error", "sequence_number": last_sequence + 1, "code": code, "message": message,
+                 "param": None}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+    return b"data: " + error_json(message, type_, code) + b"\n\ndata: [DONE]\n\n"
 
 
 async def send_error(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -171,25 +211,50 @@ async def send_error(send: Send, status: int, body: bytes, headers: list[tuple[b
 # ---------------------------------------------------------------------------------------------- connections
 
 
+class EdgeCounts:
+    """What every connection of one server shares: its requests in flight and its open connections by client
+    address (the event loop alone touches them: no lock)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        """Requests admitted (headers in) whose app has not returned: what --limit-concurrency bounds."""
+        self.by_client: dict[str, int] = {}
+        """Open connections per client address (an address leaves the dict at 0: it cannot grow without bound)."""
+
+
 class _GuardedProtocol:
-    """Mixed in before uvicorn's HTTP protocol (h11 or httptools): the header timeout, the connection cap
-    answered in OpenAI's shape, and a JSON 400 for bytes that are not HTTP. Only what both protocols share is
-    used: ``app`` (the ASGI app a request runs; this one admits it first), ``cycle``, ``transport``, ``loop``,
-    ``connections``, ``tasks``."""
+    """Mixed in before uvicorn's HTTP protocol (h11 or httptools): the header timeout, the cap on requests in
+    flight answered in OpenAI's shape, the cap on one address's connections, and a JSON 400 for bytes that are
+    not HTTP. Only what both protocols share is used: ``app`` (the ASGI app a request runs; this one admits it
+    first), ``cycle``, ``transport``, ``loop``, ``client``."""
 
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
-    max_connections: int = DEFAULT_LIMIT_CONCURRENCY
+    max_in_flight: int = DEFAULT_LIMIT_CONCURRENCY
+    max_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT
+    counts: EdgeCounts
     cut = EveryInterval("closed a connection that sent no complete request headers within %g s (--header-timeout)")
-    refused = EveryInterval("refused a request: %d connections open, over --limit-concurrency %d")
+    refused = EveryInterval("refused a request: %d requests in flight, at --limit-concurrency %d")
+    crowded = EveryInterval("closed a new connection from %s: it holds %d, --max-connections-per-client")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._app = self.app
         self.app = self._admit
         self._header_timer: asyncio.TimerHandle | None = None
+        self._client_host: str | None = None
+        """The address this connection is counted under in ``counts.by_client`` (None: not counted)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        host = self.client[0] if self.client else None  # None on a Unix socket: nothing to count
+        if host is not None:
+            held = self.counts.by_client.get(host, 0)
+            if held >= self.max_per_client:
+                self.crowded.warn(host, held)
+                transport.abort()  # at once, nothing written or read: the cheapest answer (connection_lost follows)
+                return
+            self.counts.by_client[host] = held + 1
+            self._client_host = host
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
@@ -199,6 +264,13 @@ class _GuardedProtocol:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        if self._client_host is not None:
+            left = self.counts.by_client[self._client_host] - 1
+            if left:
+                self.counts.by_client[self._client_host] = left
+            else:
+                del self.counts.by_client[self._client_host]
+            self._client_host = None
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
@@ -224,23 +296,33 @@ class _GuardedProtocol:
             self.transport.close()
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Each request's headers are in: serve it, or refuse it over the cap (counting this one)."""
+        """Each request's headers are in: serve it, or refuse it when ``max_in_flight`` requests already run.
+        The count is kept here, by this server's own admissions, so a burst over the cap refuses exactly the
+        excess (uvicorn's sets of connections and tasks also hold idle and finishing ones)."""
         self._cancel_header_timer()
-        if len(self.connections) > self.max_connections or len(self.tasks) > self.max_connections:
-            self.refused.warn(len(self.connections), self.max_connections)
-            message = (f"the server is at its limit of {self.max_connections} connections (--limit-concurrency); "
-                       "retry in a moment")
+        counts = self.counts
+        if counts.in_flight >= self.max_in_flight:
+            self.refused.warn(counts.in_flight, self.max_in_flight)
+            message = (f"the server is at its limit of {self.max_in_flight} requests in flight "
+                       "(--limit-concurrency); retry in a moment")
             await send_error(send, 503, error_json(message, "server_error", "too_many_connections"),
                              [(b"retry-after", b"1")])
             return
-        await self._app(scope, receive, send)
+        counts.in_flight += 1
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            counts.in_flight -= 1
 
 
-def guarded_protocol(header_timeout: float, max_connections: int,
+def guarded_protocol(header_timeout: float, max_in_flight: int,
+                     max_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                      base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class (``base``: h11, or httptools where installed) with the guard mixed in."""
+    """uvicorn's HTTP protocol class (``base``: h11, or httptools where installed) with the guard mixed in; each
+    class counts its own server's requests and connections."""
     return type("GuardedHTTPProtocol", (_GuardedProtocol, base),
-                {"header_timeout": header_timeout, "max_connections": max_connections})
+                {"header_timeout": header_timeout, "max_in_flight": max_in_flight,
+                 "max_per_client": max_per_client, "counts": EdgeCounts()})
 
 
 # ------------------------------------------------------------------------------------------------- requests
@@ -248,10 +330,14 @@ def guarded_protocol(header_timeout: float, max_connections: int,
 
 class _Exchange:
     """One request's ``receive`` and ``send`` as the app sees them: its body bounded in time, the response's
-    progress followed, so that the guard can still end it in OpenAI's shape."""
+    progress followed, so that the guard can still end it in its API's shape."""
 
     def __init__(self, receive: Receive, send: Send, body_timeout: float,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, path: str = "") -> None:
+        self.path = path
+        """The request's path: its errors take that API's shape."""
+        self.last_sequence = -1
+        """On a Responses stream, the number of the last event sent (an error event follows it)."""
         self._receive = receive
         self._send = send
         self._loop = asyncio.get_running_loop()
@@ -273,8 +359,8 @@ class _Exchange:
         try:
             message = await asyncio.wait_for(self._receive(), max(0.0, self.body_deadline - self._loop.time()))
         except asyncio.TimeoutError:  # TimeoutError's alias from 3.11
-            await self.end(408, error_json(f"the request body did not arrive within {self.body_timeout:g} s "
-                                           "(--body-timeout)", "invalid_request_error", "body_timeout"))
+            await self.end(408, f"the request body did not arrive within {self.body_timeout:g} s (--body-timeout)",
+                           "invalid_request_error", "body_timeout")
             return {"type": "http.disconnect"}
         self.body_done = message["type"] != "http.request" or not message.get("more_body", False)
         if message["type"] == "http.request":
@@ -285,9 +371,9 @@ class _Exchange:
         return message
 
     async def too_large(self) -> None:
-        """413 in OpenAI's shape: the body is over --max-body-bytes."""
-        await self.end(413, error_json(f"the request body is over {self.max_body_bytes} bytes (--max-body-bytes)",
-                                       "invalid_request_error", "body_too_large"))
+        """413 in the API's shape: the body is over --max-body-bytes."""
+        await self.end(413, f"the request body is over {self.max_body_bytes} bytes (--max-body-bytes)",
+                       "invalid_request_error", "body_too_large")
 
     async def send(self, message: Message) -> None:
         if self.ended:
@@ -296,20 +382,25 @@ class _Exchange:
             self.started = True
             content_type = dict(message.get("headers", ())).get(b"content-type", b"")
             self.streaming = content_type.startswith(b"text/event-stream")
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.complete = True
+        elif message["type"] == "http.response.body":
+            self.complete = not message.get("more_body", False)
+            if self.streaming and self.path.startswith(RESPONSES_PATHS):
+                numbers = _SEQUENCE.findall(message.get("body", b""))
+                self.last_sequence = int(numbers[-1]) if numbers else self.last_sequence
         await self._send(message)
 
-    async def end(self, status: int, body: bytes) -> None:
-        """End the response with this error: the whole JSON response if none started, an error event and
-        [DONE] on a stream, else the end of the body; the connection closes after it."""
+    async def end(self, status: int, message: str, type_: str, code: str) -> None:
+        """End the response with this error in its API's shape: the whole JSON response if none started, the
+        API's error event on a stream (see stream_error), else the end of the body; the connection closes
+        after it."""
         if self.complete or self.ended:
             return
         self.ended = True
         if not self.started:
-            await send_error(self._send, status, body)
+            await send_error(self._send, status, error_json(message, type_, code, None, status, self.path))
         elif self.streaming:
-            await self._send({"type": "http.response.body", "body": b"data: " + body + b"\n\ndata: [DONE]\n\n"})
+            await self._send({"type": "http.response.body",
+                              "body": stream_error(status, message, type_, code, self.path, self.last_sequence)})
         else:
             await self._send({"type": "http.response.body", "body": b""})
         self.complete = True
@@ -320,7 +411,7 @@ SHUTDOWN_MESSAGE = "the server is shutting down and the request did not finish w
 
 class HTTPGuard:
     """ASGI wrapper of the whole app: each request's body within --body-timeout; past the shutdown grace period
-    every request still running ends in OpenAI's shape; a failure escaping the app never leaves as plain text
+    every request still running ends in its API's shape; a failure escaping the app never leaves as plain text
     (nor cuts a stream without an error event and [DONE])."""
 
     def __init__(self, app: ASGIApp, body_timeout: float = DEFAULT_BODY_TIMEOUT,
@@ -344,9 +435,9 @@ class HTTPGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        exchange = _Exchange(receive, send, self.body_timeout, self.max_body_bytes)
+        exchange = _Exchange(receive, send, self.body_timeout, self.max_body_bytes, scope.get("path", ""))
         if self.expired:
-            await exchange.end(503, self._shutdown_body())
+            await exchange.end(503, *self._shutdown_error())
             return
         length = dict(scope.get("headers", ())).get(b"content-length")  # (the HTTP parser checked its form)
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -364,13 +455,14 @@ class HTTPGuard:
         if error is not None:  # the app's catch-all handler answered it if it could; here it is logged, once
             logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=error)
         if self.expired:
-            await exchange.end(503, self._shutdown_body())
+            await exchange.end(503, *self._shutdown_error())
         elif error is not None:
-            await exchange.end(500, error_json("the server failed while handling this request (the error is in "
-                                               "its log)", "server_error", "internal_error"))
+            await exchange.end(500, "the server failed while handling this request (the error is in its log)",
+                               "server_error", "internal_error")
 
-    def _shutdown_body(self) -> bytes:
-        return error_json(SHUTDOWN_MESSAGE.format(self.shutdown_timeout), "server_error", "server_shutdown")
+    def _shutdown_error(self) -> tuple[str, str, str]:
+        """(message, type, code) of a request ended by the shutdown."""
+        return SHUTDOWN_MESSAGE.format(self.shutdown_timeout), "server_error", "server_shutdown"
 
 
 class GuardedServer(uvicorn.Server):
@@ -401,7 +493,8 @@ def serve_config(app: ASGIApp, ns: argparse.Namespace) -> tuple[uvicorn.Config, 
     # loop="asyncio", whatever else is installed: uvicorn's "auto" takes uvloop when present, which reports a
     # failed accept (EMFILE) without asyncio's exception handler, so quiet_accept_errors would never see it
     config = uvicorn.Config(guard, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, loop="asyncio",
-                            http=guarded_protocol(ns.header_timeout, connection_cap(ns.limit_concurrency)),
+                            http=guarded_protocol(ns.header_timeout, connection_cap(ns.limit_concurrency),
+                                                  ns.max_connections_per_client),
                             timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
     return config, guard
 
@@ -434,8 +527,10 @@ def lone_surrogate_path(value: Any) -> str | None:
 
 class UnicodeCheckedRoute(APIRoute):
     """A route whose JSON body is refused (400 naming the field) when a string in it is not valid Unicode (a
-    lone surrogate such as ``"\\ud800"``, which no tokenizer or encoder takes), before the endpoint runs. The
-    body is parsed once: FastAPI reuses the request's parsed JSON."""
+    lone surrogate such as ``"\\ud800"``, which no tokenizer or encoder takes), before the endpoint runs; and,
+    before it is parsed at all, when it holds more JSON values or nests deeper than the app's ServingLimits
+    (``app.state.limits``: --max-json-values, --max-json-depth; see json_scan.py). The body is parsed once:
+    FastAPI reuses the request's parsed JSON."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handle = super().get_route_handler()
@@ -445,6 +540,9 @@ class UnicodeCheckedRoute(APIRoute):
                 body = await request.body()
             except ClientDisconnect:  # gone (or cut off at --body-timeout, already answered 408)
                 return Response(status_code=400)
+            limits = getattr(request.app.state, "limits", None)
+            if limits is not None:  # json.loads and pydantic would hold the loop in proportion to the values
+                await check_json_shape(body, limits.max_json_values, limits.max_json_depth)
             if _MAYBE_SURROGATE.search(body):
                 try:
                     parsed = await request.json()
