@@ -6,8 +6,12 @@ import time
 import uuid
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 from pydantic import ValidationError as PydanticValidationError
+
+
+TokenIds = list[StrictInt]
+"""A list of token ids: integers only (JSON's true is not token 1)."""
 
 
 def random_id(prefix: str) -> str:
@@ -67,10 +71,10 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
     structured_outputs: dict | None = None
     """vLLM's extra: one of {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ebnf},
@@ -81,7 +85,7 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = 16
     echo: bool = False
     suffix: str | None = None
@@ -99,7 +103,19 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
-class ChatMessage(OpenAIModel):
+class MessageFunctionCall(OpenAIModel):
+    """An assistant message's legacy (pre-tools) ``function_call``."""
+
+    name: str
+    arguments: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation. Unlike the request around it, a message ignores keys it does not know, as
+    vLLM's does: clients append the reply objects they got (the openai SDK's ``model_dump()`` adds ``refusal``,
+    ``annotations``, ``audio``, ``function_call``...), so every field of our replies and OpenAI's is read here."""
+
+    model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -107,6 +123,19 @@ class ChatMessage(OpenAIModel):
     """An assistant message's earlier tool calls (passed to the chat template)."""
     tool_call_id: str | None = None
     """A "tool" message: the call it answers."""
+    reasoning_content: str | None = None
+    """An assistant message's reasoning (our replies' field with --reasoning-parser): passed to the chat template
+    (as reasoning_content and reasoning), which shows it or drops it as the model was trained to."""
+    reasoning: str | None = None
+    """vLLM's newer name of reasoning_content (the same)."""
+    refusal: str | None = None
+    """OpenAI's replies: the assistant's refusal, its words when content is empty."""
+    function_call: MessageFunctionCall | None = None
+    """The legacy form of one tool call (passed to the chat template as one of tool_calls)."""
+    annotations: list[dict] | None = None
+    """OpenAI's replies: citations about the reply's text, not part of the conversation (dropped)."""
+    audio: dict | None = None
+    """OpenAI's replies: a spoken reply's id; only null is accepted (this server has no audio)."""
 
 
 class ToolChoiceFunction(OpenAIModel):
@@ -297,7 +326,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 class DetokenizeResponse(BaseModel):

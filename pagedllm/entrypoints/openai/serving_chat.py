@@ -17,9 +17,9 @@ from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSpli
 from pagedllm.entrypoints.openai.tool_calls import (ParsedCall, ToolParser, call_id, constrained_calls, constraint,
                                                     tool_functions)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.entrypoints.openai.limits import check_constraint, check_tools
-from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamGroup, merge_streams, sse,
-                                                 usage_info)
+from pagedllm.entrypoints.openai.limits import check_constraint, check_request_tokens, check_tools
+from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamGroup, finite_logprob,
+                                                 merge_streams, sse, usage_info)
 from pagedllm.engine.processor import render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput
@@ -62,12 +62,16 @@ class OpenAIServingChat(OpenAIServing):
         check_tools(req.tools, self.limits)
         tools = _ToolMode.of(req, self.tool_parser)
         self.check_prompt_size(req.messages, "messages")
-        text, prompt_ids = self.apply_chat_template(req.messages, req.add_generation_prompt, req.tools)
         if req.top_logprobs is not None and not req.logprobs:
             raise ValidationError("top_logprobs needs logprobs=true", param="top_logprobs", value=req.top_logprobs)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, logprobs, req.stream)
+        self._check_waiting([req.messages])  # (a full queue sheds it before it is rendered)
+        text, prompt_ids = await self.render(req.messages, req.add_generation_prompt, req.tools)
+        check_request_tokens(self.limits, [self.filled(max_tokens, len(prompt_ids))], req.n, req.stream, logprobs,
+                             names=("max_completion_tokens" if req.max_completion_tokens is not None else
+                                    "max_tokens", "top_logprobs"))
         if tools.constraint is not None:
             if params.structured_outputs is not None:
                 raise ValidationError("tool_choice 'required' or a named function cannot be combined with "
@@ -117,6 +121,12 @@ class OpenAIServingChat(OpenAIServing):
             ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
         return message, "tool_calls" if calls and finish_reason != "length" else finish_reason
 
+    async def render(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """apply_chat_template in the engine's tokenizer thread (a template and a long prompt take a while: never
+        on the event loop)."""
+        return await self.engine.in_tokenizer_thread(self.apply_chat_template, messages, add_generation_prompt, tools)
+
     def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
                             tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """(prompt text, token ids) of a conversation (and its tools), through the model's chat template."""
@@ -124,11 +134,20 @@ class OpenAIServingChat(OpenAIServing):
             raise ValidationError("messages must not be empty", param="messages", value=messages)
         conversation = []
         for i, m in enumerate(messages):
-            entry: dict[str, Any] = {"role": self._role(i, m), "content": self._content(i, m)}
-            if m.tool_calls:
-                entry["tool_calls"] = m.tool_calls
+            entry: dict[str, Any] = {"role": self._role(i, m), "content": self._content(i, m) or m.refusal or ""}
+            if m.audio is not None:
+                raise ValidationError(f"messages[{i}].audio is not supported by this server (it has no audio "
+                                      "output); send it as null or leave it out", param=f"messages[{i}].audio")
+            calls = list(m.tool_calls or [])
+            if m.function_call is not None:  # the legacy shape of one call: shown to the template as tool_calls
+                calls.append({"type": "function", "function": m.function_call.model_dump()})
+            if calls:
+                entry["tool_calls"] = calls
             if m.tool_call_id is not None:
                 entry["tool_call_id"] = m.tool_call_id
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning is not None:  # templates read either name (Qwen3's reasoning_content, newer ones reasoning)
+                entry["reasoning_content"] = entry["reasoning"] = reasoning
             conversation.append(entry)
         return render_chat(self.tokenizer, conversation, self.chat_template, add_generation_prompt, tools)
 
@@ -161,10 +180,11 @@ class OpenAIServingChat(OpenAIServing):
         for token_id, entry in zip(c.token_ids, c.logprobs):
             sampled = entry[token_id]
             token = sampled.decoded_token or ""
-            top = [TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
+            top = [TopLogprob(token=lp.decoded_token or "", logprob=finite_logprob(lp.logprob),
                               bytes=list((lp.decoded_token or "").encode()))
                    for _, lp in self.top_entries(entry, top_n)]
-            content.append(ChatTokenLogprob(token=token, logprob=sampled.logprob, bytes=list(token.encode()),
+            content.append(ChatTokenLogprob(token=token, logprob=finite_logprob(sampled.logprob),
+                                            bytes=list(token.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +58,13 @@ def constraint(tool_choice: Any, functions: list[dict], parallel: bool = True
     if not functions:
         raise ValidationError("tool_choice needs tools", param="tool_choice", value=tool_choice)
     if tool_choice == "required":
+        parameters, defs = hoist_defs(functions)
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"enum": [fn["name"]]}, "parameters": fn["parameters"]}}
-                 for fn in functions]
+                  "properties": {"name": {"enum": [fn["name"]]}, "parameters": params}}
+                 for fn, params in zip(functions, parameters)]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if defs:
+            schema["$defs"] = defs
         if not parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema), None
@@ -73,6 +77,92 @@ def constraint(tool_choice: Any, functions: list[dict], parallel: bool = True
         raise ValidationError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice",
                               value=name)
     return StructuredOutputsParams(json=match[0]["parameters"]), name
+
+
+_DEFS = ("$defs", "definitions")
+_DATA = frozenset({"enum", "const", "default", "examples"})
+"""Keywords whose values are JSON data, not schemas: a "$ref" key inside them is not a reference."""
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose values map arbitrary names to schemas: a name there is not a keyword."""
+
+
+def hoist_defs(functions: list[dict]) -> tuple[list[dict], dict]:
+    """(each function's parameters, ready to nest in one combined schema; the ``$defs`` of that schema).
+
+    A reference resolves from the root of the document, so "#/$defs/X" inside a tool's parameters would no
+    longer resolve once they are nested: each tool's ``$defs`` / ``definitions`` move to the combined root as
+    "<tool>__X" (made unique) with that tool's references rewritten, and a reference to the tool's own root
+    ("#", "#/properties/...") points at a hoisted copy of it."""
+    defs: dict[str, Any] = {}
+    nested = []
+    for fn in functions:
+        params, moved = fn["parameters"], {}
+        renames: dict[str, str] = {}  # "#/$defs/X" (escaped as in the refs) -> "#/$defs/<tool>__X"
+        for key in _DEFS:
+            block = params.get(key)
+            for name, sub in (block.items() if isinstance(block, dict) else ()):
+                new = _reserve(f"{fn['name']}__{name}", defs)
+                renames[f"#/{key}/{_escape(name)}"] = f"#/$defs/{_escape(new)}"
+                moved[new] = sub
+        root: list[str] = []  # the name of the tool's hoisted root, once a reference needs one
+
+        def rename(ref: str) -> str:
+            if not ref.startswith("#"):
+                return ref  # not a local reference: check_refs refuses it later, naming it
+            parts = ref[2:].split("/", 2)
+            head = f"#/{parts[0]}/{parts[1]}" if len(parts) >= 2 else ""
+            if head in renames:
+                return renames[head] + ref[len(head):]
+            if not root:
+                root.append(_reserve(fn["name"], defs))
+            return f"#/$defs/{_escape(root[0])}{ref[1:]}"
+
+        body = _with_refs({k: v for k, v in params.items() if k not in _DEFS}, rename)
+        defs.update({name: _with_refs(sub, rename) for name, sub in moved.items()})
+        if root:
+            defs[root[0]] = body
+            body = {"$ref": f"#/$defs/{_escape(root[0])}"}
+        nested.append(body)
+    return nested, defs
+
+
+def _reserve(name: str, taken: dict[str, Any]) -> str:
+    """``name``, or ``name_1``, ``name_2``... if taken; reserved in ``taken``."""
+    unique, i = name, 0
+    while unique in taken:
+        i += 1
+        unique = f"{name}_{i}"
+    taken[unique] = None
+    return unique
+
+
+def _escape(name: str) -> str:
+    """A name as one JSON-pointer token (RFC 6901)."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _with_refs(schema: Any, rename: Callable[[str], str]) -> Any:
+    """A copy of ``schema`` with every "$ref" renamed; iterative, since a schema nests as deep as its JSON."""
+    top: dict = {}
+    stack: list[tuple[Any, Any, Any, bool]] = [(top, "", schema, False)]  # (copy's parent, key, original, names)
+    while stack:
+        parent, key, node, names = stack.pop()
+        if isinstance(node, list):
+            parent[key] = items = [None] * len(node)
+            stack.extend((items, i, v, False) for i, v in enumerate(node))
+        elif isinstance(node, dict):
+            parent[key] = copy = {}
+            for k, v in node.items():
+                if not names and k == "$ref" and isinstance(v, str):
+                    copy[k] = rename(v)
+                elif not names and k in _DATA:
+                    copy[k] = v
+                else:
+                    copy[k] = None  # its place kept: properties are generated in their order
+                    stack.append((copy, k, v, not names and k in _NAMED))
+        else:
+            parent[key] = node
+    return top[""]
 
 
 def constrained_calls(text: str, named: str | None) -> list[ParsedCall]:

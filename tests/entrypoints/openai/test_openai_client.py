@@ -214,3 +214,27 @@ def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(client: openai.O
     assert [t for c in chunks for t in c.logprobs.token_logprobs] == pytest.approx(whole.logprobs.token_logprobs)
     with pytest.raises(openai.BadRequestError):  # without echo, as vLLM: at least one token
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
+def test_multi_turn_appending_the_sdks_own_messages(client: openai.OpenAI, tokenizer: Any) -> None:
+    """The SDK's everyday pattern: each reply's message object (and its model_dump(), which adds refusal,
+    annotations, audio, function_call... as null) appended to the history for the next turn. Every field of
+    our replies and OpenAI's is accepted, an unknown message key is ignored (as vLLM), and none of them
+    reaches the prompt: it is the plain conversation's."""
+    args = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    messages: list[Any] = [{"role": "user", "content": "Say hi.", "x_client_tag": "ignored"}]
+    plain = [{"role": "user", "content": "Say hi."}]
+    for turn, as_dict in enumerate((False, True, False)):
+        reply = client.chat.completions.create(messages=messages, **args)
+        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        assert reply.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False)), turn
+        message = reply.choices[0].message
+        dumped = message.model_dump()
+        assert "reasoning_content" in dumped and {"refusal", "annotations", "audio", "function_call"} <= set(dumped)
+        if as_dict:  # a value too (this model's template shows no earlier reasoning)
+            dumped["reasoning_content"] = "Let me think."
+        messages += [dumped if as_dict else message, {"role": "user", "content": f"Again {turn}."}]
+        plain += [{"role": "assistant", "content": message.content}, {"role": "user", "content": f"Again {turn}."}]
+    with pytest.raises(openai.BadRequestError) as e:  # a spoken reply's id: this server has no audio to refer to
+        client.chat.completions.create(messages=[plain[0], {**plain[1], "audio": {"id": "audio_1"}}], **args)
+    assert e.value.status_code == 400 and e.value.body["param"] == "messages[1].audio"

@@ -3,9 +3,12 @@ schema (structured outputs), the "auto" parsers on fixed model replies, tool mes
 from __future__ import annotations
 
 import json
+from typing import Literal
 
+import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from pagedllm.entrypoints.openai.tool_calls import get_tool_parser
@@ -136,3 +139,46 @@ def test_a_call_cut_by_max_tokens_is_parsed_when_complete(client: openai.OpenAI)
     required = client.chat.completions.create(max_tokens=2, **{**args, "tool_choice": "required"}).choices[0]
     assert required.finish_reason == "length" and not required.message.tool_calls  # which tool, unknown: text
     assert required.message.content
+
+
+class Address(pydantic.BaseModel):
+    city: Literal["Paris", "Oslo"]
+    zone: Literal["UTC", "CET"]
+
+
+class Trip(pydantic.BaseModel):
+    """A tool whose schema nests a model: pydantic writes it under $defs with "#/$defs/Address" refs."""
+
+    start: Address
+    stops: list[Address] = pydantic.Field(max_length=2)
+    direct: bool
+
+
+def test_pydantic_tools_with_defs(server, client: openai.OpenAI) -> None:
+    """"required" and a named choice with a pydantic-generated nested tool: the combined schema of "required"
+    nests each tool's parameters, so their $defs move to its root (renamed per tool) and the refs still resolve;
+    the call's arguments validate against the pydantic model. The Responses API builds the same schema."""
+    trip = openai.pydantic_function_tool(Trip)
+    assert "$defs" in trip["function"]["parameters"]
+    tools = [trip, TOOLS[1]]
+    for choice in ("required", {"type": "function", "function": {"name": "Trip"}}):
+        for seed in range(2):
+            reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
+                                                   max_tokens=200, temperature=1.0, seed=seed).choices[0]
+            assert reply.finish_reason == "tool_calls", reply
+            for call in reply.message.tool_calls:
+                if call.function.name == "Trip":
+                    Trip.model_validate_json(call.function.arguments)
+                else:
+                    _check_calls([call])
+    one = client.chat.completions.create(model=MODEL, messages=ASK, tools=[trip], tool_choice="required",
+                                         max_tokens=200, seed=5).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["Trip"] * len(one.message.tool_calls)
+    for call in one.message.tool_calls:
+        Trip.model_validate_json(call.function.arguments)
+    flat = {"type": "function", **trip["function"]}
+    r = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "Plan a trip.", "tools": [flat], "tool_choice": "required", "max_output_tokens": 200})
+    assert r.status_code == 200, r.text
+    calls = [item for item in r.json()["output"] if item["type"] == "function_call"]
+    assert calls and all(Trip.model_validate_json(c["arguments"]) for c in calls)
