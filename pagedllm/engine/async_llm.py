@@ -7,12 +7,13 @@ The event loop owns every piece of state here: requests, streams, the output pro
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedllm import envs
 from pagedllm.config import EngineArgs
@@ -30,6 +31,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Called on the event loop after every step (and after aborts) with fresh statistics: the stepping replica's
 #: (its index the third argument; 0 without data parallelism) and the front's timings.
@@ -68,7 +70,11 @@ class AsyncLLM:
         self._waiting = 0
         """Requests the core holds that have not run a step yet (as of its last statistics)."""
         self._queued = 0
-        """Requests sent to the core and not yet accepted or refused."""
+        """Requests sent to the core (or tokenizing on their way) and not yet accepted or refused."""
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
+        """Where prompts are tokenized and chat templates rendered, off the event loop (HF's fast tokenizers
+        release the GIL; 1,024 x 16 KB inputs held the loop for seconds). One thread, as vLLM's: requests keep
+        their order, and a tokenizer's truncation settings are never changed by two callers at once."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, on_step: StepCallback | None = None,
@@ -112,6 +118,11 @@ class AsyncLLM:
         """Stop the core and its workers; idempotent, from any thread once the event loop no longer sends."""
         self._closing = True
         self.client.close(timeout)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the tokenizer thread (see ``_tokenizing``), awaited from the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     # ------------------------------------------------------------------ requests
     def get_stats(self) -> EngineStats:
@@ -137,27 +148,35 @@ class AsyncLLM:
         self._check_running()
         if request_id in self.output_processor.requests or request_id in self._beams or request_id in self._accepting:
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
-        text, request = self.processor.core_request(request_id, prompt, params, arrival_time or time.monotonic(),
-                                                    lora_request, self._seq_counter)
-        seq_ids = request.seq_ids if isinstance(request, AddRequest) else []
-        stream = RequestStream(self, request_id)
-        accepted = self._accepting[request_id] = asyncio.get_running_loop().create_future()
+        accepted = self._accepting[request_id] = asyncio.get_running_loop().create_future()  # (the id is taken)
+        self._queued += 1  # waiting from now: load shedding counts it while it tokenizes (until its Accepted)
+        sent, seq_ids = False, []
         try:
+            text, request = await self.in_tokenizer_thread(self.processor.core_request, request_id, prompt, params,
+                                                           arrival_time or time.monotonic(), lora_request,
+                                                           self._seq_counter)
+            seq_ids = request.seq_ids if isinstance(request, AddRequest) else []
+            stream = RequestStream(self, request_id)
+            self._check_running()  # (the engine may have died while this request was tokenized)
             self.client.send(request)
+            sent = True
             if isinstance(request, AddRequest):
                 self.output_processor.add_request(request_id, text, request.prompt_ids, request.params, seq_ids,
                                                   request.arrival_time)
             else:
                 self._beams.add(request_id)
             self._streams[request_id] = stream.queue
-            self._queued += 1  # until its Accepted arrives (counted there, in message order)
             await accepted
         except BaseException as e:
+            if not sent and self.dead_error is None:
+                self._queued -= 1  # no Accepted will come for it
+            if accepted.done() and not accepted.cancelled():
+                accepted.exception()  # (retrieved: a dead engine's error is raised otherwise)
             self._streams.pop(request_id, None)
             self._accepting.pop(request_id, None)
             self.output_processor.discard(request_id)
             self._beams.discard(request_id)
-            if not isinstance(e, ValidationError):  # e.g. the client went away: the core may have it queued
+            if sent and not isinstance(e, ValidationError):  # e.g. the client went away: the core may have it
                 self._send_quietly(Abort(request_id=request_id, seq_ids=seq_ids))
             raise
         return stream
@@ -211,7 +230,8 @@ class AsyncLLM:
     # ------------------------------------------------------------------ the core's messages (event loop)
     def _check_running(self) -> None:
         if not self.is_running:
-            raise EngineDeadError("the engine is not running") from self.dead_error
+            why = "" if self.dead_error is None else f": {self.dead_error}"  # why it stopped, said once
+            raise EngineDeadError(f"the engine is not running{why}") from self.dead_error
 
     def _send_quietly(self, message: FrontMessage) -> None:
         """Send unless shutting down or dead (a stream finishing then aborts into nothing)."""

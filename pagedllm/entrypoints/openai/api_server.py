@@ -26,9 +26,10 @@ from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
-from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages, anthropic_error
-from pagedllm.entrypoints.openai.http_guard import (GuardedServer, UnicodeCheckedRoute, add_http_args,
-                                                    raise_open_file_limit, serve_config)
+from pagedllm.entrypoints.anthropic.protocol import anthropic_error
+from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from pagedllm.entrypoints.openai.http_guard import (ANTHROPIC_PATHS, GuardedServer, UnicodeCheckedRoute,
+                                                    add_http_args, raise_open_file_limit, serve_config)
 from pagedllm.entrypoints.openai.http_guard import positive as _positive
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -49,7 +50,8 @@ from pagedllm.entrypoints.openai.protocol_pooling import (ClassificationRequest,
                                                           RerankRequest, ScoreRequest)
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, check_generates
-from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseNotFoundError, ResponseStore
+from pagedllm.entrypoints.openai.serving_responses import (KEY_INDEX, OpenAIServingResponses, ResponseNotFoundError,
+                                                            ResponseStore)
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger("pagedllm.server")
@@ -67,21 +69,27 @@ _SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    type_: str = "invalid_request_error", path: str = "") -> JSONResponse:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}; on the Anthropic Messages API's
-    ``path``, Anthropic's: {"type": "error", "error": {"type", "message"}}."""
+    ``path``, Anthropic's: {"type": "error", "error": {"type", "message"}}. The message and param are cut to
+    MAX_ERROR_CHARS (a backstop: call sites quote client values with errors.quoted)."""
+    message, param = _cut(message, MAX_ERROR_CHARS), None if param is None else _cut(param, MAX_ERROR_CHARS // 8)
     if path.startswith(ANTHROPIC_PATHS):
         return JSONResponse(anthropic_error(status, message), status_code=status)
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status)
 
 
+MAX_ERROR_CHARS = 2048
+"""Most characters of an error message (a param: an eighth of it): no error echoes a client's megabyte back."""
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _error(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
            type_: str = "invalid_request_error") -> JSONResponse:
     """The error body for ``request``'s API (see error_response)."""
     return error_response(status, message, param, code, type_, request.url.path)
-
-
-ANTHROPIC_PATHS = ("/v1/messages",)
-"""Paths whose errors take Anthropic's shape."""
 
 
 PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2")
@@ -92,26 +100,34 @@ pooling endpoints run the model)."""
 
 class APIKeyMiddleware:
     """401 on PROTECTED paths without a valid ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (the
-    Anthropic SDK's header), compared in constant time."""
+    Anthropic SDK's header), compared in constant time; the index of the key that matched is recorded in the
+    request's state (KEY_INDEX): stored responses belong to it."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
         self.keys = [k.encode() for k in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and not self._authorized(scope):
-            response = error_response(401, "invalid or missing API key", code="invalid_api_key", path=scope["path"])
-            await response(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            index = self._key_index(scope)
+            if index is None and scope["path"].startswith(PROTECTED):
+                response = error_response(401, "invalid or missing API key", code="invalid_api_key",
+                                          path=scope["path"])
+                await response(scope, receive, send)
+                return
+            # a new dict: the server's per-request state must not be shared between requests
+            scope["state"] = {**scope.get("state", {}), KEY_INDEX: index}
         await self.app(scope, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _key_index(self, scope: Scope) -> int | None:
+        """The index of the key the request presents (None: none valid)."""
         headers = dict(scope["headers"])
         header = headers.get(b"authorization", b"")
         tokens = [header[7:] if header[:7].lower() == b"bearer " else b"", headers.get(b"x-api-key", b"")]
         # compare every token with every key: no early exit
         matches = [hmac.compare_digest(token, key) for token in tokens for key in self.keys]
-        return any(matches)
+        index = next((i for i, match in enumerate(matches) if match), None)
+        return None if index is None else index % len(self.keys)
 
 
 def _field_name(loc: tuple) -> str | None:
@@ -247,12 +263,12 @@ async def create_response(req: ResponsesRequest, raw: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> dict:
-    return request.app.state.responses.get(response_id)
+    return request.app.state.responses.get(response_id, request)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict:
-    return request.app.state.responses.delete(response_id)
+    return request.app.state.responses.delete(response_id, request)
 
 
 @router.post("/v1/messages")
@@ -303,9 +319,10 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> dict:
     completion.check_prompt_size(req.prompt, "prompt")  # the --max-prompt-bytes cap, before tokenizing
     chat.check_prompt_size(req.messages, "messages")
     if req.messages is not None:
-        _, ids = chat.apply_chat_template(req.messages, req.add_generation_prompt)
+        _, ids = await chat.render(req.messages, req.add_generation_prompt)
     else:
-        ids = completion.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await _engine(raw).in_tokenizer_thread(
+            lambda: completion.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
     max_model_len = raw.app.state.config.model.max_model_len
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids).model_dump()
 
@@ -365,7 +382,7 @@ async def on_request_failed(request: Request, exc: RequestFailedError) -> JSONRe
 
 
 async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-    return _error(request, 503, f"the engine is not running: {exc}", type_="server_error")
+    return _error(request, 503, str(exc), type_="server_error", code="engine_dead")  # (its message says why)
 
 
 async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -414,10 +431,11 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
         serving.limits = limits
         serving.on_refused = metrics.on_refused
         serving.admission = admission
-    store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes)
+    store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes, max(1, len(api_keys)))
 
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     app.state.engine = engine  # what the routes reach through request.app.state
+    app.state.limits = limits  # (the routes' body check reads its JSON bounds here)
     app.state.config = engine.config
     app.state.metrics = metrics
     app.state.models = models

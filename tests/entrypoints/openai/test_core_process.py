@@ -34,7 +34,10 @@ def test_killed_core_fails_the_server(tiny_llm_dir: Path) -> None:
         output, health = dead.output, dead.health
         assert dead.code != 0, output
         assert 503 in health and 200 not in health[health.index(503):], (health, output)
-        assert dead.refused[0].status_code == 503 and dead.refused[0].json()["error"]["type"] == "server_error"
+        assert dead.refused[0].status_code == 503, dead.refused[0].text
+        error = dead.refused[0].json()["error"]  # one code to match, and the reason said once
+        assert error["type"] == "server_error" and error["code"] == "engine_dead", error
+        assert error["message"] == "the engine is not running: the engine core process exited with status -9", error
         assert len(dead.errors) == 4 and max(dead.errors) - dead.killed_at < 10, (dead.errors, dead.killed_at)
         assert "the engine core process exited with status -9" in output, output[-3000:]
         _assert_gone(everything)
