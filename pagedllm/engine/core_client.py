@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -40,6 +42,33 @@ RECEIVE_POLL_MS = 200
 """How often the receiving thread checks that the core process is alive while it says nothing."""
 CORE_EXIT_TIMEOUT_S = 15.0
 """A core told to shut down gets this long (its workers stop too) before it is killed (a thread: abandoned)."""
+
+
+SOCKET_DIR_PREFIX = "pagedllm-core-"
+"""The temporary folder of a local core's ipc:// sockets: this prefix, the front's pid, a dash, a random part."""
+_SOCKET_DIR = re.compile(re.escape(SOCKET_DIR_PREFIX) + r"(\d+)-")
+
+
+def sweep_socket_dirs(root: str | None = None) -> list[str]:
+    """Remove the socket folders (in ``root``, default the temp folder) that fronts now dead left behind: a
+    front removes its own once the core has connected, or on close, but one SIGKILLed while its core loaded
+    could not (and its core dies with it). Only this user's folders, of pids no longer running."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            match = _SOCKET_DIR.match(entry.name)
+            if match is None or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                continue
+            try:
+                os.kill(int(match[1]), 0)  # signal 0: only asks whether the pid runs
+                continue
+            except ProcessLookupError:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+            except (PermissionError, OverflowError):  # another user's pid: running; a pid out of range: not ours
+                continue
+    return removed
 
 
 class EngineDeadError(RuntimeError):
@@ -212,7 +241,10 @@ class MPClient(AsyncCoreClient):
         self.proc: CoreProcess | None = None
         launcher = launcher or LocalLauncher()
         # ipc:// for a core on this machine (a 0700 folder: only this user connects); tcp:// to a Ray node
-        self._dir: str | None = tempfile.mkdtemp(prefix="pagedllm-core-") if launcher.host is None else None
+        self._dir: str | None = None
+        if launcher.host is None:
+            sweep_socket_dirs()  # what a SIGKILLed front left behind
+            self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._from_core = self._ctx.socket(zmq.PULL)

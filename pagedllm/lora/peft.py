@@ -149,5 +149,8 @@ def load_adapter(lora: LoRARequest, targets: dict[str, LoRATarget], max_rank: in
         if tuple(a.shape) != (rank, target.in_features) or tuple(b.shape) != (rows, rank):
             raise _refuse(lora, f"{part}: the shapes of lora_A / lora_B do not fit the model and r "
                                 f"(lora_B needs {rows} rows, lora_A {target.in_features} columns)")
-        layers.setdefault(name, [None] * len(target.parts))[index] = (a.float(), b.float() * scaling)
+        a, b = a.float(), b.float() * scaling
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # would turn every output it adapts to NaN
+            raise _refuse(lora, f"{part}: lora_A or lora_B (times lora_alpha / r) holds NaN or infinite values")
+        layers.setdefault(name, [None] * len(target.parts))[index] = (a, b)
     return LoRAWeights(lora, rank, layers)

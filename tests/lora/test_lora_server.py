@@ -3,6 +3,7 @@
 requests of different adapters (and the base model) answered as the offline engine answers each."""
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,11 +54,14 @@ def _complete(client: openai.OpenAI, model: str, prompt: str) -> str:
     return out.choices[0].text
 
 
-def test_models_lists_the_adapters(lora_server: RemoteServer) -> None:
+def test_models_lists_the_adapters(lora_server: RemoteServer, adapters: Callable) -> None:
     client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="x")
     cards = {m.id: m for m in client.models.list().data}
     assert list(cards) == ["tiny", "first", "second"]
     assert cards["first"].model_extra["parent"] == "tiny" and cards["tiny"].model_extra["parent"] is None
+    # no filesystem path shown: each root is its folder's name
+    assert cards["first"].model_extra["root"] == adapters("all-r8")[0].name, cards["first"]
+    assert all("/" not in card.model_extra["root"] for card in cards.values()), cards
 
 
 def test_concurrent_requests_of_different_adapters(lora_server: RemoteServer, offline: Callable) -> None:
@@ -101,3 +105,25 @@ def test_load_and_unload_at_run_time(lora_server: RemoteServer, adapters: Callab
 def test_lora_modules_need_enable_lora(tiny_llm_dir: Path, adapters: Callable) -> None:
     with pytest.raises(RuntimeError, match="--lora-modules needs --enable-lora"):
         RemoteServer(tiny_llm_dir, "--lora-modules", f"first={adapters('all-r8')[0]}")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_adapter_with_nan_or_inf_weights_is_refused(lora_server: RemoteServer, adapters: Callable,
+                                                       tmp_path: Path, bad: float) -> None:
+    from safetensors.torch import load_file, save_file
+
+    source = adapters("attn-r2")[0]
+    shutil.copytree(source, tmp_path / "broken")
+    weights = tmp_path / "broken" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key][0, 0] = bad  # one value: every output of that layer would be NaN
+    save_file(tensors, weights)
+    r = httpx.post(f"{lora_server.url}/v1/load_lora_adapter",
+                   json={"lora_name": "broken", "lora_path": str(tmp_path / "broken")}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "lora_request" and "NaN or infinite" in error["message"], error
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="x")
+    assert "broken" not in [m.id for m in client.models.list().data]
+    assert _complete(client, "first", PROMPTS[0])  # still serving

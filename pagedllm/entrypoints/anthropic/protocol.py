@@ -1,9 +1,21 @@
-"""Pydantic models of the Anthropic Messages API requests (responses are plain dicts in its shape)."""
+"""Pydantic models of the Anthropic Messages API requests (responses are plain dicts in its shape), and its error
+body."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 504: "timeout_error"}
+"""HTTP status -> Anthropic's error type (anything else: api_error)."""
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 class AnthropicModel(BaseModel):
@@ -36,7 +48,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    stream: bool = False
+    stream: StrictBool = False
     metadata: dict[str, Any] | None = None
     """{"user_id": ...}: accepted, as OpenAI's ``user``."""
     cache_control: dict[str, Any] | None = None

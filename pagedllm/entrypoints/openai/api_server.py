@@ -39,7 +39,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
 from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pagedllm.entrypoints.openai.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath, ModelNotFoundError,
-                                                         OpenAIServingModels, parse_lora_module, runtime_lora_updating)
+                                                         OpenAIServingModels, parse_lora_module, public_name,
+                                                         runtime_lora_updating)
 from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, get_tool_parser
 from pagedllm.entrypoints.openai.limits import BYTES_PER_TOKEN_CAP, ServingLimits, add_limit_args, serving_limits
 from pagedllm.entrypoints.openai.serving import (Admission, OverloadedError, RequestFailedError,
@@ -416,10 +417,10 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
               api_keys: list[str], reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None,
               chat_template: str | None = None, limits: ServingLimits | None = None,
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, model_aliases: list[str] | None = None) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
     here (ValidationError if one does not fit)."""
-    models = OpenAIServingModels(engine, served_model_names)
+    models = OpenAIServingModels(engine, served_model_names, model_aliases)
     models.add_static(lora_modules or [])
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
@@ -464,7 +465,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", action="append", default=None,
                         help="accepted API key (repeatable); also read from PAGEDLLM_API_KEY")
     parser.add_argument("--served-model-name", action="append", default=None,
-                        help="model name(s) clients use (default: the model argument)")
+                        help="model name(s) clients use (default: the model argument's last path component; the "
+                             "argument as given is accepted too)")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     parser.add_argument("--uvicorn-log-level", default="info")
@@ -538,7 +540,9 @@ def engine_core_process() -> bool:
 
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; returns the exit status."""
-    names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
+    model = engine_args.model or DEFAULT_MODEL_NAME
+    names = ns.served_model_name or [public_name(model)]  # (no filesystem path shown in /v1/models)
+    aliases = [] if ns.served_model_name else [model]  # a request naming the path as given is still served
     if ns.lora_modules and not engine_args.enable_lora:
         raise ValidationError("--lora-modules needs --enable-lora", param="lora_modules",
                               value=[m.name for m in ns.lora_modules])
@@ -562,7 +566,8 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     try:
         limits = serving_limits(ns)
         app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules,
-                        ns.chat_template, limits, allow_runtime_lora_updating=allow_lora_updating)
+                        ns.chat_template, limits, allow_runtime_lora_updating=allow_lora_updating,
+                        model_aliases=aliases)
     except BaseException:
         engine.close()  # an adapter that does not fit: no worker left behind
         raise

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
 from pydantic import ValidationError as PydanticValidationError
 
 
@@ -20,7 +20,8 @@ def random_id(prefix: str) -> str:
 
 class OpenAIModel(BaseModel):
     # a field we do not implement is refused (400 naming it), never silently dropped, as OpenAI's
-    # own API answers an unrecognized request argument
+    # own API answers an unrecognized request argument; a flag is a StrictBool: JSON true or false only (pydantic's
+    # lax bool would take "yes", "off" or 1, which OpenAI's API refuses)
     model_config = ConfigDict(extra="forbid")
 
 
@@ -36,9 +37,9 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
     """A last chunk with the request's usage (and no choices) before [DONE]."""
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: StrictBool = False
     """vLLM's extra, with include_usage: every chunk also carries its choice's usage so far (guidellm asks)."""
 
     @property
@@ -58,7 +59,7 @@ class SamplingFields(OpenAIModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -70,28 +71,28 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: TokenIds | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
     structured_outputs: dict | None = None
     """vLLM's extra: one of {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ebnf},
     {"json_object": true}."""
     # ours
-    speculate: bool = True
+    speculate: StrictBool = True
     """With a server started with --speculative-config: false opts this request out of speculation."""
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = 16
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
-    use_beam_search: bool = False
+    use_beam_search: StrictBool = False
     """vLLM's extra: beam search with n beams; the n best sequences are the choices."""
     prompt_logprobs: int | None = None
     """vLLM's extra: the prompt tokens' log-probabilities (and the top-N) in each choice."""
@@ -169,12 +170,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice = None
     """"none", "auto" (needs --tool-call-parser), "required" or {"type": "function", "function": {"name": ...}};
     default: "auto" with tools and a parser, else "none"."""
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
 
 class UsageInfo(BaseModel):
@@ -314,8 +315,8 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class TokenizeResponse(BaseModel):

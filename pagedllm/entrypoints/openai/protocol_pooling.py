@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
-from pagedllm.entrypoints.openai.protocol import OpenAIModel
+from pagedllm.entrypoints.openai.protocol import OpenAIModel, TokenIds
 from pagedllm.errors import ValidationError
 
-PoolingInput = str | list[int] | list[str] | list[list[int]]
+PoolingInput = str | TokenIds | list[str] | list[TokenIds]
 """A text, token ids, a list of texts or a list of token-id lists (OpenAI's embeddings input)."""
 EncodingFormat = Literal["float", "base64"]
 """How vectors come back: JSON floats, or base64 of their little-endian float32 bytes (what the openai client
@@ -31,7 +31,7 @@ class EmbeddingRequest(OpenAIModel):
     truncate_prompt_tokens: int | None = None
     """vLLM's extra: keep the last this many tokens of each input (-1: max_model_len); unset, a longer input is a
     400 naming ``input``."""
-    normalize: bool | None = None
+    normalize: StrictBool | None = None
     """vLLM's extra: scale to unit length (unset: as the model's sentence-transformers config says)."""
 
 
@@ -52,7 +52,7 @@ class ClassificationRequest(OpenAIModel):
     input: str | list[str]
     user: str | None = None
     truncate_prompt_tokens: int | None = None
-    use_activation: bool | None = None
+    use_activation: StrictBool | None = None
     """vLLM's: false returns the raw logits (default: softmax, or a sigmoid for one class)."""
 
 
@@ -70,7 +70,7 @@ class ScoreRequest(OpenAIModel):
     data_2: str | list[str] | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
-    use_activation: bool | None = None
+    use_activation: StrictBool | None = None
     """A cross-encoder's: false returns its raw logit (default: a sigmoid)."""
 
     def sides(self) -> tuple[tuple[str, str | list[str]], tuple[str, str | list[str]]]:
@@ -97,11 +97,11 @@ class RerankRequest(OpenAIModel):
     documents: list[str]
     top_n: int | None = None
     """The best this many results (unset or 0: all of them)."""
-    return_documents: bool = True
+    return_documents: StrictBool = True
     """Each result carries its document's text (false: left out)."""
     user: str | None = None
     truncate_prompt_tokens: int | None = None
-    use_activation: bool | None = None
+    use_activation: StrictBool | None = None
 
 
 class PoolingUsage(BaseModel):

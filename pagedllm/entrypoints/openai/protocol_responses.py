@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from pagedllm.entrypoints.openai.protocol import OpenAIModel, UsageInfo
 
@@ -25,14 +25,14 @@ class ResponsesRequest(OpenAIModel):
     """{"format": {"type": "text" | "json_object" | "json_schema", ...}}."""
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    store: bool = True
+    parallel_tool_calls: StrictBool = True
+    store: StrictBool = True
     previous_response_id: str | None = None
-    stream: bool = False
+    stream: StrictBool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[str] | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     seed: int | None = Field(default=None, description="vLLM's extra: a seeded sample")

@@ -12,11 +12,12 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 from dataclasses import dataclass
 
 from pagedllm import envs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, quoted
 from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.lora_request import LoRARequest
 
@@ -25,7 +26,7 @@ class ModelNotFoundError(Exception):
     """The request names a model (or adapter) this server does not serve (HTTP 404)."""
 
     def __init__(self, model: str, param: str = "model") -> None:
-        super().__init__(f"the model {model!r} does not exist on this server")
+        super().__init__(f"the model {quoted(model)} does not exist on this server")
         self.model = model
         self.param = param
 
@@ -65,12 +66,21 @@ def runtime_lora_updating(flag: bool) -> bool:
     return flag or on
 
 
+def public_name(path: str) -> str:
+    """A model's or adapter's folder (or file) as /v1/models shows it: its last component, so the server's
+    filesystem layout is not shown to every client (vLLM shows the path as given)."""
+    return os.path.basename(path.rstrip("/" + os.sep)) or path
+
+
 class OpenAIServingModels:
     """Served names of the base model, and the adapters by name."""
 
-    def __init__(self, engine: AsyncLLM, base_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, base_names: list[str], aliases: list[str] | None = None) -> None:
+        """``aliases``: other names a request's ``model`` may give the base model, never listed (the model
+        argument as given, when the served name is its public_name: clients that sent the path still work)."""
         self.engine = engine
         self.base_names = base_names
+        self.aliases = set(aliases or ()) - set(base_names)
         self.loras: dict[str, LoRARequest] = {}
         self.static: set[str] = set()
         """The --lora-modules names: the operator's, never unloaded or replaced by a client."""
@@ -78,7 +88,7 @@ class OpenAIServingModels:
         """Names a load or unload is changing now: a second change of one of them is refused, so concurrent
         loads of one name leave exactly one adapter in the engine."""
         self._ids = itertools.count(1)
-        self.root = engine.config.model.model
+        self.root = public_name(engine.config.model.model)
         self.max_model_len = engine.config.model.max_model_len
 
     def add_static(self, modules: list[LoRAModulePath]) -> None:
@@ -96,6 +106,8 @@ class OpenAIServingModels:
             return self.base_names[0], None
         if model in self.base_names:
             return model, None
+        if model in self.aliases:
+            return self.base_names[0], None  # (answered with the listed name: the path is not echoed)
         if model in self.loras:
             return model, self.loras[model]
         raise ModelNotFoundError(model)
@@ -103,7 +115,7 @@ class OpenAIServingModels:
     def cards(self) -> list[ModelCard]:
         """/v1/models: the base model's names, then each adapter (its parent: the base model)."""
         base = [ModelCard(id=name, root=self.root, max_model_len=self.max_model_len) for name in self.base_names]
-        return base + [ModelCard(id=name, root=lora.lora_path, parent=self.base_names[0],
+        return base + [ModelCard(id=name, root=public_name(lora.lora_path), parent=self.base_names[0],
                                  max_model_len=self.max_model_len) for name, lora in self.loras.items()]
 
     async def load(self, name: str, path: str) -> LoRARequest:
@@ -114,7 +126,7 @@ class OpenAIServingModels:
         if not path:
             raise ValidationError.bad_value("lora_path", path, "the folder of a PEFT adapter")
         if name in self.static:
-            raise ValidationError(f"{name!r} is configured by the server's operator and cannot be replaced",
+            raise ValidationError(f"{quoted(name)} is configured by the server's operator and cannot be replaced",
                                   param="lora_name", value=name)
         self._check_new_name(name)
         lora = LoRARequest(name, next(self._ids), path)
@@ -135,15 +147,15 @@ class OpenAIServingModels:
         a base model name, 404 if there is none by that name."""
         if name in self.static or name in self.base_names:
             what = "the base model" if name in self.base_names else "configured by the server's operator"
-            raise ValidationError(f"{name!r} is {what} and cannot be unloaded", param="lora_name", value=name)
+            raise ValidationError(f"{quoted(name)} is {what} and cannot be unloaded", param="lora_name", value=name)
         if name in self._busy:
-            raise ValidationError(f"adapter {name!r} is being loaded or unloaded by another request",
+            raise ValidationError(f"adapter {quoted(name)} is being loaded or unloaded by another request",
                                   param="lora_name", value=name)
         lora = self.loras.get(name)
         if lora is None:
             raise ModelNotFoundError(name, param="lora_name")
         if lora_int_id is not None and lora_int_id != lora.lora_int_id:
-            raise ValidationError(f"adapter {name!r} has lora_int_id {lora.lora_int_id}", param="lora_int_id",
+            raise ValidationError(f"adapter {quoted(name)} has lora_int_id {lora.lora_int_id}", param="lora_int_id",
                                   value=lora_int_id)
         self._busy.add(name)
         del self.loras[name]  # new requests no longer find it while the engine removes it
@@ -159,6 +171,6 @@ class OpenAIServingModels:
             self._busy.discard(lora.lora_name)
 
     def _check_new_name(self, name: str) -> None:
-        if name in self.base_names or name in self.loras or name in self._busy:
-            raise ValidationError(f"a model or adapter named {name!r} is already in use", param="lora_name",
+        if name in self.base_names or name in self.aliases or name in self.loras or name in self._busy:
+            raise ValidationError(f"a model or adapter named {quoted(name)} is already in use", param="lora_name",
                                   value=name)
