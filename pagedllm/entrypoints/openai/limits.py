@@ -60,6 +60,17 @@ class ServingLimits:
     max_schema_depth: int = 64
     """Deepest nesting of objects and arrays in one JSON schema (a response_format's, structured_outputs', or the
     one tool_choice makes of the tools)."""
+    max_json_values: int = 2**18
+    """Most JSON values (arrays, objects and their entries) in one request body, counted on its raw bytes before
+    it is parsed (parsing holds the event loop in proportion to them: ~1-4 us each here). OpenAI's own largest
+    request, 300k tokens of embeddings input as token ids, needs a little more: raise it for those."""
+    max_json_depth: int = 128
+    """Deepest nesting of arrays and objects in one request body (room for a schema at --max-schema-depth
+    inside its request)."""
+    max_request_tokens: int = 2**20
+    """Most tokens one request may generate in all (prompts x n, or beams, x max_tokens; an omitted max_tokens
+    counts as the rest of the context), and most entries a non-streamed reply holds (each token with its logprobs
+    alternatives, and prompt_logprobs'): a stream holds nothing per token, a whole reply all of it."""
 
     max_stored_responses: int = 1000
     """Most responses kept for GET /v1/responses/{id} and previous_response_id (``store: true``); the least
@@ -115,6 +126,34 @@ def check_samples(num_prompts: int, n: int, limits: ServingLimits) -> None:
     if num_prompts * n > limits.max_prompts:
         raise ValidationError(f"{num_prompts} prompts x n {n} is {num_prompts * n} samples; this server runs at most "
                               f"{limits.max_prompts} in one request (--max-prompts)", param="n", value=n)
+
+
+def check_request_tokens(limits: ServingLimits, max_tokens: list[int], n: int, stream: bool,
+                         logprobs: int | None = None, prompt_tokens: list[int] | None = None,
+                         prompt_logprobs: int | None = None, names: tuple[str, str] = ("max_tokens", "logprobs")
+                         ) -> None:
+    """The product of a request's bounds within max_request_tokens (400 naming the field), before it is queued:
+    the tokens it may generate (``max_tokens``: each prompt's, an omitted one already filled to the context, times
+    ``n`` samples or beams), and unless it streams, what its reply would hold: each token with its ``logprobs``
+    alternatives, and each prompt token with its ``prompt_logprobs`` ones (in each of the n choices). ``names``:
+    the request's own names for max_tokens and logprobs."""
+    limit = limits.max_request_tokens
+    generated = n * sum(max_tokens)
+    if generated > limit:
+        raise ValidationError(f"this request may generate {generated} tokens ({len(max_tokens)} prompt(s) x n {n} x "
+                              f"{names[0]} {max(max_tokens)}, an omitted {names[0]} counting as the rest of the "
+                              f"context); this server generates at most {limit} in one request "
+                              "(--max-request-tokens)", param=names[0], value=generated)
+    if stream:
+        return  # a stream holds nothing per token
+    scored = 0 if prompt_logprobs is None else n * sum(prompt_tokens or ()) * (1 + prompt_logprobs)
+    entries = generated * (1 + (logprobs or 0)) + scored
+    if entries > limit:
+        param = names[1] if logprobs else "prompt_logprobs" if prompt_logprobs is not None else names[0]
+        raise ValidationError(f"this request's reply would hold {entries} tokens and log-probabilities ({generated} "
+                              f"tokens x (1 + {names[1]} {logprobs or 0}) + {scored} of prompt_logprobs); this server "
+                              f"holds at most {limit} for one reply (--max-request-tokens): stream it, or ask for "
+                              "fewer", param=param, value=entries)
 
 
 def check_tools(tools: list[dict] | None, limits: ServingLimits) -> None:

@@ -58,8 +58,8 @@ def text_bytes(value: Any) -> int:
         return len(value.encode("utf-8", "surrogatepass"))
     if isinstance(value, BaseModel):
         value = dict(value)
-    if isinstance(value, dict):
-        return sum(text_bytes(v) for v in value.values())
+    if isinstance(value, dict):  # keys too: a tool call's dict reaches the chat template whole
+        return sum(text_bytes(k) + text_bytes(v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return sum(text_bytes(v) for v in value)
     return 0
@@ -106,6 +106,21 @@ class OpenAIServing:
         if size > cap:
             raise ValidationError(f"{param} is {size} bytes of text, over this server's cap of {cap} bytes "
                                   f"(max_model_len is {self.max_model_len} tokens)", param=param)
+
+    async def tokenized(self, prompts: list[PromptType]) -> list[dict[str, Any]]:
+        """Each prompt as {"prompt": text or None, "prompt_token_ids": ids}, tokenized in the engine's tokenizer
+        thread (one hop for them all): never on the event loop, and their lengths known before anything is
+        queued (ValidationError naming a bad one, as the engine would)."""
+        processor = self.engine.processor
+
+        def tokenize() -> list[dict[str, Any]]:
+            return [dict(zip(("prompt", "prompt_token_ids"), processor.tokenize_prompt(p))) for p in prompts]
+
+        return await self.engine.in_tokenizer_thread(tokenize)
+
+    def filled(self, max_tokens: int | None, prompt_tokens: int) -> int:
+        """A request's max_tokens, an omitted one filled to the rest of the context (as the engine fills it)."""
+        return max_tokens if max_tokens is not None else max(self.max_model_len - prompt_tokens, 0)
 
     async def outputs(self, streams: StreamGroup, raw: Request) -> list[RequestOutput] | None:
         """Every stream's final output (None if the client disconnected first), within the request timeout."""

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, PromptLogprob, UsageInfo, random_id)
-from pagedllm.entrypoints.openai.limits import check_count, check_samples
+from pagedllm.entrypoints.openai.limits import check_count, check_request_tokens, check_samples
 from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse, usage_info
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -39,11 +39,16 @@ class OpenAIServingCompletion(OpenAIServing):
         only_echo = req.echo and req.max_tokens == 0 and not req.use_beam_search
         params = self._beam_params(req) if req.use_beam_search else \
             self.sampling_params(req, 1 if only_echo else req.max_tokens, req.logprobs, req.stream, prompt_logprobs)
+        echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
+        self._check_waiting(prompts)  # (a full queue sheds it before it is tokenized)
+        prompts = await self.tokenized(prompts)
+        lengths = [len(p["prompt_token_ids"]) for p in prompts]
+        check_request_tokens(self.limits, [self.filled(params.max_tokens, n) for n in lengths], req.n, req.stream,
+                             None if req.use_beam_search else req.logprobs, lengths, prompt_logprobs)
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, prompts, params, lora, raw)
         if streams is None:
             return Response(status_code=499)  # the client went away while its request was prepared
-        echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
         if req.stream:
             return StreamingResponse(self.with_error_events(self._stream(request_id, model, req, streams, echoes,
                                                                          only_echo)),

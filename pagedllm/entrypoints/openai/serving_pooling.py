@@ -229,8 +229,8 @@ class OpenAIServingPooling(OpenAIServing):
             vectors = {t: o.outputs.data for t, o in zip(texts, outputs)}
             return [cosine(vectors[a], vectors[b]) for a, b in pairs], _usage(outputs)
         # a pair is cut while it is tokenized (the longer text first), so the engine is not asked to cut it again
-        prompts: list[PromptType] = [pair_prompt(self.tokenizer, a, b, truncate, self.max_model_len)
-                                     for a, b in pairs]
+        prompts: list[PromptType] = await self.engine.in_tokenizer_thread(
+            lambda: [pair_prompt(self.tokenizer, a, b, truncate, self.max_model_len) for a, b in pairs])
         params = PoolingParams(task="score", use_activation=use_activation)
         outputs = await self._run(request_id, prompts, params, raw)
         if outputs is None:

@@ -260,3 +260,22 @@ def test_pooling_endpoints_on_a_generating_model(server: RemoteServer) -> None:
     for path, body in (("/v1/embeddings", {"input": "hi"}), ("/pooling", {"input": "hi"}),
                        ("/rerank", {"query": "a", "documents": ["b"]})):
         _refused(_post(server, path, body), "model", "/v1/completions")
+
+
+def test_many_long_inputs_are_tokenized_off_the_event_loop(folders: dict[str, Path]) -> None:
+    """1,024 inputs of ~15 KB each (tokenizing them takes seconds): /health answers within 0.5 s throughout."""
+    from tests.entrypoints.openai.test_abuse_loop import HEALTHY_WITHIN, HealthPoller
+
+    srv = RemoteServer(folders["embed"], "--served-model-name", "bert", "--max-model-len", str(MAX_LEN),
+                       "--max-prompt-bytes", "16000")
+    try:
+        texts = [f"{i} " + "the cat sat on the mat and looked at the dog " * 340 for i in range(1024)]
+        with HealthPoller(srv.url) as poller:
+            r = httpx.post(f"{srv.url}/v1/embeddings", json={"input": texts, "truncate_prompt_tokens": MAX_LEN},
+                           timeout=300)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 1024 and r.json()["usage"]["prompt_tokens"] == 1024 * MAX_LEN
+        assert poller.failures == 0 and len(poller.latencies) >= 5
+        assert max(poller.latencies) < HEALTHY_WITHIN, sorted(poller.latencies)[-5:]
+    finally:
+        srv.stop()
