@@ -7,6 +7,7 @@ broken connection, 0 KV blocks held and the pool's invariants intact once draine
     .venv/bin/python benchmarks/soak.py --duration 1800 --output-json soak.json      # the record (30 min)
     .venv/bin/python benchmarks/soak.py --model TINY_MODEL_DIR --duration 80 --calibrate 5   # as the suite runs it
     .venv/bin/python benchmarks/soak.py --abuse --duration 600 --output-json abuse.json      # with abusive requests
+    .venv/bin/python benchmarks/soak.py --abuse --api-key A --api-key B --duration 600  # and cross-key access
 
 Capacity is measured first (closed loop, --concurrency normal requests for --calibrate seconds); the soak
 then sends Poisson arrivals at --load times it. One JSON line (and --output-json) holds the figures;
@@ -16,15 +17,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
+import math
 import os
 import random
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import psutil
@@ -36,7 +40,25 @@ from tests.entrypoints.openai.conftest import RemoteServer  # noqa: E402
 KINDS = {"normal": 0.35, "chat": 0.10, "stream": 0.25, "cancel": 0.10, "malformed": 0.10, "oversized": 0.10}
 """Share of each kind of request in the mix."""
 ABUSE_SHARE = 0.15
-"""With --abuse: the share of abusive requests (issue 27's list, picked at random) added to the mix."""
+"""With --abuse: the share of abusive requests (issues 27's and 43's lists, picked at random) added to the mix."""
+REFUSAL_TIMEOUT = 30.0
+"""Client timeout of an abusive request that must be refused at once (a server that takes it instead would hold
+the soak for as long as it runs; leaving aborts it)."""
+CROSS_KEY = "cross-key stored response"
+"""The abusive case that needs two --api-key: a response stored with the first key, read and deleted with the
+second (404 each time, as for an id never stored)."""
+
+
+class Abuse(NamedTuple):
+    """One abusive request and the answers that are correct for it."""
+
+    name: str
+    path: str
+    body: Any
+    """A JSON body, or raw bytes."""
+    expected: tuple[int, ...]
+    check: Callable[[dict], str | None] | None = None
+    """For a 200: what is wrong with the answer's JSON (None: nothing)."""
 
 
 def _tools(count: int) -> list[dict]:
@@ -53,13 +75,74 @@ def _deep_schema(depth: int) -> dict:
     return schema
 
 
-def abusive_request(rng: random.Random, max_model_len: int) -> tuple[str, str, Any, tuple[int, ...]]:
-    """(name, path, JSON body or raw bytes, the statuses that answer it correctly) of one abusive request: the
-    ones that crashed, froze or bloated the server before issue 27, allowed-but-heavy ones at the default limits
-    (200; fresh small grammars each time, and one large one compiled once and kept: the cache's eviction is
-    tested by tests/entrypoints/openai/test_abuse_structured.py), and ones over a limit (400)."""
+def _tiny_values_body() -> bytes:
+    """Issue 43: a legal (just under --max-body-bytes' 16 MiB) chat body of millions of tiny values in tool_calls."""
+    head = b'{"max_tokens": 4, "messages": [{"role": "assistant", "content": "", "tool_calls": ['
+    tail = b'[]]}, {"role": "user", "content": "hi"}]}'
+    return head + b"[]," * ((16 * 2**20 - 64 - len(head) - len(tail)) // 3) + tail
+
+
+TINY_VALUES_BODY = functools.lru_cache(maxsize=1)(_tiny_values_body)
+"""The 16 MiB body, built once (sent as it is each time)."""
+
+
+def _wide_schema(tag: int, properties: int = 1400) -> dict:
+    """Issue 43: a distinct ~55 KB JSON schema of ``properties`` string properties."""
+    return {"type": "object", "properties": {f"p{tag}_{i:04d}": {"type": "string"} for i in range(properties)}}
+
+
+NESTED_TOOL = {"type": "function", "function": {"name": "plan_trip", "strict": True, "parameters": {
+    "$defs": {"Stop": {"type": "object", "additionalProperties": False, "required": ["city", "nights"],
+                       "properties": {"city": {"enum": ["Paris", "Oslo"]}, "nights": {"enum": [1, 2, 3]}}}},
+    "type": "object", "additionalProperties": False, "required": ["start", "stops"],
+    "properties": {"start": {"$ref": "#/$defs/Stop"}, "stops": {"type": "array", "maxItems": 2,
+                                                               "items": {"$ref": "#/$defs/Stop"}}}}}}
+"""A tool as Pydantic writes a nested model (openai.pydantic_function_tool): refs into $defs."""
+
+SDK_ASSISTANT = {"role": "assistant", "content": "Hello!", "refusal": None, "annotations": None, "audio": None,
+                 "function_call": None, "tool_calls": None, "reasoning_content": None}
+"""A reply's message as the openai SDK's model_dump() appends it to the history."""
+
+
+def _finite_logprobs(answer: dict) -> str | None:
+    """Issue 43: logprobs with structured outputs are finite numbers (never -inf, NaN or null)."""
+    values: list[Any] = []
+    for choice in answer["choices"]:
+        lp = choice.get("logprobs") or {}
+        if "token_logprobs" in lp:  # completions
+            values += lp["token_logprobs"] + [v for top in lp["top_logprobs"] for v in (top or {}).values()]
+        for token in lp.get("content") or []:  # chat
+            values += [token["logprob"], *(t["logprob"] for t in token["top_logprobs"])]
+    if not values:
+        return "no logprobs"
+    bad = [v for v in values if not (isinstance(v, (int, float)) and math.isfinite(v))]
+    return f"non-finite logprobs {bad[:3]}" if bad else None
+
+
+def _tool_called(answer: dict) -> str | None:
+    """A forced tool call: arguments that parse as JSON (or a reply cut by max_tokens)."""
+    choice = answer["choices"][0]
+    if choice["finish_reason"] == "length":
+        return None
+    calls = choice["message"]["tool_calls"] or []
+    if choice["finish_reason"] != "tool_calls" or not calls:
+        return f"no tool call: {choice}"
+    try:
+        for call in calls:
+            json.loads(call["function"]["arguments"])
+    except ValueError:
+        return f"arguments are not JSON: {calls}"
+    return None
+
+
+def abusive_request(rng: random.Random, max_model_len: int, cross_key: bool = False) -> Abuse:
+    """One abusive request: the ones that crashed, froze or bloated the server before issue 27, allowed-but-heavy
+    ones at the default limits (200; fresh small grammars each time, and one large one compiled once and kept: the
+    cache's eviction is tested by tests/entrypoints/openai/test_abuse_structured.py), ones over a limit (400), and
+    issue 43's (``cross_key``: the soak has two API keys, and the stored-response case is among them)."""
     tag = rng.randrange(10 ** 9)  # distinct strings: nothing comes from a cache
-    cases: list[tuple[str, str, Any, tuple[int, ...]]] = [
+    long_prompt = [rng.randrange(100, 1000) for _ in range(min(8000, max_model_len - 8))]  # ids any vocabulary has
+    cases: list[tuple] = [
         ("seed 2**64-1 n=2", "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "seed": 2 ** 64 - 1, "n": 2},
          (400,)),
         ("length_penalty -1e308", "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "n": 2,
@@ -110,8 +193,31 @@ def abusive_request(rng: random.Random, max_model_len: int) -> tuple[str, str, A
         ("30-deep schema", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "response_format": {
             "type": "json_schema", "json_schema": {"name": "d", "schema": _deep_schema(30) | {"title": str(tag)}}}},
          (200, 503)),
+        # issue 43
+        ("16 MiB of tiny values", "/v1/chat/completions", TINY_VALUES_BODY(), (400, 413)),
+        ("over-product n*max_tokens*logprobs", "/v1/completions", {
+            "prompt": ["a", "b", "c", "d"], "n": 256, "max_tokens": 8000, "ignore_eos": True, "logprobs": 20}, (400,)),
+        ("55 KB distinct schema", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "w", "schema": _wide_schema(tag)}}}, (200, 400, 503)),
+        ("logprobs + choice", "/v1/completions", {"prompt": "Pick:", "max_tokens": 3, "logprobs": 5,
+                                                  "structured_outputs": {"choice": ["yes", "no"]}}, (200, 503),
+         _finite_logprobs),
+        ("chat logprobs + choice", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Pick:"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 5,
+            "structured_outputs": {"choice": ["yes", "no"]}}, (200, 503), _finite_logprobs),
+        ("SDK multi-turn message", "/v1/chat/completions", {"max_tokens": 4, "messages": [
+            {"role": "user", "content": "hi"}, SDK_ASSISTANT, {"role": "user", "content": f"again {tag}"}]},
+         (200, 503)),
+        ("required tool with $defs", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Plan a trip."}], "max_tokens": 64, "tool_choice": "required",
+            "tools": [NESTED_TOOL]}, (200, 503), _tool_called),
+        ('"stream": "yes"', "/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": "yes"}, (400,)),
+        ("8k-token prompt", "/v1/completions", {"prompt": long_prompt, "max_tokens": 4}, (200, 503)),
     ]
-    return rng.choice(cases)
+    if cross_key:
+        cases.append((CROSS_KEY, "/v1/responses", {"input": f"hi {tag}", "max_output_tokens": 4, "store": True},
+                      (404,)))
+    return Abuse(*rng.choice(cases))
 
 
 def rss_bytes(pid: int) -> int:
@@ -126,8 +232,11 @@ def rss_bytes(pid: int) -> int:
 class Soak:
     """The load generator: one request per call of ``send``, its outcome counted by kind."""
 
-    def __init__(self, url: str, max_tokens: int, max_model_len: int, seed: int) -> None:
+    def __init__(self, url: str, max_tokens: int, max_model_len: int, seed: int, keys: tuple[str, ...] = ()
+                 ) -> None:
         self.url = url
+        self.keys = keys
+        """The server's API keys: requests carry the first (the client's own header); the cross-key case the second."""
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
         self.rng = random.Random(seed)
@@ -226,17 +335,48 @@ class Soak:
             self._fail(kind, f"malformed body answered {r.status_code}")
 
     async def _abuse(self, client: httpx.AsyncClient, kind: str) -> None:
-        name, path, body, expected = abusive_request(self.rng, self.max_model_len)
-        if isinstance(body, bytes):
-            r = await client.post(f"{self.url}{path}", content=body, headers={"content-type": "application/json"})
-        else:
-            r = await client.post(f"{self.url}{path}", json=body)
-        if r.status_code not in expected:
-            self._fail(f"abuse: {name}", f"HTTP {r.status_code} (expected {expected}): {r.text[:200]}")
+        case = abusive_request(self.rng, self.max_model_len, cross_key=len(self.keys) >= 2)
+        name = f"abuse: {case.name}"
+        if case.name == CROSS_KEY:
+            await self._cross_key(client, name, case)
+            return
+        sent: dict[str, Any] = ({"content": case.body, "headers": {"content-type": "application/json"}}
+                                if isinstance(case.body, bytes) else {"json": case.body})
+        if all(400 <= status < 500 for status in case.expected):  # to be refused at once
+            sent["timeout"] = REFUSAL_TIMEOUT
+        try:
+            r = await client.post(f"{self.url}{case.path}", **sent)
+        except httpx.TimeoutException:
+            self._fail(name, f"not refused within {REFUSAL_TIMEOUT:g} s (expected {case.expected})")
+            return
+        if r.status_code not in case.expected:
+            self._fail(name, f"HTTP {r.status_code} (expected {case.expected}): {r.text[:200]}")
         elif r.status_code == 200:
-            self.outcomes[(f"abuse: {name}", "ok")] += 1
+            problem = case.check(r.json()) if case.check is not None else None
+            if problem is None:
+                self.outcomes[(name, "ok")] += 1
+            else:
+                self._fail(name, problem[:300])
         else:
-            self._refused_cleanly(f"abuse: {name}", r)
+            self._refused_cleanly(name, r)
+
+    async def _cross_key(self, client: httpx.AsyncClient, name: str, case: Abuse) -> None:
+        """A response stored with the first key: 404 to the second key's GET and DELETE, still there for the
+        first's GET, then deleted by it."""
+        r = await client.post(f"{self.url}{case.path}", json=case.body)
+        if r.status_code != 200:
+            if self._refused_cleanly(name, r) and r.status_code != 503:
+                self._fail(name, f"storing a response answered {r.status_code}")
+            return
+        url, other = f"{self.url}/v1/responses/{r.json()['id']}", {"authorization": f"Bearer {self.keys[1]}"}
+        answers = [(await client.get(url, headers=other)).status_code,
+                   (await client.delete(url, headers=other)).status_code,
+                   (await client.get(url)).status_code, (await client.delete(url)).status_code]
+        if answers == [404, 404, 200, 200]:
+            self.outcomes[(name, "refused 404")] += 1
+        else:
+            self._fail(name, f"other key's GET, DELETE, own GET, DELETE answered {answers} (expected 404, 404, 200, "
+                             "200)")
 
     async def _oversized(self, client: httpx.AsyncClient, kind: str) -> None:
         body = self.rng.choice([
@@ -248,12 +388,19 @@ class Soak:
             self._fail(kind, f"oversized request answered {r.status_code}")
 
 
-async def calibrate(url: str, concurrency: int, seconds: float, max_tokens: int) -> float:
+def auth(keys: tuple[str, ...]) -> dict[str, str]:
+    """The headers of the soak's requests: the first API key, if the server has any."""
+    return {"authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
+async def calibrate(url: str, concurrency: int, seconds: float, max_tokens: int, keys: tuple[str, ...] = ()
+                    ) -> float:
     """Completed normal requests per second with ``concurrency`` clients back to back."""
     done = 0
     end = time.monotonic() + seconds
     body = {"prompt": "paged attention block cache", "max_tokens": max_tokens, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency + 4),
+                                 headers=auth(keys)) as client:
         async def loop() -> None:
             nonlocal done
             while time.monotonic() < end:
@@ -264,14 +411,16 @@ async def calibrate(url: str, concurrency: int, seconds: float, max_tokens: int)
 
 
 async def soak(args: argparse.Namespace, url: str, pid: int, max_model_len: int, rate: float) -> dict:
-    load = Soak(url, args.max_tokens, max_model_len, args.seed)
+    keys = tuple(args.api_key)
+    load = Soak(url, args.max_tokens, max_model_len, args.seed, keys)
     rng = random.Random(args.seed + 1)
     mix = {**{k: w * (1 - ABUSE_SHARE) for k, w in KINDS.items()}, "abuse": ABUSE_SHARE} if args.abuse else KINDS
     kinds, weights = list(mix), list(mix.values())
     rss: list[tuple[float, int]] = []
     start = time.monotonic()
     tasks: set[asyncio.Task] = set()
-    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=256)) as client:
+    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=256),
+                                 headers=auth(keys)) as client:
         next_rss = start
         while (now := time.monotonic()) < start + args.duration:
             if now >= next_rss:
@@ -290,8 +439,8 @@ async def soak(args: argparse.Namespace, url: str, pid: int, max_model_len: int,
     # drained: nothing running, every block back, the invariants intact
     deadline = time.monotonic() + 30
     while True:
-        state = httpx.get(f"{url}/kv/state", timeout=30).json()
-        stats = httpx.get(f"{url}/stats", timeout=30).json()
+        state = httpx.get(f"{url}/kv/state", timeout=30, headers=auth(keys)).json()
+        stats = httpx.get(f"{url}/stats", timeout=30, headers=auth(keys)).json()
         if (state["accounting"]["used_blocks"] == 0 and stats["num_running"] == stats["num_waiting"] == 0) \
                 or time.monotonic() > deadline:
             break
@@ -337,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"add {ABUSE_SHARE * 100:.0f}%% abusive requests to the mix "
                         "(crashers, oversized lists, heavy grammars, bad Unicode: each must be answered or refused "
                         "with a 4xx, never a 5xx)")
+    parser.add_argument("--api-key", action="append", default=[],
+                        help="start the server with this API key (repeatable); with two, --abuse also checks that "
+                        "one key cannot read or delete the other's stored responses")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "pagedllm-soak-server.log"),
                         help="the server's output (default: %(default)s)")
@@ -344,11 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.duration * 0.1 if args.warmup is None else args.warmup
     from pagedllm.models.loader import default_model_path
 
+    keys = tuple(args.api_key)
     server = RemoteServer(Path(args.model or default_model_path()), "--served-model-name", "soak", *args.server_arg,
-                          log=Path(args.server_log))
+                          *(arg for key in keys for arg in ("--api-key", key)), log=Path(args.server_log))
     try:
-        max_model_len = httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, timeout=30).json()["max_model_len"]
-        capacity = asyncio.run(calibrate(server.url, args.concurrency, args.calibrate, args.max_tokens))
+        max_model_len = httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, timeout=30,
+                                   headers=auth(keys)).json()["max_model_len"]
+        capacity = asyncio.run(calibrate(server.url, args.concurrency, args.calibrate, args.max_tokens, keys))
         if capacity <= 0:
             raise SystemExit(f"no request completed in the {args.calibrate:g} s capacity measurement")
         result = asyncio.run(soak(args, server.url, server.proc.pid, max_model_len, capacity * args.load))
