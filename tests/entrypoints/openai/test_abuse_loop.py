@@ -74,6 +74,7 @@ def test_a_body_of_millions_of_tiny_values_is_a_400_while_health_answers(srv: Re
         start = time.monotonic()
         r = client.post(f"{srv.url}{CHAT}", content=body, headers={"content-type": "application/json"})
         took = time.monotonic() - start
+    print(f"refused in {took:.2f} s; /health at most {max(poller.latencies):.3f} s over {len(poller.latencies)} polls")
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "messages" and "--max-json-values" in error["message"], error
