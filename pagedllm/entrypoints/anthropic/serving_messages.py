@@ -18,29 +18,18 @@ from pydantic import ValidationError as PydanticValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, anthropic_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ErrorInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.limits import check_tools
 from pagedllm.entrypoints.openai.translate import chat_request, check_keys, format_field, renamed, string_field
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, quoted
 
 PARAM_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
                "response_format": "output_config.format"}
 """A chat request's field -> the Messages field it was made from (an error names what the client sent)."""
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 """Chat's finish_reason -> Anthropic's stop_reason ("stop" is end_turn, or stop_sequence for a stop string)."""
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 504: "timeout_error"}
-"""HTTP status -> Anthropic's error type (anything else: api_error)."""
-
-
-def anthropic_error(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
 class AnthropicServingMessages:
     """The Messages API over a chat server's request path."""
 
@@ -154,6 +143,10 @@ class AnthropicServingMessages:
         yield _event("message_stop")
 
 
+THINKING_BLOCKS = {"thinking": {"type", "thinking", "signature"}, "redacted_thinking": {"type", "data"}}
+"""An earlier assistant turn's thinking blocks -> their keys (each a string, as Anthropic's replies carry them)."""
+
+
 def _event(kind: str, **fields: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
@@ -231,11 +224,14 @@ def _chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
                     content = f"Error: {content}"
                 results.append({"role": "tool", "tool_call_id": string_field(block, "tool_use_id", where),
                                 "content": content})
-            elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
-                continue
+            elif kind in THINKING_BLOCKS and message.role == "assistant":  # checked, then dropped
+                check_keys(block, THINKING_BLOCKS[kind], where)
+                for key in THINKING_BLOCKS[kind] - {"type"}:
+                    string_field(block, key, where)
             else:
-                raise ValidationError(f"{where}: a {message.role} message's {kind!r} block is not supported (this "
-                                      "server takes text, tool_use from the assistant and tool_result from the user)",
+                raise ValidationError(f"{where}: a {message.role} message's {quoted(kind)} block is not supported "
+                                      "(this server takes text, tool_use from the assistant and tool_result from "
+                                      "the user)",
                                       param=f"{where}.type", value=kind)
         out += results
         if texts or calls or not results:
@@ -256,7 +252,7 @@ def _text_of(content: Any, where: str) -> str:
     for j, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else block
-            raise ValidationError(f"{where}[{j}]: only text blocks are supported, got {kind!r}",
+            raise ValidationError(f"{where}[{j}]: only text blocks are supported, got {quoted(kind)}",
                                   param=f"{where}[{j}].type", value=kind)
         check_keys(block, {"type", "text", "cache_control", "citations"}, f"{where}[{j}]")
         texts.append(string_field(block, "text", f"{where}[{j}]"))
@@ -271,7 +267,7 @@ def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type") not in (None, "custom"):
-            raise ValidationError(f"tools[{i}].type {tool.get('type')!r} is not supported by this server (only "
+            raise ValidationError(f"tools[{i}].type {quoted(tool.get('type'))} is not supported by this server (only "
                                   "client tools with an input_schema)",
                                   param=f"tools[{i}].type", value=tool.get("type"))
         check_keys(tool, {"type", "name", "description", "input_schema", "cache_control"}, f"tools[{i}]")

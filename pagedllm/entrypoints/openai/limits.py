@@ -73,11 +73,11 @@ class ServingLimits:
     alternatives, and prompt_logprobs'): a stream holds nothing per token, a whole reply all of it."""
 
     max_stored_responses: int = 1000
-    """Most responses kept for GET /v1/responses/{id} and previous_response_id (``store: true``); the least
-    recently used goes first."""
+    """Most responses kept for GET /v1/responses/{id} and previous_response_id (``store: true``); with K API keys,
+    each key's share is a Kth and its own least recently used goes first."""
     max_stored_response_bytes: int = 64 * 1024 * 1024
-    """Most bytes (as JSON, conversations included) of all stored responses together; the least recently used
-    goes first."""
+    """Most bytes held by all stored responses together (compressed JSON, conversations included, plus each
+    entry's own objects); with K API keys, each key's share is a Kth and its own least recently used goes first."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from pagedllm.engine.async_llm import AsyncLLM, RequestStream
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.processor import PromptType
-from pagedllm.errors import ValidationError
+from pagedllm.errors import QUOTE_CHARS, ValidationError, quoted
 from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, check_constraint,
                                                check_sampling_limits)
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
@@ -24,6 +24,16 @@ from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
+
+MIN_LOGPROB = -9999.0
+"""The log-probability reported for a token that cannot be chosen (masked by structured outputs, allowed_token_ids
+or bad_words: -inf, which JSON cannot carry), as vLLM reports it."""
+
+
+def finite_logprob(value: float) -> float:
+    """``value`` at least MIN_LOGPROB (NaN too), so that every reported log-probability is a finite JSON number."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
 
 class OverloadedError(Exception):
     """The waiting queue is full: the request is refused with 503 and Retry-After, nothing else is touched."""
@@ -338,8 +348,8 @@ JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 def _unknown_key(where: str, value: dict, known: set[str]) -> None:
     unknown = sorted(set(value) - known)
     if unknown:
-        raise ValidationError(f"{where} has unknown key {unknown[0]!r} (it takes {', '.join(sorted(known))})",
-                              param=f"{where}.{unknown[0]}", value=unknown[0])
+        raise ValidationError(f"{where} has unknown key {quoted(unknown[0])} (it takes {', '.join(sorted(known))})",
+                              param=f"{where}.{unknown[0][:QUOTE_CHARS]}", value=unknown[0])
 
 
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:

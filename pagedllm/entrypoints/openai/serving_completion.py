@@ -11,7 +11,8 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, PromptLogprob, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.limits import check_count, check_request_tokens, check_samples
-from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, merge_streams, sse, usage_info
+from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, finite_logprob, merge_streams, sse,
+                                                 usage_info)
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams
@@ -101,7 +102,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs: list | None = None, echoed: CompletionLogprobs | None = None) -> CompletionChoice:
         lp = None if c.logprobs is None else self._logprobs(c, self._end(echoed, len(echo)), logprobs or 0, echoed)
         scored = None if prompt_logprobs is None else [
-            None if entry is None else {t: PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.decoded_token)
+            None if entry is None else {t: PromptLogprob(logprob=finite_logprob(e.logprob), rank=e.rank,
+                                                         decoded_token=e.decoded_token)
                                         for t, e in entry.items()} for entry in prompt_logprobs]
         return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason, prompt_logprobs=scored)
@@ -124,9 +126,9 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             sampled = entry[token_id]
             text = sampled.decoded_token or ""
-            out.token_logprobs.append(sampled.logprob)
-            top = {lp.decoded_token: lp.logprob for _, lp in self.top_entries(entry, top_n)}
-            top.setdefault(text, sampled.logprob)
+            out.token_logprobs.append(finite_logprob(sampled.logprob))
+            top = {lp.decoded_token: finite_logprob(lp.logprob) for _, lp in self.top_entries(entry, top_n)}
+            top.setdefault(text, finite_logprob(sampled.logprob))
             out.top_logprobs.append(top)
         out.tokens.append(text)
         out.text_offset.append(offset)

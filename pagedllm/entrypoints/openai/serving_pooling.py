@@ -23,7 +23,7 @@ from pagedllm.entrypoints.openai.protocol_pooling import (ClassificationData, Cl
                                                           RerankDocument, RerankRequest, RerankResponse, RerankResult,
                                                           RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
 from pagedllm.entrypoints.openai.serving import OpenAIServing
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, quoted
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 
@@ -148,7 +148,7 @@ class OpenAIServingPooling(OpenAIServing):
         else ValidationError (param "model") naming the endpoints it does serve."""
         name, lora = self.check_model(model)
         if lora is not None:
-            raise ValidationError(f"{model!r} is a LoRA adapter: pooling requests run the base model only",
+            raise ValidationError(f"{quoted(model)} is a LoRA adapter: pooling requests run the base model only",
                                   param="model", value=model)
         tasks = self.engine.config.model.pooling_tasks
         if not tasks or (task is not None and task not in tasks):

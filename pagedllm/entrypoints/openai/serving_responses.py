@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -23,10 +24,10 @@ from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, fu
                                                             usage_of)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.translate import chat_request, check_keys, format_field, renamed, string_field
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, quoted
 
-PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-               "response_format": "text.format", "structured_outputs": "text.format"}
+PARAM_NAMES = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
+               "max_tokens": "max_output_tokens", "response_format": "text.format", "structured_outputs": "text.format"}
 """A chat request's field -> the Responses field it was made from (an error names what the client sent)."""
 METADATA_LIMITS = (16, 64, 512)
 """OpenAI's bounds on metadata: pairs, characters of a key, characters of a value."""
@@ -36,47 +37,89 @@ class ResponseNotFoundError(Exception):
     """GET/DELETE of an id that is not (or no longer) stored: 404."""
 
     def __init__(self, response_id: str) -> None:
-        super().__init__(f"Response with id '{response_id}' not found.")
+        super().__init__(f"Response with id {quoted(response_id)} not found.")
+
+
+ENTRY_OVERHEAD = 320
+"""Bytes one stored entry holds besides its compressed JSON (its id string, the bytes object's header, its
+ordered-dict slot): ~190 for a 37-character id, measured with tracemalloc, rounded up. Counted with it, so that
+the bound is on the memory held."""
+KEY_INDEX = "api_key_index"
+"""The request state field (scope["state"]) in which the API-key middleware records which --api-key (its index)
+authenticated the request: the store's scope for it."""
+
+
+def owner_of(request: Request) -> int | None:
+    """The store scope of a request: the index of the --api-key that authenticated it (None without keys)."""
+    return request.scope.get("state", {}).get(KEY_INDEX)
+
+
+class _Scope:
+    """One owner's stored responses: id -> zlib-compressed JSON of [response, conversation], in LRU order."""
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[str, bytes] = OrderedDict()
+        self.bytes = 0
 
 
 class ResponseStore:
-    """Stored responses (``store: true``) for GET, DELETE and ``previous_response_id``: at most ``max_count``
-    of them and ``max_bytes`` of JSON, the least recently used dropped first."""
+    """Stored responses (``store: true``) for GET, DELETE and ``previous_response_id``, each in the scope of the
+    API key that made it (one scope without keys): another key's id is as unknown as one never stored.
 
-    def __init__(self, max_count: int, max_bytes: int) -> None:
-        self.max_count, self.max_bytes = max_count, max_bytes
-        self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
-        self.bytes = 0
+    Each is held as zlib-compressed JSON, decoded on use, so ``bytes`` is what the store holds (not an estimate
+    of Python objects several times larger). Each of ``scopes`` keys gets an equal share of ``max_count`` and
+    ``max_bytes``: a key's requests evict only its own responses, least recently used first, and all of them
+    together stay within the totals."""
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
+    def __init__(self, max_count: int, max_bytes: int, scopes: int = 1) -> None:
+        assert scopes >= 1
+        self.max_count, self.max_bytes = max(1, max_count // scopes), max(1, max_bytes // scopes)
+        """One scope's share."""
+        self.num_scopes = scopes
+        self._scopes: dict[int | None, _Scope] = {}
+
+    def put(self, response: dict, conversation: list[dict], owner: int | None = None) -> None:
         """Store a finished response with the conversation that continues from it (its input and output as
-        chat messages); one larger than the whole store is not kept."""
-        size = len(json.dumps([response, conversation], ensure_ascii=False).encode("utf-8", "surrogatepass"))
-        if size > self.max_bytes:
+        chat messages) in ``owner``'s scope; one larger than the whole share is not kept."""
+        # level 1: most of the ratio of higher levels on text, at several times the speed (on the event loop)
+        blob = zlib.compress(json.dumps([response, conversation], ensure_ascii=False)
+                             .encode("utf-8", "surrogatepass"), 1)
+        if len(blob) + ENTRY_OVERHEAD > self.max_bytes:
             return
-        self.delete(response["id"])
-        self._items[response["id"]] = (response, conversation, size)
-        self.bytes += size
-        while len(self._items) > self.max_count or self.bytes > self.max_bytes:
-            _, (_, _, dropped) = self._items.popitem(last=False)
-            self.bytes -= dropped
+        scope = self._scopes.setdefault(owner, _Scope())
+        assert owner is None or 0 <= owner < self.num_scopes, owner
+        self.delete(response["id"], owner)
+        scope.items[response["id"]] = blob
+        scope.bytes += len(blob) + ENTRY_OVERHEAD
+        while len(scope.items) > self.max_count or scope.bytes > self.max_bytes:
+            _, dropped = scope.items.popitem(last=False)
+            scope.bytes -= len(dropped) + ENTRY_OVERHEAD
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
-        """(the response, its conversation) or None; a hit counts as a use."""
-        item = self._items.get(response_id)
-        if item is None:
+    def get(self, response_id: str, owner: int | None = None) -> tuple[dict, list[dict]] | None:
+        """(the response, its conversation) if ``owner`` stored it, else None; a hit counts as a use."""
+        scope = self._scopes.get(owner)
+        blob = None if scope is None else scope.items.get(response_id)
+        if blob is None:
             return None
-        self._items.move_to_end(response_id)
-        return item[0], item[1]
+        scope.items.move_to_end(response_id)
+        response, conversation = json.loads(zlib.decompress(blob))
+        return response, conversation
 
-    def delete(self, response_id: str) -> bool:
-        item = self._items.pop(response_id, None)
-        if item is not None:
-            self.bytes -= item[2]
-        return item is not None
+    def delete(self, response_id: str, owner: int | None = None) -> bool:
+        """Drop ``owner``'s response of this id; whether there was one."""
+        scope = self._scopes.get(owner)
+        blob = None if scope is None else scope.items.pop(response_id, None)
+        if blob is not None:
+            scope.bytes -= len(blob) + ENTRY_OVERHEAD
+        return blob is not None
+
+    @property
+    def bytes(self) -> int:
+        """Bytes held by every scope together (compressed JSON plus ENTRY_OVERHEAD per entry)."""
+        return sum(scope.bytes for scope in self._scopes.values())
 
     def __len__(self) -> int:
-        return len(self._items)
+        return sum(len(scope.items) for scope in self._scopes.values())
 
 
 class OpenAIServingResponses:
@@ -87,7 +130,8 @@ class OpenAIServingResponses:
         self.store = store
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
-        conversation = self._conversation(req)
+        owner = owner_of(raw)
+        conversation = self._conversation(req, owner)
         chat_req = self._chat_request(req, conversation)
         try:
             run = await self.chat.start(chat_req, raw)
@@ -98,7 +142,7 @@ class OpenAIServingResponses:
         response_id, created = new_id("resp"), int(time.time())
         if req.stream:
             writer = _EventWriter()  # one numbering for the events and a failure's events after them
-            events = self._events(req, run, chat_req, response_id, created, conversation, writer)
+            events = self._events(req, run, chat_req, response_id, created, conversation, writer, owner)
             failed = self._error_events(req, run.model, response_id, created, writer)
             return StreamingResponse(self.chat.with_error_events(events, failed), media_type="text/event-stream")
         completion = await self.chat.response(run, raw)
@@ -110,32 +154,34 @@ class OpenAIServingResponses:
         output = _output(message.reasoning_content, message.content, calls)
         response = response_object(response_id, req, run.model, created, output, _status(choice.finish_reason),
                                    usage_of(completion.usage))
-        self._keep(req, response, conversation)
+        self._keep(req, response, conversation, owner)
         return JSONResponse(response)
 
-    def get(self, response_id: str) -> dict:
-        found = self.store.get(response_id)
+    def get(self, response_id: str, raw: Request) -> dict:
+        """GET /v1/responses/{id}: a response the request's API key stored (404 for any other id)."""
+        found = self.store.get(response_id, owner_of(raw))
         if found is None:
             raise ResponseNotFoundError(response_id)
         return found[0]
 
-    def delete(self, response_id: str) -> dict:
-        if not self.store.delete(response_id):
+    def delete(self, response_id: str, raw: Request) -> dict:
+        """DELETE /v1/responses/{id}: drop a response the request's API key stored (404 for any other id)."""
+        if not self.store.delete(response_id, owner_of(raw)):
             raise ResponseNotFoundError(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    def _keep(self, req: ResponsesRequest, response: dict, conversation: list[dict]) -> None:
+    def _keep(self, req: ResponsesRequest, response: dict, conversation: list[dict], owner: int | None) -> None:
         if req.store:
-            self.store.put(response, conversation + _as_messages(response["output"]))
+            self.store.put(response, conversation + _as_messages(response["output"]), owner)
 
-    def _conversation(self, req: ResponsesRequest) -> list[dict]:
+    def _conversation(self, req: ResponsesRequest, owner: int | None) -> list[dict]:
         """The conversation so far as chat messages: the previous response's (its input and output, not its
-        instructions, as OpenAI), then this input."""
+        instructions, as OpenAI; only one stored by ``owner``), then this input."""
         earlier: list[dict] = []
         if req.previous_response_id is not None:
-            found = self.store.get(req.previous_response_id)
+            found = self.store.get(req.previous_response_id, owner)
             if found is None:
-                raise ValidationError(f"Previous response with id '{req.previous_response_id}' not found (it was "
+                raise ValidationError(f"Previous response with id {quoted(req.previous_response_id)} not found (it was "
                                       "not stored, was deleted, or the server's response store dropped it)",
                                       param="previous_response_id", value=req.previous_response_id)
             earlier = found[1]
@@ -156,7 +202,8 @@ class OpenAIServingResponses:
         return chat_request(fields, PARAM_NAMES)
 
     async def _events(self, req: ResponsesRequest, run: Any, chat_req: ChatCompletionRequest, response_id: str,
-                      created: int, conversation: list[dict], events: "_EventWriter") -> AsyncIterator[str]:
+                      created: int, conversation: list[dict], events: "_EventWriter",
+                      owner: int | None) -> AsyncIterator[str]:
         """The SDK's event sequence, from the chat chunks as they come."""
         state = response_object(response_id, req, run.model, created, [], "in_progress")
         yield events.send("response.created", response=state)
@@ -206,7 +253,7 @@ class OpenAIServingResponses:
                 yield event
         status = _status(finish)
         response = response_object(response_id, req, run.model, created, output, status, usage_of(usage))
-        self._keep(req, response, conversation)
+        self._keep(req, response, conversation, owner)
         yield events.send("response.completed" if status == "completed" else "response.incomplete",
                           response=response)
 
@@ -318,12 +365,14 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
         return [{"role": "user", "content": value}]
     messages: list[dict] = []
     for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ValidationError.bad_value(f"input[{i}]", item, "an input item (an object)")
         kind = item.get("type", "message")
         if kind == "message":
-            check_keys(item, {"type", "role", "content", "id", "status"}, f"input[{i}]")
+            _check_item(item, {"type", "role", "content", "id", "status"}, f"input[{i}]")
             messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), f"input[{i}]")})
         elif kind == "function_call":
-            check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"input[{i}]")
+            _check_item(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"input[{i}]")
             call = {"id": string_field(item, "call_id", f"input[{i}]"), "type": "function",
                     "function": {"name": string_field(item, "name", f"input[{i}]"),
                                  "arguments": string_field(item, "arguments", f"input[{i}]")}}
@@ -332,16 +381,56 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            check_keys(item, {"type", "call_id", "output", "id", "status"}, f"input[{i}]")
+            _check_item(item, {"type", "call_id", "output", "id", "status"}, f"input[{i}]")
             messages.append({"role": "tool", "tool_call_id": string_field(item, "call_id", f"input[{i}]"),
                              "content": _text_of(item.get("output"), f"input[{i}].output")})
-        elif kind == "reasoning":
-            continue  # earlier thinking is not shown to the model again (chat templates drop it too)
+        elif kind == "reasoning":  # checked, then left out: chat templates drop earlier turns' thinking too
+            _check_item(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, f"input[{i}]")
+            _check_parts(item.get("summary", []), {"summary_text": {"type", "text"}}, f"input[{i}].summary")
+            _check_parts(item.get("content") or [], {"reasoning_text": {"type", "text"}}, f"input[{i}].content")
+            if item.get("encrypted_content") is not None:
+                string_field(item, "encrypted_content", f"input[{i}]")
         else:
-            raise ValidationError(f"input[{i}].type {kind!r} is not supported (this server takes message, "
+            raise ValidationError(f"input[{i}].type {quoted(kind)} is not supported (this server takes message, "
                                   "function_call, function_call_output and reasoning items)",
                                   param=f"input[{i}].type", value=kind)
     return messages
+
+
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+"""An input item's status (as the API's own items carry it)."""
+TEXT_PARTS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"},
+              "text": {"type", "text"}}
+"""The text content parts a message item takes -> their keys."""
+
+
+def _check_item(item: dict, keys: set[str], where: str) -> None:
+    """An input item's keys within ``keys``, its id a string and its status one of ITEM_STATUSES (400 naming the
+    field)."""
+    check_keys(item, keys, where)
+    if item.get("id") is not None:
+        string_field(item, "id", where)
+    if item.get("status") is not None and item["status"] not in ITEM_STATUSES:
+        raise ValidationError.bad_value(f"{where}.status", item["status"], f"one of {list(ITEM_STATUSES)}")
+
+
+def _check_parts(parts: Any, kinds: dict[str, set[str]], where: str) -> list[str]:
+    """A list of text parts, each of a type in ``kinds`` with only that type's keys and a string text (400 naming
+    the field); their texts."""
+    if not isinstance(parts, list):
+        raise ValidationError.bad_value(where, parts, "a list of parts")
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise ValidationError(f"{where}[{j}]: only {', '.join(kinds)} parts are supported, got {quoted(kind)}",
+                                  param=f"{where}[{j}]", value=kind)
+        check_keys(part, kinds[kind], f"{where}[{j}]")
+        for name in ("annotations", "logprobs"):  # what our own output_text parts carry: lists, else refused
+            if part.get(name) is not None and not isinstance(part[name], list):
+                raise ValidationError.bad_value(f"{where}[{j}].{name}", part[name], "a list")
+        texts.append(string_field(part, "text", f"{where}[{j}]"))
+    return texts
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -350,14 +439,7 @@ def _text_of(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise ValidationError.bad_value(f"{where}.content", content, "a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ValidationError(f"{where}.content[{j}]: only text parts are supported, got {kind!r}",
-                                  param=f"{where}.content[{j}]", value=kind)
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(_check_parts(content, TEXT_PARTS, f"{where}.content"))
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
@@ -368,7 +450,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         raise ValidationError("reasoning settings (effort, summary) are not supported by this server; the "
                               "model's own thinking is returned with --reasoning-parser", param="reasoning")
     if req.include:
-        raise ValidationError(f"include {req.include[0]!r} is not supported by this server", param="include")
+        raise ValidationError(f"include {quoted(req.include[0])} is not supported by this server", param="include")
     if req.truncation == "auto":
         raise ValidationError("truncation 'auto' is not supported by this server (a conversation over "
                               "max_model_len is refused)", param="truncation")
@@ -407,9 +489,9 @@ def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if kind != "function":
-            raise ValidationError(f"tools[{i}].type {kind!r} is not supported by this server (only function tools; "
-                                  "built-in tools such as web search run on OpenAI's side)", param=f"tools[{i}].type",
-                                  value=kind)
+            raise ValidationError(f"tools[{i}].type {quoted(kind)} is not supported by this server (only function "
+                                  "tools; built-in tools such as web search run on OpenAI's side)",
+                                  param=f"tools[{i}].type", value=kind)
         check_keys(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]")
         string_field(tool, "name", f"tools[{i}]")
         function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters") and v is not None}
@@ -425,4 +507,4 @@ def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
         check_keys(choice, {"type", "name"}, "tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     raise ValidationError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": "
-                          f"...}} (built-in tool choices are not supported), got {choice!r}", param="tool_choice")
+                          f"...}} (built-in tool choices are not supported), got {quoted(choice)}", param="tool_choice")

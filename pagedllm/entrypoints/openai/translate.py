@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import ValidationError as PydanticValidationError
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.errors import ValidationError
+from pagedllm.errors import QUOTE_CHARS, ValidationError
 
 
 def chat_request(fields: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:
@@ -37,7 +37,8 @@ def check_keys(item: dict, keys: set[str], where: str) -> None:
     absent)."""
     unknown = sorted(k for k, v in item.items() if k not in keys and v is not None)
     if unknown:
-        raise ValidationError(f"{where}.{unknown[0]} is not supported by this server", param=f"{where}.{unknown[0]}")
+        name = f"{where}.{unknown[0][:QUOTE_CHARS]}"  # a key is the client's: a 1 MB one is not echoed whole
+        raise ValidationError(f"{name} is not supported by this server", param=name)
 
 
 def format_field(outer: dict | None, where: str, refused: str) -> Any:

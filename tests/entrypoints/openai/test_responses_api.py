@@ -5,6 +5,8 @@ Each reply is held to the chat completion of the same conversation: both run one
 from __future__ import annotations
 
 import json
+import random
+import string
 from typing import Literal
 
 import httpx
@@ -182,15 +184,21 @@ def test_what_we_cannot_honour_is_a_400_naming_it(server, fields: dict, param: s
 
 
 def test_the_store_is_bounded_in_count_and_bytes() -> None:
-    store = ResponseStore(max_count=3, max_bytes=2000)
+    """Bytes as held: compressed JSON plus each entry's own objects (random text: it does not compress)."""
+    noise = random.Random(0)
+
+    def text(n: int) -> str:
+        return "".join(noise.choice(string.ascii_letters + string.digits) for _ in range(n))
+
+    store = ResponseStore(max_count=3, max_bytes=4000)
     for i in range(5):
         store.put({"id": f"r{i}", "output": []}, [{"role": "user", "content": "x" * 10}])
     assert len(store) == 3 and store.get("r0") is None and store.get("r2") is not None
     store.put({"id": "r5", "output": []}, [])  # r2 was just used: r3 goes first
     assert store.get("r3") is None and store.get("r2") is not None
-    store.put({"id": "big", "output": []}, [{"role": "user", "content": "y" * 1900}])
-    assert store.bytes <= 2000 and store.get("big") is not None and len(store) < 3
-    store.put({"id": "huge", "output": []}, [{"role": "user", "content": "z" * 5000}])  # over the whole store
+    store.put({"id": "big", "output": []}, [{"role": "user", "content": text(4000)}])
+    assert store.bytes <= 4000 and store.get("big") is not None and len(store) < 3
+    store.put({"id": "huge", "output": []}, [{"role": "user", "content": text(6000)}])  # over the whole store
     assert store.get("huge") is None and store.get("big") is not None
     assert store.delete("big") and not store.delete("big")
 
