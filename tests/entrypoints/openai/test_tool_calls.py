@@ -172,13 +172,14 @@ def test_pydantic_tools_with_defs(server, client: openai.OpenAI) -> None:
                 else:
                     _check_calls([call])
     one = client.chat.completions.create(model=MODEL, messages=ASK, tools=[trip], tool_choice="required",
-                                         max_tokens=200, seed=5).choices[0]
-    assert [c.function.name for c in one.message.tool_calls] == ["Trip"] * len(one.message.tool_calls)
-    for call in one.message.tool_calls:
-        Trip.model_validate_json(call.function.arguments)
+                                         parallel_tool_calls=False, max_tokens=200, seed=5).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["Trip"], one
+    Trip.model_validate_json(one.message.tool_calls[0].function.arguments)
     flat = {"type": "function", **trip["function"]}
-    r = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
-        "model": MODEL, "input": "Plan a trip.", "tools": [flat], "tool_choice": "required", "max_output_tokens": 200})
+    r = httpx.post(f"{server.url}/v1/responses", timeout=60, json={  # one call: its JSON ends within the budget
+        "model": MODEL, "input": "Plan a trip.", "tools": [flat], "tool_choice": "required", "max_output_tokens": 200,
+        "parallel_tool_calls": False, "temperature": 1.0, "seed": 5})
     assert r.status_code == 200, r.text
     calls = [item for item in r.json()["output"] if item["type"] == "function_call"]
-    assert calls and all(Trip.model_validate_json(c["arguments"]) for c in calls)
+    assert len(calls) == 1 and calls[0]["name"] == "Trip", r.json()["output"]
+    Trip.model_validate_json(calls[0]["arguments"])
