@@ -237,6 +237,10 @@ class SchedulerConfig:
     """How a preempted request gives its blocks back: "recompute" (drop the K/V) or "swap" (to host)."""
     max_loras: int | None = None
     """Most distinct LoRA adapters among running requests (None: LoRA off)."""
+    max_num_batched_attention: int | None = None
+    """Query x key positions one step may attend (a token at position p attends p + 1): a prompt chunk shrinks to
+    stay under it, at least one block per step; decode tokens are never held back. None: max_num_batched_tokens
+    squared (resolved here)."""
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -245,6 +249,11 @@ class SchedulerConfig:
             raise ValidationError.bad_value("max_num_seqs", self.max_num_seqs, "a positive integer")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValidationError.bad_value("max_num_batched_tokens", self.max_num_batched_tokens, "a positive integer")
+        if self.max_num_batched_attention is None:  # derived from the token budget (see EngineArgs' docstring)
+            object.__setattr__(self, "max_num_batched_attention", self.max_num_batched_tokens ** 2)
+        attention = self.max_num_batched_attention
+        if isinstance(attention, bool) or not isinstance(attention, int) or attention < 1:
+            raise ValidationError.bad_value("max_num_batched_attention", attention, "a positive integer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -550,6 +559,13 @@ class EngineArgs:
     """Most requests running in one step."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step."""
+    max_num_batched_attention: int | None = None
+    """Query x key positions one step may attend (a token at position p attends p + 1 keys): what a step's
+    attention costs, which max_num_batched_tokens does not bound (a 2,048-token chunk at the end of an 8k prompt
+    attends 8x what the first one does). A prompt chunk shrinks to stay under it (at least one block per step, so
+    every prompt progresses); decode tokens are never held back. Default: max_num_batched_tokens squared, twice
+    what a full first chunk attends: a first chunk is never cut, even beside decodes attending as much again,
+    and later chunks shrink so no step attends more."""
     enable_prefix_caching: bool = True
     """Reuse K/V of full blocks whose token prefix was computed before."""
     preemption_mode: str = "recompute"

@@ -1,9 +1,10 @@
 """Iteration-level scheduler: which requests run in the next step, and how many tokens each.
 
-``schedule()`` decides one step within a token budget (max_num_batched_tokens):
+``schedule()`` decides one step within a token budget (max_num_batched_tokens) and an attention budget
+(max_num_batched_attention: query x key positions, what a prompt chunk's attention costs grows with):
 
 1. Running requests, oldest first, each get the tokens they still lack (a prompt or the rest of
-   it, chunked when the budget runs out, or one decode token). When the KV pool cannot hold
+   it, chunked when a budget runs out, or one decode token). When the KV pool cannot hold
    them the newest running request is preempted: its K/V go to the host pool (preemption_mode
    "swap", while it has room) or are dropped to be recomputed, and it returns to the front of
    the waiting queue.
@@ -14,6 +15,11 @@
    starts after its longest prefix found in the prefix cache; a swapped-out one is swapped back.
 3. The other samples of an n > 1 request fork off their leader once its prompt is computed,
    sharing its blocks (the partly filled last block is copied on write later).
+
+A prompt chunk of c tokens from position p attends c * p + c * (c + 1) / 2 positions: the attention budget
+shrinks late chunks of a long prompt, so a step costs about what a full first chunk does and the decode
+tokens beside it keep their pace. Decode tokens are never held back by it (they count in it), and the step's
+first prompt chunk always gets at least one block, so every prompt progresses.
 
 Speculative decoding: a decoding request with draft tokens (``Request.spec_token_ids``, proposed by the
 workers after the last step) gets slots for them too, within the budget, max_tokens and max_model_len; the
@@ -42,6 +48,15 @@ from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
 
 
+def attended_positions(start: int, count: int, window: int | None = None) -> int:
+    """Query x key positions ``count`` tokens from position ``start`` attend: the token at position p attends
+    p + 1 (causal), at most ``window`` (a sliding window)."""
+    if window is None:
+        return count * start + count * (count + 1) // 2
+    growing = max(0, min(start + count, window) - start)  # tokens below position `window` attend p + 1, others window
+    return growing * start + growing * (growing + 1) // 2 + (count - growing) * window
+
+
 @dataclass(kw_only=True)
 class SchedulerStats:
     """Counters since start, and the state after the last step."""
@@ -57,6 +72,8 @@ class SchedulerStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     max_kv_cache_usage: float = 0.0
+    max_step_attended_positions: int = 0
+    """The most query x key positions one step attended (bounded by max_num_batched_attention, see there)."""
     prefix_cache_queries: int = 0
     """Tokens of newly scheduled requests looked up in the prefix cache."""
     prefix_cache_hits: int = 0
@@ -80,9 +97,13 @@ class _StepPlan:
     """What one schedule() call decided so far, and its remaining budget."""
 
     token_budget: int
+    attention_budget: int
+    """Query x key positions the step may still attend (negative once decodes alone went past it)."""
     output: SchedulerOutput
     now: float
     preempted: bool = False
+    has_prompt_chunk: bool = False
+    """A prompt chunk (more than one new token) is in the step: later ones get no floor of a block."""
     forking_leaders: list[Request] = field(default_factory=list)
     """Leaders whose prompt completes this step: their pending samples fork off after scheduling."""
 
@@ -96,6 +117,9 @@ class Scheduler:
         writes the K/V of its drafts there before they are verified)."""
         self.config = scheduler_config
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.block_size = cache_config.block_size
+        self.sliding_window = cache_config.sliding_window
+        """Keys a token attends at most (None: all before it), for the attention budget."""
         self.needs_kv_cache = num_kv_blocks > 0
         """False for an encoder-only pooling model (no KV pool: 0 blocks): requests take no blocks."""
         # without a pool the manager is a stand-in of two blocks that no request ever takes
@@ -195,12 +219,13 @@ class Scheduler:
         tokens = seqs = attended = 0
         for req_id, q in out.num_scheduled_tokens.items():
             after = self.requests[req_id].num_computed_tokens  # already counts the scheduled tokens
-            tokens, seqs, attended = tokens + q, seqs + 1, attended + q * after - q * (q - 1) // 2
+            tokens, seqs, attended = tokens + q, seqs + 1, attended + attended_positions(after - q, q)
         return [1.0, float(tokens), float(seqs), attended / 1000.0]
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: running requests, then (unless one was preempted) waiting ones."""
-        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, output=SchedulerOutput(),
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens,
+                         attention_budget=self.config.max_num_batched_attention, output=SchedulerOutput(),
                          now=time.monotonic())
         self._schedule_running(plan)
         if not plan.preempted:
@@ -209,7 +234,7 @@ class Scheduler:
         plan.output.blocks_to_copy = self.kv_cache_manager.take_copies()
         plan.output.finished_req_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
-        self._update_after_schedule(plan.output)
+        self._update_after_schedule(plan)
         return plan.output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -217,7 +242,9 @@ class Scheduler:
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
-            assert num_new > 0, "a running request always lacks at least its newest token"
+            if num_new == 0:  # a prompt chunk over the attention budget: it goes on next step
+                index += 1
+                continue
             drafts = self._drafts_to_verify(request, num_new, plan)
             new_blocks = self._allocate_or_preempt(request, num_new + len(drafts), plan)
             if new_blocks is None:  # the request preempted itself
@@ -237,10 +264,29 @@ class Scheduler:
                    self.config.max_model_len - request.num_tokens)
         return request.spec_token_ids[:max(room, 0)]
 
-    @staticmethod
-    def _num_tokens_to_schedule(request: Request, num_computed: int, plan: _StepPlan) -> int:
-        """The tokens the request lacks after ``num_computed``, as many as the step's budget leaves."""
-        return min(request.num_tokens - num_computed, plan.token_budget)
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int, plan: _StepPlan) -> int:
+        """The tokens the request lacks after ``num_computed``, as many as the step's budgets leave.
+
+        A prompt chunk gets what keeps the step's attended positions within the attention budget (the step's
+        first chunk at least a block); a decode token (all a request lacks) and a pooled input (never chunked)
+        are not held back by it. 0: this chunk waits for the next step."""
+        num_new = min(request.num_tokens - num_computed, plan.token_budget)
+        if num_new <= 1 or request.pooling_params is not None:
+            return num_new
+        fits = self._max_chunk(num_computed, num_new, plan.attention_budget)
+        floor = 0 if plan.has_prompt_chunk else min(num_new, self.block_size)
+        return max(fits, floor)
+
+    def _max_chunk(self, start: int, limit: int, budget: int) -> int:
+        """The most tokens (at most ``limit``) from position ``start`` attending at most ``budget`` positions."""
+        low, high = 0, limit  # binary search: attended positions grow with the chunk
+        while low < high:
+            mid = (low + high + 1) // 2
+            if attended_positions(start, mid, self.sliding_window) <= budget:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Slots past the scheduled tokens a draft model writes into, within the request's checked length."""
@@ -310,6 +356,8 @@ class Scheduler:
         if request.prompt_logprobs is not None or request.pooling_params is not None:  # every token computed
             hits, num_hit = [], 0
         num_new = self._num_tokens_to_schedule(request, num_hit, plan)
+        if num_new == 0:  # over the attention budget: admission stops here this step
+            return None
         lookahead = self._lookahead(request, num_hit + num_new - request.num_computed_tokens)
         new_blocks = kv.allocate_slots(request, num_new, hits, num_lookahead_tokens=lookahead)
         if new_blocks is None:
@@ -327,6 +375,8 @@ class Scheduler:
         Returns the tokens to schedule and the newly taken blocks, or None if the pool is short.
         """
         num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
+        if num_new == 0:  # over the attention budget: it comes back next step
+            return None
         mapping = self.kv_cache_manager.swap_in(request, num_new)
         if mapping is None:
             return None
@@ -376,7 +426,7 @@ class Scheduler:
                 self.stats.num_forks += 1
 
     def _add_to_batch(self, request: Request, num_new: int, new_blocks: list[KVCacheBlock], plan: _StepPlan) -> None:
-        """Put ``num_new`` tokens of the request (already within the budget) in the step's batch."""
+        """Put ``num_new`` tokens of the request (already within the budgets) in the step's batch."""
         out = plan.output
         req_id = request.request_id
         if request.first_scheduled_time is None:
@@ -389,6 +439,8 @@ class Scheduler:
             out.scheduled_cached_reqs.append(self._cached_request_data(request, new_blocks))
         out.num_scheduled_tokens[req_id] = num_new
         plan.token_budget -= num_new
+        plan.attention_budget -= attended_positions(request.num_computed_tokens, num_new, self.sliding_window)
+        plan.has_prompt_chunk |= request.num_tokens - request.num_computed_tokens > 1
         if request.num_computed_tokens + num_new < request.num_tokens:
             self.stats.num_chunked_prefills += 1
         elif req_id in self.pending_forks:
@@ -412,7 +464,8 @@ class Scheduler:
         return CachedRequestData(req_id=request.request_id, new_block_ids=block_ids,
                                  num_computed_tokens=request.num_computed_tokens, replace_table=replace)
 
-    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+    def _update_after_schedule(self, plan: _StepPlan) -> None:
+        out = plan.output
         self._verifying = {req_id: len(drafts) for req_id, drafts in out.scheduled_spec_decode_tokens.items()}
         for req_id, num_new in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -420,6 +473,8 @@ class Scheduler:
                 0, min(request.num_prompt_tokens, request.num_computed_tokens + num_new) - request.num_computed_tokens)
             request.num_computed_tokens += num_new
         self.stats.num_steps += 1 if out.num_scheduled_tokens else 0
+        attended = self.config.max_num_batched_attention - plan.attention_budget
+        self.stats.max_step_attended_positions = max(self.stats.max_step_attended_positions, attended)
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         self._refresh_gauges()
 

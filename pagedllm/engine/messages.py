@@ -46,6 +46,8 @@ class EngineStats(SchedulerStats):
                 value = values[0]
             elif f.name == "max_num_running":
                 value = sum(values)
+            elif f.name == "max_step_attended_positions":  # each replica steps on its own
+                value = max(values)
             elif isinstance(values[0], list):  # per-position counts
                 value = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
             else:

@@ -76,7 +76,7 @@ def test_waiting_head_blocks_later_arrivals() -> None:
 
 
 def test_chunked_prefill_under_the_token_budget() -> None:
-    s = make_scheduler(max_num_batched_tokens=8)
+    s = make_scheduler(max_num_batched_tokens=8, max_num_batched_attention=10**6)  # the token budget alone
     add(s, "a", 20)
     out, news = step(s)
     assert out.num_scheduled_tokens == {"a": 8} and blocks(s, "a") == [1, 2] and news == {}

@@ -22,10 +22,11 @@ TOKEN = 7
 def make_scheduler(num_kv_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int = 1024, *,
                    enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
-                   num_host_blocks: int = 0) -> Scheduler:
+                   num_host_blocks: int = 0, max_num_batched_attention: int | None = None) -> Scheduler:
     """A scheduler over a small pool (prefix caching off unless asked for)."""
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     max_model_len=max_model_len, preemption_mode=preemption_mode),
+                                     max_model_len=max_model_len, preemption_mode=preemption_mode,
+                                     max_num_batched_attention=max_num_batched_attention),
                      CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
                      num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks)
 

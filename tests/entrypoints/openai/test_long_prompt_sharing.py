@@ -1,0 +1,105 @@
+"""A long prompt shares the step (issue 43, point 5): against a real `pagedllm serve` at its default budgets, an
+8,000-token prompt's late chunks shrink so no step attends more than max_num_batched_tokens squared query x key
+positions, and a decoding stream gets a token at every one of its steps. (The gap in seconds on the default model
+is a benchmark figure: benchmarks/stream_gap.py, docs/BENCHMARKS.md.)"""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pagedllm.core.scheduler import attended_positions
+from tests.utils import RemoteServer, save_tiny_model
+
+PROMPT_LEN = 8000
+TOKENS, BLOCK = 2048, 16  # the server's defaults: max_num_batched_tokens, block_size
+ATTENTION = TOKENS * TOKENS  # max_num_batched_attention's default
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Iterator[RemoteServer]:
+    """The tiny model with room for an 8k prompt, served with default budgets."""
+    model = save_tiny_model(tmp_path_factory.mktemp("tiny-8k"), "llama-gqa-untied", vocab_size=len(tokenizer),
+                            tokenizer=tokenizer, max_position_embeddings=8192)
+    srv = RemoteServer(model, "--served-model-name", "tiny")
+    yield srv
+    srv.stop()
+
+
+def long_prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(PROMPT_LEN)]
+
+
+def stats(server: RemoteServer) -> dict:
+    return httpx.get(f"{server.url}/stats", timeout=10).json()
+
+
+def expected_chunks(budget: int) -> list[int]:
+    """A lone prompt's chunks: as many tokens as the token budget and the attention budget allow."""
+    chunks, done = [], 0
+    while done < PROMPT_LEN:
+        c = min(TOKENS, PROMPT_LEN - done)
+        while c > BLOCK and attended_positions(done, c) > budget:
+            c -= 1
+        chunks.append(c)
+        done += c
+    return chunks
+
+
+def test_a_long_prompt_alone_runs_in_chunks_that_attend_at_most_the_budget(server: RemoteServer) -> None:
+    before = stats(server)
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=300,
+                       json={"model": "tiny", "prompt": long_prompt(0), "max_tokens": 1})
+    assert reply.status_code == 200, reply.text
+    after = stats(server)
+    chunks = expected_chunks(ATTENTION)
+    # the first chunk is whole; later ones shrink: 2,048, 1,499, 1,032, ... 547, 71 (it was 2,048 x 3 and 1,856)
+    assert chunks[:3] == [TOKENS, 1499, 1032] and len(chunks) == 9
+    assert after["num_chunked_prefills"] - before["num_chunked_prefills"] == len(chunks) - 1
+    # the last chunk used to attend 1,856 x ~7,100 = 13.2M positions; now each late one fills the budget (less
+    # than one more token's positions short of it) and none goes past it
+    assert ATTENTION - PROMPT_LEN <= after["max_step_attended_positions"] <= ATTENTION
+
+
+def test_a_stream_gets_a_token_at_every_step_of_a_long_prompt(server: RemoteServer) -> None:
+    times: list[tuple[float, int]] = []  # (monotonic time, the stream's completion tokens so far)
+    seen, stop = threading.Event(), threading.Event()
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+    def read_stream() -> None:  # until told to stop: closing the stream aborts the request
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if stop.is_set():
+                    return
+                if line.startswith("data: {"):
+                    usage = json.loads(line[6:]).get("usage") or {}
+                    times.append((time.monotonic(), usage.get("completion_tokens", 0)))
+                    if len(times) >= 5:
+                        seen.set()
+
+    reader = threading.Thread(target=read_stream, daemon=True)
+    reader.start()
+    assert seen.wait(60), "the stream never started"
+    before = stats(server)
+    start = time.monotonic()
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=300,
+                       json={"model": "tiny", "prompt": long_prompt(1), "max_tokens": 1})
+    end = time.monotonic()
+    assert reply.status_code == 200, reply.text
+    stop.set()
+    steps = stats(server)["num_chunked_prefills"] - before["num_chunked_prefills"] + 1
+    assert steps >= 9  # its chunks shrink (beside the stream's token they attend a little less)
+    during = [n for t, n in times if start <= t <= end]
+    assert during and during[-1] - during[0] >= steps - 3, (steps, during)  # a token beside every chunk
+    assert during[-1] < body["max_tokens"]  # the stream still ran when the long prompt finished
+    reader.join(timeout=60)
+    server.wait_idle(30)
+
