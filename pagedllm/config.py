@@ -502,13 +502,21 @@ class StructuredOutputsConfig:
     """Structured outputs (grammar-constrained decoding through xgrammar)."""
 
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
-    """Bytes of compiled grammars one process keeps (least recently used out; a grammar a running request
-    holds stays alive until that request ends)."""
+    """Bytes of compiled grammars one process keeps, as measured (least recently used out; a grammar a running
+    request holds stays alive until that request ends)."""
+    max_grammar_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES // 4
+    """Most bytes one request's compiled grammar may hold, as measured; a constraint compiling to more is
+    refused (400 naming it). At most grammar_cache_bytes."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.grammar_cache_bytes, bool) or not isinstance(self.grammar_cache_bytes, int) \
-                or self.grammar_cache_bytes <= 0:
-            raise ValidationError.bad_value("grammar_cache_memory", self.grammar_cache_bytes, "a positive size")
+        for name, param in (("grammar_cache_bytes", "grammar_cache_memory"),
+                            ("max_grammar_bytes", "max_grammar_memory")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValidationError.bad_value(param, value, "a positive size")
+        if self.max_grammar_bytes > self.grammar_cache_bytes:
+            raise ValidationError.bad_value("max_grammar_memory", self.max_grammar_bytes,
+                                            f"at most grammar_cache_memory ({self.grammar_cache_bytes} bytes)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -622,8 +630,11 @@ class EngineArgs:
     enforce_eager: bool = False
     """Never capture CUDA graphs: every step runs eagerly (on a CPU every step does anyway)."""
     grammar_cache_memory: int | str = "512MiB"
-    """Bytes (or e.g. "256MiB") of compiled structured-output grammars each engine process keeps, least
-    recently used out (vLLM's VLLM_XGRAMMAR_CACHE_MB)."""
+    """Bytes (or e.g. "256MiB") of compiled structured-output grammars each engine process keeps, as measured,
+    least recently used out (vLLM's VLLM_XGRAMMAR_CACHE_MB)."""
+    max_grammar_memory: int | str | None = None
+    """Most bytes (or e.g. "64MiB") one request's compiled grammar may hold, as measured: a constraint compiling
+    to more is refused with 400 (no vLLM equivalent). None: a quarter of grammar_cache_memory."""
     cuda_graph_sizes: str | list[int] | None = None
     """On a GPU: decode batch sizes captured as CUDA graphs at start-up, e.g. "1,2,4,8" (a decode step pads up
     to the next size; larger ones and steps with prompt tokens run eagerly). Default: 1, 2, 4 and every

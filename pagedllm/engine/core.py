@@ -99,11 +99,18 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         device=DeviceConfig(device=device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                             cuda_graph_sizes=parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs)),
         lora=lora,
-        structured_outputs=StructuredOutputsConfig(
-            grammar_cache_bytes=parse_memory(args.grammar_cache_memory, "grammar_cache_memory")),
+        structured_outputs=_structured_outputs_config(args),
         speculative=speculative,
     )
     return config, arch
+
+
+def _structured_outputs_config(args: EngineArgs) -> StructuredOutputsConfig:
+    """The grammar cache and the per-request grammar budget, in bytes."""
+    cache = parse_memory(args.grammar_cache_memory, "grammar_cache_memory")
+    most = (cache // 4 if args.max_grammar_memory is None  # a quarter: several such grammars fit the cache
+            else parse_memory(args.max_grammar_memory, "max_grammar_memory"))
+    return StructuredOutputsConfig(grammar_cache_bytes=cache, max_grammar_bytes=most)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +247,7 @@ class EngineCore:
         eos = load_eos_token_ids(config.model.model, arch, tokenizer)
         # the worker's own compiler when it runs in this process (one grammar cache per process)
         grammars = functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(eos),
-                                     config.structured_outputs.grammar_cache_bytes)
+                                     config.structured_outputs)
         self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars)
         """Checks requests against the model (and prepares their grammars); prompts come tokenized."""
         self.executor = get_executor_class(config)(config, arch, eos)

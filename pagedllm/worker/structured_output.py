@@ -4,20 +4,26 @@ per constrained request, and each step one token bitmask for the constrained row
 The engine's processor compiles a request's constraint once, off the step loop, to refuse a bad
 schema or regex before it is queued (400 naming the field); the worker finds it in the same cache
 when it runs in the same process (one ``compiler_for`` per process), a worker process compiles it
-again from its own (the compiled grammar does not cross the process seam). Each cache is xgrammar's
-own, bounded in bytes (``grammar_cache_memory``), least recently used out. The worker keeps one
+again from its own (the compiled grammar does not cross the process seam). Each cache is ours, not
+xgrammar's (whose cache kept ~8 MiB per distinct large schema past its own limit), bounded by the bytes a
+grammar measurably holds (``grammar_cache_memory``), least recently used out; one grammar over
+``max_grammar_memory`` is refused. The worker keeps one
 matcher per request, fed every accepted token, so every rank masks the same tokens. A request
 resumed after a recompute preemption gets a new matcher fed its output so far.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
 import functools
 import json
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from pagedllm.config import DEFAULT_GRAMMAR_CACHE_BYTES
+from pagedllm.config import StructuredOutputsConfig
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -31,19 +37,73 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
+GRAMMAR_BYTES_PER_ESTIMATED = 4
+"""Bytes a compiled grammar holds per byte of xgrammar's ``memory_size_bytes`` (which leaves out e.g. its rules'
+strings), rounded up from the worst measured: RSS growth while N distinct grammars were held (xgrammar 0.2.9,
+SmolLM2's 49k vocabulary) over their estimate was 1.0 for regexes and EBNF, 1.1-1.9 for JSON schemas of required
+properties, 2.9-4.4 for 1,400 optional properties, 3.9-4.4 for enums and choices."""
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+class GrammarCache:
+    """Compiled grammars by constraint, least recently used out once their measured bytes pass ``limit``
+    (thread-safe)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self._entries: collections.OrderedDict[tuple[str, str], tuple[Any, int]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str]) -> Any | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: tuple[str, str], grammar: Any, cost: int) -> None:
+        """Keep ``grammar`` (``cost`` bytes), evicting the least recently used past the limit."""
+        evicted = []
+        with self._lock:
+            if key in self._entries or cost > self.limit:
+                return
+            self._entries[key] = (grammar, cost)
+            self.bytes += cost
+            while self.bytes > self.limit:
+                evicted.append(self._entries.popitem(last=False)[1])
+                self.bytes -= evicted[-1][1]
+        if evicted:
+            evicted.clear()  # freed here, outside the lock
+            trim = _malloc_trim()
+            if trim is not None:  # glibc keeps the freed pages: 8 dropped grammars kept +64 MiB RSS, trimmed +0
+                trim(0)
+
+
 class GrammarCompiler:
-    """One tokenizer's compiler and its cache of compiled grammars (at most ``cache_bytes``, least recently
-    used out; thread-safe)."""
+    """One tokenizer's compiler and its cache of compiled grammars (at most ``config.grammar_cache_bytes`` as
+    measured, least recently used out; thread-safe)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> None:
+                 config: StructuredOutputsConfig = StructuredOutputsConfig()) -> None:
         xgr = _xgrammar()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) or None)
-        # one thread: a heavy grammar takes one core, never the step's share of the others
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True,
-                                            cache_limit_bytes=cache_bytes)
-        self.cache_bytes = cache_bytes
+        # one thread: a heavy grammar takes one core, never the step's share of the others; xgrammar's own
+        # cache off: past its limit it still grew ~8 MiB per distinct 1,400-property schema (+546 MiB after 60
+        # at a 64 MiB limit, 359 MiB still held after clear_cache and malloc_trim)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.cache = GrammarCache(config.grammar_cache_bytes)
+        self.cache_bytes = config.grammar_cache_bytes
+        self.max_grammar_bytes = config.max_grammar_bytes
         self.vocab_size = vocab_size
         # JSON forbids raw control characters (RFC 8259), xgrammar's string rule lets them through, and
         # compact JSON needs none outside strings: tokens holding one are banned under a JSON constraint
@@ -53,31 +113,43 @@ class GrammarCompiler:
              if i not in stops and any(byte < 0x20 for byte in b)], dtype=torch.long)
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of ``spec`` (from the cache when it is there); a bad schema, regex or grammar
-        raises ValidationError naming ``structured_outputs.<kind>``."""
+        """The compiled grammar of ``spec`` (from the cache when it is there); a bad schema, regex or grammar, or
+        one whose compiled form would hold over ``max_grammar_bytes``, raises ValidationError naming
+        ``structured_outputs.<kind>``."""
         kind = spec.kind
         try:
-            # JSON without free whitespace between tokens (one space after ':' and ','): a model cannot
-            # pad its reply with newlines until max_tokens runs out
-            if kind == "json_object":
-                grammar = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            elif kind == "json":
-                grammar = self.compiler.compile_json_schema(spec.json if isinstance(spec.json, str)
-                                                            else json.dumps(spec.json), any_whitespace=False)
-            elif kind == "regex":
-                grammar = self.compiler.compile_regex(spec.regex)
-            elif kind == "choice":
-                grammar = self.compiler.compile_grammar(choice_grammar(spec.choice))
-            else:
-                grammar = self.compiler.compile_grammar(spec.grammar)
+            text = _source(spec)
+            grammar = self.cache.get((kind, text))
+            if grammar is not None:
+                return grammar
+            grammar = self._compile(kind, text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValidationError(f"structured_outputs.{kind} does not compile: {e}".split("\n")[0][:500],
                                   param=f"structured_outputs.{kind}") from None
+        cost = grammar_bytes(grammar) + len(text)
+        if cost > self.max_grammar_bytes:
+            raise ValidationError(f"structured_outputs.{kind} compiles to a grammar of ~{cost >> 20} MiB; this server "
+                                  f"compiles at most {self.max_grammar_bytes >> 20} MiB for one request "
+                                  "(--max-grammar-memory)", param=f"structured_outputs.{kind}", value=cost)
+        self.cache.put((kind, text), grammar, cost)
         return grammar
 
+    def _compile(self, kind: str, text: str) -> Any:
+        # JSON without free whitespace between tokens (one space after ':' and ','): a model cannot
+        # pad its reply with newlines until max_tokens runs out
+        if kind == "json_object":
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "json":
+            return self.compiler.compile_json_schema(text, any_whitespace=False)
+        if kind == "regex":
+            return self.compiler.compile_regex(text)
+        if kind == "choice":
+            return self.compiler.compile_grammar(choice_grammar(json.loads(text)))
+        return self.compiler.compile_grammar(text)
+
     def cached_bytes(self) -> int:
-        """Bytes the cache holds now (at most about ``cache_bytes``)."""
-        return self.compiler.get_cache_size_bytes()
+        """Bytes the cache holds now, as measured (at most ``cache_bytes``)."""
+        return self.cache.bytes
 
     def matcher(self, spec: StructuredOutputsParams, accepted: list[int]) -> "Matcher":
         """A matcher at the start of ``spec``'s grammar, fed ``accepted`` (a resumed request's output)."""
@@ -110,6 +182,21 @@ class Matcher:
             self.matcher.rollback(num_tokens)
 
 
+def grammar_bytes(grammar: Any) -> int:
+    """Bytes a compiled grammar holds, as measured (see GRAMMAR_BYTES_PER_ESTIMATED)."""
+    return GRAMMAR_BYTES_PER_ESTIMATED * grammar.memory_size_bytes
+
+
+def _source(spec: StructuredOutputsParams) -> str:
+    """The constraint's text: what it is compiled from, and its key in the cache."""
+    value = getattr(spec, spec.kind)
+    if spec.kind == "json_object":
+        return ""
+    if spec.kind == "choice" or (spec.kind == "json" and not isinstance(value, str)):
+        return json.dumps(value)
+    return value
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF accepting exactly one of ``choices``."""
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
@@ -117,11 +204,11 @@ def choice_grammar(choices: list[str]) -> str:
 
 @functools.lru_cache(maxsize=4)
 def compiler_for(model_path: str, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES) -> GrammarCompiler:
+                 config: StructuredOutputsConfig = StructuredOutputsConfig()) -> GrammarCompiler:
     """The compiler of a model's tokenizer, one per process (the engine's processor and an in-process worker
     share it, and so its cache); built on first use: most engines never need it."""
     from pagedllm.models.loader import load_tokenizer
-    return GrammarCompiler(load_tokenizer(model_path), vocab_size, stop_token_ids, cache_bytes)
+    return GrammarCompiler(load_tokenizer(model_path), vocab_size, stop_token_ids, config)
 
 
 def apply_draft_masks(logits: torch.Tensor, groups: list[tuple[int, Any, list[int]]]) -> tuple[torch.Tensor, list[int]]:

@@ -103,7 +103,7 @@ class Worker:
         self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
                                         self.device, functools.partial(
                                             compiler_for, config.model.model, arch.vocab_size, tuple(eos_token_ids),
-                                            config.structured_outputs.grammar_cache_bytes), lora, speculator, pooler)
+                                            config.structured_outputs), lora, speculator, pooler)
 
     def _load_model(self, path: str, arch: ArchConfig, desc: str) -> torch.nn.Module:
         """The model at ``path`` on this worker's device with its kernels bound (weights not yet processed)."""
