@@ -305,8 +305,8 @@ class _GuardedProtocol:
             self.refused.warn(counts.in_flight, self.max_in_flight)
             message = (f"the server is at its limit of {self.max_in_flight} requests in flight "
                        "(--limit-concurrency); retry in a moment")
-            await send_error(send, 503, error_json(message, "server_error", "too_many_connections"),
-                             [(b"retry-after", b"1")])
+            body = error_json(message, "server_error", "too_many_connections", None, 503, scope.get("path", ""))
+            await send_error(send, 503, body, [(b"retry-after", b"1")])  # (in the API's shape: Anthropic's 503)
             return
         counts.in_flight += 1
         try:

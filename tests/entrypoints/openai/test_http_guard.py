@@ -1,5 +1,6 @@
 """http_guard.HTTPGuard in process (no server): a failure escaping the app never leaves as plain text or as a
-stream cut short, and past the shutdown grace period what still runs ends in OpenAI's shape."""
+stream cut short, past the shutdown grace period what still runs ends in OpenAI's shape, and a request over the
+cap on requests in flight is a 503 in its API's shape."""
 from __future__ import annotations
 
 import asyncio
@@ -115,3 +116,37 @@ def test_a_body_over_the_cap_is_a_413_before_it_is_read_whole() -> None:
         assert got == status, (size, chunks, declared, got)
         if status == 413:
             assert json.loads(body)["error"]["code"] == "body_too_large"
+
+
+def test_the_cap_on_requests_in_flight_answers_in_each_apis_shape() -> None:
+    """A request over --limit-concurrency gets a 503 with Retry-After in its API's shape: OpenAI's, and on
+    /v1/messages Anthropic's (overloaded_error), as the README says."""
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.http_guard import EdgeCounts, EveryInterval, _GuardedProtocol
+
+    counts = EdgeCounts()
+    counts.in_flight = 2
+    protocol = SimpleNamespace(counts=counts, max_in_flight=2, refused=EveryInterval("%d %d"),
+                               _cancel_header_timer=lambda: None)
+
+    async def refused(path: str) -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await _GuardedProtocol._admit(protocol, {**SCOPE, "path": path}, None, send)
+        return sent
+
+    for path in ("/v1/completions", "/v1/messages"):
+        sent = asyncio.run(refused(path))
+        status, body = _status_and_body(sent)
+        assert status == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+        error = json.loads(body)
+        if path == "/v1/messages":
+            assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
+            assert error["error"]["type"] == "overloaded_error" and "--limit-concurrency" in error["error"]["message"]
+        else:
+            assert error["error"]["code"] == "too_many_connections"
+    assert counts.in_flight == 2  # a refusal takes no slot
