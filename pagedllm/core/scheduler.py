@@ -270,8 +270,9 @@ class Scheduler:
         A prompt chunk gets what keeps the step's attended positions within the attention budget (the step's
         first chunk at least a block); a decode token (all a request lacks) and a pooled input (never chunked)
         are not held back by it. 0: this chunk waits for the next step."""
-        num_new = min(request.num_tokens - num_computed, plan.token_budget)
-        if num_new <= 1 or request.pooling_params is not None:
+        lacking = request.num_tokens - num_computed
+        num_new = min(lacking, plan.token_budget)
+        if lacking <= 1 or request.pooling_params is not None:
             return num_new
         fits = self._max_chunk(num_computed, num_new, plan.attention_budget)
         floor = 0 if plan.has_prompt_chunk else min(num_new, self.block_size)

@@ -4,6 +4,7 @@ import random
 import pytest
 
 from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.scheduler import attended_positions
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import ValidationError
 from pagedllm.request import Request, RequestStatus
@@ -121,6 +122,14 @@ class Fuzzer:
             assert data.num_computed_tokens + out.num_scheduled_tokens[data.req_id] == req.num_computed_tokens
         assert all(s.requests[r].status == RequestStatus.RUNNING for r in out.num_scheduled_tokens)
         assert all(s.requests[r].status == RequestStatus.PREEMPTED for r in out.preempted_req_ids)
+        budget, first_chunk = s.config.max_num_batched_attention, True
+        for req_id, n in out.num_scheduled_tokens.items():  # in scheduling order: each prompt chunk fit what was left
+            req = s.requests[req_id]
+            start = req.num_computed_tokens - n
+            budget -= attended_positions(start, n)
+            if req.num_tokens - start > 1:  # a prompt chunk (a decode token is never held back)
+                assert budget >= 0 or (first_chunk and n <= self.block_size), (req_id, start, n, budget)
+                first_chunk = False
 
     def check_news(self, req_id: str, finish_reason: str | None) -> None:
         """A finished request ended for a reason its tokens justify, and left no trace."""
