@@ -99,3 +99,28 @@ def test_a_stream_gets_a_token_at_every_step_of_a_long_prompt(server: RemoteServ
     assert completion_tokens[-1] < body["max_tokens"]  # the stream still ran when the long prompt finished
     reader.join(timeout=60)
     server.wait_idle(30)
+
+
+def status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def test_prompt_logprobs_of_a_long_prompt_keep_the_core_small(server: RemoteServer) -> None:
+    """Top-20 prompt logprobs of 8,000 tokens: the core's peak RSS grows by far less than one chunk's full-vocabulary
+    logits (2,048 x 49,152 float32 = 0.4 GB, and as much again for their log-softmax), scored 256 rows at a time."""
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+        core = max((int(c) for c in f.read().split()), key=lambda pid: status_kib(pid, "VmRSS"))  # the core
+    try:  # "5" resets the peak RSS (VmHWM) to the RSS now: the peak this request causes is then read exactly
+        with open(f"/proc/{core}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        pytest.skip(f"cannot reset the core's peak RSS: {e}")
+    rss = status_kib(core, "VmRSS")
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=300,
+                       json={"model": "tiny", "prompt": long_prompt(2), "max_tokens": 1, "prompt_logprobs": 20})
+    assert reply.status_code == 200, reply.text
+    scored = reply.json()["choices"][0]["prompt_logprobs"]
+    assert len(scored) == PROMPT_LEN and scored[0] is None and all(len(e) >= 20 for e in scored[1:])
+    growth_mib = (status_kib(core, "VmHWM") - rss) / 1024
+    assert growth_mib < 400, growth_mib
