@@ -143,8 +143,10 @@ def test_the_shutdowns_stream_endings_take_each_apis_shape(tiny_llm_dir: Path) -
 
     try:
         hog = {"model": MODEL, "prompt": "Go", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        # 16 x 480 tokens queued ahead, one sequence at a time: seconds of work even where the tiny model makes
+        # thousands of tokens a second (3 of them, and both streams, could finish within the 1 s grace period)
         hogs = [threading.Thread(target=lambda: httpx.post(f"{srv.url}/v1/completions", json=hog, timeout=60),
-                                 daemon=True) for _ in range(3)]
+                                 daemon=True) for _ in range(16)]
         for t in hogs:
             t.start()
         time.sleep(0.5)
