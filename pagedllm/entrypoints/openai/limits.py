@@ -14,6 +14,7 @@ import math
 import typing
 from typing import Any
 
+from pagedllm.engine.processor import MAX_LOGPROBS
 from pagedllm.entrypoints.cli_args import field_docs
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import StructuredOutputsParams, check_refs
@@ -67,10 +68,11 @@ class ServingLimits:
     max_json_depth: int = 128
     """Deepest nesting of arrays and objects in one request body (room for a schema at --max-schema-depth
     inside its request)."""
-    max_request_tokens: int = 2**20
+    max_request_tokens: int | None = None
     """Most tokens one request may generate in all (prompts x n, or beams, x max_tokens; an omitted max_tokens
     counts as the rest of the context), and most entries a non-streamed reply holds (each token with its logprobs
-    alternatives, and prompt_logprobs'): a stream holds nothing per token, a whole reply all of it."""
+    alternatives, and prompt_logprobs'): a stream holds nothing per token, a whole reply all of it. None: 2**20, or
+    one whole context with the most logprobs a token when that is more (any single sample is served, as vLLM)."""
 
     max_stored_responses: int = 1000
     """Most responses kept for GET /v1/responses/{id} and previous_response_id (``store: true``); with K API keys,
@@ -128,7 +130,19 @@ def check_samples(num_prompts: int, n: int, limits: ServingLimits) -> None:
                               f"{limits.max_prompts} in one request (--max-prompts)", param="n", value=n)
 
 
-def check_request_tokens(limits: ServingLimits, max_tokens: list[int], n: int, stream: bool,
+REQUEST_TOKENS_FLOOR = 2**20
+"""The default --max-request-tokens on a model whose context is short (see ServingLimits.max_request_tokens)."""
+
+
+def request_tokens_cap(limits: ServingLimits, max_model_len: int) -> int:
+    """--max-request-tokens, or its default: 2**20, or one sample filling the context with the most logprobs a
+    token (1 + MAX_LOGPROBS entries each), whichever is more: a single ordinary sample is never refused."""
+    if limits.max_request_tokens is not None:
+        return limits.max_request_tokens
+    return max(REQUEST_TOKENS_FLOOR, (1 + MAX_LOGPROBS) * max_model_len)
+
+
+def check_request_tokens(limits: ServingLimits, max_model_len: int, max_tokens: list[int], n: int, stream: bool,
                          logprobs: int | None = None, prompt_tokens: list[int] | None = None,
                          prompt_logprobs: int | None = None, names: tuple[str, str] = ("max_tokens", "logprobs")
                          ) -> None:
@@ -137,7 +151,7 @@ def check_request_tokens(limits: ServingLimits, max_tokens: list[int], n: int, s
     ``n`` samples or beams), and unless it streams, what its reply would hold: each token with its ``logprobs``
     alternatives, and each prompt token with its ``prompt_logprobs`` ones (in each of the n choices). ``names``:
     the request's own names for max_tokens and logprobs."""
-    limit = limits.max_request_tokens
+    limit = request_tokens_cap(limits, max_model_len)
     generated = n * sum(max_tokens)
     if generated > limit:
         raise ValidationError(f"this request may generate {generated} tokens ({len(max_tokens)} prompt(s) x n {n} x "

@@ -69,7 +69,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, max_tokens, logprobs, req.stream)
         self._check_waiting([req.messages])  # (a full queue sheds it before it is rendered)
         text, prompt_ids = await self.render(req.messages, req.add_generation_prompt, req.tools)
-        check_request_tokens(self.limits, [self.filled(max_tokens, len(prompt_ids))], req.n, req.stream, logprobs,
+        check_request_tokens(self.limits, self.max_model_len, [self.filled(max_tokens, len(prompt_ids))], req.n,
+                             req.stream, logprobs,
                              names=("max_completion_tokens" if req.max_completion_tokens is not None else
                                     "max_tokens", "top_logprobs"))
         if tools.constraint is not None:

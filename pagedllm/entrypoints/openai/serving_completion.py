@@ -44,7 +44,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self._check_waiting(prompts)  # (a full queue sheds it before it is tokenized)
         prompts = await self.tokenized(prompts)
         lengths = [len(p["prompt_token_ids"]) for p in prompts]
-        check_request_tokens(self.limits, [self.filled(params.max_tokens, n) for n in lengths], req.n, req.stream,
+        check_request_tokens(self.limits, self.max_model_len, [self.filled(params.max_tokens, n) for n in lengths],
+                             req.n, req.stream,
                              None if req.use_beam_search else req.logprobs, lengths, prompt_logprobs)
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, prompts, params, lora, raw)
