@@ -241,6 +241,9 @@ class SchedulerConfig:
     """Query x key positions one step may attend (a token at position p attends p + 1): a prompt chunk shrinks to
     stay under it, at least one block per step; decode tokens are never held back. None: max_num_batched_tokens
     squared (resolved here)."""
+    step_time_target: float | None = None
+    """Seconds a step that also decodes should take at most: its prompt chunks shrink to fit the estimate (see
+    core/step_time.py). None: off."""
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -254,6 +257,10 @@ class SchedulerConfig:
         attention = self.max_num_batched_attention
         if isinstance(attention, bool) or not isinstance(attention, int) or attention < 1:
             raise ValidationError.bad_value("max_num_batched_attention", attention, "a positive integer")
+        target = self.step_time_target
+        if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                                   or not 0 < target < float("inf")):
+            raise ValidationError.bad_value("step_time_target", target, "a positive number of seconds or None")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -574,6 +581,12 @@ class EngineArgs:
     every prompt progresses); decode tokens are never held back. Default: max_num_batched_tokens squared, twice
     what a full first chunk attends: a first chunk is never cut, even beside decodes attending as much again,
     and later chunks shrink so no step attends more."""
+    step_time_target: float | None = None
+    """Seconds: while requests are decoding, a step's prompt chunks shrink so the step's estimated time (learned
+    from measured steps) stays under this, so decoding streams keep a bounded gap while long prompts prefill; a
+    heavy decode load may take as long again, and the step's first chunk gets at least a block. None (or 0): off,
+    the default of LLM (full chunks, the most throughput); `pagedllm serve` defaults to 1.0, as vLLM's server
+    and LLM class schedule differently."""
     enable_prefix_caching: bool = True
     """Reuse K/V of full blocks whose token prefix was computed before."""
     preemption_mode: str = "recompute"

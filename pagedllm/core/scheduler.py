@@ -21,6 +21,10 @@ shrinks late chunks of a long prompt, so a step costs about what a full first ch
 tokens beside it keep their pace. Decode tokens are never held back by it (they count in it), and the step's
 first prompt chunk always gets at least one block, so every prompt progresses.
 
+With step_time_target, a step that also decodes gives its prompt chunks what the StepTimeModel (core/step_time.py,
+taught by record_step_time) estimates fits max(target - decode time, decode time) seconds, so decoding streams
+keep a bounded gap; without a decode the chunks are whole (full throughput).
+
 Speculative decoding: a decoding request with draft tokens (``Request.spec_token_ids``, proposed by the
 workers after the last step) gets slots for them too, within the budget, max_tokens and max_model_len; the
 drafts count in the token budget. ``update_from_output()`` takes back the rejected ones: num_computed_tokens
@@ -43,18 +47,10 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler_output import CachedRequestData, ForkedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.step_time import StepTimeModel, attended_positions
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
-
-
-def attended_positions(start: int, count: int, window: int | None = None) -> int:
-    """Query x key positions ``count`` tokens from position ``start`` attend: the token at position p attends
-    p + 1 (causal), at most ``window`` (a sliding window)."""
-    if window is None:
-        return count * start + count * (count + 1) // 2
-    growing = max(0, min(start + count, window) - start)  # tokens below position `window` attend p + 1, others window
-    return growing * start + growing * (growing + 1) // 2 + (count - growing) * window
 
 
 @dataclass(kw_only=True)
@@ -90,6 +86,21 @@ class SchedulerStats:
     """Draft tokens accepted."""
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     """Per draft position (0 first): drafts accepted there."""
+    step_time_decode_s: float = 0.0
+    """The step-time model's seconds of a step's decode part (0: not measured yet; it learns with the target off
+    too, never changing a step then)."""
+    step_time_token_s: float = 0.0
+    """The step-time model's seconds of one prompt token at position 0 (0: not measured yet)."""
+    last_step_estimated_s: float = 0.0
+    """The estimated seconds of the last step (when it was scheduled; 0 with step_time_target off)."""
+    max_step_estimated_s: float = 0.0
+    """The most estimated seconds of a step whose prompt chunks step_time_target bounded (beside decodes), a step
+    whose first chunk was held at a block (the floor) left out."""
+    max_step_estimated_fraction: float = 0.0
+    """Of those steps, the most estimated seconds as a fraction of what the rule allowed them (max(target,
+    2 x the decode estimate)): at most 1."""
+    num_step_time_shrunk_chunks: int = 0
+    """Prompt chunks step_time_target made smaller than the other budgets allowed."""
 
 
 @dataclass
@@ -104,6 +115,19 @@ class _StepPlan:
     preempted: bool = False
     has_prompt_chunk: bool = False
     """A prompt chunk (more than one new token) is in the step: later ones get no floor of a block."""
+    prefill_budget: float | None = None
+    """Prefill units (core/step_time.py) the step's prompt chunks may still take (None: no step-time cap)."""
+    prefill_tokens: int = 0
+    prefill_units: float = 0.0
+    """The step's prompt chunks: tokens and units (what its measured time teaches the step-time model)."""
+    decodes: bool = False
+    """The step carries a decode token."""
+    shrunk_by_time: bool = False
+    """The chunk last sized was cut by the step-time cap (counted if it goes in the batch)."""
+    floored: bool = False
+    """A chunk was held at a block past the step-time or attention budget (the step's first)."""
+    allowed_s: float = 0.0
+    """Seconds the step-time rule allows this step (with prefill_budget)."""
     forking_leaders: list[Request] = field(default_factory=list)
     """Leaders whose prompt completes this step: their pending samples fork off after scheduling."""
 
@@ -112,9 +136,12 @@ class Scheduler:
     """Owns the request queues and the KV cache manager; decides each step's batch."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int,
-                 num_host_blocks: int = 0, num_lookahead_tokens: int = 0) -> None:
+                 num_host_blocks: int = 0, num_lookahead_tokens: int = 0,
+                 step_cost_weights: tuple[float, float] = (1.0, 1.0)) -> None:
         """``num_lookahead_tokens``: slots kept past a decoding request's scheduled tokens (a draft model
-        writes the K/V of its drafts there before they are verified)."""
+        writes the K/V of its drafts there before they are verified). ``step_cost_weights``: prefill units per
+        prompt token and per attended query x key pair (core/step_time.py; the engine core derives them from
+        the model's shape)."""
         self.config = scheduler_config
         self.num_lookahead_tokens = num_lookahead_tokens
         self.block_size = cache_config.block_size
@@ -138,6 +165,10 @@ class Scheduler:
         self._verifying: dict[str, int] = {}
         """Request -> draft tokens scheduled in the step now running (rolled back in update_from_output)."""
         self.stats = SchedulerStats()
+        self.step_time = StepTimeModel(*step_cost_weights)
+        """Estimates a step's seconds (for step_time_target), learning from record_step_time()."""
+        self._last_step: tuple[int, float, bool] = (0, 0.0, False)
+        """The last scheduled step's prompt tokens, their units, and whether it decoded."""
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request, samples: list[Request] | None = None) -> None:
@@ -227,6 +258,10 @@ class Scheduler:
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens,
                          attention_budget=self.config.max_num_batched_attention, output=SchedulerOutput(),
                          now=time.monotonic())
+        target = self.config.step_time_target
+        if target is not None and any(self._decodes(r) for r in self.running):  # only a decoding stream waits
+            plan.prefill_budget = self.step_time.prefill_budget(target)
+            plan.allowed_s = max(target, 2 * (self.step_time.decode_s or 0.0))
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -275,15 +310,27 @@ class Scheduler:
         if lacking <= 1 or request.pooling_params is not None:
             return num_new
         fits = self._max_chunk(num_computed, num_new, plan.attention_budget)
+        plan.shrunk_by_time = False
+        if plan.prefill_budget is not None:
+            timed = self._max_chunk(num_computed, fits, plan.attention_budget, plan.prefill_budget)
+            plan.shrunk_by_time, fits = timed < fits, timed
         floor = 0 if plan.has_prompt_chunk else min(num_new, self.block_size)
+        plan.floored |= floor > fits
         return max(fits, floor)
 
-    def _max_chunk(self, start: int, limit: int, budget: int) -> int:
-        """The most tokens (at most ``limit``) from position ``start`` attending at most ``budget`` positions."""
-        low, high = 0, limit  # binary search: attended positions grow with the chunk
+    @staticmethod
+    def _decodes(request: Request) -> bool:
+        """The request lacks only its newest token (a decode; drafts ride along) and is not a pooled input."""
+        return request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None
+
+    def _max_chunk(self, start: int, limit: int, budget: int, units: float | None = None) -> int:
+        """The most tokens (at most ``limit``) from position ``start`` attending at most ``budget`` positions
+        (and, given ``units``, costing at most that many prefill units)."""
+        low, high = 0, limit  # binary search: attended positions and units grow with the chunk
         while low < high:
             mid = (low + high + 1) // 2
-            if attended_positions(start, mid, self.sliding_window) <= budget:
+            if attended_positions(start, mid, self.sliding_window) <= budget and (
+                    units is None or self.step_time.units(start, mid, self.sliding_window) <= units):
                 low = mid
             else:
                 high = mid - 1
@@ -441,7 +488,16 @@ class Scheduler:
         out.num_scheduled_tokens[req_id] = num_new
         plan.token_budget -= num_new
         plan.attention_budget -= attended_positions(request.num_computed_tokens, num_new, self.sliding_window)
-        plan.has_prompt_chunk |= request.num_tokens - request.num_computed_tokens > 1
+        if request.num_tokens - request.num_computed_tokens > 1:  # a prompt chunk (or a preempted one's recompute)
+            plan.has_prompt_chunk = True
+            units = self.step_time.units(request.num_computed_tokens, num_new, self.sliding_window)
+            plan.prefill_tokens += num_new
+            plan.prefill_units += units
+            if plan.prefill_budget is not None:
+                plan.prefill_budget -= units
+                self.stats.num_step_time_shrunk_chunks += plan.shrunk_by_time
+        elif request.pooling_params is None:
+            plan.decodes = True
         if request.num_computed_tokens + num_new < request.num_tokens:
             self.stats.num_chunked_prefills += 1
         elif req_id in self.pending_forks:
@@ -476,10 +532,27 @@ class Scheduler:
         self.stats.num_steps += 1 if out.num_scheduled_tokens else 0
         attended = self.config.max_num_batched_attention - plan.attention_budget
         self.stats.max_step_attended_positions = max(self.stats.max_step_attended_positions, attended)
+        self._last_step = (plan.prefill_tokens, plan.prefill_units, plan.decodes)
+        if self.config.step_time_target is not None and out.num_scheduled_tokens:
+            estimate = self.step_time.estimate(plan.prefill_units, plan.decodes)
+            self.stats.last_step_estimated_s = estimate
+            if plan.prefill_budget is not None and plan.prefill_tokens and not plan.floored:
+                self.stats.max_step_estimated_s = max(self.stats.max_step_estimated_s, estimate)
+                if self.step_time.s_per_unit is not None:  # before, the budget was a chunk's tokens, not seconds
+                    self.stats.max_step_estimated_fraction = max(self.stats.max_step_estimated_fraction,
+                                                                 estimate / plan.allowed_s)
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         self._refresh_gauges()
 
     # ------------------------------------------------------------------------- update
+    def record_step_time(self, seconds: float) -> None:
+        """The wall time of the step last scheduled (executed and updated): teaches the step-time model."""
+        self.step_time.observe(*self._last_step, seconds)
+        self._last_step = (0, 0.0, False)  # one measurement per step
+        model = self.step_time
+        self.stats.step_time_decode_s = model.decode_s or 0.0
+        self.stats.step_time_token_s = (model.s_per_unit or 0.0) * model.units(0, 1)
+
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests.
 

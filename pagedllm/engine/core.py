@@ -11,6 +11,7 @@ import gc
 import itertools
 import logging
 import os
+import time
 from typing import Any
 
 from pagedllm import platform
@@ -20,6 +21,7 @@ from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig
 from pagedllm.core.kv_cache_manager import ROUTING_KEY_MASK
 from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.step_time import cost_weights
 from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, CoreReady, EngineStats,
@@ -94,7 +96,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                   max_model_len=max_model_len, preemption_mode=args.preemption_mode,
                                   max_loras=lora.max_loras if lora else None,
-                                  max_num_batched_attention=args.max_num_batched_attention),
+                                  max_num_batched_attention=args.max_num_batched_attention,
+                                  # 0 is off too: a command line cannot say None
+                                  step_time_target=None if _is_zero(args.step_time_target) else args.step_time_target),
         parallel=parallel,
         device=DeviceConfig(device=device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                             cuda_graph_sizes=parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs)),
@@ -103,6 +107,10 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         speculative=speculative,
     )
     return config, arch
+
+
+def _is_zero(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
 
 
 def _structured_outputs_config(args: EngineArgs) -> StructuredOutputsConfig:
@@ -261,8 +269,10 @@ class EngineCore:
         spec = config.speculative
         # a draft model writes its drafts' K/V before they are scheduled: slots past the scheduled tokens
         lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
+        weights = cost_weights(arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads,
+                               arch.num_kv_heads, arch.head_dim)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.num_host_blocks,
-                                   num_lookahead_tokens=lookahead)
+                                   num_lookahead_tokens=lookahead, step_cost_weights=weights)
         self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
         self._beam_seq_ids = itertools.count()
         self.loras: dict[int, LoRARequest] = {}
@@ -363,8 +373,10 @@ class EngineCore:
         step of its own for that: they learn it with the next real one)."""
         scheduler_output = self.scheduler.schedule()
         self.last_step_features = self.scheduler.step_features(scheduler_output)
+        start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(runner_output)
+        self.scheduler.record_step_time(time.perf_counter() - start)  # teaches the step-time target's estimate
         beams = [o for o in core_outputs if self.beam_search.owns(o.request_id)]
         stored, evicted = self.scheduler.kv_cache_manager.block_pool.take_cache_changes()
         return StepOutputs(outputs=[o for o in core_outputs if not self.beam_search.owns(o.request_id)],

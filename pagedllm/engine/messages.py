@@ -23,6 +23,11 @@ PROTOCOL_VERSION = 1
 """The message set's version: a front and a core process of different versions refuse each other at the start."""
 
 
+_PER_REPLICA_MAXIMA = ("max_step_attended_positions", "step_time_decode_s", "step_time_token_s",
+                       "last_step_estimated_s", "max_step_estimated_s", "max_step_estimated_fraction")
+"""Statistics of one replica's steps: several replicas' are their maximum, not their sum."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class EngineStats(SchedulerStats):
     """Scheduler counters plus the facts of this engine's KV pool (sent after each step)."""
@@ -46,7 +51,7 @@ class EngineStats(SchedulerStats):
                 value = values[0]
             elif f.name == "max_num_running":
                 value = sum(values)
-            elif f.name == "max_step_attended_positions":  # each replica steps on its own
+            elif f.name in _PER_REPLICA_MAXIMA:  # each replica steps on its own
                 value = max(values)
             elif isinstance(values[0], list):  # per-position counts
                 value = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]

@@ -10,6 +10,11 @@ from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
 
 
+SERVE_DEFAULTS: dict[str, object] = {"step_time_target": 1.0}
+"""EngineArgs defaults of `pagedllm serve` that differ from LLM's, as vLLM's server and LLM class schedule
+differently (its UsageContext): a server keeps its decoding streams' gaps bounded while long prompts prefill."""
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
@@ -73,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.openai.api_server import add_serve_args
 
     add_serve_args(serve)
-    add_engine_args(serve)
+    serve_actions = add_engine_args(serve)
+    for name, value in SERVE_DEFAULTS.items():  # before set_defaults, which changes action.default
+        action = serve_actions[name]
+        action.help = (action.help or "").replace(f"(default: {action.default})", f"(default: {value})")
+    serve.set_defaults(**SERVE_DEFAULTS)
     serve.set_defaults(func=_serve)
     build_kernels.add_parser(sub)
     from pagedllm.entrypoints.bench import plan

@@ -15,12 +15,13 @@ NUM_KV_BLOCKS = 64
 MAX_NUM_SEQS = 8
 MAX_NUM_BATCHED_TOKENS = 48
 NUM_STEPS = 5000
+STEP_TIME_TARGET = 0.05
 
 
 class Fuzzer:
     """Drives one scheduler with random arrivals, aborts and EOS, and checks it after each step."""
 
-    def __init__(self, seed: int, block_size: int, sharing: bool = False) -> None:
+    def __init__(self, seed: int, block_size: int, sharing: bool = False, timed: bool = False) -> None:
         self.rng = random.Random(seed)
         self.block_size = block_size
         self.sharing = sharing
@@ -29,7 +30,9 @@ class Fuzzer:
         self.scheduler = make_scheduler(
             NUM_KV_BLOCKS, block_size, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, max_model_len=4096,
             enable_prefix_caching=sharing, preemption_mode="swap" if sharing else "recompute",
-            num_host_blocks=24 if sharing else 0)
+            num_host_blocks=24 if sharing else 0, step_time_target=STEP_TIME_TARGET if timed else None)
+        self.timed = timed
+        """step_time_target on: each step is 'measured' as a noisy linear function of its work."""
         self.next_id = 0
         self.seen_by_workers: set[str] = set()
         self.worker_tables: dict[str, list[int]] = {}
@@ -81,13 +84,23 @@ class Fuzzer:
                     self.arrive()
             if rng.random() < 0.03:
                 self.abort_one()
+        prefill_budget = self.scheduler.step_time.prefill_budget(STEP_TIME_TARGET)  # what the step may take
         out = self.scheduler.schedule()
         self.check_schedule(out)
+        if self.timed:
+            self.check_step_time(out, prefill_budget)
         runner_output = fake_runner_output(self.scheduler, out, self.sample)
         if arrivals and rng.random() < 0.02:
             self.abort_one()  # between schedule and update: its token is dropped
         for news in self.scheduler.update_from_output(runner_output):
             self.check_news(news.request_id, news.finish_reason)
+        if self.timed:  # 1 ms a step, 2 ms per decode, 50 us per prefill unit, +-30%
+            s, work = self.scheduler, 0.0
+            for req_id, n in out.num_scheduled_tokens.items():
+                req = s.requests.get(req_id) or self.all_requests[req_id]
+                start = req.num_computed_tokens - n
+                work += 0.002 if n == 1 else 5e-5 * s.step_time.units(max(start, 0), n)
+            s.record_step_time((0.001 + work) * rng.uniform(0.7, 1.3))
         self.check_state()
 
     def check_schedule(self, out: SchedulerOutput) -> None:
@@ -131,6 +144,24 @@ class Fuzzer:
                 assert budget >= 0 or (first_chunk and n <= self.block_size), (req_id, start, n, budget)
                 first_chunk = False
 
+    def check_step_time(self, out: SchedulerOutput, prefill_budget: float) -> None:
+        """Beside a decode, each prompt chunk fit the prefill units left when it was scheduled, or was the step's
+        first and at most a block."""
+        s = self.scheduler
+        chunks = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = s.requests[req_id]
+            start = req.num_computed_tokens - n
+            chunks.append((start, n, req.num_tokens - start > 1))
+        if all(prompt for _, _, prompt in chunks):
+            return  # no decode: no step-time cap
+        first = True
+        for start, n, prompt in chunks:
+            if prompt:
+                prefill_budget -= s.step_time.units(start, n)
+                assert prefill_budget >= -1e-9 or (first and n <= self.block_size), (start, n, prefill_budget)
+                first = False
+
     def check_news(self, req_id: str, finish_reason: str | None) -> None:
         """A finished request ended for a reason its tokens justify, and left no trace."""
         req = self.all_requests[req_id]
@@ -172,9 +203,10 @@ class Fuzzer:
                 assert len(swapped) == cdiv(req.num_computed_tokens, self.block_size)
 
 
-@pytest.mark.parametrize("block_size, sharing", [(4, False), (16, False), (16, True), (4, True)])
-def test_scheduler_fuzz(block_size: int, sharing: bool) -> None:
-    fuzz = Fuzzer(seed=1234 + block_size, block_size=block_size, sharing=sharing)
+@pytest.mark.parametrize("block_size, sharing, timed",
+                         [(4, False, False), (16, False, False), (16, True, False), (4, True, False), (16, True, True)])
+def test_scheduler_fuzz(block_size: int, sharing: bool, timed: bool) -> None:
+    fuzz = Fuzzer(seed=1234 + block_size, block_size=block_size, sharing=sharing, timed=timed)
     for _ in range(NUM_STEPS):
         fuzz.step(arrivals=True)
     s = fuzz.scheduler
@@ -185,6 +217,9 @@ def test_scheduler_fuzz(block_size: int, sharing: bool) -> None:
     if sharing:  # every sharing mechanism was exercised
         assert s.stats.prefix_cache_hits > 0 and s.stats.num_forks > 0
         assert s.stats.num_swapped_out > 0 and s.stats.num_swapped_in > 0
+    if timed:  # the target shaped steps, from a learned model
+        assert s.stats.num_step_time_shrunk_chunks > 0 and s.stats.step_time_decode_s > 0
+        assert 0 < s.stats.max_step_estimated_fraction <= 1 + 1e-9
 
     for _ in range(50_000):  # drain: every request must finish
         if not s.has_unfinished_requests():

@@ -22,13 +22,16 @@ TOKEN = 7
 def make_scheduler(num_kv_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int = 1024, *,
                    enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
-                   num_host_blocks: int = 0, max_num_batched_attention: int | None = None) -> Scheduler:
+                   num_host_blocks: int = 0, max_num_batched_attention: int | None = None,
+                   step_time_target: float | None = None,
+                   step_cost_weights: tuple[float, float] = (1.0, 1.0)) -> Scheduler:
     """A scheduler over a small pool (prefix caching off unless asked for)."""
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      max_model_len=max_model_len, preemption_mode=preemption_mode,
-                                     max_num_batched_attention=max_num_batched_attention),
+                                     max_num_batched_attention=max_num_batched_attention,
+                                     step_time_target=step_time_target),
                      CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-                     num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks)
+                     num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks, step_cost_weights=step_cost_weights)
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 16, **params: object) -> Request:

@@ -1,7 +1,8 @@
 """A long prompt shares the step (issue 43, point 5): against a real `pagedllm serve` at its default budgets, an
 8,000-token prompt's late chunks shrink so no step attends more than max_num_batched_tokens squared query x key
-positions, and a decoding stream gets a token at every one of its steps. (The gap in seconds on the default model
-is a benchmark figure: benchmarks/stream_gap.py, docs/BENCHMARKS.md.)"""
+positions, and a decoding stream gets a token at every one of its steps; with a step-time target, the prompt's
+chunks beside the stream shrink further, to fit the target by the server's learned estimate. (The gap in seconds
+on the default model is a benchmark figure: benchmarks/stream_gap.py, docs/BENCHMARKS.md.)"""
 from __future__ import annotations
 
 import json
@@ -21,12 +22,20 @@ TOKENS, BLOCK = 2048, 16  # the server's defaults: max_num_batched_tokens, block
 ATTENTION = TOKENS * TOKENS  # max_num_batched_attention's default
 
 
+TARGET = 0.01  # seconds: the tiny model's step beside a stream takes a few ms, so chunks must shrink to fit
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Iterator[RemoteServer]:
-    """The tiny model with room for an 8k prompt, served with default budgets."""
-    model = save_tiny_model(tmp_path_factory.mktemp("tiny-8k"), "llama-gqa-untied", vocab_size=len(tokenizer),
-                            tokenizer=tokenizer, max_position_embeddings=8192)
-    srv = RemoteServer(model, "--served-model-name", "tiny")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Any:
+    """The tiny model with room for an 8k prompt."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-8k"), "llama-gqa-untied", vocab_size=len(tokenizer),
+                           tokenizer=tokenizer, max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Any) -> Iterator[RemoteServer]:
+    """Served with default budgets (a step-time target of 1 s: the tiny model's steps are far shorter)."""
+    srv = RemoteServer(model_dir, "--served-model-name", "tiny")
     yield srv
     srv.stop()
 
@@ -67,8 +76,10 @@ def test_a_long_prompt_alone_runs_in_chunks_that_attend_at_most_the_budget(serve
     assert ATTENTION - PROMPT_LEN <= after["max_step_attended_positions"] <= ATTENTION
 
 
-def test_a_stream_gets_a_token_at_every_step_of_a_long_prompt(server: RemoteServer) -> None:
-    completion_tokens: list[int] = []  # the stream's, as each chunk of it reports them
+def start_stream(server: RemoteServer) -> tuple[list[int], threading.Event, threading.Thread]:
+    """A streamed completion decoding (ignore_eos, 8,000 tokens): its completion_tokens as each chunk reports
+    them, the event that stops reading it (closing the stream aborts it), and its reading thread."""
+    completion_tokens: list[int] = []
     seen, stop = threading.Event(), threading.Event()
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -86,6 +97,11 @@ def test_a_stream_gets_a_token_at_every_step_of_a_long_prompt(server: RemoteServ
     reader = threading.Thread(target=read_stream, daemon=True)
     reader.start()
     assert seen.wait(60), "the stream never started"
+    return completion_tokens, stop, reader
+
+
+def test_a_stream_gets_a_token_at_every_step_of_a_long_prompt(server: RemoteServer) -> None:
+    completion_tokens, stop, reader = start_stream(server)
     before = stats(server)
     reply = httpx.post(f"{server.url}/v1/completions", timeout=300,
                        json={"model": "tiny", "prompt": long_prompt(1), "max_tokens": 1})
@@ -96,9 +112,46 @@ def test_a_stream_gets_a_token_at_every_step_of_a_long_prompt(server: RemoteServ
     assert steps >= 9  # its chunks shrink (beside the stream's token they attend a little less)
     # every step of the long prompt decoded a token of the stream too (the long prompt's own token is the 1)
     assert after["num_generated_tokens"] - before["num_generated_tokens"] - 1 >= steps
-    assert completion_tokens[-1] < body["max_tokens"]  # the stream still ran when the long prompt finished
+    assert completion_tokens[-1] < PROMPT_LEN  # the stream still ran when the long prompt finished
     reader.join(timeout=60)
     server.wait_idle(30)
+
+
+def test_beside_a_stream_chunks_shrink_to_the_step_time_target(model_dir: Any) -> None:
+    """--step-time-target: alone, the long prompt runs in the same 9 chunks (no decode waits: no cap); beside a
+    decoding stream its chunks shrink to fit the target by the estimate the server learned from its own steps
+    (or, for a step's first chunk, a block), and the stream still gets a token at every step."""
+    srv = RemoteServer(model_dir, "--served-model-name", "tiny", "--step-time-target", str(TARGET))
+    try:
+        before = stats(srv)
+        reply = httpx.post(f"{srv.url}/v1/completions", timeout=300,
+                           json={"model": "tiny", "prompt": long_prompt(3), "max_tokens": 1})
+        assert reply.status_code == 200, reply.text
+        alone = stats(srv)
+        assert alone["num_chunked_prefills"] - before["num_chunked_prefills"] + 1 == len(expected_chunks(ATTENTION))
+        assert alone["num_step_time_shrunk_chunks"] == 0 and alone["step_time_token_s"] > 0  # learned, not used
+        completion_tokens, stop, reader = start_stream(srv)
+        before = stats(srv)
+        reply = httpx.post(f"{srv.url}/v1/completions", timeout=300,
+                           json={"model": "tiny", "prompt": long_prompt(4), "max_tokens": 1})
+        assert reply.status_code == 200, reply.text
+        after = stats(srv)
+        stop.set()
+        steps = after["num_chunked_prefills"] - before["num_chunked_prefills"] + 1
+        shrunk = after["num_step_time_shrunk_chunks"] - before["num_step_time_shrunk_chunks"]
+        print(f"chunks beside the stream: {steps} ({shrunk} shrunk by the target), decode estimate "
+              f"{after['step_time_decode_s'] * 1e3:.2f} ms, prompt token {after['step_time_token_s'] * 1e6:.1f} us, "
+              f"most estimated step {after['max_step_estimated_s'] * 1e3:.2f} ms")
+        assert steps > 2 * len(expected_chunks(ATTENTION)) and shrunk >= steps // 2  # more, smaller chunks
+        assert after["step_time_decode_s"] > 0
+        # every step the target shaped (its first chunk not held at a block) was estimated within the rule's time
+        assert 0 < after["max_step_estimated_fraction"] <= 1 + 1e-9
+        assert after["num_generated_tokens"] - before["num_generated_tokens"] - 1 >= steps  # a token every step
+        assert completion_tokens[-1] < PROMPT_LEN
+        reader.join(timeout=60)
+        srv.wait_idle(30)
+    finally:
+        srv.stop()
 
 
 def status_kib(pid: int, field: str) -> int:
