@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import hashlib
 import json
 import threading
 from collections.abc import Callable
@@ -50,6 +51,10 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to trim
         return None
+
+
+REFUSED_KEPT = 4096
+"""Constraints remembered as over --max-grammar-memory (32-byte digests): a repeat is refused without compiling."""
 
 
 class GrammarCache:
@@ -102,6 +107,9 @@ class GrammarCompiler:
         # at a 64 MiB limit, 359 MiB still held after clear_cache and malloc_trim)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.cache = GrammarCache(config.grammar_cache_bytes)
+        self._refused: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        """Digests of constraints refused as over max_grammar_bytes, with their measured cost (newest kept)."""
+        self._lock = threading.Lock()
         self.cache_bytes = config.grammar_cache_bytes
         self.max_grammar_bytes = config.max_grammar_bytes
         self.vocab_size = vocab_size
@@ -122,12 +130,19 @@ class GrammarCompiler:
             grammar = self.cache.get((kind, text))
             if grammar is not None:
                 return grammar
-            grammar = self._compile(kind, text)
+            digest = hashlib.sha256(f"{kind}\0{text}".encode("utf-8", "surrogatepass")).digest()
+            cost = self._refused.get(digest)
+            if cost is None:  # (a grammar refused before is not compiled again: a repeat would cost as much)
+                grammar = self._compile(kind, text)
+                cost = grammar_bytes(grammar) + len(text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValidationError(f"structured_outputs.{kind} does not compile: {e}".split("\n")[0][:500],
                                   param=f"structured_outputs.{kind}") from None
-        cost = grammar_bytes(grammar) + len(text)
         if cost > self.max_grammar_bytes:
+            with self._lock:
+                self._refused[digest] = cost
+                while len(self._refused) > REFUSED_KEPT:
+                    self._refused.popitem(last=False)
             raise ValidationError(f"structured_outputs.{kind} compiles to a grammar of ~{cost >> 20} MiB; this server "
                                   f"compiles at most {self.max_grammar_bytes >> 20} MiB for one request "
                                   "(--max-grammar-memory)", param=f"structured_outputs.{kind}", value=cost)

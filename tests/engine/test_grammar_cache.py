@@ -39,3 +39,21 @@ def test_a_grammar_over_the_budget_is_refused_and_the_cache_counts_measured_byte
     with pytest.raises(ValidationError) as e:
         compiler.compile(StructuredOutputsParams(grammar=big))
     assert e.value.param == "structured_outputs.grammar" and "--max-grammar-memory" in str(e.value)
+
+
+def test_a_refused_grammar_is_not_compiled_again(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repeat of a constraint refused as over the budget is refused at once: compiling it again would cost a
+    client's repeats as much as the first (seconds of a core each)."""
+    config = StructuredOutputsConfig(grammar_cache_bytes=64 * 2 ** 20, max_grammar_bytes=2 ** 20)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), config)
+    compiles = []
+    real = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda kind, text: compiles.append(kind) or real(kind, text))
+    big = StructuredOutputsParams(grammar="root ::= " + " ".join(f'"w{i:04d}" [a-z]*' for i in range(200)))
+    for _ in range(3):
+        with pytest.raises(ValidationError) as e:
+            compiler.compile(big)
+        assert e.value.param == "structured_outputs.grammar" and "--max-grammar-memory" in str(e.value)
+    assert compiles == ["grammar"]
+    compiler.compile(StructuredOutputsParams(regex="[a-z]{1,8}"))  # others still compile
+    assert compiles == ["grammar", "regex"]
