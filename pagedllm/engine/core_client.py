@@ -45,29 +45,56 @@ CORE_EXIT_TIMEOUT_S = 15.0
 
 
 SOCKET_DIR_PREFIX = "pagedllm-core-"
-"""The temporary folder of a local core's ipc:// sockets: this prefix, the front's pid, a dash, a random part."""
+"""The temporary folder of a local core's ipc:// sockets: this prefix, the front's pid, a dash, a random part (short:
+a socket's whole path must fit 107 bytes); its file ``NAMESPACE_FILE`` names the pid namespace of that pid."""
 _SOCKET_DIR = re.compile(re.escape(SOCKET_DIR_PREFIX) + r"(\d+)-")
+NAMESPACE_FILE = "pidns"
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid; 0 where there is none): a pid names a process
+    only inside its namespace, and containers sharing a temp folder each have their own."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def make_socket_dir() -> str:
+    """A new socket folder of this process (see SOCKET_DIR_PREFIX), its pid namespace written in it."""
+    folder = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+    with open(os.path.join(folder, NAMESPACE_FILE), "w") as f:
+        f.write(str(pid_namespace()))
+    return folder
 
 
 def sweep_socket_dirs(root: str | None = None) -> list[str]:
     """Remove the socket folders (in ``root``, default the temp folder) that fronts now dead left behind: a
     front removes its own once the core has connected, or on close, but one SIGKILLed while its core loaded
-    could not (and its core dies with it). Only this user's folders, of pids no longer running."""
+    could not (and its core dies with it). Only this user's folders, made in this pid namespace, of pids no longer
+    running."""
     root = root or tempfile.gettempdir()
-    removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(root):
-            match = _SOCKET_DIR.match(entry.name)
-            if match is None or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+    removed, namespace = [], str(pid_namespace())
+    try:
+        entries = list(os.scandir(root))
+    except OSError:  # no temp folder to read: nothing to sweep
+        return removed
+    for entry in entries:
+        match = _SOCKET_DIR.match(entry.name)
+        if match is None:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
                 continue
-            try:
-                os.kill(int(match[1]), 0)  # signal 0: only asks whether the pid runs
-                continue
-            except ProcessLookupError:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(entry.path)
-            except (PermissionError, OverflowError):  # another user's pid: running; a pid out of range: not ours
-                continue
+            with open(os.path.join(entry.path, NAMESPACE_FILE)) as f:
+                if f.read(32) != namespace:  # another container's pids are not ours to judge
+                    continue
+            os.kill(int(match[1]), 0)  # signal 0: only asks whether the pid runs
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+        except (OSError, OverflowError):  # another user's pid (running), gone mid-scan or unmarked, out of range
+            continue
     return removed
 
 
@@ -244,7 +271,7 @@ class MPClient(AsyncCoreClient):
         self._dir: str | None = None
         if launcher.host is None:
             sweep_socket_dirs()  # what a SIGKILLed front left behind
-            self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+            self._dir = make_socket_dir()
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._from_core = self._ctx.socket(zmq.PULL)

@@ -71,3 +71,21 @@ def test_models_show_no_filesystem_path(tiny_llm_dir: Path) -> None:
         assert str(tiny_llm_dir.parent) not in httpx.get(f"{srv.url}/v1/models", timeout=10).text
     finally:
         srv.stop()
+
+
+def test_the_sweep_takes_only_dead_pids_of_its_own_namespace(tmp_path: Path) -> None:
+    """A folder is stale only when its pid, in the namespace that made it, no longer runs: another container's
+    folders (same user, shared temp folder), unmarked ones and a running front's stay."""
+    from pagedllm.engine.core_client import NAMESPACE_FILE, SOCKET_DIR_PREFIX, pid_namespace, sweep_socket_dirs
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ns = pid_namespace()
+    folders = {"dead": (dead.pid, ns), "alive": (os.getpid(), ns), "other": (dead.pid, ns + 1),
+               "unmarked": (dead.pid, None)}
+    for name, (pid, namespace) in folders.items():
+        folder = tmp_path / f"{SOCKET_DIR_PREFIX}{pid}-{name}"
+        folder.mkdir()
+        if namespace is not None:
+            (folder / NAMESPACE_FILE).write_text(str(namespace))
+    assert sweep_socket_dirs(str(tmp_path)) == [str(tmp_path / f"{SOCKET_DIR_PREFIX}{dead.pid}-dead")]
+    assert sorted(p.name.split("-")[-1] for p in tmp_path.iterdir()) == ["alive", "other", "unmarked"]
