@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", default=None,
                         help="bind this process's threads to these cores, e.g. 0-3,8 (a data-parallel replica)")
     parser.add_argument("--threads", type=int, default=None, help="compute threads (a replica on a Ray node)")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="the pid that started this process: if it is gone by now, exit at once")
     ns = parser.parse_args(argv)
     if ns.cores:  # before torch starts its thread pool: the pool's threads inherit the affinity
         cores = [int(c) for c in ns.cores.split(",")]
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.threads:
         torch.set_num_threads(ns.threads)
     from pagedllm.executor.multiproc import _die_with_parent
-    _die_with_parent()  # killed with the API process, whatever kills it
+    _die_with_parent(ns.parent_pid)  # killed with the API process, whatever kills it (gone already: exit)
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, systemd's stop: they reach the whole group, and the
         signal.signal(sig, signal.SIG_IGN)       # API process drains its requests first, then says Shutdown
     log = logging.getLogger("pagedllm")

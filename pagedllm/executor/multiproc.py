@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import logging
 import multiprocessing as mp
 import pickle
@@ -196,7 +197,8 @@ def _kill_workers(workers: list[_WorkerHandle]) -> None:
 def _worker_main(config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...], info: Any,
                  commands: Connection, results: Connection, log_level: int) -> None:
     """A worker process: load this rank's shard, then run what the engine sends until told to stop."""
-    _die_with_parent()
+    parent = mp.parent_process()
+    _die_with_parent(parent.pid if parent is not None else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine decides
     setup_worker_logging(info.rank, log_level)
     from pagedllm.worker.worker import Worker
@@ -225,11 +227,15 @@ def _worker_main(config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[in
         worker.shutdown()
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the engine's process dies (even by SIGKILL)."""
+def _die_with_parent(parent: int | None = None) -> None:
+    """Linux: SIGKILL this process when the engine's process dies (even by SIGKILL). ``parent``: the pid that
+    started this one; if it is no longer the parent (it died while this process was importing, before the
+    signal was asked for, so none will come), exit now rather than live on as an orphan."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 def setup_worker_logging(rank: int, level: int) -> None:

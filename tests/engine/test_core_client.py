@@ -102,3 +102,14 @@ def test_a_core_of_another_protocol_version_refuses_to_start(tmp_path: Path) -> 
         commands.close(0)
         results.close(0)
         ctx.term()
+
+
+def test_a_core_whose_front_died_while_it_started_exits(tmp_path: Path) -> None:
+    """A front SIGKILLed while its core was still importing torch dies before the core asks to die with it: the
+    core sees its parent is no longer the pid it was given and exits, rather than wait forever as an orphan."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    address = f"ipc://{tmp_path}/x"
+    core = subprocess.run([sys.executable, "-m", "pagedllm.engine.core_proc", address, address + "y",
+                           "--parent-pid", str(gone.pid)], timeout=120, capture_output=True)
+    assert core.returncode == 1, core.stderr[-2000:]
