@@ -8,6 +8,7 @@ long request's latency, and the engine core's RSS (before, peak while the long p
     .venv/bin/python benchmarks/stream_gap.py --prompt-len 8000
     .venv/bin/python benchmarks/stream_gap.py --prompt-len 8000 --prompt-logprobs 20
     .venv/bin/python benchmarks/stream_gap.py --server-args "--max-num-batched-attention 4194304"
+    .venv/bin/python benchmarks/stream_gap.py --server-args "--step-time-target 0"   # the target off
 
 PYTHONPATH picks the source tree (e.g. a `git archive` of an older commit) for before/after figures.
 """
@@ -26,6 +27,10 @@ import time
 import httpx
 
 from serve_sweep import stop_server, wait_healthy
+
+
+MODEL_STATS = ("step_time_decode_s", "step_time_token_s", "step_time_pair_s", "max_step_estimated_s")
+"""The server's step-time model after the long prompt (/stats)."""
 
 
 def tree_rss(pid: int) -> dict[int, int]:
@@ -114,9 +119,11 @@ def main() -> None:
 
         sampler = threading.Thread(target=sample_rss, daemon=True)
         sampler.start()
+        stats_before = httpx.get(f"{url}/stats").json()
         start = time.monotonic()
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
         end = time.monotonic()
+        stats_after = httpx.get(f"{url}/stats").json()
         done.set()
         sampler.join()
         time.sleep(1.0)
@@ -130,6 +137,11 @@ def main() -> None:
                   "max_gap_before_s": round(base_gap, 3), "stream_tokens_meanwhile": tokens,
                   "core_rss_before_mib": rss_before // mib, "core_rss_peak_mib": peak[0] // mib,
                   "core_rss_after_mib": rss_after // mib, "server_args": ns.server_args,
+                  # the long prompt's chunks (and those the step-time target shrank), the step-time model after it
+                  "long_prompt_chunks": stats_after["num_chunked_prefills"] - stats_before["num_chunked_prefills"] + 1,
+                  "step_time_shrunk_chunks": stats_after.get("num_step_time_shrunk_chunks", 0)
+                  - stats_before.get("num_step_time_shrunk_chunks", 0),
+                  **{k: float(f"{stats_after[k]:.4g}") for k in MODEL_STATS if k in stats_after},
                   "pythonpath": os.environ.get("PYTHONPATH", "")}
         print(json.dumps(result))
     finally:

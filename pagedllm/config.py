@@ -585,7 +585,7 @@ class EngineArgs:
     """Seconds: while requests are decoding, a step's prompt chunks shrink so the step's estimated time (learned
     from measured steps) stays under this, so decoding streams keep a bounded gap while long prompts prefill; a
     heavy decode load may take as long again, and the step's first chunk gets at least a block. None (or 0): off,
-    the default of LLM (full chunks, the most throughput); `pagedllm serve` defaults to 1.0, as vLLM's server
+    the default of LLM (full chunks, the most throughput); `pagedllm serve` defaults to 0.8, as vLLM's server
     and LLM class schedule differently."""
     enable_prefix_caching: bool = True
     """Reuse K/V of full blocks whose token prefix was computed before."""

@@ -90,7 +90,9 @@ class SchedulerStats:
     """The step-time model's seconds of a step's decode part (0: not measured yet; it learns with the target off
     too, never changing a step then)."""
     step_time_token_s: float = 0.0
-    """The step-time model's seconds of one prompt token at position 0 (0: not measured yet)."""
+    """The step-time model's seconds of one prompt token's work outside attention (0: not measured yet)."""
+    step_time_pair_s: float = 0.0
+    """The step-time model's seconds of one attended query x key pair of a prompt chunk (0: not measured yet)."""
     last_step_estimated_s: float = 0.0
     """The estimated seconds of the last step (when it was scheduled; 0 with step_time_target off)."""
     max_step_estimated_s: float = 0.0
@@ -116,10 +118,12 @@ class _StepPlan:
     has_prompt_chunk: bool = False
     """A prompt chunk (more than one new token) is in the step: later ones get no floor of a block."""
     prefill_budget: float | None = None
-    """Prefill units (core/step_time.py) the step's prompt chunks may still take (None: no step-time cap)."""
+    """What the step's prompt chunks may still cost (StepTimeModel.cost; None: no step-time cap)."""
     prefill_tokens: int = 0
-    prefill_units: float = 0.0
-    """The step's prompt chunks: tokens and units (what its measured time teaches the step-time model)."""
+    prefill_pairs: int = 0
+    """The step's prompt chunks: tokens and attended pairs (what its measured time teaches the step-time model)."""
+    prefill_cost: float = 0.0
+    """Their StepTimeModel.cost when scheduled."""
     decodes: bool = False
     """The step carries a decode token."""
     shrunk_by_time: bool = False
@@ -167,8 +171,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.step_time = StepTimeModel(*step_cost_weights)
         """Estimates a step's seconds (for step_time_target), learning from record_step_time()."""
-        self._last_step: tuple[int, float, bool] = (0, 0.0, False)
-        """The last scheduled step's prompt tokens, their units, and whether it decoded."""
+        self._last_step: tuple[int, int, bool] = (0, 0, False)
+        """The last scheduled step's prompt tokens, their attended pairs, and whether it decoded."""
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request, samples: list[Request] | None = None) -> None:
@@ -323,14 +327,14 @@ class Scheduler:
         """The request lacks only its newest token (a decode; drafts ride along) and is not a pooled input."""
         return request.num_tokens - request.num_computed_tokens == 1 and request.pooling_params is None
 
-    def _max_chunk(self, start: int, limit: int, budget: int, units: float | None = None) -> int:
+    def _max_chunk(self, start: int, limit: int, budget: int, cost: float | None = None) -> int:
         """The most tokens (at most ``limit``) from position ``start`` attending at most ``budget`` positions
-        (and, given ``units``, costing at most that many prefill units)."""
-        low, high = 0, limit  # binary search: attended positions and units grow with the chunk
+        (and, given ``cost``, costing at most that: StepTimeModel.cost)."""
+        low, high = 0, limit  # binary search: attended positions and the cost grow with the chunk
         while low < high:
             mid = (low + high + 1) // 2
             if attended_positions(start, mid, self.sliding_window) <= budget and (
-                    units is None or self.step_time.units(start, mid, self.sliding_window) <= units):
+                    cost is None or self.step_time.cost(start, mid, self.sliding_window) <= cost):
                 low = mid
             else:
                 high = mid - 1
@@ -490,11 +494,12 @@ class Scheduler:
         plan.attention_budget -= attended_positions(request.num_computed_tokens, num_new, self.sliding_window)
         if request.num_tokens - request.num_computed_tokens > 1:  # a prompt chunk (or a preempted one's recompute)
             plan.has_prompt_chunk = True
-            units = self.step_time.units(request.num_computed_tokens, num_new, self.sliding_window)
+            cost = self.step_time.cost(request.num_computed_tokens, num_new, self.sliding_window)
             plan.prefill_tokens += num_new
-            plan.prefill_units += units
+            plan.prefill_pairs += attended_positions(request.num_computed_tokens, num_new, self.sliding_window)
+            plan.prefill_cost += cost
             if plan.prefill_budget is not None:
-                plan.prefill_budget -= units
+                plan.prefill_budget -= cost
                 self.stats.num_step_time_shrunk_chunks += plan.shrunk_by_time
         elif request.pooling_params is None:
             plan.decodes = True
@@ -532,13 +537,13 @@ class Scheduler:
         self.stats.num_steps += 1 if out.num_scheduled_tokens else 0
         attended = self.config.max_num_batched_attention - plan.attention_budget
         self.stats.max_step_attended_positions = max(self.stats.max_step_attended_positions, attended)
-        self._last_step = (plan.prefill_tokens, plan.prefill_units, plan.decodes)
+        self._last_step = (plan.prefill_tokens, plan.prefill_pairs, plan.decodes)
         if self.config.step_time_target is not None and out.num_scheduled_tokens:
-            estimate = self.step_time.estimate(plan.prefill_units, plan.decodes)
+            estimate = self.step_time.estimate(plan.prefill_cost, plan.decodes)
             self.stats.last_step_estimated_s = estimate
             if plan.prefill_budget is not None and plan.prefill_tokens and not plan.floored:
                 self.stats.max_step_estimated_s = max(self.stats.max_step_estimated_s, estimate)
-                if self.step_time.s_per_unit is not None:  # before, the budget was a chunk's tokens, not seconds
+                if self.step_time.measured:  # before, the budget was a chunk's units, not seconds
                     self.stats.max_step_estimated_fraction = max(self.stats.max_step_estimated_fraction,
                                                                  estimate / plan.allowed_s)
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
@@ -548,10 +553,10 @@ class Scheduler:
     def record_step_time(self, seconds: float) -> None:
         """The wall time of the step last scheduled (executed and updated): teaches the step-time model."""
         self.step_time.observe(*self._last_step, seconds)
-        self._last_step = (0, 0.0, False)  # one measurement per step
-        model = self.step_time
-        self.stats.step_time_decode_s = model.decode_s or 0.0
-        self.stats.step_time_token_s = (model.s_per_unit or 0.0) * model.units(0, 1)
+        self._last_step = (0, 0, False)  # one measurement per step
+        self.stats.step_time_decode_s = self.step_time.decode_s or 0.0
+        self.stats.step_time_token_s = self.step_time.token_s()
+        self.stats.step_time_pair_s = self.step_time.pair_s()
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests.

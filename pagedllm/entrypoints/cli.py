@@ -10,9 +10,10 @@ from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
 
 
-SERVE_DEFAULTS: dict[str, object] = {"step_time_target": 1.0}
+SERVE_DEFAULTS: dict[str, object] = {"step_time_target": 0.8}
 """EngineArgs defaults of `pagedllm serve` that differ from LLM's, as vLLM's server and LLM class schedule
-differently (its UsageContext): a server keeps its decoding streams' gaps bounded while long prompts prefill."""
+differently (its UsageContext): a server keeps its decoding streams' gaps bounded while long prompts prefill
+(0.8 s: a stream's gap is a step, its delivery and the estimate's error; 1.0 gave 1.08 s, docs/BENCHMARKS.md)."""
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -145,7 +145,7 @@ class Fuzzer:
                 first_chunk = False
 
     def check_step_time(self, out: SchedulerOutput, prefill_budget: float) -> None:
-        """Beside a decode, each prompt chunk fit the prefill units left when it was scheduled, or was the step's
+        """Beside a decode, each prompt chunk fit the prefill cost left when it was scheduled, or was the step's
         first and at most a block."""
         s = self.scheduler
         chunks = []
@@ -158,7 +158,7 @@ class Fuzzer:
         first = True
         for start, n, prompt in chunks:
             if prompt:
-                prefill_budget -= s.step_time.units(start, n)
+                prefill_budget -= s.step_time.cost(start, n)
                 assert prefill_budget >= -1e-9 or (first and n <= self.block_size), (start, n, prefill_budget)
                 first = False
 

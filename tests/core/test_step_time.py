@@ -5,7 +5,7 @@ import pytest
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.core.step_time import UNMEASURED_CHUNK_TOKENS, StepTimeModel, cost_weights
+from pagedllm.core.step_time import PRIOR_ATTENTION_RATIO, UNMEASURED_CHUNK_TOKENS, StepTimeModel, cost_weights
 from pagedllm.errors import ValidationError
 from pagedllm.request import RequestStatus
 from tests.core.utils import fake_runner_output, make_request, make_scheduler
@@ -27,26 +27,32 @@ def test_cost_weights_of_smollm2_135m() -> None:
     assert attention == 4 * 30 * 9 * 64
 
 
-def test_the_model_learns_decode_time_and_seconds_per_unit() -> None:
-    m = StepTimeModel(token_weight=2.0, attention_weight=0.0)
-    assert m.prefill_budget(1.0) == m.units(0, UNMEASURED_CHUNK_TOKENS) == 2.0 * UNMEASURED_CHUNK_TOKENS
-    m.observe(0, 0.0, True, 0.2)  # a decode-only step
+def test_the_model_learns_decode_time_and_the_prefill_costs() -> None:
+    m = StepTimeModel(token_weight=2.0, attention_weight=1.0)
+    assert not m.measured and m.token_s() == 0.0
+    assert m.prefill_budget(1.0) == m.units(0, UNMEASURED_CHUNK_TOKENS) == 2.0 * 256 + 256 * 257 / 2
+    m.observe(0, 0, True, 0.2)  # a decode-only step
     assert m.decode_s == 0.2
-    m.observe(8, 16.0, True, 5.0)  # too few prompt tokens to teach anything
-    assert m.s_per_unit is None
-    m.observe(100, 200.0, True, 0.6)  # 0.2 s of decodes + 200 units in 0.4 s
-    assert m.s_per_unit == pytest.approx(0.002)
-    assert m.prefill_budget(1.0) == pytest.approx(0.8 / 0.002)
-    assert m.estimate(100.0, True) == pytest.approx(0.4) and m.estimate(100.0, False) == pytest.approx(0.2)
-    m.observe(100, 200.0, False, 0.8)  # slower: believed half at once
-    assert m.s_per_unit == pytest.approx(0.003)
-    m.observe(100, 200.0, False, 0.4)  # faster: a fifth
-    assert m.s_per_unit == pytest.approx(0.003 - 0.2 * 0.001)
-    m.observe(100, 200.0, True, 0.1)  # faster than its decodes alone (noise): no sample
-    assert m.s_per_unit == pytest.approx(0.0028)
-    m.observe(0, 0.0, True, 0.7)
+    m.observe(8, 36, True, 5.0)  # too few prompt tokens to teach anything
+    assert not m.measured
+    # truth: 1 ms per token unit, 2 ms per attention unit; 0.2 s of decodes beside
+    truth = lambda tokens, pairs: 0.001 * 2.0 * tokens + 0.002 * pairs  # noqa: E731
+    m.observe(100, 0, True, 0.2 + truth(100, 0))
+    assert m.measured and m.token_s() == pytest.approx(0.002)
+    # one attention share seen: attention assumed PRIOR_ATTENTION_RATIO x as costly per unit
+    assert m.cost(0, 10) == pytest.approx(0.001 * 20 + 0.001 * PRIOR_ATTENTION_RATIO * 55)
+    assert m.prefill_budget(1.0) == pytest.approx(0.8)
+    assert m.estimate(0.5, True) == pytest.approx(0.7) and m.estimate(0.5, False) == pytest.approx(0.5)
+    for pairs in (50, 400, 3000):  # shares that differ: the fit finds the truth
+        m.observe(100, pairs, False, truth(100, pairs))
+    assert m.cost(1000, 50) == pytest.approx(truth(50, 1000 * 50 + 50 * 51 // 2), rel=0.02)
+    m.observe(100, 0, True, 0.1)  # faster than its decodes alone (noise): no sample
+    assert m.cost(1000, 50) == pytest.approx(truth(50, 1000 * 50 + 50 * 51 // 2), rel=0.02)
+    m.observe(0, 0, True, 0.7)  # slower decodes are believed faster (half) than faster ones (a fifth)
     assert m.decode_s == pytest.approx(0.45)
-    assert m.prefill_budget(0.5) == pytest.approx(0.45 / 0.0028)  # max(target - decode, decode)
+    m.observe(0, 0, True, 0.2)
+    assert m.decode_s == pytest.approx(0.4)
+    assert m.prefill_budget(0.5) == pytest.approx(0.4)  # max(target - decode, decode)
 
 
 def scheduler_decoding() -> Scheduler:
@@ -65,7 +71,7 @@ def test_beside_decodes_chunks_shrink_to_the_target() -> None:
     s.add_request(make_request("long", 3000, max_tokens=1))
     # no prefill measured yet: a conservative chunk
     assert step(s, 0.2 + 0.002 * 256).num_scheduled_tokens == {"d": 1, "long": UNMEASURED_CHUNK_TOKENS}
-    assert s.step_time.s_per_unit == pytest.approx(0.002)
+    assert s.step_time.token_s() == pytest.approx(0.002)
     # measured: the prefill takes 1.0 - 0.2 s = 400 tokens at 2 ms; the step is estimated at the target
     out = step(s, 1.0)
     assert out.num_scheduled_tokens["d"] == 1 and 399 <= out.num_scheduled_tokens["long"] <= 400
@@ -88,16 +94,17 @@ def test_beside_decodes_chunks_shrink_to_the_target() -> None:
 
 def test_attended_positions_count_in_the_units() -> None:
     s = scheduler_decoding()
-    s.step_time = StepTimeModel(token_weight=1.0, attention_weight=0.5, decode_s=0.2, s_per_unit=0.002)
+    s.step_time = StepTimeModel(token_weight=1.0, attention_weight=0.5 / PRIOR_ATTENTION_RATIO, decode_s=0.2)
+    s.step_time.observe(100, 0, False, 0.2)  # 2 ms per token unit, 2 x PRIOR_ATTENTION_RATIO per attention unit
     s.add_request(make_request("long", 3000, max_tokens=1))
-    # 400 units: c + 0.5 * c (c + 1) / 2 <= 400 from position 0 -> 37 tokens (37 + 351.5), 38 would not fit
+    # 0.8 s: 2 ms x (c + 0.5 * c (c + 1) / 2) <= 0.8 from position 0 -> 37 tokens (37 + 351.5), 38 would not fit
     assert step(s, 1.0).num_scheduled_tokens == {"d": 1, "long": 37}
-    assert s.step_time.units(0, 37) <= 400 < s.step_time.units(0, 38)
+    assert s.step_time.cost(0, 37) <= 0.8 < s.step_time.cost(0, 38)
 
 
 def test_the_first_chunk_gets_a_block_and_later_ones_wait() -> None:
     s = scheduler_decoding()
-    s.step_time.s_per_unit = 100.0  # nothing fits 0.8 s
+    s.step_time.observe(100, 0, False, 1000.0)  # 10 s per token: nothing fits 0.8 s
     s.add_request(make_request("a", 50, max_tokens=1))
     s.add_request(make_request("b", 50, max_tokens=1))
     assert step(s, 0.2).num_scheduled_tokens == {"d": 1, "a": 4}

@@ -100,8 +100,8 @@ def test_models_lists_the_registry_and_its_flags_hold(capsys: pytest.CaptureFixt
 
 
 def test_serve_defaults_to_one_second_and_generate_is_off() -> None:
-    """step_time_target: on for the server (1.0 s), off offline, as vLLM's UsageContext does."""
+    """step_time_target: on for the server (0.8 s), off offline, as vLLM's UsageContext does."""
     parser = build_parser()
-    assert parser.parse_args(["serve"]).step_time_target == 1.0
+    assert parser.parse_args(["serve"]).step_time_target == 0.8
     assert parser.parse_args(["serve", "--step-time-target", "0.25"]).step_time_target == 0.25
     assert parser.parse_args(["generate", "hi"]).step_time_target is None

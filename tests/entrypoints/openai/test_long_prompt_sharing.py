@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Any) -> Iterator[RemoteServer]:
-    """Served with default budgets (a step-time target of 1 s: the tiny model's steps are far shorter)."""
+    """Served with default budgets (a step-time target of 0.8 s: the tiny model's steps are far shorter)."""
     srv = RemoteServer(model_dir, "--served-model-name", "tiny")
     yield srv
     srv.stop()
@@ -141,6 +141,7 @@ def test_beside_a_stream_chunks_shrink_to_the_step_time_target(model_dir: Any) -
         shrunk = after["num_step_time_shrunk_chunks"] - before["num_step_time_shrunk_chunks"]
         print(f"chunks beside the stream: {steps} ({shrunk} shrunk by the target), decode estimate "
               f"{after['step_time_decode_s'] * 1e3:.2f} ms, prompt token {after['step_time_token_s'] * 1e6:.1f} us, "
+              f"attended pair {after['step_time_pair_s'] * 1e9:.2f} ns, "
               f"most estimated step {after['max_step_estimated_s'] * 1e3:.2f} ms")
         assert steps > 2 * len(expected_chunks(ATTENTION)) and shrunk >= steps // 2  # more, smaller chunks
         assert after["step_time_decode_s"] > 0
