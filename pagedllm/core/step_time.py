@@ -26,18 +26,19 @@ def attended_positions(start: int, count: int, window: int | None = None) -> int
     growing = max(0, min(start + count, window) - start)  # tokens below position `window` attend p + 1, others window
     return growing * start + growing * (growing + 1) // 2 + (count - growing) * window
 
+
 UNMEASURED_CHUNK_TOKENS = 256
 """Beside decodes, before any prefill was measured, a step's prefill costs at most this many tokens from position 0."""
 MIN_SAMPLE_TOKENS = 16
-"""Fewest prompt tokens in a step whose time teaches s_per_unit."""
+"""Fewest prompt tokens in a step whose time teaches the prefill fit."""
 DECAY = 0.7
 """Weight left to the earlier steps at each new one: the fit follows a machine whose load changes."""
 DECODE_RISE, DECODE_FALL = 0.5, 0.2
 """Weights of a new decode-only step in decode_s when it is above / below it: a slow step is believed faster."""
 PRIOR_ATTENTION_RATIO = 3.0
 """Seconds per attention unit over seconds per token unit, assumed while the steps measured barely differ in their
-share of attention: this CPU's attention ran ~3x slower per FLOP than its matrix products (SmolLM2-135M, bf16:
-~2.8 us per attended pair, ~2.7 ms per token); too small a chunk costs a little time, too big a one the gap."""
+share of attention: a 2-vCPU AMD EPYC's attention ran 2.5-3x slower per FLOP than its matrix products
+(SmolLM2-135M, bf16; docs/BENCHMARKS.md); too small a chunk costs a little time, too big a one the gap."""
 RIDGE = 1e-3
 """How strongly that prior holds (against the variance of the attention shares measured, which lie in [0, 1])."""
 
