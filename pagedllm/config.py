@@ -239,8 +239,7 @@ class SchedulerConfig:
     """Most distinct LoRA adapters among running requests (None: LoRA off)."""
     max_num_batched_attention: int | None = None
     """Query x key positions one step may attend (a token at position p attends p + 1): a prompt chunk shrinks to
-    stay under it, at least one block per step; decode tokens are never held back. None: max_num_batched_tokens
-    squared (resolved here)."""
+    stay under it, at least one block per step; decode tokens are never held back. None: no such bound."""
     step_time_target: float | None = None
     """Seconds a step that also decodes should take at most: its prompt chunks shrink to fit the estimate (see
     core/step_time.py). None: off."""
@@ -252,10 +251,8 @@ class SchedulerConfig:
             raise ValidationError.bad_value("max_num_seqs", self.max_num_seqs, "a positive integer")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValidationError.bad_value("max_num_batched_tokens", self.max_num_batched_tokens, "a positive integer")
-        if self.max_num_batched_attention is None:  # derived from the token budget (see EngineArgs' docstring)
-            object.__setattr__(self, "max_num_batched_attention", self.max_num_batched_tokens ** 2)
         attention = self.max_num_batched_attention
-        if isinstance(attention, bool) or not isinstance(attention, int) or attention < 1:
+        if attention is not None and (isinstance(attention, bool) or not isinstance(attention, int) or attention < 1):
             raise ValidationError.bad_value("max_num_batched_attention", attention, "a positive integer")
         target = self.step_time_target
         if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
@@ -578,9 +575,9 @@ class EngineArgs:
     """Query x key positions one step may attend (a token at position p attends p + 1 keys): what a step's
     attention costs, which max_num_batched_tokens does not bound (a 2,048-token chunk at the end of an 8k prompt
     attends 8x what the first one does). A prompt chunk shrinks to stay under it (at least one block per step, so
-    every prompt progresses); decode tokens are never held back. Default: max_num_batched_tokens squared, twice
-    what a full first chunk attends: a first chunk is never cut, even beside decodes attending as much again,
-    and later chunks shrink so no step attends more."""
+    every prompt progresses); decode tokens are never held back. Default None: no such bound (as vLLM; the
+    server's step_time_target bounds what a step costs, attention included, while streams decode). On a CPU,
+    max_num_batched_tokens squared keeps a late chunk within twice a full first chunk's attention."""
     step_time_target: float | None = None
     """Seconds: while requests are decoding, a step's prompt chunks shrink so the step's estimated time (learned
     from measured steps) stays under this, so decoding streams keep a bounded gap while long prompts prefill; a

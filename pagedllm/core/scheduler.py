@@ -1,7 +1,7 @@
 """Iteration-level scheduler: which requests run in the next step, and how many tokens each.
 
-``schedule()`` decides one step within a token budget (max_num_batched_tokens) and an attention budget
-(max_num_batched_attention: query x key positions, what a prompt chunk's attention costs grows with):
+``schedule()`` decides one step within a token budget (max_num_batched_tokens) and, when set, an attention
+budget (max_num_batched_attention: query x key positions, what a prompt chunk's attention costs grows with):
 
 1. Running requests, oldest first, each get the tokens they still lack (a prompt or the rest of
    it, chunked when a budget runs out, or one decode token). When the KV pool cannot hold
@@ -51,6 +51,9 @@ from pagedllm.core.step_time import StepTimeModel, attended_positions
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.request import Request, RequestStatus
+
+UNBOUNDED_ATTENTION = 2**62
+"""The attention budget of a step when max_num_batched_attention is unset: more than any step attends."""
 
 
 @dataclass(kw_only=True)
@@ -260,7 +263,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: running requests, then (unless one was preempted) waiting ones."""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens,
-                         attention_budget=self.config.max_num_batched_attention, output=SchedulerOutput(),
+                         attention_budget=self._attention_limit, output=SchedulerOutput(),
                          now=time.monotonic())
         target = self.config.step_time_target
         if target is not None and any(self._decodes(r) for r in self.running):  # only a decoding stream waits
@@ -303,6 +306,13 @@ class Scheduler:
                    self.config.max_model_len - request.num_tokens)
         return request.spec_token_ids[:max(room, 0)]
 
+    @property
+    def _attention_limit(self) -> int:
+        """max_num_batched_attention, or a bound no step reaches when it is unset (the positions are still counted:
+        max_step_attended_positions)."""
+        limit = self.config.max_num_batched_attention
+        return UNBOUNDED_ATTENTION if limit is None else limit
+
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, plan: _StepPlan) -> int:
         """The tokens the request lacks after ``num_computed``, as many as the step's budgets leave.
 
@@ -313,7 +323,8 @@ class Scheduler:
         num_new = min(lacking, plan.token_budget)
         if lacking <= 1 or request.pooling_params is not None:
             return num_new
-        fits = self._max_chunk(num_computed, num_new, plan.attention_budget)
+        fits = num_new if self.config.max_num_batched_attention is None else \
+            self._max_chunk(num_computed, num_new, plan.attention_budget)
         plan.shrunk_by_time = False
         if plan.prefill_budget is not None:
             timed = self._max_chunk(num_computed, fits, plan.attention_budget, plan.prefill_budget)
@@ -535,7 +546,7 @@ class Scheduler:
                 0, min(request.num_prompt_tokens, request.num_computed_tokens + num_new) - request.num_computed_tokens)
             request.num_computed_tokens += num_new
         self.stats.num_steps += 1 if out.num_scheduled_tokens else 0
-        attended = self.config.max_num_batched_attention - plan.attention_budget
+        attended = self._attention_limit - plan.attention_budget
         self.stats.max_step_attended_positions = max(self.stats.max_step_attended_positions, attended)
         self._last_step = (plan.prefill_tokens, plan.prefill_pairs, plan.decodes)
         if self.config.step_time_target is not None and out.num_scheduled_tokens:

@@ -30,8 +30,7 @@ def test_attended_positions_causal_and_sliding_window() -> None:
 
 
 def test_late_chunks_of_a_long_prompt_shrink_and_decodes_run_every_step() -> None:
-    s = make_scheduler(num_kv_blocks=160, block_size=4, max_num_batched_tokens=64)
-    assert s.config.max_num_batched_attention == 64 * 64  # the default: the token budget squared
+    s = make_scheduler(num_kv_blocks=160, block_size=4, max_num_batched_tokens=64, max_num_batched_attention=64 * 64)
     s.add_request(make_request("d", 3, max_tokens=200))
     assert step(s).num_scheduled_tokens == {"d": 3}
     s.add_request(make_request("long", 400, max_tokens=1))
@@ -72,3 +71,15 @@ def test_max_num_batched_attention_must_be_a_positive_integer(value: object) -> 
     with pytest.raises(ValidationError) as e:
         SchedulerConfig(max_num_batched_attention=value)
     assert e.value.param == "max_num_batched_attention"
+
+
+def test_unset_the_attention_budget_cuts_nothing() -> None:
+    """The default (None, as vLLM): a long prompt runs in full token-budget chunks; the positions are still
+    counted in the stats."""
+    s = make_scheduler(num_kv_blocks=160, block_size=4, max_num_batched_tokens=64)
+    assert s.config.max_num_batched_attention is None
+    s.add_request(make_request("long", 400, max_tokens=1))
+    chunks = []
+    while "long" in s.requests:
+        chunks.append(step(s).num_scheduled_tokens.get("long", 0))
+    assert chunks == [64] * 6 + [16] and s.stats.max_step_attended_positions == attended_positions(320, 64)

@@ -30,7 +30,8 @@ class Fuzzer:
         self.scheduler = make_scheduler(
             NUM_KV_BLOCKS, block_size, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, max_model_len=4096,
             enable_prefix_caching=sharing, preemption_mode="swap" if sharing else "recompute",
-            num_host_blocks=24 if sharing else 0, step_time_target=STEP_TIME_TARGET if timed else None)
+            num_host_blocks=24 if sharing else 0, step_time_target=STEP_TIME_TARGET if timed else None,
+            max_num_batched_attention=MAX_NUM_BATCHED_TOKENS ** 2)
         self.timed = timed
         """step_time_target on: each step is 'measured' as a noisy linear function of its work."""
         self.next_id = 0

@@ -19,7 +19,7 @@ from tests.utils import RemoteServer, save_tiny_model
 
 PROMPT_LEN = 8000
 TOKENS, BLOCK = 2048, 16  # the server's defaults: max_num_batched_tokens, block_size
-ATTENTION = TOKENS * TOKENS  # max_num_batched_attention's default
+ATTENTION = TOKENS * TOKENS  # the servers' --max-num-batched-attention (the token budget squared)
 
 
 TARGET = 0.01  # seconds: the tiny model's step beside a stream takes a few ms, so chunks must shrink to fit
@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Any:
 @pytest.fixture(scope="module")
 def server(model_dir: Any) -> Iterator[RemoteServer]:
     """Served with default budgets (a step-time target of 0.8 s: the tiny model's steps are far shorter)."""
-    srv = RemoteServer(model_dir, "--served-model-name", "tiny")
+    srv = RemoteServer(model_dir, "--served-model-name", "tiny", "--max-num-batched-attention", str(ATTENTION))
     yield srv
     srv.stop()
 
@@ -121,7 +121,8 @@ def test_beside_a_stream_chunks_shrink_to_the_step_time_target(model_dir: Any) -
     """--step-time-target: alone, the long prompt runs in the same 9 chunks (no decode waits: no cap); beside a
     decoding stream its chunks shrink to fit the target by the estimate the server learned from its own steps
     (or, for a step's first chunk, a block), and the stream still gets a token at every step."""
-    srv = RemoteServer(model_dir, "--served-model-name", "tiny", "--step-time-target", str(TARGET))
+    srv = RemoteServer(model_dir, "--served-model-name", "tiny", "--step-time-target", str(TARGET),
+                       "--max-num-batched-attention", str(ATTENTION))
     try:
         before = stats(srv)
         reply = httpx.post(f"{srv.url}/v1/completions", timeout=300,
