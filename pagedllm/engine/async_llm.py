@@ -230,7 +230,8 @@ class AsyncLLM:
     # ------------------------------------------------------------------ the core's messages (event loop)
     def _check_running(self) -> None:
         if not self.is_running:
-            why = "" if self.dead_error is None else f": {self.dead_error}"  # why it stopped, said once
+            reason = self.client.exit_reason() if self.dead_error is None else str(self.dead_error)
+            why = "" if reason is None else f": {reason}"  # why it stopped, said once
             raise EngineDeadError(f"the engine is not running{why}") from self.dead_error
 
     def _send_quietly(self, message: FrontMessage) -> None:

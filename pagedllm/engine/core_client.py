@@ -167,6 +167,10 @@ class AsyncCoreClient:
         """Started, and its core still runs."""
         raise NotImplementedError
 
+    def exit_reason(self) -> str | None:
+        """Why the core is gone, when that is known before on_dead has been delivered (None: not known)."""
+        return None
+
     def close(self, timeout: float = CORE_EXIT_TIMEOUT_S) -> None:
         """Stop the core (and its workers) and free what the client holds; idempotent, any thread."""
         raise NotImplementedError
@@ -347,6 +351,11 @@ class MPClient(AsyncCoreClient):
     def is_alive(self) -> bool:
         return (self._receiver is not None and self._receiver.is_alive() and not self._dead
                 and not self._closing and self.proc.poll() is None)
+
+    def exit_reason(self) -> str | None:
+        # between the core's exit and on_dead (its last words are read first), a request is refused with this
+        code = self.proc.poll()
+        return None if code is None else f"the engine core process exited with status {code}"
 
     def send(self, message: FrontMessage) -> None:
         if self._closing:

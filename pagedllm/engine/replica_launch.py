@@ -86,7 +86,7 @@ class LocalLauncher:
 
     def launch(self, index: int, argv: list[str]) -> subprocess.Popen:
         extra = ["--cores", cores_spec(self.cores[index])] if self.cores else []
-        return subprocess.Popen([sys.executable, "-m", CORE_MODULE, *argv, *extra, "--parent-pid", str(os.getpid())])
+        return subprocess.Popen([sys.executable, "-m", CORE_MODULE, *argv, "--parent-pid", str(os.getpid()), *extra])
 
     def describe(self, index: int) -> dict[str, Any]:
         return {"backend": "mp", "cores": self.cores[index] if self.cores else None}
