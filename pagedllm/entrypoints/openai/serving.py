@@ -212,15 +212,19 @@ class OpenAIServing:
             return await self.engine.add_request(f"{request_id}-{i}", prompt, params, lora_request=lora_request)
 
         adds = [asyncio.ensure_future(add(i, prompt)) for i, prompt in enumerate(prompts)]
+        completed = False
         try:
             await asyncio.wait(adds)
+            completed = True
         finally:
             self.admission.submitting -= len(prompts) - begun  # adds cancelled before they began
             for add in adds:
                 if not add.done():
                     add.cancel()  # cancelled while waiting: its own handler withdraws it from the engine
             failures = [a.exception() for a in adds if a.done() and not a.cancelled() and a.exception()]
-            if failures or any(a.cancelled() for a in adds):
+            # (a task just cancelled above is not cancelled() yet: an interrupted wait itself says so; the
+            # accepted ones were left running when a client left while others still tokenized)
+            if failures or not completed or any(a.cancelled() for a in adds):
                 for add in adds:
                     if add.done() and not add.cancelled() and add.exception() is None:
                         add.result().abort()
