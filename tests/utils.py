@@ -3,6 +3,7 @@ process on a free 127.0.0.1 port, the KV-pool checks after requests, tiny random
 and the kernel levels this CPU runs."""
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -160,6 +161,16 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3),
 }
+
+
+def with_context(model: Path, folder: Path, max_position_embeddings: int) -> Path:
+    """``folder``: ``model``'s files linked in, its config.json with a longer (or shorter) context."""
+    for f in model.iterdir():
+        if f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((model / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": max_position_embeddings}))
+    return folder
 
 
 def save_tiny_model(path: Path, variant: str, vocab_size: int = 512, tokenizer: Any = None, seed: int = 0,

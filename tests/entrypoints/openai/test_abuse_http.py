@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, with_context
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,13 +42,7 @@ def srv(tiny_llm_dir: Path) -> Iterator[RemoteServer]:
 @pytest.fixture(scope="module")
 def long_llm_dir(tiny_llm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a 4096-token context: requests that would run for many seconds."""
-    folder = tmp_path_factory.mktemp("long-llm")
-    for f in tiny_llm_dir.iterdir():
-        if f.name != "config.json":
-            (folder / f.name).symlink_to(f)
-    config = json.loads((tiny_llm_dir / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    return folder
+    return with_context(tiny_llm_dir, tmp_path_factory.mktemp("long-llm"), 4096)
 
 
 def _openai_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:

@@ -4,7 +4,6 @@ while /health keeps answering, text in tool_calls counts in --max-prompt-bytes, 
 max_tokens (x logprobs, unless streamed) pass --max-request-tokens is refused at once."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ import pytest
 from pagedllm.entrypoints.openai.json_scan import json_shape
 from pagedllm.entrypoints.openai.limits import ServingLimits, check_request_tokens
 from pagedllm.errors import ValidationError
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, with_context
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 HEALTHY_WITHIN = 0.5
@@ -120,12 +119,7 @@ def client_ok(srv: RemoteServer) -> bool:
 def product_srv(tiny_llm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     """The default --max-request-tokens, on the tiny model with an 8192-token context and n wide enough for the
     issue's request."""
-    folder = tmp_path_factory.mktemp("context-8k")
-    for f in tiny_llm_dir.iterdir():
-        if f.name != "config.json":
-            (folder / f.name).symlink_to(f)
-    config = json.loads((tiny_llm_dir / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    folder = with_context(tiny_llm_dir, tmp_path_factory.mktemp("context-8k"), 8192)
     s = RemoteServer(folder, "--max-model-len", "8192", "--max-n", "256", "--num-kv-blocks", "64")
     yield s
     s.stop()
