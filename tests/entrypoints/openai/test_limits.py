@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, with_context
 
 C = "/v1/completions"
 
@@ -65,10 +65,12 @@ def test_requests_that_could_never_run_are_400s(limited: RemoteServer, path: str
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_request_timeout_aborts_and_frees_the_blocks(tiny_llm_dir: Path) -> None:
-    srv = RemoteServer(tiny_llm_dir, "--request-timeout", "0.3")
+def test_request_timeout_aborts_and_frees_the_blocks(tiny_llm_dir: Path, tmp_path: Path) -> None:
+    # An 8k context: 480 tokens of the tiny model took under 0.3 s on a fast CI machine; 8,000 cannot.
+    srv = RemoteServer(with_context(tiny_llm_dir, tmp_path, 8192), "--request-timeout", "0.3", "--max-model-len",
+                       "8192")
     try:
-        body = {"prompt": "slow", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+        body = {"prompt": "slow", "max_tokens": 8000, "ignore_eos": True, "temperature": 0}
         start = time.monotonic()
         r = httpx.post(f"{srv.url}{C}", json=body, timeout=30)
         assert r.status_code == 504 and time.monotonic() - start < 5
