@@ -606,8 +606,8 @@ class EngineArgs:
     tokenizer are read: for benchmarks and memory profiling of a model's shape without its checkpoint)."""
     quantization: str | None = "auto"
     """"auto": "gguf" for a .gguf file with matrices in those formats where the compiled CPU kernels run, else
-    None. "gguf": run a GGUF file's quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) in their own formats
-    through int8 kernels, ~3x fewer bytes per decode step than bf16 (other tensors, and every weight where the
+    None. "gguf": run a GGUF file's quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) in their own
+    formats through int8 kernels, ~3x fewer bytes per decode step than bf16 (other tensors, and every weight where the
     compiled kernels do not run, are dequantized to dtype). "int8": every linear weight (and the embedding
     table) quantized at load to int8 with one scale per output channel, run by the same kernels (HF
     checkpoints, or any model). Both are CPU options (refused on a GPU and with load_format="dummy"). None

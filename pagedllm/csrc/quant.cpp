@@ -1,5 +1,5 @@
-// GEMM / GEMV over weights kept in GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K),
-// never dequantized to memory: each 32-weight chunk is decoded to 32 int8 in a register and
+// GEMM / GEMV over weights kept in GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+// Q5_K, Q6_K), never dequantized to memory: each 32-weight chunk is decoded to 32 int8 in a register and
 // multiplied by the activations quantized the same way (per 32 values: scale amax / 127, int8
 // values rounded to nearest even, and their sum for the formats with a per-chunk offset), as
 // llama.cpp does on CPUs. A chunk's product is one integer dot (vpmaddubsw + vpmaddwd: 32 int8
@@ -7,12 +7,13 @@
 //
 // Two kernels: Q8_0, Q4_0 and Q4_1 repacked at load so that one register holds a group of rows'
 // values (below: one scale multiply serves 8 or 16 outputs; vpdpbusd at the avx512_bf16 level);
-// Q4_K and Q6_K read as the file has them, a row at a time (256-bit code at every level). A decode
-// step reads ~5 bits per weight (Q4_1) instead of 16 (bf16), which is what a memory-bound decode
-// step is paid in: SmolLM2-135M's single-sequence decode 105 -> 145 tok/s on 2 Zen 4 cores.
+// Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) read as the file has them, a row at a time (256-bit
+// code at every level). A decode step reads ~5 bits per weight (Q4_1) instead of 16 (bf16), which is
+// what a memory-bound decode step is paid in: SmolLM2-135M's single-sequence decode 105 -> 145 tok/s
+// on 2 Zen 4 cores.
 //
 // Chunk c of a row of K weights (K a multiple of the format's block: 32, or 256 for the K-quants):
-//   value j = scale[j / 16 within the chunk] * q[j] + offset, q int8 (signed or 0..15 unsigned).
+//   value j = scale[j / 16 within the chunk] * q[j] + offset, q int8 (signed, or unsigned 0..15 / 0..31).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -22,7 +23,8 @@
 namespace {
 using namespace pl;
 
-enum QType : int { kQ8_0 = 8, kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 12, kQ6_K = 14 };  // GGML's type numbers
+// GGML's type numbers
+enum QType : int { kQ8_0 = 8, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -39,6 +41,18 @@ struct Chunk {
 inline __m256i nibbles(__m128i bytes) {  // 16 bytes -> 32 values: the 16 low nibbles, then the 16 high ones
   const __m128i m = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m), _mm_and_si128(bytes, m));
+}
+
+// 4 bytes of fifth bits (value k: bit k) -> 32 bytes, 0x10 where the bit is set.
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  // byte k takes byte k / 8 of the word (the shuffle works per 128-bit half: both halves hold the word)
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);  // byte k tests bit k % 8
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
 template <int QT> struct Format;
@@ -74,6 +88,42 @@ template <> struct Format<kQ4_1> {  // d, m (f16), 16 bytes of nibbles; value = 
   }
 };
 
+template <> struct Format<kQ5_0> {  // d (f16), 4 bytes of fifth bits, 16 bytes of nibbles; value = d * (q - 16)
+  static constexpr int64_t kBlock = 32, kBytes = 22;
+  static constexpr bool kUnsigned = false;
+  static Chunk decode(const uint8_t* row, int64_t c) {
+    const uint8_t* b = row + c * kBytes;
+    const float d = half(b);
+    const __m256i q =
+        _mm256_or_si256(nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6))), fifth_bits(b + 2));
+    return {_mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d, 0.f};
+  }
+};
+
+template <> struct Format<kQ5_1> {  // d, m (f16), 4 bytes of fifth bits, 16 bytes of nibbles; value = d * q + m
+  static constexpr int64_t kBlock = 32, kBytes = 24;
+  static constexpr bool kUnsigned = true;
+  static Chunk decode(const uint8_t* row, int64_t c) {
+    const uint8_t* b = row + c * kBytes;
+    const float d = half(b);
+    const __m256i q =
+        _mm256_or_si256(nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8))), fifth_bits(b + 4));
+    return {q, d, d, half(b + 2)};
+  }
+};
+
+// The 6-bit scale and min of chunk j (0..7) of a Q4_K / Q5_K super-block from its 12 bytes `s`: chunks 0-3 in
+// the low 6 bits of bytes j and j + 4; chunks 4-7 in the nibbles of byte j + 4, their top 2 bits in the top
+// bits of bytes j - 4 and j.
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63, mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
 // Q4_K: super-blocks of 256 = d, dmin (f16), 12 bytes of 6-bit scales and mins for its 8 chunks,
 // 128 bytes of nibbles (chunk 2i: the low nibbles of bytes 32i..32i+31, chunk 2i+1 their high ones);
 // value = d * scale * q - dmin * min.
@@ -83,16 +133,32 @@ template <> struct Format<kQ4_K> {
   static Chunk decode(const uint8_t* row, int64_t c) {
     const uint8_t* b = row + (c / 8) * kBytes;
     const int j = static_cast<int>(c % 8);
-    const uint8_t* s = b + 4;
     int sc, mn;
-    if (j < 4) {
-      sc = s[j] & 63, mn = s[j + 4] & 63;
-    } else {
-      sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
+    k_scale_min(b + 4, j, sc, mn);
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (j / 2)));
     const __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+    const float scale = half(b) * sc;
+    return {q, scale, scale, -half(b + 2) * mn};
+  }
+};
+
+// Q5_K: super-blocks of 256 = d, dmin (f16), 12 bytes of scales and mins (as Q4_K), 32 bytes qh of fifth bits
+// (chunk j's value l: bit j of qh[l]), 128 bytes of nibbles (as Q4_K's); value = d * scale * q - dmin * min,
+// q = nibble + 16 * fifth bit (0..31: a pair of vpmaddubsw products stays under 2 * 31 * 127 < 2^15).
+template <> struct Format<kQ5_K> {
+  static constexpr int64_t kBlock = 256, kBytes = 176;
+  static constexpr bool kUnsigned = true;
+  static Chunk decode(const uint8_t* row, int64_t c) {
+    const uint8_t* b = row + (c / 8) * kBytes;
+    const int j = static_cast<int>(c % 8);
+    int sc, mn;
+    k_scale_min(b + 4, j, sc, mn);
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * (j / 2)));
+    const __m256i low = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    // bit j of each byte to bit 4 in one 16-bit shift (by at most 4 either way: no bit crosses into the other byte)
+    const __m256i moved = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+    const __m256i q = _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
     const float scale = half(b) * sc;
     return {q, scale, scale, -half(b + 2) * mn};
   }
@@ -220,7 +286,7 @@ constexpr int64_t kCols = 16;  // output features per unit of work: their weight
 constexpr int64_t kRows = 64;  // rows per unit (their quantized activations stay in L2)
 
 // out (M, N; row stride ldc) = x (M, K, quantized in q) W^T, W (N rows of row_bytes) in format QT as
-// the file has it (the K-quants; the other formats run packed).
+// the file has it (the K-quants, Q5_0 and Q5_1; the other formats run packed).
 template <int QT, typename T>
 void rows_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t row_bytes = K / Format<QT>::kBlock * Format<QT>::kBytes;
@@ -467,7 +533,10 @@ int with_qtype(int qtype, const Fn& fn) {
     case kQ8_0: return fn(std::integral_constant<int, kQ8_0>{});
     case kQ4_0: return fn(std::integral_constant<int, kQ4_0>{});
     case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return fn(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
     case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
     default: set_error("quantized type %d is not supported by the kernels", qtype); return -1;
   }

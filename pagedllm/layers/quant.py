@@ -1,4 +1,5 @@
-"""Weights kept in GGUF's quantized formats (``quantization="gguf"``): Q8_0, Q4_0, Q4_1, Q4_K, Q6_K.
+"""Weights kept in GGUF's quantized formats (``quantization="gguf"``): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q5_K, Q6_K (a llama.cpp Q4_K_M file's mix: Q4_K, Q5_K and Q6_K, Q5_0 / Q5_1 / Q8_0 where a width is off 256).
 
 The loader hands a layer's weight loader ``QuantTensor`` s (whole rows of quantized blocks, as the
 file has them) instead of float tensors. A linear layer, the embedding table and the LM head
@@ -20,9 +21,10 @@ import torch
 
 from pagedllm.layers.cpu_ops import CpuKernels, fused_ops
 
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 """The formats kept quantized, by GGML's type numbers (csrc/quant.cpp's QType)."""
-_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+           14: (256, 210)}
 """GGML type -> (values per block, bytes per block)."""
 
 

@@ -1,5 +1,6 @@
 """The quantized GEMM / GEMV (pagedllm/csrc/quant.cpp) at every kernel level this CPU runs, for each
-GGUF format it keeps (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), against the gguf package's reference decoder.
+GGUF format it keeps (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), against the gguf package's reference
+decoder.
 
 Weights are random blocks (random bytes, the f16 scale fields set to sane values): every bit
 pattern of the quantized values is as likely as in a real file. Two references: the exact one —
@@ -18,7 +19,8 @@ import torch
 from pagedllm.layers.quant import _BLOCKS, GGML_TYPES, QuantTensor, QuantWeight
 
 # byte offsets of each format's f16 scale fields within a block (d; and m / dmin)
-_SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+_SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                 "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_quant(name: str, rows: int, cols: int, seed: int = 0) -> QuantTensor:
