@@ -1,0 +1,111 @@
+"""benchmarks/big_models.py (issue 44): the shaped random checkpoints are real LlamaForCausalLM folders (the names
+and shapes transformers writes, bf16 values as promised, the same bytes every build, nothing half-made left), the
+bytes a decode step reads are counted right, and a run starts the commands it should. No engine is run here."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+MICRO = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+             vocab_size=512, tie_word_embeddings=False, max_position_embeddings=512, rope_theta=10000.0,
+             rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False, mlp_bias=False)
+
+
+@pytest.fixture()
+def big(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tokenizer: Any) -> ModuleType:
+    import pagedllm.models.loader
+
+    monkeypatch.setattr(pagedllm.models.loader, "load_tokenizer", lambda path: tokenizer)  # the suite's, loaded once
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports compare.py beside it
+    spec = importlib.util.spec_from_file_location("big_models", ROOT / "benchmarks" / "big_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(module.SHAPES, "micro", MICRO)
+    return module
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tensor_specs_are_transformers_names_and_shapes(big: ModuleType, tied: bool) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {**MICRO, "tie_word_embeddings": tied}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    assert dict(big.tensor_specs(cfg)) == want
+
+
+def test_checkpoint_is_built_once_whole_and_reads_back(big: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    monkeypatch.setattr(big, "SHARD_BYTES", 2 * 512 * 64 * 2 - 1)  # the two vocab tables cannot share a shard
+    folder = big.build_hf("micro")
+    assert sorted(os.listdir(os.path.dirname(folder))) == ["hf"]  # renamed into place: no .tmp left
+    index = json.loads(Path(folder, "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    seen = {}
+    for file in files:
+        with safe_open(os.path.join(folder, file), "pt") as f:
+            for name in f.keys():
+                assert index["weight_map"][name] == file
+                seen[name] = f.get_tensor(name)
+    assert {k: tuple(v.shape) for k, v in seen.items()} == dict(big.tensor_specs(MICRO))
+    assert all(t.dtype == torch.bfloat16 for t in seen.values())
+    assert torch.equal(seen["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
+    down = seen["model.layers.1.mlp.down_proj.weight"].float()
+    assert abs(down.std().item() - big.WEIGHT_STD) < 0.002 and abs(down.mean().item()) < 0.002
+    assert not torch.equal(seen["model.embed_tokens.weight"], seen["lm_head.weight"])  # per-tensor seeds
+    assert index["metadata"]["total_size"] == sum(v.numel() * 2 for v in seen.values())
+    config = AutoConfig.from_pretrained(folder)
+    assert (config.hidden_size, config.num_key_value_heads, config.eos_token_id) == (64, 2, 2)
+    assert (Path(folder) / "tokenizer.json").exists()
+    stamp = os.path.getmtime(os.path.join(folder, files[0]))
+    assert big.build_hf("micro") == folder and os.path.getmtime(os.path.join(folder, files[0])) == stamp  # cached
+    again = Path(folder).parent / "again.safetensors"  # the same bytes from the same seed
+    specs = [s for s in big.tensor_specs(MICRO) if index["weight_map"][s[0]] == files[0]]
+    big.write_safetensors(str(again), specs, 0)
+    assert again.read_bytes() == Path(folder, files[0]).read_bytes()
+
+
+def test_bytes_one_decode_step_reads(big: ModuleType) -> None:
+    untied = big.weight_read_bytes("micro", "hf")
+    tables = 512 * 64 * 2
+    assert untied == sum(big._nbytes(d) for _, d in big.tensor_specs(MICRO)) - tables  # one row of the embedding
+    assert big.weight_read_bytes("tiny", "hf") == sum(big._nbytes(d) for _, d in big.tensor_specs(big.SHAPES["tiny"]))
+    assert big.kv_bytes_per_token("smollm2-1.7b") == 24 * 2 * 32 * 64 * 2  # ~196 KB (MHA)
+    assert big.kv_bytes_per_token("llama-8b") == 32 * 2 * 8 * 128 * 2
+
+
+def test_dry_run_names_every_engine_on_the_same_files(big: ModuleType, capsys: pytest.CaptureFixture) -> None:
+    big.main(["run", "--shape", "smollm2-1.7b", "--num-prompts", "8", "--dry-run"])
+    out = capsys.readouterr().out
+    home = os.path.join(big.CACHE, "smollm2-1.7b")
+    lines = [line for line in out.splitlines() if not line.startswith("#") and ": spec " not in line]
+    commands = dict(line.split(": ", 1) for line in lines)
+    assert set(commands) == {f"{part} {engine}" for part in ("decode", "ttft", "throughput", "load")
+                             for engine in big.PART_ENGINES[part]}
+    q4km = os.path.join(home, "smollm2-1.7b.Q4_K_M.gguf")
+    assert f"--gguf {q4km}" in commands["decode llamacpp-q4km"] and "--input-len 128 --gen 64" in commands[
+        "decode llamacpp-q4km"]
+    assert "--input-len 4096 --gen 1" in commands["ttft llamacpp-bf16"]
+    assert "--mode batched --parallel 8 --num-prompts 8" in commands["throughput llamacpp-q4km"]
+    hf = os.path.join(home, "hf")
+    for engine in ("ours-bf16", "vllm-bf16"):
+        assert f"--model {hf}" in commands[f"throughput {engine}"] and "--load-format dummy" in commands[
+            f"throughput {engine}"]
+    assert f"--kv-cache-memory {4 * 2**30}" in commands["throughput ours-bf16"]
+    assert "--kv-cache-gb 4" in commands["throughput openvino-bf16"]
+    assert commands["decode vllm-bf16"].split()[:4] == [big.VLLM_CPU, "python", big.PROBE, "vllm"]
+    assert commands["decode ours-q4km"].split()[:4] == [sys.executable, big.PROBE, "pagedllm", "decode"]
