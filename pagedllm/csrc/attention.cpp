@@ -6,6 +6,11 @@
 // Work items are (row, KV head) pairs, split between threads by total context length (a few long
 // rows do not leave one thread idle). The query heads sharing a KV head are handled together so
 // each K/V row is read once. Scores are float32: one pass over K, a softmax, one pass over V.
+// When the items are too few for the threads (batch 1: as many as KV heads) and long, they are cut
+// into pieces of whole KV blocks that threads run apart (split-KV, attention.h's plan_split): a
+// piece keeps its max score, sum of exp and unnormalized float32 output, merged afterwards by
+// log-sum-exp rescaling, so a 32k context does not leave cores idle. Every path below computes a
+// whole task or a piece alike (a piece is a shorter window, its output the partial result).
 //
 // Cache layout per block and KV head: V as (block_size, head_dim) rows; K pair-interleaved as
 // (head_dim / 2, block_size, 2): dims (2p, 2p + 1) of every slot side by side (write_kv stores it
@@ -17,7 +22,7 @@
 // Paths, for head_dim 64 or 128 and blocks of a multiple of the vector width:
 // - bf16 on AVX512-BF16: q.k with vdpbf16ps on the stored bf16 pairs (decode_task_dot);
 // - every level and storage type: the FMA path (decode_task_fma), float32 arithmetic;
-// and any other shape a scalar loop (decode_range). The K block two ahead and the V block of the
+// and any other shape a scalar loop (task_scalar). The K block two ahead and the V block of the
 // same tokens are prefetched while one is read (random block order defeats the hardware
 // prefetcher at every block boundary; 256 x 330 tokens: 1.65 ms per layer against 1.98 one
 // ahead, 4.1 before), as are the next task's first K blocks.
@@ -37,46 +42,51 @@ inline const T* head_block(const T* cache, const int32_t* table, int64_t i, int6
 
 // ------------------------------------------------------------------ scalar path (any shape)
 
+// A thread's buffers, reused across its tasks.
+struct Scratch {
+  std::vector<float> qf, scores, acc, kbuf;
+};
+
+// One task (or piece, w its window) on any shape: out its group x D output rows, or with `part` the
+// piece's partial result (see attention.h) instead.
 template <typename T>
-void decode_range(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
-                  const int32_t* starts, T* out, int64_t begin, int64_t end, const Shape& s) {
-  const int64_t D = s.D, bs = s.bs, group = s.group;
-  std::vector<float> qf(group * D), acc(group * D), scores, kbuf(bs * D);
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t seq = task / s.nkv, h = task % s.nkv;
-    const Window w = window_of(tables, lens, starts, seq, s);
-    const int64_t len = w.len;
-    const int32_t* table = w.table;
+void task_scalar(const T* q, const T* kc, const T* vc, const Window& w, int64_t head_off, const Shape& s, T* out,
+                 float* part, Scratch& sc) {
+  const int64_t D = s.D, bs = s.bs, group = s.group, len = w.len;
+  sc.qf.resize(group * D);
+  sc.acc.resize(group * D);
+  sc.kbuf.resize(bs * D);
+  for (int64_t i = 0; i < group * D; ++i) sc.qf[i] = to_f32(q[i]) * s.scale;
+  sc.scores.resize(group * len);
+  float* scores = sc.scores.data();
+  for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    const int64_t n = std::min<int64_t>(bs, len - t0);
+    const T* base = head_block(kc, w.table, t0 / bs, s.block_stride, head_off);
+    for (int64_t o = 0; o < n; ++o)  // K is stored pair-interleaved: gather token rows
+      for (int64_t d = 0; d < D; ++d) sc.kbuf[o * D + d] = to_f32(base[((d >> 1) * bs + o) * 2 + (d & 1)]);
     for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f32(q[seq * s.q_stride + (h * group + g) * D + d]) * s.scale;
-    scores.resize(group * len);
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
-      const int64_t n = std::min<int64_t>(bs, len - t0);
-      const T* base = head_block(kc, table, t0 / bs, s.block_stride, h * bs * D);
-      for (int64_t o = 0; o < n; ++o)  // K is stored pair-interleaved: gather token rows
-        for (int64_t d = 0; d < D; ++d) kbuf[o * D + d] = to_f32(base[((d >> 1) * bs + o) * 2 + (d & 1)]);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t o = 0; o < n; ++o) {
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * kbuf[o * D + d];
-          scores[g * len + t0 + o] = dot;
-        }
-    }
-    finish_scores(scores.data(), group, len, w.masked, s.softcap);
-    softmax_rows(scores.data(), group, len);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
-      const int64_t n = std::min<int64_t>(bs, len - t0);
-      const T* base = head_block(vc, table, t0 / bs, s.block_stride, h * bs * D);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t o = 0; o < n; ++o) {
-          const float p = scores[g * len + t0 + o];
-          for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * to_f32(base[o * D + d]);
-        }
-    }
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < D; ++d) out[(seq * s.nh + h * group + g) * D + d] = from_f32<T>(acc[g * D + d]);
+      for (int64_t o = 0; o < n; ++o) {
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += sc.qf[g * D + d] * sc.kbuf[o * D + d];
+        scores[g * len + t0 + o] = dot;
+      }
   }
+  finish_scores(scores, group, len, w.masked, s.softcap);
+  if (part) exp_rows(scores, group, len, part, D);
+  else softmax_rows(scores, group, len);
+  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+  for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    const int64_t n = std::min<int64_t>(bs, len - t0);
+    const T* base = head_block(vc, w.table, t0 / bs, s.block_stride, head_off);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t o = 0; o < n; ++o) {
+        const float p = scores[g * len + t0 + o];
+        for (int64_t d = 0; d < D; ++d) sc.acc[g * D + d] += p * to_f32(base[o * D + d]);
+      }
+  }
+  for (int64_t i = 0; i < group * D; ++i)
+    if (part) part[i] = sc.acc[i];
+    else out[i] = from_f32<T>(sc.acc[i]);
 }
 
 // ------------------------------------------------------------------ FMA path (every level)
@@ -166,10 +176,11 @@ void qk_fma(const float* q, const T* kc, const T* vc, const int32_t* table, int6
   }
 }
 
-// out_g[dims d0 .. d0 + kW) = sum_t p[g * len + t] * v_t for kG heads, float32 sums in registers.
-template <int kDim, int kW, int kG, typename T>
+// out_g[dims d0 .. d0 + kW) = sum_t p[g * len + t] * v_t for kG heads, float32 sums in registers; out
+// in the storage type (a whole task) or float32 (a piece's partial result).
+template <int kDim, int kW, int kG, typename T, typename O>
 void pv_slice(const float* p, const T* vc, const int32_t* table, int64_t len, const Shape& s, int64_t head_off,
-              int64_t d0, T* out) {
+              int64_t d0, O* out) {
   constexpr int kVec = kW / kLanes;
   constexpr bool kSplit = std::is_same<T, bf16>::value;  // bf16: accumulators hold even / odd dims
   V acc[kG][kVec];
@@ -202,7 +213,7 @@ void pv_slice(const float* p, const T* vc, const int32_t* table, int64_t len, co
     }
   }
   for (int g = 0; g < kG; ++g) {
-    T* dst = out + g * kDim + d0;
+    O* dst = out + g * kDim + d0;
     if constexpr (kSplit) {
       for (int c = 0; c < kVec / 2; ++c) {
         V lo, hi;
@@ -216,28 +227,43 @@ void pv_slice(const float* p, const T* vc, const int32_t* table, int64_t len, co
   }
 }
 
-template <int kDim, typename T>
-void decode_task_fma(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t len, int64_t masked,
-                     const Shape& s, int64_t head_off, T* out, std::vector<float>& qf, std::vector<float>& scores) {
-  const int64_t group = s.group;
-  for (int64_t i = 0; i < group * kDim; ++i) qf[i] = to_f32(q[i]);
-  scores.resize(group * len);
-  qk_fma<kDim, T>(qf.data(), kc, vc, table, len, group, s, head_off, scores.data());
-  finish_scores(scores.data(), group, len, masked, s.softcap);
-  softmax_rows(scores.data(), group, len);
-  constexpr int kW = kDim < kPassDims ? kDim : kPassDims;
-  constexpr int kMaxG = std::max(1, kAccRegs / (kW / kLanes));
+// P.V for the task's `group` heads, kMaxG heads per pass over V (kW dims at a time).
+template <int kDim, int kW, int kMaxG, typename T, typename O>
+void pv_heads(const float* scores, const T* vc, const int32_t* table, int64_t len, const Shape& s, int64_t head_off,
+              O* out) {
   for (int64_t d0 = 0; d0 < kDim; d0 += kW)
-    for (int64_t g0 = 0; g0 < group; g0 += kMaxG) {
-      const float* p = scores.data() + g0 * len;
-      T* o = out + g0 * kDim;
-      switch (std::min<int64_t>(kMaxG, group - g0)) {
+    for (int64_t g0 = 0; g0 < s.group; g0 += kMaxG) {
+      const float* p = scores + g0 * len;
+      O* o = out + g0 * kDim;
+      switch (std::min<int64_t>(kMaxG, s.group - g0)) {
         case 1: pv_slice<kDim, kW, 1>(p, vc, table, len, s, head_off, d0, o); break;
         case 2: pv_slice<kDim, kW, (kMaxG >= 2 ? 2 : 1)>(p, vc, table, len, s, head_off, d0, o); break;
         case 3: pv_slice<kDim, kW, (kMaxG >= 3 ? 3 : 1)>(p, vc, table, len, s, head_off, d0, o); break;
         default: pv_slice<kDim, kW, (kMaxG >= 4 ? 4 : 1)>(p, vc, table, len, s, head_off, d0, o); break;
       }
     }
+}
+
+// One task (or piece: w its window) on the FMA path: out its output rows, or with `part` its partial result.
+template <int kDim, typename T>
+void decode_task_fma(const T* q, const T* kc, const T* vc, const Window& w, const Shape& s, int64_t head_off, T* out,
+                     float* part, Scratch& sc) {
+  const int64_t group = s.group, len = w.len;
+  sc.qf.resize(group * kDim);
+  for (int64_t i = 0; i < group * kDim; ++i) sc.qf[i] = to_f32(q[i]);
+  sc.scores.resize(group * len);
+  float* scores = sc.scores.data();
+  qk_fma<kDim, T>(sc.qf.data(), kc, vc, w.table, len, group, s, head_off, scores);
+  finish_scores(scores, group, len, w.masked, s.softcap);
+  constexpr int kW = kDim < kPassDims ? kDim : kPassDims;
+  constexpr int kMaxG = std::max(1, kAccRegs / (kW / kLanes));
+  if (part) {
+    exp_rows(scores, group, len, part, kDim);
+    pv_heads<kDim, kW, kMaxG>(scores, vc, w.table, len, s, head_off, part);
+  } else {
+    softmax_rows(scores, group, len);
+    pv_heads<kDim, kW, kMaxG>(scores, vc, w.table, len, s, head_off, out);
+  }
 }
 
 #ifdef __AVX512BF16__
@@ -309,17 +335,13 @@ void qk_dot(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* table,
   }
 }
 
-template <int kDim>
-void decode_task_dot(const bf16* q, const bf16* kc, const bf16* vc, const int32_t* table, int64_t len, int64_t masked,
-                     const Shape& s, int64_t head_off, bf16* out, std::vector<float>& scores) {
-  scores.resize(s.group * len);
-  qk_dot<kDim>(q, kc, vc, table, len, s, head_off, scores.data());
-  finish_scores(scores.data(), s.group, len, masked, s.softcap);
-  softmax_rows(scores.data(), s.group, len);
+template <int kDim, typename O>
+void pv_dot(const float* scores, const bf16* vc, const int32_t* table, int64_t len, const Shape& s, int64_t head_off,
+            O* out) {
   constexpr int kMaxG = kDim == 64 ? 4 : 2;  // kMaxG * kDim / 16 accumulators + kDim / 16 values fit in 32 registers
   for (int64_t g0 = 0; g0 < s.group; g0 += kMaxG) {
-    const float* p = scores.data() + g0 * len;
-    bf16* o = out + g0 * kDim;
+    const float* p = scores + g0 * len;
+    O* o = out + g0 * kDim;
     switch (std::min<int64_t>(kMaxG, s.group - g0)) {
       case 1: pv_slice<kDim, kDim, 1>(p, vc, table, len, s, head_off, 0, o); break;
       case 2: pv_slice<kDim, kDim, 2>(p, vc, table, len, s, head_off, 0, o); break;
@@ -328,44 +350,84 @@ void decode_task_dot(const bf16* q, const bf16* kc, const bf16* vc, const int32_
     }
   }
 }
+
+// One task (or piece) on the vdpbf16ps path: out its output rows, or with `part` its partial result.
+template <int kDim>
+void decode_task_dot(const bf16* q, const bf16* kc, const bf16* vc, const Window& w, const Shape& s, int64_t head_off,
+                     bf16* out, float* part, Scratch& sc) {
+  sc.scores.resize(s.group * w.len);
+  float* scores = sc.scores.data();
+  qk_dot<kDim>(q, kc, vc, w.table, w.len, s, head_off, scores);
+  finish_scores(scores, s.group, w.len, w.masked, s.softcap);
+  if (part) {
+    exp_rows(scores, s.group, w.len, part, kDim);
+    pv_dot<kDim>(scores, vc, w.table, w.len, s, head_off, part);
+  } else {
+    softmax_rows(scores, s.group, w.len);
+    pv_dot<kDim>(scores, vc, w.table, w.len, s, head_off, out);
+  }
+}
 #endif  // __AVX512BF16__
 
 template <typename T>
 void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, const int32_t* starts,
-              T* out, int64_t rows, const Shape& s, int threads) {
+              T* out, int64_t rows, const Shape& s, int threads, int split) {
   const int64_t items = rows * s.nkv, D = s.D, bs = s.bs;
   const bool fast = (D == 64 || D == 128) && bs % kLanes == 0;  // runs of kLanes tokens never straddle a block
-  if (!fast) {
+  // one task or piece: w its window, out its output rows or part its partial result
+  auto attend = [&](int64_t task, const Window& w, float* part, Scratch& sc) {
+    const int64_t seq = task / s.nkv, h = task % s.nkv, head_off = h * bs * D;
+    const T* qrow = q + seq * s.q_stride + h * s.group * D;
+    T* orow = out + (seq * s.nh + h * s.group) * D;
+    if (!fast) return task_scalar<T>(qrow, kc, vc, w, head_off, s, orow, part, sc);
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same<T, bf16>::value) {
+      if (bs % 16 == 0) {
+        if (D == 64) decode_task_dot<64>(qrow, kc, vc, w, s, head_off, orow, part, sc);
+        else decode_task_dot<128>(qrow, kc, vc, w, s, head_off, orow, part, sc);
+        return;
+      }
+    }
+#endif
+    if (D == 64) decode_task_fma<64, T>(qrow, kc, vc, w, s, head_off, orow, part, sc);
+    else decode_task_fma<128, T>(qrow, kc, vc, w, s, head_off, orow, part, sc);
+  };
+  // the first K blocks of a task's window from `begin`: they load while the task before computes
+  auto prefetch_start = [&](int64_t task, int64_t begin) {
+    if (!fast) return;
+    const Window w = window_of(tables, lens, starts, task / s.nkv, s);
+    const int64_t head_off = (task % s.nkv) * bs * D;
+    for (int64_t b = begin / bs; b < begin / bs + 2 && b * bs < w.len; ++b)
+      prefetch_bytes(head_block(kc, w.table, b, s.block_stride, head_off), bs * D * sizeof(T));
+  };
+  const SplitPlan plan = plan_split(lens, starts, rows, s.nkv, bs, threads, split);
+  if (plan.pieces.empty()) {
     parallel_by_length(lens, s.nkv, items, threads, [&](int64_t begin, int64_t end) {
-      decode_range<T>(q, kc, vc, tables, lens, starts, out, begin, end, s);
+      Scratch sc;
+      for (int64_t task = begin; task < end; ++task) {
+        if (task + 1 < end) prefetch_start(task + 1, 0);
+        attend(task, window_of(tables, lens, starts, task / s.nkv, s), nullptr, sc);
+      }
     });
     return;
   }
-  parallel_by_length(lens, s.nkv, items, threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(s.group * D);
-    for (int64_t task = begin; task < end; ++task) {
-      if (task + 1 < end) {  // the next task's first K blocks load while this one computes
-        const int64_t nseq = (task + 1) / s.nkv, nhead = (task + 1) % s.nkv;
-        for (int64_t b = 0; b < 2 && b * bs < lens[nseq]; ++b)
-          prefetch_bytes(head_block(kc, tables + nseq * s.maxb, b, s.block_stride, nhead * bs * D), bs * D * sizeof(T));
-      }
-      const int64_t seq = task / s.nkv, h = task % s.nkv, head_off = h * bs * D;
-      const T* qrow = q + seq * s.q_stride + h * s.group * D;
-      const Window w = window_of(tables, lens, starts, seq, s);
-      T* orow = out + (seq * s.nh + h * s.group) * D;
-#ifdef __AVX512BF16__
-      if constexpr (std::is_same<T, bf16>::value) {
-        if (bs % 16 == 0) {
-          if (D == 64) decode_task_dot<64>(qrow, kc, vc, w.table, w.len, w.masked, s, head_off, orow, scores);
-          else decode_task_dot<128>(qrow, kc, vc, w.table, w.len, w.masked, s, head_off, orow, scores);
-          continue;
+  std::vector<float> parts(plan.slots * partial_floats(s.group, D));
+  run_split(
+      plan,
+      [&](int64_t begin, int64_t end) {
+        Scratch sc;
+        for (int64_t i = begin; i < end; ++i) {
+          const Piece& p = plan.pieces[i];
+          if (i + 1 < end) prefetch_start(plan.pieces[i + 1].task, plan.pieces[i + 1].begin);
+          const Window w = piece_window(window_of(tables, lens, starts, p.task / s.nkv, s), p.begin, p.end, bs);
+          attend(p.task, w, p.slot < 0 ? nullptr : parts.data() + p.slot * partial_floats(s.group, D), sc);
         }
-      }
-#endif
-      if (D == 64) decode_task_fma<64, T>(qrow, kc, vc, w.table, w.len, w.masked, s, head_off, orow, qf, scores);
-      else decode_task_fma<128, T>(qrow, kc, vc, w.table, w.len, w.masked, s, head_off, orow, qf, scores);
-    }
-  });
+      },
+      [&](const Merge& m) {
+        const int64_t seq = m.task / s.nkv, h = m.task % s.nkv;
+        merge_partials<T>(parts.data() + m.first * partial_floats(s.group, D), m.count, s.group, D,
+                          out + (seq * s.nh + h * s.group) * D);
+      });
 }
 
 // pairs consecutive words of src to dst, dst + stride words, dst + 2 * stride words, ...
@@ -384,10 +446,11 @@ inline void scatter_pairs(const char* src, char* dst, int64_t pairs, int64_t str
 // pair-interleaved within each block; tables (rows, maxb) int32; lens (rows,) int32; out
 // (rows, nh, D) contiguous. Every row attends to positions [starts[row], lens[row]) of its table
 // (starts may be null: from 0; a sliding window otherwise); softcap > 0 caps the scores (Gemma 2).
+// split: a pl::SplitMode (0 automatic, 1 never, 2 whenever a task is long enough).
 PL_EXPORT int pl_paged_attention_window(const void* q, int64_t q_stride, const void* kc, const void* vc,
                                         const int32_t* tables, int64_t maxb, const int32_t* lens, const int32_t* starts,
                                         void* out, int64_t rows, int64_t nh, int64_t nkv, int64_t bs, int64_t D,
-                                        float scale, float softcap, int dtype, int threads) {
+                                        float scale, float softcap, int dtype, int threads, int split) {
   if (nkv <= 0 || nh % nkv != 0) {
     pl::set_error("query heads (%lld) must be a multiple of KV heads (%lld)", static_cast<long long>(nh),
                   static_cast<long long>(nkv));
@@ -397,7 +460,7 @@ PL_EXPORT int pl_paged_attention_window(const void* q, int64_t q_stride, const v
   return pl::with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     dispatch<T>(static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), tables, lens, starts,
-                static_cast<T*>(out), rows, s, threads);
+                static_cast<T*>(out), rows, s, threads, split);
     return 0;
   });
 }
@@ -407,7 +470,14 @@ PL_EXPORT int pl_paged_attention(const void* q, int64_t q_stride, const void* kc
                                  int64_t maxb, const int32_t* lens, void* out, int64_t rows, int64_t nh, int64_t nkv,
                                  int64_t bs, int64_t D, float scale, int dtype, int threads) {
   return pl_paged_attention_window(q, q_stride, kc, vc, tables, maxb, lens, nullptr, out, rows, nh, nkv, bs, D, scale,
-                                   0.f, dtype, threads);
+                                   0.f, dtype, threads, pl::kSplitAuto);
+}
+
+// How many pieces of split tasks a call with these rows would compute (0: no task is split), for
+// the tests and benchmarks; the arguments as for pl_paged_attention_window (either cache type).
+PL_EXPORT int64_t pl_attention_split_pieces(const int32_t* lens, const int32_t* starts, int64_t rows, int64_t nkv,
+                                            int64_t bs, int threads, int split) {
+  return pl::plan_split(lens, starts, rows, nkv, bs, threads, split).slots;
 }
 
 // Stores each new token's K and V (tokens, nkv, D; row strides ks / vs, head strides khs / vhs,

@@ -30,7 +30,7 @@ PL_EXPORT int pl_write_kv_i8(const void* k, int64_t ks, int64_t khs, const void*
 PL_EXPORT int pl_paged_attention_i8(const void* q, int64_t q_stride, const void* kc, const void* vc,
                                     const int32_t* tables, int64_t maxb, const int32_t* lens, const int32_t* starts,
                                     void* out, int64_t rows, int64_t nh, int64_t nkv, int64_t bs, int64_t D,
-                                    float scale, float softcap, int dtype, int threads);
+                                    float scale, float softcap, int dtype, int threads, int split);
 
 // One layer's weights: GEMM weights packed by pl_gemm_pack (gate_up in the fused-SiLU order),
 // column-parallel biases as float32 (added inside the GEMM), row-parallel ones in the storage
@@ -110,7 +110,7 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
       if ((rc = pl_write_kv_i8(k, qkv_cols, D, v, qkv_cols, D, w.k_cache, w.v_cache, slots, M, nkv, p.block_size, D,
                                p.num_blocks, dt, threads)) ||
           (rc = pl_paged_attention_i8(qkv, qkv_cols, w.k_cache, w.v_cache, tables, maxb, lens, nullptr, attn, M, nh,
-                                      nkv, p.block_size, D, p.scale, 0.f, dt, threads)))
+                                      nkv, p.block_size, D, p.scale, 0.f, dt, threads, 0)))  // split: automatic
         return rc;
     } else if ((rc = pl_write_kv(k, qkv_cols, D, v, qkv_cols, D, w.k_cache, w.v_cache, slots, M, nkv, p.block_size, D,
                                  p.num_blocks, esize, threads)) ||

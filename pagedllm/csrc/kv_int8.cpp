@@ -13,7 +13,9 @@
 // Quantized values are converted to float32 in registers (vpmovsxbd + vcvtdq2ps) and the
 // arithmetic is float32, at every level. Blocks of a multiple of kLanes tokens with D a multiple
 // of kLanes take the vector path, any other shape a scalar loop. pagedllm/attention/kv_quant.py
-// writes and reads the same layout in torch (the reference the tests compare against).
+// writes and reads the same layout in torch (the reference the tests compare against). Tasks are
+// shared between threads as in attention.cpp, long ones split over their KV blocks when too few
+// for the threads (attention.h's split-KV plan and merge).
 #include "attention.h"
 
 namespace {
@@ -46,9 +48,11 @@ inline f16 quantize_slot(const T* src, int8_t* dst, int64_t D, int64_t step) {
 }
 
 // ------------------------------------------------------------------ scalar path (any shape)
+// One task (or piece: w its window): out its group x D output rows, or with `part` the piece's partial
+// result (attention.h) instead.
 template <typename T>
 void task_scalar(const T* q, const int8_t* kc, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g, T* out,
-                 std::vector<float>& scores) {
+                 float* part, std::vector<float>& scores) {
   const Shape& s = g.s;
   const int64_t D = s.D, bs = s.bs, len = w.len;
   scores.resize(s.group * len);
@@ -62,7 +66,8 @@ void task_scalar(const T* q, const int8_t* kc, const int8_t* vc, const Window& w
     }
   }
   finish_scores(scores.data(), s.group, len, w.masked, s.softcap);
-  softmax_rows(scores.data(), s.group, len);
+  if (part) exp_rows(scores.data(), s.group, len, part, D);
+  else softmax_rows(scores.data(), s.group, len);
   std::vector<float> acc(D);
   for (int64_t j = 0; j < s.group; ++j) {
     std::fill(acc.begin(), acc.end(), 0.f);
@@ -71,7 +76,9 @@ void task_scalar(const T* q, const int8_t* kc, const int8_t* vc, const Window& w
       const float p = scores[j * len + t] * to_f32(slot_scales(vb, s)[t % bs]);
       for (int64_t d = 0; d < D; ++d) acc[d] += p * vb[(t % bs) * D + d];
     }
-    for (int64_t d = 0; d < D; ++d) out[j * D + d] = from_f32<T>(acc[d]);
+    for (int64_t d = 0; d < D; ++d)
+      if (part) part[j * D + d] = acc[d];
+      else out[j * D + d] = from_f32<T>(acc[d]);
   }
 }
 
@@ -149,9 +156,10 @@ void qk(const float* q, const int8_t* kc, const Window& w, int64_t h, const I8Sh
   }
 }
 
-// out_j[d0 .. d0 + kC * kLanes) = sum_t p[j * len + t] * v_t for kG heads (p already holds the V scales).
-template <int kC, int kG, typename T>
-void pv_tile(const float* p, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g, int64_t d0, T* out) {
+// out_j[d0 .. d0 + kC * kLanes) = sum_t p[j * len + t] * v_t for kG heads (p already holds the V scales);
+// out in the storage type (a whole task) or float32 (a piece's partial result).
+template <int kC, int kG, typename O>
+void pv_tile(const float* p, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g, int64_t d0, O* out) {
   const Shape& s = g.s;
   const int64_t bs = s.bs, D = s.D, len = w.len;
   V acc[kG][kC];
@@ -180,12 +188,12 @@ constexpr int kMaxG = 4;  // 4 heads x 4 vectors of sums + 4 loaded of 32 regist
 constexpr int kMaxG = 3;  // 3 x 4 + 4 of 16
 #endif
 
-template <int kC, typename T>
-void pv_chunk(const float* p, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g, int64_t d0, T* out) {
+template <int kC, typename O>
+void pv_chunk(const float* p, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g, int64_t d0, O* out) {
   const int64_t len = w.len;
   for (int64_t j0 = 0; j0 < g.s.group; j0 += kMaxG) {
     const float* pj = p + j0 * len;
-    T* oj = out + j0 * g.s.D;
+    O* oj = out + j0 * g.s.D;
     switch (std::min<int64_t>(kMaxG, g.s.group - j0)) {
       case 1: pv_tile<kC, 1>(pj, vc, w, h, g, d0, oj); break;
       case 2: pv_tile<kC, 2>(pj, vc, w, h, g, d0, oj); break;
@@ -195,16 +203,31 @@ void pv_chunk(const float* p, const int8_t* vc, const Window& w, int64_t h, cons
   }
 }
 
+template <typename O>
+void pv(const float* p, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g, O* out) {
+  const int64_t D = g.s.D;
+  int64_t d0 = 0;
+  for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) pv_chunk<4>(p, vc, w, h, g, d0, out);
+  switch ((D - d0) / kLanes) {
+    case 1: pv_chunk<1>(p, vc, w, h, g, d0, out); break;
+    case 2: pv_chunk<2>(p, vc, w, h, g, d0, out); break;
+    case 3: pv_chunk<3>(p, vc, w, h, g, d0, out); break;
+    default: break;
+  }
+}
+
+// One task (or piece) on the vector path: out its output rows, or with `part` its partial result.
 template <typename T>
 void task_vector(const T* q, const int8_t* kc, const int8_t* vc, const Window& w, int64_t h, const I8Shape& g, T* out,
-                 std::vector<float>& qf, std::vector<float>& scores) {
+                 float* part, std::vector<float>& qf, std::vector<float>& scores) {
   const Shape& s = g.s;
   const int64_t D = s.D, bs = s.bs, len = w.len;
   for (int64_t i = 0; i < s.group * D; ++i) qf[i] = to_f32(q[i]);
   scores.resize(s.group * len);
   qk(qf.data(), kc, w, h, g, scores.data());
   finish_scores(scores.data(), s.group, len, w.masked, s.softcap);
-  softmax_rows(scores.data(), s.group, len);
+  if (part) exp_rows(scores.data(), s.group, len, part, D);
+  else softmax_rows(scores.data(), s.group, len);
   for (int64_t t0 = 0; t0 < len; t0 += bs) {  // each token's weight times its V scale
     const f16* vs = slot_scales(head_block(vc, w.table, t0 / bs, g, h), s);
     const int64_t n = std::min(bs, len - t0);
@@ -213,42 +236,59 @@ void task_vector(const T* q, const int8_t* kc, const int8_t* vc, const Window& w
       for (int64_t j = 0; j < s.group; ++j) scores[j * len + t0 + o] *= f;
     }
   }
-  int64_t d0 = 0;
-  for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) pv_chunk<4>(scores.data(), vc, w, h, g, d0, out);
-  switch ((D - d0) / kLanes) {
-    case 1: pv_chunk<1>(scores.data(), vc, w, h, g, d0, out); break;
-    case 2: pv_chunk<2>(scores.data(), vc, w, h, g, d0, out); break;
-    case 3: pv_chunk<3>(scores.data(), vc, w, h, g, d0, out); break;
-    default: break;
-  }
+  if (part) pv(scores.data(), vc, w, h, g, part);
+  else pv(scores.data(), vc, w, h, g, out);
 }
 
 template <typename T>
 void attend(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables, const int32_t* lens,
-            const int32_t* starts, T* out, int64_t rows, const I8Shape& g, int threads) {
+            const int32_t* starts, T* out, int64_t rows, const I8Shape& g, int threads, int split) {
   const Shape& s = g.s;
   const bool vector = s.bs % kLanes == 0 && s.D % kLanes == 0;  // runs never straddle a block; whole vectors
-  parallel_by_length(lens, s.nkv, rows * s.nkv, threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(s.group * s.D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / s.nkv, h = task % s.nkv;
-      const T* qrow = q + seq * s.q_stride + h * s.group * s.D;
-      T* orow = out + (seq * s.nh + h * s.group) * s.D;
-      const Window w = window_of(tables, lens, starts, seq, s);
-      if (vector) task_vector<T>(qrow, kc, vc, w, h, g, orow, qf, scores);
-      else task_scalar<T>(qrow, kc, vc, w, h, g, orow, scores);
-    }
-  });
+  // one task or piece: w its window, out its output rows or part its partial result
+  auto run = [&](int64_t task, const Window& w, float* part, std::vector<float>& qf, std::vector<float>& scores) {
+    const int64_t seq = task / s.nkv, h = task % s.nkv;
+    const T* qrow = q + seq * s.q_stride + h * s.group * s.D;
+    T* orow = out + (seq * s.nh + h * s.group) * s.D;
+    if (vector) task_vector<T>(qrow, kc, vc, w, h, g, orow, part, qf, scores);
+    else task_scalar<T>(qrow, kc, vc, w, h, g, orow, part, scores);
+  };
+  const SplitPlan plan = plan_split(lens, starts, rows, s.nkv, s.bs, threads, split);
+  if (plan.pieces.empty()) {
+    parallel_by_length(lens, s.nkv, rows * s.nkv, threads, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, qf(s.group * s.D);
+      for (int64_t task = begin; task < end; ++task)
+        run(task, window_of(tables, lens, starts, task / s.nkv, s), nullptr, qf, scores);
+    });
+    return;
+  }
+  const int64_t stride = partial_floats(s.group, s.D);
+  std::vector<float> parts(plan.slots * stride);
+  run_split(
+      plan,
+      [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, qf(s.group * s.D);
+        for (int64_t i = begin; i < end; ++i) {
+          const Piece& p = plan.pieces[i];
+          const Window w = piece_window(window_of(tables, lens, starts, p.task / s.nkv, s), p.begin, p.end, s.bs);
+          run(p.task, w, p.slot < 0 ? nullptr : parts.data() + p.slot * stride, qf, scores);
+        }
+      },
+      [&](const Merge& m) {
+        const int64_t seq = m.task / s.nkv, h = m.task % s.nkv;
+        merge_partials<T>(parts.data() + m.first * stride, m.count, s.group, s.D,
+                          out + (seq * s.nh + h * s.group) * s.D);
+      });
 }
 }  // namespace
 
 // q (rows, nh, D) in `dtype`, row stride q_stride, heads contiguous; key/value caches int8 as laid out
 // above (blocks, nkv, bs * (D + 2) bytes); tables, lens, starts, softcap and out as for
-// pl_paged_attention_window.
+// pl_paged_attention_window (split included).
 PL_EXPORT int pl_paged_attention_i8(const void* q, int64_t q_stride, const void* kc, const void* vc,
                                     const int32_t* tables, int64_t maxb, const int32_t* lens, const int32_t* starts,
                                     void* out, int64_t rows, int64_t nh, int64_t nkv, int64_t bs, int64_t D,
-                                    float scale, float softcap, int dtype, int threads) {
+                                    float scale, float softcap, int dtype, int threads, int split) {
   if (nkv <= 0 || nh % nkv != 0 || D % 2) {
     pl::set_error("query heads (%lld) must be a multiple of KV heads (%lld), head_dim (%lld) even",
                   static_cast<long long>(nh), static_cast<long long>(nkv), static_cast<long long>(D));
@@ -259,7 +299,7 @@ PL_EXPORT int pl_paged_attention_i8(const void* q, int64_t q_stride, const void*
   return pl::with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     attend<T>(static_cast<const T*>(q), static_cast<const int8_t*>(kc), static_cast<const int8_t*>(vc), tables, lens,
-              starts, static_cast<T*>(out), rows, g, threads);
+              starts, static_cast<T*>(out), rows, g, threads, split);
     return 0;
   });
 }

@@ -54,10 +54,10 @@ _SIGNATURES = {
     "pl_argmax": [_P, _I64, _P, _I64, _I64, _I32, _I32],
     "pl_paged_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I32, _I32],
     "pl_paged_attention_window": [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32,
-                                  _I32, _I32],
+                                  _I32, _I32, _I32],
     "pl_write_kv": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I32],
     "pl_paged_attention_i8": [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32,
-                              _I32, _I32],
+                              _I32, _I32, _I32],
     "pl_write_kv_i8": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _I32],
     "pl_llama_stack": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _I32],
     "pl_qtype_layout": [_I32, ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.POINTER(_I32)],
@@ -95,6 +95,10 @@ def _cache_dims(cache: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]
     return blocks, nkv, bs, d
 
 
+_SPLIT_MODES = {None: 0, False: 1, True: 2}
+"""paged_attention's ``split`` as the kernels' SplitMode (csrc/attention.h): automatic, never, always."""
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -115,6 +119,8 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib.pl_last_error.restype = ctypes.c_char_p
         self._lib.pl_qpack_size.argtypes, self._lib.pl_qpack_size.restype = [_I32, _I64, _I64], _I64
+        split_pieces = self._lib.pl_attention_split_pieces
+        split_pieces.argtypes, split_pieces.restype = [_P, _P, _I64, _I64, _I64, _I32, _I32], _I64
         self._layouts = {dtype: self._layout(code) for dtype, code in DTYPE_CODES.items()}
 
     def _check(self, rc: int) -> None:
@@ -285,10 +291,13 @@ class CpuKernels:
 
     def paged_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
-                        starts: torch.Tensor | None = None, softcap: float | None = None) -> None:
+                        starts: torch.Tensor | None = None, softcap: float | None = None,
+                        split: bool | None = None) -> None:
         """q (rows, heads, head_dim; rows may be strided) attends to positions [starts[row], lens[row])
         of its block table row (from 0 without ``starts``: a sliding window otherwise), scores capped at
-        ``softcap`` (cap * tanh(score / cap)) if given; out (rows, heads, head_dim) contiguous."""
+        ``softcap`` (cap * tanh(score / cap)) if given; out (rows, heads, head_dim) contiguous.
+        ``split``: None lets the kernel split long (row, KV head) tasks over their KV blocks when they are
+        too few for the threads (split-KV); False never splits, True splits whatever is long enough."""
         rows, nh, d = q.shape
         blocks, nkv, bs, _ = _cache_dims(key_cache, d)
         int8 = key_cache.dtype == torch.int8
@@ -302,7 +311,16 @@ class CpuKernels:
         self._check(attend(
             q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), _ptr(starts), out.data_ptr(), rows, nh, nkv, bs, d, scale, softcap or 0.0,
-            DTYPE_CODES[q.dtype], torch.get_num_threads()))
+            DTYPE_CODES[q.dtype], torch.get_num_threads(), _SPLIT_MODES[split]))
+
+    def attention_split_pieces(self, lens: torch.Tensor, kv_heads: int, block_size: int,
+                               starts: torch.Tensor | None = None, split: bool | None = None) -> int:
+        """How many pieces of split tasks paged_attention would compute for rows of these lengths (and
+        window starts) at torch's thread count: 0 when no (row, KV head) task is split."""
+        assert lens.dtype == torch.int32 and lens.is_contiguous()
+        assert starts is None or (starts.dtype == torch.int32 and starts.is_contiguous() and starts.shape == lens.shape)
+        return self._lib.pl_attention_split_pieces(lens.data_ptr(), _ptr(starts), lens.numel(), kv_heads, block_size,
+                                                   torch.get_num_threads(), _SPLIT_MODES[split])
 
     def encoder_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
                           scale: float, window: int | None = None, longest: int = 0) -> torch.Tensor:
