@@ -29,8 +29,11 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.rows_per_partition
         # rows of this slice that are real tokens (the rest is padding, zero)
         self.num_real_rows = max(0, min(self.rows_per_partition, num_embeddings - self.vocab_start))
-        self.weight = nn.Parameter(torch.zeros(self.rows_per_partition, embedding_dim, dtype=dtype),
+        # empty, not zeros: pages the checkpoint fills are first touched by its copy (zeros would make the whole
+        # table resident at construction, and an LM head tied afterwards would have held a table for nothing)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_partition, embedding_dim, dtype=dtype),
                                    requires_grad=False)
+        self.weight.data[self.num_real_rows:].zero_()  # the padding rows no checkpoint fills
         self.weight.weight_loader = self.weight_loader
         self.weight.takes_quantized = True
 
@@ -65,14 +68,23 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; each rank computes its slice of the logits."""
 
     packed_weight: PackedWeight | None = None
+    tied = False
+    """Its weight is the embedding table's (``tie``)."""
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding table's weight (tied word embeddings)."""
+        self.weight = embedding.weight
+        self.tied = True
 
     def process_weights_after_loading(self) -> None:
         """Keep quantized rows for the quantized kernels (shared with a tied embedding table), or pack the CPU
-        weight for our GEMM or oneDNN (layers/prepack.py); then the plain weight stays: with tied embeddings it
-        is the embedding table."""
+        weight for our GEMM or oneDNN (layers/prepack.py); then the plain weight stays only when tied (it is
+        the embedding table): an untied one is dropped (Llama-3-8B's is 1 GiB in bf16)."""
         super().process_weights_after_loading()
         if self.quant is None and can_prepack(self.weight):
             self.packed_weight = prepack(self.weight)
+            if not self.tied:
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy replaces it
         matmul = matmul_for(self.packed_weight, self.quant)
         if matmul is not None:  # bound once: compute_logits asks nothing about the weight's form
             self._matmul = matmul

@@ -77,7 +77,7 @@ class GPT2LMHeadModel(nn.Module):
         self.transformer.h = nn.ModuleList(GPT2Block(cfg, dtype) for _ in range(cfg.num_layers))
         self.transformer.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.lm_head.weight = self.transformer.wte.weight  # always tied in GPT-2
+        self.lm_head.tie(self.transformer.wte)  # always tied in GPT-2
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(tokens,) ids and positions -> (tokens, hidden)."""

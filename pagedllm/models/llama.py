@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_cls(cfg, dtype, max(max_position, cfg.max_position_embeddings))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(tokens,) ids and positions -> (tokens, hidden)."""

@@ -82,7 +82,7 @@ class OPTForCausalLM(nn.Module):
         self.model = nn.Module()
         self.model.decoder = OPTDecoder(cfg, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.word_embed_proj_dim or cfg.hidden_size, dtype)
-        self.lm_head.weight = self.model.decoder.embed_tokens.weight  # tied
+        self.lm_head.tie(self.model.decoder.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(tokens,) ids and positions -> (tokens, hidden)."""

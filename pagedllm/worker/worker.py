@@ -26,6 +26,7 @@ from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import iter_weights, load_arch_config
 from pagedllm.models.registry import get_model_class
 from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.platform import heap
 from pagedllm.platform.cpu import rank_cores
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.speculator import Speculator, make_speculator
@@ -114,8 +115,8 @@ class Worker:
             _fill_dummy_weights(model, config.model.seed)
         else:
             quantized = config.model.quantization == "gguf" and path.endswith(".gguf")
-            model.load_weights(tqdm(iter_weights(path, arch, quantized), desc=desc, unit=" tensors", leave=False,
-                                    dynamic_ncols=True, disable=self.rank_info.rank != 0 or None))  # one bar
+            model.load_weights(tqdm(iter_weights(path, arch, quantized, self.dtype), desc=desc, unit=" tensors",
+                                    leave=False, dynamic_ncols=True, disable=self.rank_info.rank != 0 or None))
             model.to(self.device)  # loaded on the host, then moved whole (a no-op on the CPU)
         bind_ops(model, self.device)  # each layer's implementation for this device, chosen once (layers/custom_op.py)
         return model
@@ -256,6 +257,7 @@ def _process_weights(model: torch.nn.Module, int8: bool) -> None:
         for module in model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+                heap.trim()  # a packed or quantized weight's transients: not kept resident (platform/heap.py)
     model.eval()
 
 

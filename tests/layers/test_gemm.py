@@ -88,3 +88,18 @@ def test_no_fused_silu_for_widths_off_the_group_grid(kernels) -> None:
     layer = MergedColumnParallelLinear(64, [features, features], dtype=torch.bfloat16)
     layer.pack_for_silu_and_mul()
     assert layer.silu_packed is None and layer.weight.shape == (2 * features, 64)  # left to the plain packing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_packed_a_slice_at_a_time_is_the_weight_packed_whole(kernels, dtype: torch.dtype,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused SiLU's reordered packing gathers and packs whole blocks of rows at a time (no reordered copy of
+    the whole weight while loading): the bytes of the reordered weight packed at once, a part block at the end."""
+    from pagedllm.layers import prepack
+
+    layout = kernels.gemm_layout(dtype)
+    rows = 5 * layout.block + 2 * layout.lanes  # the last block part-filled
+    weight = torch.randn(rows, 96, generator=torch.Generator().manual_seed(0)).to(dtype)
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(prepack, "_PACK_SLICE_BYTES", 1)  # a block a slice
+    assert torch.equal(prepack._pack_in_order(kernels, weight, order), kernels.gemm_pack(weight[order]))

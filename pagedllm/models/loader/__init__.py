@@ -7,6 +7,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from pagedllm.errors import ValidationError
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import gguf_loader, hf_loader
@@ -55,10 +57,14 @@ def load_arch_config(path: str) -> ArchConfig:
     return gguf_loader.load_arch_config(path) if is_gguf(path) else hf_loader.load_arch_config(path)
 
 
-def iter_weights(path: str, config: ArchConfig, quantized: bool = False) -> Iterator[tuple[str, Any]]:
-    """(HF parameter name, tensor) pairs; GGUF tensors come dequantized (float32), or with ``quantized``
-    the matrices of a kept format as QuantTensors (layers/quant.py)."""
-    return gguf_loader.iter_weights(path, config, quantized) if is_gguf(path) else hf_loader.iter_weights(path)
+def iter_weights(path: str, config: ArchConfig, quantized: bool = False,
+                 dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, Any]]:
+    """(HF parameter name, tensor) pairs, one at a time, each valid until the next is asked for (copy what you
+    keep): an HF folder's as its files have them; a GGUF file's dequantized (matrices to ``dtype``, vectors to
+    float32), or with ``quantized`` the matrices of a kept format as QuantTensors (layers/quant.py)."""
+    if is_gguf(path):
+        return gguf_loader.iter_weights(path, config, quantized, dtype)
+    return hf_loader.iter_weights(path)
 
 
 def quantized_formats(path: str, config: ArchConfig) -> set[str]:

@@ -6,6 +6,7 @@ interleaved rotary layout; they are permuted back to HF's rotate-half layout her
 from __future__ import annotations
 
 import functools
+import mmap
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from pagedllm.errors import ValidationError
+from pagedllm.platform import heap
 from pagedllm.models.config import ArchConfig, as_id_tuple
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -218,18 +220,28 @@ def kept_types(path: str, config: ArchConfig) -> set[str]:
     """The quantized formats of the file's matrices that ``quantization="gguf"`` keeps (layers/quant.py)."""
     from pagedllm.layers.quant import GGML_TYPES
 
-    if config.architecture == "GPT2LMHeadModel":  # its Conv1D weights are transposed: always dequantized
-        return set()
     names = {code: name for name, code in GGML_TYPES.items()}
-    return {names[int(t.tensor_type)] for t in _reader(path).tensors
-            if len(t.shape) == 2 and int(t.tensor_type) in names and _hf_name(t.name, config.architecture)}
+    tensors = {t.name: t for t in _reader(path).tensors}
+    return {names[int(tensors[name].tensor_type)] for name, _, _ in kept_tensors(path, config)}
 
 
-def iter_weights(path: str, config: ArchConfig, quantized: bool = False) -> Iterator[tuple[str, Any]]:
-    """(HF name, float32 tensor) for every tensor of the file; with ``quantized``, matrices of the formats
-    layers/quant.py keeps come as QuantTensors (their rows as the file has them)."""
-    from gguf.quants import dequantize
+def kept_tensors(path: str, config: ArchConfig) -> Iterator[tuple[str, int, int]]:
+    """(GGUF name, values, bytes in the file) of every matrix that ``quantization="gguf"`` keeps in its format."""
+    from pagedllm.layers.quant import GGML_TYPES
 
+    if config.architecture == "GPT2LMHeadModel":  # its Conv1D weights are transposed: always dequantized
+        return
+    kept = set(GGML_TYPES.values())
+    for t in _reader(path).tensors:
+        if len(t.shape) == 2 and int(t.tensor_type) in kept and _hf_name(t.name, config.architecture):
+            yield t.name, int(t.n_elements), int(t.n_bytes)
+
+
+def iter_weights(path: str, config: ArchConfig, quantized: bool = False,
+                 dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) for every tensor of the file: matrices dequantized to ``dtype`` (vectors to float32);
+    with ``quantized``, matrices of the formats layers/quant.py keeps come as QuantTensors (their rows as the
+    file has them). Each tensor's pages of the file are unmapped once the next one is asked for (``_release``)."""
     from pagedllm.layers.quant import GGML_TYPES, QuantTensor
 
     reader = _reader(path)
@@ -238,29 +250,64 @@ def iter_weights(path: str, config: ArchConfig, quantized: bool = False) -> Iter
         name = _hf_name(tensor.name, config.architecture)
         if name is None:
             continue
-        shape = list(reversed(tensor.shape.tolist()))  # torch's (out, in)
+        shape = list(reversed(tensor.shape.tolist()))  # GGUF stores dims fastest-first: torch's (out, in)
+        data = tensor.data  # a view of the memory map: (..., rows, values or bytes of a row)
+        if permuted and name.endswith("q_proj.weight"):
+            data = _unpermute(data, config.num_heads)  # rows as HF has them; whole rows: before or after decoding
+        elif permuted and name.endswith("k_proj.weight"):
+            data = _unpermute(data, config.num_kv_heads)
         if (quantized and len(shape) == 2 and int(tensor.tensor_type) in GGML_TYPES.values()
                 and config.architecture != "GPT2LMHeadModel"):  # GPT-2's Conv1D weights are transposed below
-            rows = np.asarray(tensor.data).reshape(shape[0], -1)  # (out, bytes of a row): rows as stored
-            if permuted and name.endswith("q_proj.weight"):
-                rows = _unpermute(rows, config.num_heads)
-            elif permuted and name.endswith("k_proj.weight"):
-                rows = _unpermute(rows, config.num_kv_heads)
-            yield name, QuantTensor(int(tensor.tensor_type), shape[0], shape[1], torch.from_numpy(np.array(rows)))
+            rows = data.reshape(shape[0], -1)  # (out, bytes of a row): rows as stored
+            if np.may_share_memory(rows, reader.data):
+                rows = np.array(rows)  # off the map: these bytes are kept (the map's pages are released)
+            yield name, QuantTensor(int(tensor.tensor_type), shape[0], shape[1], torch.from_numpy(rows))
+            _release(reader, tensor)
+            heap.trim()  # the unpermuted rows' transient copy (platform/heap.py)
             continue
-        # GGUF stores dims fastest-first: reverse them to get torch's (out, in) order.
-        weight = dequantize(tensor.data, tensor.tensor_type).reshape(list(reversed(tensor.shape.tolist())))
+        weight = _dequantize(data, tensor.tensor_type, shape, dtype if len(shape) > 1 else torch.float32)
         if config.architecture.startswith("Gemma") and name.endswith("norm.weight"):
             weight = weight - 1  # llama.cpp stores Gemma's norms as 1 + w, ours add the 1 themselves
-        if config.architecture == "GPT2LMHeadModel" and weight.ndim == 2 and any(
+        if config.architecture == "GPT2LMHeadModel" and weight.dim() == 2 and any(
                 f".{m}." in name for m in ("c_attn", "c_proj", "c_fc")):
             weight = weight.T  # back to transformers' Conv1D (in, out), as an HF folder has it
-        if permuted and name.endswith("q_proj.weight"):
-            weight = _unpermute(weight, config.num_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            weight = _unpermute(weight, config.num_kv_heads)
         if "{e}" in name:  # (experts, rows, cols): one tensor per expert
             for expert in range(weight.shape[0]):
-                yield name.format(e=expert), torch.from_numpy(np.array(weight[expert], dtype=np.float32))
-            continue
-        yield name, torch.from_numpy(np.array(weight, dtype=np.float32))  # a writable copy (the file is memory-mapped)
+                yield name.format(e=expert), weight[expert]
+        else:
+            yield name, weight
+        del weight
+        _release(reader, tensor)
+        heap.trim()  # the decoded tensor and its slices' temporaries (platform/heap.py)
+
+
+_DEQUANTIZE_BYTES = 2 * 1024**2
+"""Float32 values decoded at a time: a whole embedding table's would be twice its bf16 copy (Llama-3-8B's 2 GiB)."""
+
+
+def _dequantize(data: np.ndarray, qtype: Any, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """``data`` (the file's rows: values, or bytes of quantized blocks) decoded into a new ``dtype`` tensor of
+    torch shape ``shape``, a slice of rows at a time (the float32 decode of each slice is transient)."""
+    from gguf.quants import dequantize
+
+    cols = shape[-1]
+    flat = data.reshape(-1, data.shape[-1])  # (rows, values or bytes of a row)
+    out = torch.empty(flat.shape[0], cols, dtype=dtype)  # (rows, cols)
+    step = max(1, _DEQUANTIZE_BYTES // (4 * cols))
+    for start in range(0, flat.shape[0], step):
+        values = dequantize(flat[start:start + step], qtype)  # (step, cols) float32 (F32: a view of the map)
+        if not values.flags.writeable:
+            values = values.copy()  # torch takes writable arrays only
+        out[start:start + step] = torch.from_numpy(values).view(-1, cols)  # (step, cols)
+    return out.view(shape)
+
+
+def _release(reader, tensor) -> None:
+    """Unmap the file pages of ``tensor`` from this process (madvise DONTNEED): a page of the map that was read
+    counts in the RSS (RssFile) while it stays mapped, so reading the whole file held its size on top of the
+    weights made from it. The pages stay in the page cache; a later read maps them again (the map is read only)."""
+    mapped = getattr(reader.data, "_mmap", None)
+    if mapped is None:
+        return
+    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+    mapped.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
