@@ -422,8 +422,9 @@ class EngineCore:
         return set(self.loras)
 
     # ----------------------------------------------------------------------- state
-    def rank_memory_usage(self) -> list[dict[str, int]]:
-        """Per tensor-parallel rank, in rank order: bytes of weights, of KV pools, and its process's RSS."""
+    def rank_memory_usage(self) -> list[dict[str, float]]:
+        """Per tensor-parallel rank, in rank order: bytes of weights, of KV pools, and its process's RSS; its load's
+        seconds and peak RSS (load_seconds, load_peak_rss_bytes)."""
         return self.executor.collective_rpc("memory_usage")
 
     def kv_map(self, cells: bool = True) -> dict[str, Any]:

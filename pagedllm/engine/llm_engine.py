@@ -126,8 +126,9 @@ class LLMEngine:
         """The ids of the adapters added."""
         return set(self.engine_core.call("list_loras"))
 
-    def rank_memory_usage(self) -> list[dict[str, int]]:
-        """Per tensor-parallel rank, in rank order: bytes of weights, of KV pools, and its process's RSS."""
+    def rank_memory_usage(self) -> list[dict[str, float]]:
+        """Per tensor-parallel rank, in rank order: bytes of weights, of KV pools, and its process's RSS; its load's
+        seconds and peak RSS (load_seconds, load_peak_rss_bytes)."""
         return self.engine_core.call("rank_memory_usage")
 
     def kv_map(self, cells: bool = True) -> dict[str, Any]:

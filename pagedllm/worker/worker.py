@@ -30,6 +30,7 @@ from pagedllm.platform import heap
 from pagedllm.platform.cpu import rank_cores
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.speculator import Speculator, make_speculator
+from pagedllm.worker.memory_fit import LoadMeter, kv_block_bytes, weight_bytes
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.structured_output import compiler_for
 
@@ -85,6 +86,8 @@ class Worker:
                                   f"{where}", param="kv_cache_dtype", value=config.cache.cache_dtype)
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
+        meter = LoadMeter()
+        meter.start()
         model = self._load_model(config.model.model, arch, "Loading weights")
         # LoRA layers first: packing leaves gate_up unfused where one is attached
         lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
@@ -92,10 +95,16 @@ class Worker:
         spec = config.speculative
         self.draft_arch = None if spec is None or not spec.uses_draft_model else load_arch_config(spec.model)
         speculator = make_speculator(spec)
+        loaded = weight_bytes(model)
         if self.draft_arch is not None:  # its weights kept as the target's are (a GGUF draft stays quantized)
             draft = self._load_model(spec.model, self.draft_arch, "Loading draft weights")
             _process_weights(draft, config.model.quantization == "int8")
+            loaded += weight_bytes(draft)
             speculator = Speculator(spec, DraftModelProposer(draft, backend, config.cache.block_size, self.device))
+        self.load_report = meter.report(loaded)
+        """How loading went: its time, the weights' bytes, the peak RSS (``memory_usage``, ``pagedllm bench``)."""
+        if info.rank == 0:
+            logger.info("%s", self.load_report.line())
         if config.model.quantization and info.rank == 0:
             described = describe_quantized(model)
             (logger.warning if described.startswith("no weight") else logger.info)(
@@ -124,13 +133,8 @@ class Worker:
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers (K and V; an int8 cache's scales included), a draft model's
         layers included (its K/V sit in the same blocks)."""
-        bs = self.config.cache.block_size
-        total = 2 * self.arch.num_layers * self.num_kv_heads * kv_quant.head_block_bytes(bs, self.arch.head_dim,
-                                                                                          self.kv_dtype)
-        if self.draft_arch is not None:
-            d = self.draft_arch
-            total += 2 * d.num_layers * d.num_kv_heads * kv_quant.head_block_bytes(bs, d.head_dim, self.kv_dtype)
-        return total
+        return kv_block_bytes(self.arch, self.num_kv_heads, self.config.cache.block_size, self.kv_dtype,
+                              self.draft_arch)
 
     def determine_num_kv_blocks(self) -> int:
         """num_kv_blocks if given, else kv_cache_memory (or the default) / bytes per block.
@@ -204,29 +208,14 @@ class Worker:
         """The shape of every layer's KV tensor on this rank (tests check the head split)."""
         return [tuple(t.shape) for t in self.model_runner.kv_caches]
 
-    def memory_usage(self) -> dict[str, int]:
-        """Bytes this rank holds: weights (packed copies included), its KV pools, and its process's RSS."""
-        seen: set[int] = set()
-        weights = 0
-        for module in self.model_runner.model.modules():
-            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-            tensors += [packed.data for name in ("packed_weight", "silu_packed")
-                        if (packed := getattr(module, name, None)) is not None]
-            if (quant := getattr(module, "quant", None)) is not None:  # rows kept in GGUF formats
-                tensors += [piece.data for piece in quant.pieces.values()]
-            for t in tensors:
-                if t.is_mkldnn:  # oneDNN's opaque packed copy: the same size as the plain tensor
-                    size = t.numel() * t.element_size()
-                    key = id(t)
-                else:
-                    size, key = t.untyped_storage().nbytes(), t.untyped_storage().data_ptr()
-                if key not in seen:
-                    seen.add(key)
-                    weights += size
+    def memory_usage(self) -> dict[str, float]:
+        """Bytes this rank holds: weights (packed copies included), its KV pools, and its process's RSS; and how
+        its load went (seconds, the peak RSS while loading)."""
         kv = sum(t.nbytes for t in self.model_runner.kv_caches + self.model_runner.host_kv_caches)
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return {"weights_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": rss}
+        return {"weights_bytes": weight_bytes(self.model_runner.model), "kv_cache_bytes": kv, "rss_bytes": rss,
+                "load_seconds": self.load_report.seconds, "load_peak_rss_bytes": self.load_report.peak_rss_bytes}
 
     def request_token_ids(self) -> dict[str, list[int]]:
         """Every live request's tokens as this rank sampled them (tests check the ranks agree)."""

@@ -56,6 +56,10 @@ def test_the_command_prints_vllm_lines_and_one_json_line(tiny_llm_dir: Path, tmp
     assert f"99% percentile latency: {result['percentiles']['99']} seconds" in proc.stdout
     assert "Output tokens/s:" in proc.stdout and "per sequence" in proc.stdout
     assert "Bench iterations" in proc.stderr  # tqdm's progress
+    # the load's figures: the start-up line (rank 0's log) and the benchmark's own, the same figures in its JSON
+    assert "Loaded weights in " in proc.stderr and "GiB of weights, peak RSS " in proc.stderr
+    assert result["load_time_s"] > 0 and 0 < result["weights_gib"] < result["load_peak_rss_gib"]
+    assert f"Load: {result['load_time_s']:.1f} s for {result['weights_gib']:.2f} GiB of weights" in proc.stdout
 
 
 def test_a_prompt_file_is_every_prompt_of_the_batch(tiny_llm_dir: Path, tokenizer: Any, tmp_path: Path,

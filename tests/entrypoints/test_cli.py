@@ -47,6 +47,11 @@ def test_bench_throughput_prints_one_json_line(tiny_llm_dir: Path, tmp_path: Pat
     assert result["num_requests"] == 6 and result["total_num_tokens"] == 6 * (16 + 8)
     for key in ("elapsed_time", "requests_per_second", "tokens_per_second", "output_tokens_per_second"):
         assert result[key] > 0
+    # how the model loaded: rank 0's start-up line, and the figures in the output and the JSON
+    assert "Loaded weights in " in proc.stderr
+    assert result["load_time_s"] > 0 and 0 < result["weights_gib"] < result["load_peak_rss_gib"]
+    assert result["ranks"][0]["load_seconds"] == result["load_time_s"]
+    assert f"peak RSS {result['load_peak_rss_gib']:.2f} GiB while loading" in proc.stdout
 
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "a prompt"], ["bench", "throughput"]])

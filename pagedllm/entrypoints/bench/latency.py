@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from pagedllm.entrypoints.bench import emit_json
+from pagedllm.entrypoints.bench import emit_json, load_line, load_summary
 from pagedllm.entrypoints.bench.datasets import random_prompts
 from pagedllm.entrypoints.cli_args import SubParsers, add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
@@ -167,6 +167,7 @@ def run(ns: argparse.Namespace) -> int:
         before = vars(llm.get_stats()).copy()
         latencies = [run_once() for _ in tqdm(range(ns.num_iters), desc="Bench iterations")]
         after = vars(llm.get_stats())
+        load = load_summary(engine.rank_memory_usage())
     finally:
         llm.shutdown()
 
@@ -176,7 +177,7 @@ def run(ns: argparse.Namespace) -> int:
         "num_iters": ns.num_iters, "num_iters_warmup": ns.num_iters_warmup, "use_beam_search": ns.use_beam_search,
         "temperature": 0.0 if ns.use_beam_search else temperature, "prompt_file": ns.prompt_file,
         "dtype": engine.config.model.dtype,
-        "steps_per_iteration": (after["num_steps"] - before["num_steps"]) / ns.num_iters,
+        "steps_per_iteration": (after["num_steps"] - before["num_steps"]) / ns.num_iters, **load,
     })
     spec = spec_decode_summary(before, after)
     if spec is not None:
@@ -190,6 +191,7 @@ def run(ns: argparse.Namespace) -> int:
           f"{result['output_tokens_per_second_per_sequence']:.2f} per sequence "
           f"({ns.batch_size} x {ns.n} sequences of {ns.output_len} tokens, prompts of {input_len} tokens), "
           f"{result['steps_per_iteration']:.1f} engine steps per iteration")
+    print(load_line(load))
     if "spec_decode" in result:
         sd = result["spec_decode"]
         print(f"Speculative decoding: acceptance rate {sd['acceptance_rate']:.3f}, "

@@ -7,7 +7,7 @@ import resource
 import time
 from typing import TYPE_CHECKING
 
-from pagedllm.entrypoints.bench import emit_json
+from pagedllm.entrypoints.bench import emit_json, load_line, load_summary
 from pagedllm.entrypoints.bench.datasets import (
     SHAREGPT_MAX_PROMPT_LEN,
     SHAREGPT_MAX_TOTAL_LEN,
@@ -132,6 +132,7 @@ def run(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
     outputs = llm.generate([r.as_prompt() for r in requests], [params(r.output_len) for r in requests])
     elapsed = time.perf_counter() - start
+    ranks = llm.llm_engine.rank_memory_usage()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     result = {
@@ -147,8 +148,8 @@ def run(ns: argparse.Namespace) -> int:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "dtype": llm.llm_engine.config.model.dtype,
         "tensor_parallel_size": llm.llm_engine.config.parallel.tensor_parallel_size,
-        "ranks": [{k.replace("_bytes", "_mib"): v / 2**20 for k, v in rank.items()}
-                  for rank in llm.llm_engine.rank_memory_usage()],
+        "ranks": [_in_mib(rank) for rank in ranks],
+        **load_summary(ranks),
         "stats": {k: v for k, v in vars(llm.get_stats()).items()
                   if k in ("num_steps", "num_preemptions", "max_num_running")},
     }
@@ -159,12 +160,19 @@ def run(ns: argparse.Namespace) -> int:
     print(f"Total num output tokens:  {output_tokens}")
     print(f"Requests: {len(outputs)} of dataset {ns.dataset_name} (mean {mean_in:.1f} in / {mean_out:.1f} out), "
           f"elapsed {elapsed:.2f} s, peak RSS {result['peak_rss_mib']:.0f} MiB")
+    print(load_line(result))
     for rank, mem in enumerate(result["ranks"]):
         print(f"Rank {rank}: weights {mem['weights_mib']:.0f} MiB, KV cache {mem['kv_cache_mib']:.0f} MiB, "
               f"RSS {mem['rss_mib']:.0f} MiB")
     llm.shutdown()
     emit_json(result, ns.output_json)
     return 0
+
+
+def _in_mib(rank: dict[str, float]) -> dict[str, float]:
+    """A rank's ``rank_memory_usage`` with its byte counts in MiB (``weights_bytes`` -> ``weights_mib``)."""
+    return {(key.removesuffix("_bytes") + "_mib" if key.endswith("_bytes") else key):
+            (value / 2**20 if key.endswith("_bytes") else value) for key, value in rank.items()}
 
 
 def make_dataset(ns: argparse.Namespace) -> int:
