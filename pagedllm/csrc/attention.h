@@ -118,8 +118,9 @@ inline void finish_scores(float* scores, int64_t group, int64_t len, int64_t mas
 enum SplitMode : int { kSplitAuto = 0, kSplitNever = 1, kSplitAlways = 2 };
 
 // A piece shorter than this many tokens (rounded up to whole blocks, at least 2) is not cut off: its
-// merge and a cold start of its prefetches would cost more than its share of the work.
-constexpr int64_t kMinPieceTokens = 256;
+// merge and a cold start of its prefetches would cost more than its share of the work (1 KV head, 2
+// threads, 272 tokens in 2 pieces: bf16 1.13x, int8 0.96x; 520 tokens: 1.41x, 1.06x).
+constexpr int64_t kMinPieceTokens = 128;
 
 // Tokens [begin, end) of a task's window (begin a multiple of the block size); slot: the index of its
 // partial result, or -1 for a whole task, which writes its output rows itself.
