@@ -41,15 +41,64 @@ def parse_memory(value: int | float | str, param: str = "kv_cache_memory") -> in
 
 
 def available_memory_bytes() -> int:
-    """Memory the OS can still give this process (MemAvailable, else free pages)."""
+    """Memory the OS can still give this process: MemAvailable (else free pages), or less where this process's
+    memory cgroup has a limit (a container's): the limit less what the cgroup holds beyond its reclaimable file
+    pages."""
+    machine = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    machine = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if machine is None:
+        machine = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cgroup = cgroup_available_bytes()
+    return machine if cgroup is None else min(machine, cgroup)
+
+
+_NO_LIMIT = 1 << 60
+"""A cgroup limit at or above this is none (v1 writes 2**63 rounded down to a page)."""
+
+
+def cgroup_available_bytes() -> int | None:
+    """What this process's memory cgroup still allows (limit - usage + inactive file pages), or None without a
+    limit. cgroup v2 (memory.max) or v1 (memory.limit_in_bytes), at the mount's root (a container's own) or at
+    the process's path under it."""
+    paths: list[tuple[str, str, str]] = []  # (folder, limit file, usage file)
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    paths.append((f"/sys/fs/cgroup{path.rstrip('/')}", "memory.max", "memory.current"))
+                elif "memory" in controllers.split(","):
+                    paths.append((f"/sys/fs/cgroup/memory{path.rstrip('/')}", "memory.limit_in_bytes",
+                                  "memory.usage_in_bytes"))
+    except (OSError, ValueError):
+        pass
+    paths += [("/sys/fs/cgroup", "memory.max", "memory.current"),
+              ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]
+    for folder, limit_file, usage_file in paths:
+        try:
+            with open(os.path.join(folder, limit_file)) as f:
+                text = f.read().strip()
+            if text == "max" or int(text) >= _NO_LIMIT:
+                continue
+            with open(os.path.join(folder, usage_file)) as f:
+                usage = int(f.read())
+            reclaimable = 0
+            with open(os.path.join(folder, "memory.stat")) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key in ("inactive_file", "total_inactive_file"):
+                        reclaimable = max(reclaimable, int(value))
+            return max(0, int(text) - usage + reclaimable)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 DEFAULT_KV_FRACTION = 0.4

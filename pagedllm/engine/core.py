@@ -38,6 +38,7 @@ from pagedllm.models.loader.sentence_transformers import read_sentence_transform
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.memory_fit import check_fits
 from pagedllm.worker.structured_output import compiler_for
 
 logger = logging.getLogger(__name__)
@@ -258,6 +259,7 @@ class EngineCore:
                                      config.structured_outputs)
         self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars)
         """Checks requests against the model (and prepares their grammars); prompts come tokenized."""
+        check_fits(config, arch)  # weights + KV cache against the memory here, before anything is allocated
         self.executor = get_executor_class(config)(config, arch, eos)
         try:
             self.num_kv_blocks = self.executor.determine_num_kv_blocks()

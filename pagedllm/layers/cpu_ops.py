@@ -180,6 +180,15 @@ class CpuKernels:
         self._check(rc)
         return dataclasses.replace(w, data=out, packed=True, level=self.level)
 
+    def qpacked_bytes(self, qtype: int, rows: int, cols: int) -> int:
+        """Bytes ``qpack`` makes of a (rows, cols) matrix of ``qtype``: its packed copy's, or the file's where the
+        rows stay as they are (the fits-in-memory check's figure, worker/memory_fit.py)."""
+        block, nbytes, packs = _I64(), _I64(), _I32()
+        self._check(self._lib.pl_qtype_layout(qtype, block, nbytes, packs))
+        if not packs.value:
+            return rows * (cols // block.value) * nbytes.value
+        return int(self._lib.pl_qpack_size(qtype, rows, cols))
+
     def qgemm(self, x: torch.Tensor, w: QuantMatrix, out: torch.Tensor) -> None:
         """out (rows, w.rows; rows may be strided, e.g. a column slice) = x (rows, w.cols) W^T, W in its
         GGUF format (layers/quant.py), packed or not; x's values quantized to int8 per 32 on the way."""

@@ -1,5 +1,10 @@
-"""What a model takes in host memory: a KV block's bytes, a loaded model's weight bytes, and what loading it took
-(``LoadMeter``: its seconds and the peak RSS it reached, reported at start-up and by ``pagedllm bench``).
+"""What a model takes in host memory, known before it is loaded, and what loading it took.
+
+``check_fits`` refuses (a ValidationError with the figures) an engine whose weights and KV cache cannot fit the
+memory this machine (or its cgroup) still has, before anything is allocated: without it an 8B model on a small
+machine was killed by the OOM killer minutes into loading. The weights' bytes come from the model built on the
+meta device (every parameter and buffer at its shape and dtype, no memory), adjusted for what loading makes of
+them: a GGUF file's kept matrices at the file's sizes, int8 rows, the packed copy of a tied LM head.
 """
 from __future__ import annotations
 
@@ -10,7 +15,12 @@ import torch
 from torch import nn
 
 from pagedllm.attention import kv_quant
+from pagedllm.config import EngineConfig, available_memory_bytes, cgroup_available_bytes
+from pagedllm.distributed.parallel_state import shard_heads
+from pagedllm.errors import ValidationError
+from pagedllm.layers import cpu_ops
 from pagedllm.models.config import ArchConfig
+from pagedllm.models.registry import get_model_class
 
 GIB = 1024**3
 
@@ -25,6 +35,115 @@ def kv_block_bytes(arch: ArchConfig, num_kv_heads: int, block_size: int, kv_dtyp
         total += 2 * draft.num_layers * draft.num_kv_heads * kv_quant.head_block_bytes(block_size, draft.head_dim,
                                                                                       kv_dtype)
     return total
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+    """A model's weights in host memory, all ranks together."""
+
+    loading: int
+    """The most they take while loading (quantization="int8": the float weights, before they become rows)."""
+    final: int
+    """What they take once processed (packed copies included)."""
+
+
+def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> WeightBytes:
+    """The weights of the model at ``path`` as ``config`` loads them, from its shapes alone (no tensor is read)."""
+    dtype = getattr(torch, config.model.dtype)
+    with torch.device("meta"):  # shapes and dtypes only: nothing is allocated
+        model = get_model_class(arch)(arch, dtype, config.model.max_model_len)
+    quantization = config.model.quantization
+    kept_elements, kept_bytes, embedding_kept = 0, 0, False
+    kernels = cpu_ops.active() if config.device.device == "cpu" else None
+    if quantization == "gguf" and path.endswith(".gguf") and kernels is not None:  # else dequantized at load
+        from pagedllm.models.loader.gguf_loader import kept_tensors
+
+        for name, qtype, rows, cols, nbytes in kept_tensors(path, arch):
+            kept_elements += rows * cols
+            kept_bytes += kernels.qpacked_bytes(qtype, rows, cols)  # the kernels' copy (Q8_0: f32 scales, +6%)
+            embedding_kept |= name == "token_embd.weight"
+    loading = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
+    loading += kept_bytes - kept_elements * dtype.itemsize
+    final = loading
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if quantization == "int8" and isinstance(weight, nn.Parameter) and _becomes_int8(weight):
+            final -= weight.numel() * weight.element_size() - weight.numel() * 34 // 32  # Q8_0 rows: 34 bytes a 32
+        if getattr(module, "tied", False) and config.device.device == "cpu" and quantization != "int8" \
+                and not embedding_kept:
+            final += weight.numel() * weight.element_size()  # the LM head's packed copy beside the table
+    return WeightBytes(loading, final)
+
+
+def _unique_tensors(model: nn.Module) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def _becomes_int8(weight: nn.Parameter) -> bool:
+    """quantization="int8" turns this float weight into rows (layers/quant.py ``will_quantize``, shapes only)."""
+    return getattr(weight, "takes_quantized", False) and weight.dim() == 2 and weight.shape[1] % 32 == 0
+
+
+def requested_kv_bytes(config: EngineConfig, arch: ArchConfig, draft: ArchConfig | None) -> tuple[int, str]:
+    """Bytes of KV cache (and host swap space) every rank together asks for, and how it was asked: num_kv_blocks,
+    kv_cache_memory, or by default the least the worker accepts (2 blocks: its default pool is a share of what
+    is free once the weights are in, so it always fits; config.py ``default_kv_budget``)."""
+    cache, tp = config.cache, config.parallel.tensor_parallel_size
+    if config.model.encoder_only:  # bidirectional attention over whole inputs: nothing is cached
+        return 0, "no KV cache"
+    kv_dtype = kv_quant.kv_cache_torch_dtype(cache.cache_dtype, getattr(torch, config.model.dtype))
+    blocks = [kv_block_bytes(arch, shard_heads(arch.num_heads, arch.num_kv_heads, tp, rank).num_kv_heads,
+                             cache.block_size, kv_dtype, draft) for rank in range(tp)]
+    if cache.num_kv_blocks is not None:
+        kv, how = cache.num_kv_blocks * sum(blocks), f"num_kv_blocks={cache.num_kv_blocks}"
+    elif cache.kv_cache_memory is not None:
+        # each rank's blocks of its budget (worker.determine_num_kv_blocks)
+        kv = sum(cache.kv_cache_memory // b * b for b in blocks)
+        how = f"kv_cache_memory={cache.kv_cache_memory / GIB:.2f} GiB" + (f" x {tp} ranks" if tp > 1 else "")
+    else:
+        kv, how = 2 * sum(blocks), "at least 2 blocks; by default a share of what the weights leave"
+    if config.scheduler.preemption_mode == "swap":
+        kv += sum(int(cache.swap_space * GIB) // b * b for b in blocks)
+        how += f", swap_space={cache.swap_space} GiB" + (f" x {tp} ranks" if tp > 1 else "")
+    return kv, how
+
+
+def check_fits(config: EngineConfig, arch: ArchConfig) -> None:
+    """Refuse, before anything is allocated, weights + KV cache that cannot fit the memory available here.
+
+    Checked on a CPU whose ranks all run on this machine (one process, or one per rank): a GPU holds both in its
+    own memory (sized there by a profiling step), and Ray may place ranks on other machines."""
+    if config.device.device != "cpu" or config.parallel.distributed_executor_backend not in ("uni", "mp"):
+        return
+    spec = config.speculative
+    draft = None
+    weights = estimate_weight_bytes(config.model.model, arch, config)
+    if spec is not None and spec.uses_draft_model:
+        from pagedllm.models.loader import load_arch_config
+
+        draft = load_arch_config(spec.model)
+        extra = estimate_weight_bytes(spec.model, draft, config)
+        weights = WeightBytes(weights.loading + extra.loading, weights.final + extra.final)
+    kv, how = requested_kv_bytes(config, arch, draft)
+    available = available_memory_bytes()
+    need = max(weights.loading, weights.final + kv)
+    if need <= available:
+        return
+    cgroup = cgroup_available_bytes()
+    where = "MemAvailable" if cgroup is None or cgroup > available else "the memory cgroup's limit"
+    loading = f" ({weights.loading / GIB:.2f} GiB while loading)" if weights.loading > weights.final else ""
+    param, value = (("num_kv_blocks", config.cache.num_kv_blocks) if config.cache.num_kv_blocks is not None else
+                    ("kv_cache_memory", config.cache.kv_cache_memory) if config.cache.kv_cache_memory is not None
+                    else ("model", config.model.model))
+    raise ValidationError(
+        f"the model does not fit in memory: {weights.final / GIB:.2f} GiB for the weights{loading} "
+        f"({config.model.dtype}{', ' + config.model.quantization if config.model.quantization else ''}) + "
+        f"{kv / GIB:.2f} GiB for the KV cache ({how}) = {need / GIB:.2f} GiB needed, "
+        f"{available / GIB:.2f} GiB available ({where}). Ask for a smaller KV cache (kv_cache_memory, "
+        "num_kv_blocks), or load a smaller model, dtype or quantized GGUF file", param=param, value=value)
 
 
 # ------------------------------------------------------------------------------------------------ measuring a load

@@ -221,12 +221,12 @@ def kept_types(path: str, config: ArchConfig) -> set[str]:
     from pagedllm.layers.quant import GGML_TYPES
 
     names = {code: name for name, code in GGML_TYPES.items()}
-    tensors = {t.name: t for t in _reader(path).tensors}
-    return {names[int(tensors[name].tensor_type)] for name, _, _ in kept_tensors(path, config)}
+    return {names[qtype] for _, qtype, _, _, _ in kept_tensors(path, config)}
 
 
-def kept_tensors(path: str, config: ArchConfig) -> Iterator[tuple[str, int, int]]:
-    """(GGUF name, values, bytes in the file) of every matrix that ``quantization="gguf"`` keeps in its format."""
+def kept_tensors(path: str, config: ArchConfig) -> Iterator[tuple[str, int, int, int, int]]:
+    """(GGUF name, GGML type, rows, columns, bytes in the file) of every matrix that ``quantization="gguf"`` keeps
+    in its format."""
     from pagedllm.layers.quant import GGML_TYPES
 
     if config.architecture == "GPT2LMHeadModel":  # its Conv1D weights are transposed: always dequantized
@@ -234,7 +234,8 @@ def kept_tensors(path: str, config: ArchConfig) -> Iterator[tuple[str, int, int]
     kept = set(GGML_TYPES.values())
     for t in _reader(path).tensors:
         if len(t.shape) == 2 and int(t.tensor_type) in kept and _hf_name(t.name, config.architecture):
-            yield t.name, int(t.n_elements), int(t.n_bytes)
+            cols, rows = (int(n) for n in t.shape)  # GGUF's dims fastest-first
+            yield t.name, int(t.tensor_type), rows, cols, int(t.n_bytes)
 
 
 def iter_weights(path: str, config: ArchConfig, quantized: bool = False,
