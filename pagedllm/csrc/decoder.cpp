@@ -36,7 +36,8 @@ PL_EXPORT int pl_paged_attention_i8(const void* q, int64_t q_stride, const void*
 // column-parallel biases as float32 (added inside the GEMM), row-parallel ones in the storage
 // type (added after it), null where there is none. A weight whose qtype is not 0 is a GGUF format
 // packed by pl_qpack (quant.cpp; gate_up then [gate; up], SiLU-and-mul a separate pass), its bias
-// in the storage type, added after the GEMM as the layers do.
+// in the storage type, added after the GEMM as the layers do. A quantized qkv may come in two segments of
+// rows (llama.cpp's Q4_K_M gives some layers' v a format of its own): qkv2 holds rows qkv2_offset on.
 struct LayerPlan {
   const void* input_norm;
   const void* post_norm;
@@ -51,6 +52,9 @@ struct LayerPlan {
   void* k_cache;
   void* v_cache;
   int qkv_qtype, o_qtype, gate_up_qtype, down_qtype;
+  const void* qkv2;  // null: qkv is one segment
+  int64_t qkv2_offset;
+  int qkv2_qtype;
 };
 
 struct StackPlan {
@@ -100,7 +104,10 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
     } else {
       rc = pl_rms_norm(hidden, H, residual, H, w.input_norm, hidden, H, M, H, p.eps, dt, threads);
     }
-    if (rc || (rc = linear(hidden, H, w.qkv, w.qkv_qtype, w.qkv_bias, qkv, qkv_cols, M, qkv_cols, H, dt, threads)))
+    const int64_t qkv_first = w.qkv2 ? w.qkv2_offset : qkv_cols;  // rows of the first segment
+    if (rc || (rc = linear(hidden, H, w.qkv, w.qkv_qtype, w.qkv_bias, qkv, qkv_cols, M, qkv_first, H, dt, threads)) ||
+        (w.qkv2 && (rc = pl_qgemm(hidden, H, w.qkv2, 1, qkv + qkv_first, qkv_cols, M, qkv_cols - qkv_first, H,
+                                  w.qkv2_qtype, dt, threads))))
       return rc;
     if (w.qkv_qtype && w.qkv_bias) add_bias(qkv, reinterpret_cast<const T*>(w.qkv_bias), M, qkv_cols);
     if ((rc = pl_rotary(positions, qkv, qkv_cols, p.cos, p.sin, M, nh + nkv, D, p.max_pos, dt, threads))) return rc;

@@ -5,12 +5,12 @@
 // llama.cpp does on CPUs. A chunk's product is one integer dot (vpmaddubsw + vpmaddwd: 32 int8
 // products in two instructions, where float32 FMA does 8) scaled by the two chunks' scales.
 //
-// Two kernels: Q8_0, Q4_0 and Q4_1 repacked at load so that one register holds a group of rows'
-// values (below: one scale multiply serves 8 or 16 outputs; vpdpbusd at the avx512_bf16 level);
-// Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) read as the file has them, a row at a time (256-bit
-// code at every level). A decode step reads ~5 bits per weight (Q4_1) instead of 16 (bf16), which is
-// what a memory-bound decode step is paid in: SmolLM2-135M's single-sequence decode 105 -> 145 tok/s
-// on 2 Zen 4 cores.
+// Two kernels: Q8_0, Q4_0 and Q4_1 (here) and the K-quants Q4_K, Q5_K, Q6_K (quant_k.cpp) repacked at load so
+// that one register holds a group of rows' values (below: one scale multiply serves 8 or 16 outputs; vpdpbusd
+// at the avx512_bf16 level); Q5_0 and Q5_1, and every format where a matrix is not packed, read as the file has
+// them, a row at a time (256-bit code at every level). A decode step reads ~5 bits per weight (Q4_1) instead of
+// 16 (bf16), which is what a memory-bound decode step is paid in: SmolLM2-135M's single-sequence decode 105 ->
+// 145 tok/s on 2 Zen 4 cores.
 //
 // Chunk c of a row of K weights (K a multiple of the format's block: 32, or 256 for the K-quants):
 //   value j = scale[j / 16 within the chunk] * q[j] + offset, q int8 (signed, or unsigned 0..15 / 0..31).
@@ -18,19 +18,11 @@
 #include <atomic>
 #include <cmath>
 #include <vector>
-#include "common.h"
+#include "quant.h"
 
 namespace {
 using namespace pl;
-
-// GGML's type numbers
-enum QType : int { kQ8_0 = 8, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
+using namespace pl::quant;
 
 // One decoded chunk: 32 int8 weights, the scales of its two halves, and the offset of every value.
 struct Chunk {
@@ -112,18 +104,6 @@ template <> struct Format<kQ5_1> {  // d, m (f16), 4 bytes of fifth bits, 16 byt
   }
 };
 
-// The 6-bit scale and min of chunk j (0..7) of a Q4_K / Q5_K super-block from its 12 bytes `s`: chunks 0-3 in
-// the low 6 bits of bytes j and j + 4; chunks 4-7 in the nibbles of byte j + 4, their top 2 bits in the top
-// bits of bytes j - 4 and j.
-inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63, mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 // Q4_K: super-blocks of 256 = d, dmin (f16), 12 bytes of 6-bit scales and mins for its 8 chunks,
 // 128 bytes of nibbles (chunk 2i: the low nibbles of bytes 32i..32i+31, chunk 2i+1 their high ones);
 // value = d * scale * q - dmin * min.
@@ -187,16 +167,10 @@ template <> struct Format<kQ6_K> {
   }
 };
 
-// Activations quantized per chunk of 32: int8 values, their scale, their sum, and scale * sum(values).
-struct QRow {
-  std::vector<int8_t> q;
-  std::vector<int32_t> sum;
-  std::vector<float> d, s;
-};
-
-// 32 values -> 32 int8 round(v / d) (nearest even, as torch.round), d = amax / 127; returns d and the int sum.
+// 32 values -> 32 int8 round(v / d) (nearest even, as torch.round), d = amax / 127; returns d, the int sum and
+// the first 16 values' sum.
 template <typename T>
-inline float quantize_chunk(const T* src, int8_t* q, int& sum) {
+inline float quantize_chunk(const T* src, int8_t* q, int& sum, int& sum16) {
   __m256 v[4];
   __m256 amax = _mm256_setzero_ps();
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -206,8 +180,9 @@ inline float quantize_chunk(const T* src, int8_t* q, int& sum) {
   __m256i n[4];
   for (int i = 0; i < 4; ++i)
     n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-  sum = hsum8_i32(total);
+  const __m256i first = _mm256_add_epi32(n[0], n[1]);
+  sum16 = hsum8_i32(first);
+  sum = sum16 + hsum8_i32(_mm256_add_epi32(n[2], n[3]));
   // packs work per 128-bit half: 4-byte groups come out as values 0-3 of n[0..3], then values 4-7 of each;
   // the permute puts each vector's two groups together
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
@@ -221,14 +196,16 @@ void quantize_rows(const T* x, int64_t lda, int64_t M, int64_t K, QRow& out, int
   const int64_t chunks = K / 32;
   out.q.resize(M * K);
   out.sum.resize(M * chunks);
+  out.sum16.resize(M * chunks);
   out.d.resize(M * chunks);
   out.s.resize(M * chunks);
   parallel_for(M * chunks, threads, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / chunks, c = i % chunks;
-      int sum;
-      const float d = quantize_chunk(x + r * lda + c * 32, out.q.data() + r * K + c * 32, sum);
+      int sum, sum16;
+      const float d = quantize_chunk(x + r * lda + c * 32, out.q.data() + r * K + c * 32, sum, sum16);
       out.sum[i] = sum;
+      out.sum16[i] = sum16;
       out.d[i] = d;
       out.s[i] = d * static_cast<float>(sum);
     }
@@ -283,10 +260,10 @@ void tile_cols(int nc, const QRow& xq, int64_t m0, const uint8_t* w, int64_t rb,
 }
 
 constexpr int64_t kCols = 16;  // output features per unit of work: their weights stay in L1 across row tiles
-constexpr int64_t kRows = 64;  // rows per unit (their quantized activations stay in L2)
 
 // out (M, N; row stride ldc) = x (M, K, quantized in q) W^T, W (N rows of row_bytes) in format QT as
-// the file has it (the K-quants, Q5_0 and Q5_1; the other formats run packed).
+// the file has it (Q5_0 and Q5_1; the other formats where a matrix is not packed: the tests, a Q8_0 scale the
+// packed layout cannot hold).
 template <int QT, typename T>
 void rows_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t row_bytes = K / Format<QT>::kBlock * Format<QT>::kBytes;
@@ -309,7 +286,7 @@ void rows_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, 
 }
 
 // ------------------------------------------------------------------ packed layout (Q4_0, Q4_1, Q8_0)
-// Packed once at load: rows in groups of kGroup (8 with 256-bit registers, 16 with AVX-512's), and
+// Packed once at load: rows in groups of kGroup (quant.h: 8 with 256-bit registers, 16 with AVX-512's), and
 // per (group, chunk of 32) the group's scales and offsets as f16 vectors, then their values with 4
 // consecutive k of a row side by side: 4 * kGroup bytes hold "quad" t (k = 4t..4t+3) of all the
 // group's rows. One broadcast of x's quad t against them gives the group's kGroup partial sums in
@@ -319,8 +296,6 @@ void rows_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, 
 // zero point folded into the offset (Q4_0: value = d u - 8 d, u in 0..15); Q8_0 likewise where VNNI runs it
 // (kQ8Unsigned), signed with no offset below. The layout depends on the level: a weight is packed by the
 // kernels that run it.
-constexpr int kGroup = kLanes;         // one V of outputs: 8 rows with 256-bit registers, 16 with AVX-512's
-constexpr int64_t kQuad = 4 * kGroup;  // bytes of one quad of a group: 4 k of each of its rows
 // Q8_0 with VNNI is stored unsigned, u = q + 128 with offset -128 d (as Q4_0's zero point): one vpdpbusd a quad,
 // where signed values take two more operations to move w's sign onto x. vpmaddubsw cannot take it (a pair of
 // 255 x 127 saturates int16), so below VNNI Q8_0 stays signed.
@@ -337,6 +312,7 @@ template <> struct Packed<kQ8_0> {  // f16 scales, (kQ8Unsigned: f16 offsets,) 3
   static constexpr int64_t kChunkBytes = kValues + 32 * kGroup;
 };
 template <int QT> constexpr bool kPackable = QT == kQ4_0 || QT == kQ4_1 || QT == kQ8_0;
+template <int QT> constexpr bool kKPacked = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K;  // packed by quant_k.cpp
 // Formats whose offset is a fixed zero point, value = d (u - zp): with VNNI the kernel folds it into the integer
 // sum (u . x - zp sum(x), exact in int32: |sum| < 2^21) instead of a float multiply-add a chunk. Below VNNI the
 // chunk's int16 sums leave no room for it, and the stored offset (-zp d, exact in f16) is added as for Q4_1.
@@ -483,47 +459,11 @@ void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_byt
     }
 }
 
-// The last MR (1-3) rows of a unit, in one tile: each unpacked weight chunk serves them all (a speculative step's
-// 1 + drafts rows cost about one pass over the weights, not one per row). Each row's sums are the same as alone.
-template <int QT, int MR, typename T>
-void packed_tail(const QRow& q, int64_t m, const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t two, int64_t N,
-                 int64_t K, T* out, int64_t ldc) {
-#ifndef PL_AVX512
-  if constexpr (MR > 1) {  // 16 registers: one group at a time
-    for (int64_t g = g0; g < g0 + two; ++g) packed_tile<QT, MR, 1>(q, m, w, group_bytes, g, N, K, out, ldc);
-    return;
-  }
-#endif
-  if (two == 2) packed_tile<QT, MR, 2>(q, m, w, group_bytes, g0, N, K, out, ldc);
-  else packed_tile<QT, MR, 1>(q, m, w, group_bytes, g0, N, K, out, ldc);
-}
-
 template <int QT, typename T>
 void packed_gemm(const QRow& q, const uint8_t* w, T* out, int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t groups = (N + kGroup - 1) / kGroup, group_bytes = (K / 32) * Packed<QT>::kChunkBytes;
-  const int64_t col_units = (groups + 1) / 2, row_units = (M + kRows - 1) / kRows;  // 2 groups a unit
-  parallel_for(col_units * row_units, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t m0 = (u / col_units) * kRows, g0 = (u % col_units) * 2;
-      const int64_t m1 = std::min(M, m0 + kRows), two = std::min<int64_t>(2, groups - g0);
-      const int64_t full = m0 + (m1 - m0) / 4 * 4;
-#ifdef PL_AVX512
-      // 4 rows x 2 groups: 8 int + 8 float sums of AVX-512's 32 registers; each broadcast of x serves 2 groups
-      for (int64_t m = m0; m < full; m += 4) {
-        if (two == 2) packed_tile<QT, 4, 2>(q, m, w, group_bytes, g0, N, K, out, ldc);
-        else packed_tile<QT, 4, 1>(q, m, w, group_bytes, g0, N, K, out, ldc);
-      }
-#else
-      for (int64_t g = g0; g < g0 + two; ++g)  // 4 rows x 1 group: 4 int + 4 float sums, 2 weight registers
-        for (int64_t m = m0; m < full; m += 4) packed_tile<QT, 4, 1>(q, m, w, group_bytes, g, N, K, out, ldc);
-#endif
-      switch (m1 - full) {  // the last 1-3 rows (a decode step's one row) in one tile
-        case 1: packed_tail<QT, 1>(q, full, w, group_bytes, g0, two, N, K, out, ldc); break;
-        case 2: packed_tail<QT, 2>(q, full, w, group_bytes, g0, two, N, K, out, ldc); break;
-        case 3: packed_tail<QT, 3>(q, full, w, group_bytes, g0, two, N, K, out, ldc); break;
-        default: break;
-      }
-    }
+  packed_units(M, groups, threads, [&](auto mr, auto gs, int64_t m, int64_t g) {
+    packed_tile<QT, decltype(mr)::value, decltype(gs)::value>(q, m, w, group_bytes, g, N, K, out, ldc);
   });
 }
 
@@ -549,7 +489,7 @@ PL_EXPORT int pl_qtype_layout(int qtype, int64_t* block, int64_t* bytes, int* pa
   *block = 0, *bytes = 0, *packs = 0;
   return with_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
-    *block = Format<QT>::kBlock, *bytes = Format<QT>::kBytes, *packs = kPackable<QT>;
+    *block = Format<QT>::kBlock, *bytes = Format<QT>::kBytes, *packs = kPackable<QT> || kKPacked<QT>;
     return 0;
   });
 }
@@ -560,6 +500,7 @@ PL_EXPORT int64_t pl_qpack_size(int qtype, int64_t N, int64_t K) {
   with_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     if constexpr (kPackable<QT>) size = packed_bytes<QT>(N, K);
+    if constexpr (kKPacked<QT>) size = k_packed_bytes(QT, N, K);
     return 0;
   });
   return size;
@@ -577,6 +518,9 @@ PL_EXPORT int pl_qpack(const void* raw, void* out, int64_t N, int64_t K, int qty
     }
     if constexpr (kPackable<QT>) {
       return pack<QT>(static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(out), N, K, threads);
+    } else if constexpr (kKPacked<QT>) {
+      k_pack(QT, static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(out), N, K, threads);
+      return 0;
     } else {
       set_error("quantized type %d is not packed", qtype);
       return -1;
@@ -597,7 +541,7 @@ PL_EXPORT int pl_qgemm(const void* x, int64_t lda, const void* w, int packed, vo
                 static_cast<long long>(Format<QT>::kBlock));
       return -1;
     }
-    if (packed && !kPackable<QT>) {
+    if (packed && !kPackable<QT> && !kKPacked<QT>) {
       set_error("quantized type %d is not packed", qtype);
       return -1;
     }
@@ -609,6 +553,9 @@ PL_EXPORT int pl_qgemm(const void* x, int64_t lda, const void* w, int packed, vo
       bool done = false;
       if constexpr (kPackable<QT>) {
         if (packed) packed_gemm<QT, T>(xq, wb, static_cast<T*>(out), ldc, M, N, K, threads), done = true;
+      }
+      if constexpr (kKPacked<QT>) {
+        if (packed) k_packed_gemm<T>(QT, xq, wb, static_cast<T*>(out), ldc, M, N, K, threads), done = true;
       }
       if (!done) rows_gemm<QT, T>(xq, wb, static_cast<T*>(out), ldc, M, N, K, threads);
       if (xq.q.capacity() > (size_t{1} << 24)) xq = QRow{};  // a long prompt's 16+ MiB: not held for good
@@ -647,7 +594,7 @@ PL_EXPORT int pl_qrows(const void* w, int packed, const int64_t* ids, int64_t M,
   return with_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     using F = Format<QT>;
-    if (K % F::kBlock || (packed && !kPackable<QT>)) {
+    if (K % F::kBlock || (packed && !kPackable<QT> && !kKPacked<QT>)) {
       set_error("a table of type %d cannot have %lld columns%s", qtype, static_cast<long long>(K),
                 packed ? " or be packed" : "");
       return -1;
@@ -665,6 +612,9 @@ PL_EXPORT int pl_qrows(const void* w, int packed, const int64_t* ids, int64_t M,
             bool done = false;
             if constexpr (kPackable<QT>) {
               if (packed) packed_chunk<QT>(wb, ids[i], c, K, y), done = true;
+            }
+            if constexpr (kKPacked<QT>) {
+              if (packed) k_packed_chunk(QT, wb, ids[i], c, K, y), done = true;
             }
             if (!done) {
               const Chunk ch = F::decode(wb + ids[i] * row_bytes, c);

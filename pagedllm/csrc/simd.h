@@ -346,6 +346,16 @@ inline VI vi_dot(VI acc, VI u, VI x) {  // u unsigned 8-bit . x signed 8-bit, 4 
 }
 inline VI vi_dot16(VI acc, VI u, VI x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, x)); }  // 2 a lane
 inline VI vi_widen(VI a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }  // int16 pairs -> int32 lanes
+inline VI vi_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
+inline VI vi_or_and(VI a, VI b, VI c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }  // a | (b & c), one op
+template <int S> inline VI vi_shift16(VI a) {  // each 16-bit lane shifted left by S bits (right by -S)
+  if constexpr (S > 0) return _mm512_slli_epi16(a, S);
+  else if constexpr (S < 0) return _mm512_srli_epi16(a, -S);
+  else return a;
+}
+inline V vload(const uint8_t* p) {  // 16 unsigned bytes as float32 lanes
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 #else
 using VI = __m256i;
 inline V vcvt_i32(VI a) { return _mm256_cvtepi32_ps(a); }  // int32 lanes -> float32
@@ -362,6 +372,16 @@ inline VI vi_dot(VI acc, VI u, VI x) {
 }
 inline VI vi_dot16(VI acc, VI u, VI x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, x)); }
 inline VI vi_widen(VI a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+inline VI vi_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VI vi_or_and(VI a, VI b, VI c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }  // a | (b & c)
+template <int S> inline VI vi_shift16(VI a) {
+  if constexpr (S > 0) return _mm256_slli_epi16(a, S);
+  else if constexpr (S < 0) return _mm256_srli_epi16(a, -S);
+  else return a;
+}
+inline V vload(const uint8_t* p) {  // 8 unsigned bytes as float32 lanes
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 #endif
 #if defined(PL_AVX512) && defined(__AVX512VNNI__)
 constexpr bool kVnni = true;  // vi_dot is vpdpbusd: u8 x s8 products summed straight into int32 lanes, no saturation

@@ -167,7 +167,7 @@ class CpuKernels:
 
     def qpack(self, w: Q) -> Q:
         """W in the layout the kernels read fastest: the packed copy for the formats they pack (Q4_0, Q4_1,
-        Q8_0: csrc/quant.cpp), else W itself."""
+        Q8_0: csrc/quant.cpp; Q4_K, Q5_K, Q6_K: csrc/quant_k.cpp), else W itself."""
         block, nbytes, packs = _I64(), _I64(), _I32()
         self._check(self._lib.pl_qtype_layout(w.qtype, block, nbytes, packs))
         if w.packed or not packs.value:

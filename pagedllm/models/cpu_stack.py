@@ -40,7 +40,8 @@ _P = ctypes.c_void_p
 class _LayerPlan(ctypes.Structure):
     _fields_ = [*[(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
                                           "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")],
-                *[(name, ctypes.c_int) for name in ("qkv_qtype", "o_qtype", "gate_up_qtype", "down_qtype")]]
+                *[(name, ctypes.c_int) for name in ("qkv_qtype", "o_qtype", "gate_up_qtype", "down_qtype")],
+                ("qkv2", _P), ("qkv2_offset", ctypes.c_int64), ("qkv2_qtype", ctypes.c_int)]
 
 
 class _StackPlan(ctypes.Structure):
@@ -54,12 +55,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _quant(linear: nn.Module) -> QuantTensor | None:
-    """The layer's weight when it is one packed GGUF segment (layers/quant.py), the form the stack takes."""
+def _quant(linear: nn.Module, most: int = 1) -> list[tuple[int, QuantTensor]] | None:
+    """The layer's weight when it is up to ``most`` packed GGUF segments (layers/quant.py: (row offset, rows) in
+    order), the form the stack takes: one for every linear, two for qkv (llama.cpp's Q4_K_M gives some layers' v a
+    format of its own)."""
     quant = getattr(linear, "quant", None)
-    if quant is None or len(quant.pieces) != 1 or not quant.pieces[0].packed:
+    if quant is None or not 1 <= len(quant.pieces) <= most or not all(p.packed for p in quant.pieces.values()):
         return None
-    return quant.pieces[0]
+    return sorted(quant.pieces.items())
 
 
 class CpuDecoderStack:
@@ -78,7 +81,7 @@ class CpuDecoderStack:
             plan.post_norm = _ptr(layer.post_attention_layernorm.weight)
             plan.o, plan.o_bias = self._weight(a.o_proj, plan, "o"), _ptr(a.o_proj.bias)
             plan.down, plan.down_bias = self._weight(m.down_proj, plan, "down"), _ptr(m.down_proj.bias)
-            plan.qkv = self._weight(a.qkv_proj, plan, "qkv")  # column-parallel biases: float32 in our GEMM
+            plan.qkv = self._weight(a.qkv_proj, plan, "qkv", 2)  # column-parallel biases: float32 in our GEMM
             plan.qkv_bias = _ptr(a.qkv_proj.bias) if plan.qkv_qtype else self._float(a.qkv_proj.bias)
             if _quant(m.gate_up_proj) is not None:  # [gate; up], then SiLU-and-mul as a pass of its own
                 plan.gate_up = self._weight(m.gate_up_proj, plan, "gate_up")
@@ -104,11 +107,20 @@ class CpuDecoderStack:
             + intermediate + (2 * intermediate if any(p.gate_up_qtype for p in layers) else 0)
 
     @staticmethod
-    def _weight(linear: nn.Module, plan: _LayerPlan, name: str) -> int:
-        """The pointer to a linear layer's packed weight; its GGUF type into the plan (0: our GEMM's)."""
-        quant = _quant(linear)
-        setattr(plan, f"{name}_qtype", 0 if quant is None else quant.qtype)
-        return quant.data.data_ptr() if quant is not None else linear.packed_weight.data.data_ptr()
+    def _weight(linear: nn.Module, plan: _LayerPlan, name: str, most: int = 1) -> int:
+        """The pointer to a linear layer's packed weight; its GGUF type into the plan (0: our GEMM's), and a second
+        quantized segment's (``most`` 2: qkv) as ``{name}2``."""
+        segments = _quant(linear, most)
+        if segments is None:
+            setattr(plan, f"{name}_qtype", 0)
+            return linear.packed_weight.data.data_ptr()
+        setattr(plan, f"{name}_qtype", segments[0][1].qtype)
+        if len(segments) == 2:
+            offset, second = segments[1]
+            setattr(plan, f"{name}2", second.data.data_ptr())
+            setattr(plan, f"{name}2_offset", offset)
+            setattr(plan, f"{name}2_qtype", second.qtype)
+        return segments[0][1].data.data_ptr()
 
     def _float(self, bias: torch.Tensor | None) -> int | None:
         if bias is None:
@@ -153,8 +165,9 @@ def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
         return False
     packed = [a.qkv_proj.packed_weight, a.o_proj.packed_weight, m.gate_up_proj.silu_packed, m.down_proj.packed_weight]
     linears = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
-    quant = [_quant(lin) for lin in linears]
-    return (all((p is not None and p.kernels is kernels) or (q is not None and q.level == kernels.level)
+    quant = [_quant(lin, 2 if lin is a.qkv_proj else 1) for lin in linears]
+    return (all((p is not None and p.kernels is kernels) or (q is not None and all(s.level == kernels.level
+                                                                                   for _, s in q))
                 for p, q in zip(packed, quant))
             and all(getattr(lin, "lora", None) is None for lin in linears)  # the stack adds no adapter deltas
             and a.o_proj.tp_size == 1

@@ -1,6 +1,7 @@
 """The quantized GEMM / GEMV (pagedllm/csrc/quant.cpp) at every kernel level this CPU runs, for each
 GGUF format it keeps (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), against the gguf package's reference
-decoder.
+decoder, as the file has them and packed at load where the level packs the format (Q8_0, Q4_0, Q4_1 in
+quant.cpp; Q4_K, Q5_K, Q6_K in quant_k.cpp).
 
 Weights are random blocks (random bytes, the f16 scale fields set to sane values): every bit
 pattern of the quantized values is as likely as in a real file. Two references: the exact one —
@@ -46,10 +47,14 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 FORMATS = sorted(GGML_TYPES)
 
 
+PACKED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+"""The formats the kernels pack at load (the others run as the file has them)."""
+
+
 def layouts(kernels, w: QuantTensor) -> list[QuantTensor]:
     """W as the file has it, and packed where the kernels pack its format."""
     packed = kernels.qpack(w)
-    assert packed.packed == (w.type_name in ("Q4_0", "Q4_1", "Q8_0"))
+    assert packed.packed == (w.type_name in PACKED)
     return [w, packed] if packed.packed else [w]
 
 
@@ -74,6 +79,32 @@ def check_product(out: torch.Tensor, x: torch.Tensor, w: QuantTensor) -> None:
     assert ((out.double() - exact).abs() <= 1e-5 * scale).all()
     # int8 activations: each product off by up to half a step of its chunk; summed, ~1% of the result's scale
     assert ((out.double() - plain).abs() <= 0.03 * scale).all()
+
+
+# the fields of a K-quant super-block set to their largest values: (byte offset, length, value)
+_K_EXTREMES = {"Q4_K": [(4, 140, 0xFF)],  # 6-bit scales and mins 63, q 15
+               "Q5_K": [(4, 172, 0xFF)],  # q 31
+               "Q6_K": [(0, 192, 0xFF), (192, 16, 0x7F)]}  # q 63 (value 31 after the zero point), scales 127
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_packed_k_quants_sum_the_largest_values_without_overflow(kernels, name: str) -> None:
+    """Every weight at its format's largest q against activations of +-127 after quantization (constant rows):
+    the int16 pair sums the kernels add up below VNNI stay under 2^15, Q6_K's zero point (32 x the sum of 16
+    activations) included; in 70 features (groups of 8 or 16 and a partial one) and 5 rows (a 4-row tile and one)."""
+    raw = random_quant(name, 70, 512)
+    data = raw.data.clone().view(70, 2, -1)  # (rows, super-blocks, bytes)
+    for offset, length, value in _K_EXTREMES[name]:
+        data[:, :, offset:offset + length] = value
+    big = QuantTensor(raw.qtype, 70, 512, data.reshape(70, -1))
+    x = torch.ones(5, 512)
+    x[1] = -1
+    x[3, ::2] = -1
+    packed = kernels.qpack(big)
+    assert packed.packed
+    out = torch.empty(5, 70)
+    kernels.qgemm(x, packed, out)
+    check_product(out, x, big)
 
 
 def test_q8_0_scales_beyond_the_packed_offset_run_unpacked(kernels) -> None:
@@ -145,7 +176,8 @@ def test_mixed_formats_and_tensor_parallel_slices() -> None:
     assert isinstance(cut, torch.Tensor) and torch.equal(cut, q.dequantize()[:, 128:384])
 
 
-def test_a_packed_weight_runs_only_on_the_level_that_packed_it() -> None:
+@pytest.mark.parametrize("name,cols", [("Q4_1", 64), ("Q6_K", 256)])
+def test_a_packed_weight_runs_only_on_the_level_that_packed_it(name: str, cols: int) -> None:
     """The packed layout is the level's (8-row groups below AVX-512, 16 with it): another level refuses it."""
     from pagedllm.layers import cpu_ops
     from tests.utils import kernel_levels
@@ -154,7 +186,7 @@ def test_a_packed_weight_runs_only_on_the_level_that_packed_it() -> None:
     if len(levels) < 2:
         pytest.skip("one kernel level here")
     with cpu_ops.use_level(levels[-1]):
-        packed = cpu_ops.active().qpack(random_quant("Q4_1", 16, 64))
+        packed = cpu_ops.active().qpack(random_quant(name, 16, cols))
     with cpu_ops.use_level(levels[0]):
         with pytest.raises(RuntimeError, match=f"packed by the {levels[-1]} kernels"):
-            cpu_ops.active().qgemm(torch.randn(1, 64), packed, torch.empty(1, 16))
+            cpu_ops.active().qgemm(torch.randn(1, cols), packed, torch.empty(1, 16))

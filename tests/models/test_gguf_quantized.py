@@ -143,11 +143,24 @@ def test_quantized_logits_stay_near_the_dequantized_ones(kernels, quantized: dic
     assert model.model.embed_tokens.quant is not None
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
-def test_quantized_stack_equals_the_layers(kernels, quantized: dict[str, Path], name: str) -> None:
-    """The compiled decoder stack with packed quantized weights: the same floats as the layers one by one."""
-    assert_stack_equals_the_layers(LLM(str(quantized[name]), quantization="gguf", dtype="bfloat16", num_kv_blocks=64,
-                                       enable_prefix_caching=False))
+@pytest.fixture(scope="module")
+def q4_k_m_256(f32_gguf: Path) -> Path:
+    """The tiny Llama in llama.cpp's Q4_K_M mix, every width a multiple of 256: Q4_K but for layer 1's v and down
+    and the output, in Q6_K (layer 1's q|k|v: two segments)."""
+    return rewrite(f32_gguf, f32_gguf.parent / "q4km256.gguf", lambda name, cols: q4_k_m_type(name, cols, 2))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K_M"])
+def test_quantized_stack_equals_the_layers(kernels, quantized: dict[str, Path], q4_k_m_256: Path, name: str) -> None:
+    """The compiled decoder stack with packed quantized weights (Q4_K_M: Q4_K and Q6_K, a q|k|v of both formats):
+    the same floats as the layers one by one."""
+    path = q4_k_m_256 if name == "Q4_K_M" else quantized[name]
+    llm = LLM(str(path), quantization="gguf", dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    if name == "Q4_K_M":
+        qkv = llm.llm_engine.engine_core.core.executor.worker.model_runner.model.model.layers[1].self_attn.qkv_proj
+        assert [(piece.type_name, piece.packed) for _, piece in sorted(qkv.quant.pieces.items())] == \
+            [("Q4_K", True), ("Q6_K", True)]
+    assert_stack_equals_the_layers(llm)
 
 
 def test_portable_level_dequantizes(quantized: dict[str, Path]) -> None:
