@@ -19,6 +19,7 @@ from pagedllm.config import EngineConfig, available_memory_bytes, cgroup_availab
 from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.layers import cpu_ops
+from pagedllm.layers.quant import GGML_TYPES
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.registry import get_model_class
 
@@ -65,13 +66,15 @@ def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> 
     loading = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
     loading += kept_bytes - kept_elements * dtype.itemsize
     final = loading
+    if quantization == "int8" and kernels is not None:
+        for weight in _unique_tensors(model):
+            if isinstance(weight, nn.Parameter) and _becomes_int8(weight):  # its float copy becomes Q8_0 rows
+                rows, cols = weight.shape
+                final += kernels.qpacked_bytes(GGML_TYPES["Q8_0"], rows, cols) - weight.numel() * weight.element_size()
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if quantization == "int8" and isinstance(weight, nn.Parameter) and _becomes_int8(weight):
-            final -= weight.numel() * weight.element_size() - weight.numel() * 34 // 32  # Q8_0 rows: 34 bytes a 32
-        if getattr(module, "tied", False) and config.device.device == "cpu" and quantization != "int8" \
-                and not embedding_kept:
-            final += weight.numel() * weight.element_size()  # the LM head's packed copy beside the table
+        if getattr(module, "tied", False) and config.device.device == "cpu" and not embedding_kept \
+                and not (quantization == "int8" and kernels is not None):  # (else the head shares the table's rows)
+            final += module.weight.numel() * module.weight.element_size()  # the LM head's packed copy
     return WeightBytes(loading, final)
 
 

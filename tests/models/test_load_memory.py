@@ -159,13 +159,16 @@ def test_a_gguf_file_loads_without_a_second_copy(q8_gguf: Path, quantization: st
 
 def test_the_estimate_is_what_loading_takes(tiny_llm_dir: Path, tiny_model: Callable[[str], Path]) -> None:
     """The fits-in-memory check's weight bytes, from shapes alone, are those a loaded model holds: untied (the
-    LM head's plain weight dropped once packed) and tied (the table kept, the LM head's packed copy beside it)."""
-    for model in (tiny_llm_dir, tiny_model("llama-mha-tied")):
-        llm = LLM(str(model), dtype="bfloat16", num_kv_blocks=8)
+    LM head's plain weight dropped once packed), tied (the table kept, the LM head's packed copy beside it), and
+    quantized to int8 rows at load (the tied table's rows shared by the LM head)."""
+    tied = tiny_model("llama-mha-tied")
+    for model, options in ((tiny_llm_dir, {}), (tied, {}), (tied, {"quantization": "int8"})):
+        llm = LLM(str(model), dtype="bfloat16", num_kv_blocks=8, **options)
         try:
             held = llm.llm_engine.rank_memory_usage()[0]["weights_bytes"]
-            config, arch = create_engine_config(EngineArgs(model=str(model), dtype="bfloat16", num_kv_blocks=8))
-            assert memory_fit.estimate_weight_bytes(str(model), arch, config).final == held
+            config, arch = create_engine_config(EngineArgs(model=str(model), dtype="bfloat16", num_kv_blocks=8,
+                                                           **options))
+            assert memory_fit.estimate_weight_bytes(str(model), arch, config).final == held, (model, options)
         finally:
             llm.shutdown()
 
@@ -202,3 +205,15 @@ def test_the_kv_figure_counts_every_rank_and_swap_space(tiny_llm_dir: Path) -> N
     assert kv(kv_cache_memory=100 * block + 5) == 100 * block
     assert kv(kv_cache_memory=100 * block, tensor_parallel_size=2) == 2 * 100 * block
     assert kv(num_kv_blocks=10, preemption_mode="swap", swap_space=0.001) == one + 2**30 // 1000 // block * block
+
+
+def test_int8_rows_a_slice_at_a_time_are_the_whole_weights_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantization="int8" quantizes a weight a slice of rows at a time (its float32 temporaries were ~3x the
+    weight's float32 size): the same bytes as all rows at once, a part slice at the end."""
+    from pagedllm.layers import quant
+
+    weight = torch.randn(37, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    whole = quant.int8_rows(weight)
+    monkeypatch.setattr(quant, "_INT8_SLICE_BYTES", 4 * 96 * 5)  # 5 rows a slice
+    sliced = quant.int8_rows(weight)
+    assert torch.equal(sliced.data, whole.data) and sliced.shape == whole.shape == (37, 96)
