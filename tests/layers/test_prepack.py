@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.embedding import ParallelLMHead
+from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.prepack import _onednn_available, can_prepack, matmul_for, prepack
 
@@ -60,15 +60,24 @@ def test_shapes_no_packer_takes_stay_plain(level: str) -> None:
     torch.testing.assert_close(merged(x), expected, atol=1e-2, rtol=1e-2)
 
 
-def test_lm_head_keeps_its_plain_weight(level: str) -> None:
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_head_keeps_its_plain_weight_only_when_tied(level: str, tied: bool) -> None:
+    """A tied head's weight is the embedding table (kept beside the packed copy); an untied one's plain weight is
+    dropped once packed (the packed copy replaces it: Llama-3-8B's is 1 GiB in bf16)."""
     if not _packs_here(level, torch.bfloat16):
         pytest.skip("nothing packs bf16 at this level")
     head = ParallelLMHead(512, 64, torch.bfloat16)
+    if tied:
+        table = VocabParallelEmbedding(512, 64, torch.bfloat16)
+        head.tie(table)
     head.weight.data.copy_(torch.randn(512, 64).to(torch.bfloat16))
     h = torch.randn(3, 64).to(torch.bfloat16)
     expected = F.linear(h, head.weight).float()
     head.process_weights_after_loading()
-    assert head.packed_weight is not None and head.weight.shape == (512, 64)  # tied: it is the embedding too
+    assert head.packed_weight is not None
+    assert head.weight.shape == ((512, 64) if tied else (0,))
+    if tied:
+        assert head.weight is table.weight  # the embedding still looks its rows up
     torch.testing.assert_close(head.compute_logits(h), expected, atol=1e-2, rtol=1e-2)
 
 
