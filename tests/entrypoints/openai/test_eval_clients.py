@@ -154,7 +154,9 @@ def test_guidellm_synchronous_benchmark(smollm2_server: RemoteServer, tokenizer_
            "--constraint", f"kind=max_requests,count={n}", "--constraint", "kind=max_duration,seconds=90",
            "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
            "--data", f"kind=synthetic_text,prompt_tokens=64,output_tokens={tokens}",
-           "--data-loader", f"kind=pytorch,samples={n}",  # (its default prefetches thousands: a core for seconds)
+           # (its default prefetches thousands: a core for seconds; two spare samples: with exactly n, a loaded
+           # 2-core run of make test twice saw guidellm end after n - 1 requests, all successful)
+           "--data-loader", f"kind=pytorch,samples={n + 2}",
            "--output", f"kind=json,path={out}", "--disable-console"]
     # one worker process, and its polling loops slowed from 0.1 ms: on two cores they would starve the server
     env = {**os.environ, "GUIDELLM__MAX_WORKER_PROCESSES": "1", "GUIDELLM__DEFAULT_ASYNC_LOOP_SLEEP": "0.01",
