@@ -1,7 +1,8 @@
 """The soak of the suite (benchmarks/soak.py, about 80 s: start-up, a 5 s capacity measurement, 45 s of
-load and the drain; 45 s, not 80, to keep make test inside CI's 30 minutes) on the tiny model: a mix of normal, chat, streamed, cancelled,
-malformed and oversized requests at 80% of the measured capacity; every request answered or cleanly
-refused, 0 KV blocks held and the invariants intact afterwards, RSS growth under 5% after the warm-up."""
+load and the drain; 45 s, not 80, to keep make test inside CI's 30 minutes) on the tiny model: a mix of normal,
+chat, streamed, cancelled, malformed and oversized requests at 80% of the measured capacity; every request
+answered or cleanly refused, 0 KV blocks held and the invariants intact afterwards, RSS growth under 5% after
+the warm-up."""
 from __future__ import annotations
 
 import importlib.util
