@@ -1,6 +1,7 @@
 """Loading leaves no second copy of the weights (issue 44): the peak RSS while a worker loads a ~107 MB bf16
 safetensors folder, or the same weights as a Q8_0 GGUF file (kept quantized, and dequantized), grows by no more
-than the weights it ends with, plus 10%, plus a small fixed allowance; and an engine whose weights and KV cache
+than the weights it ends with, plus 10%, plus a fixed allowance; a model of twice the layers raises that peak by
+its extra weights, not twice them (the machine's fixed costs cancel); and an engine whose weights and KV cache
 cannot fit the memory available is refused before it allocates anything, with the figures."""
 from __future__ import annotations
 
@@ -21,11 +22,15 @@ from pagedllm.engine.core import create_engine_config
 from pagedllm.errors import ValidationError
 from pagedllm.worker import memory_fit
 
-ALLOWANCE = 32 * 2**20
-"""Bytes a load may add beyond its weights + 10%, whatever the model's size; 21-33 MiB measured here: the code
-pages of torch's kernels run for the first time (~13 MiB, mapped files), the largest weight while its packed copy
-is made (11 MiB), a tensor decoded from a GGUF file with its slices' temporaries (gguf_loader._DEQUANTIZE_BYTES
-of float32 values and the decoder's intermediates of that size)."""
+ALLOWANCE = 64 * 2**20
+"""Bytes a load may add beyond its weights + 10%, whatever the model's size: 21-38 MiB measured on a Zen 4, 50-55
+MiB on CI's machine: the code pages of torch's kernels run for the first time (~13 MiB, mapped files), the largest
+weight while its packed copy is made (11 MiB), a tensor decoded from a GGUF file with its slices' temporaries
+(gguf_loader._DEQUANTIZE_BYTES of float32 values and the decoder's intermediates of that size), the allocator's
+arenas. Fixed costs differ by machine; the test of twice the layers is the one they cannot blur."""
+
+SCALING_ALLOWANCE = 16 * 2**20
+"""Noise allowed on the difference of two loads' peaks (one run in three here moved a peak by ~14 MiB)."""
 
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=False, max_position_embeddings=2048)
@@ -34,8 +39,8 @@ SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_
 SmolLM2-1.7B's, 7% for Llama-3-8B's)."""
 
 
-def random_weights() -> dict[str, torch.Tensor]:
-    """HF-named random bf16 tensors of a Llama of SHAPE (norms 1)."""
+def random_weights(layers: int) -> dict[str, torch.Tensor]:
+    """HF-named random bf16 tensors of a Llama of SHAPE with ``layers`` layers (norms 1)."""
     h, inter, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
     kv = SHAPE["num_key_value_heads"] * h // SHAPE["num_attention_heads"]
     generator = torch.Generator().manual_seed(0)
@@ -45,7 +50,7 @@ def random_weights() -> dict[str, torch.Tensor]:
 
     out = {"model.embed_tokens.weight": rand(v, h), "lm_head.weight": rand(v, h),
            "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
-    for i in range(SHAPE["num_hidden_layers"]):
+    for i in range(layers):
         p = f"model.layers.{i}."
         for name, shape in (("q_proj", (h, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, h))):
             out[f"{p}self_attn.{name}.weight"] = rand(*shape)
@@ -56,29 +61,29 @@ def random_weights() -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def bf16_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The random Llama of SHAPE as an HF folder (no tokenizer: a worker loads it alone)."""
+LAYERS = (SHAPE["num_hidden_layers"], 2 * SHAPE["num_hidden_layers"])
+"""The two sizes loaded: SHAPE's layers, and twice them (~197 MB in bf16)."""
+
+
+def write_folder(folder: Path, layers: int) -> Path:
+    """The random Llama of SHAPE with ``layers`` layers as an HF folder (no tokenizer: a worker loads it alone)."""
     from safetensors.torch import save_file
 
-    folder = tmp_path_factory.mktemp("load-memory")
-    save_file(random_weights(), folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(random_weights(layers), folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
-        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", **SHAPE}))
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", **SHAPE, "num_hidden_layers": layers}))
     return folder
 
 
-@pytest.fixture(scope="module")
-def q8_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_q8_gguf(path: Path, layers: int) -> Path:
     """The same weights as a GGUF file, matrices in Q8_0 (the gguf package's quantizer), norms in float32."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
-    path = tmp_path_factory.mktemp("load-memory-gguf") / "q8_0.gguf"
     writer = GGUFWriter(str(path), "llama")
     for key, value in (("context_length", SHAPE["max_position_embeddings"]), ("embedding_length", SHAPE["hidden_size"]),
-                       ("block_count", SHAPE["num_hidden_layers"]), ("feed_forward_length", SHAPE["intermediate_size"]),
+                       ("block_count", layers), ("feed_forward_length", SHAPE["intermediate_size"]),
                        ("attention.head_count", SHAPE["num_attention_heads"]),
                        ("attention.head_count_kv", SHAPE["num_key_value_heads"]), ("vocab_size", SHAPE["vocab_size"])):
         writer.add_uint32(f"llama.{key}", value)
@@ -87,7 +92,7 @@ def q8_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, tensor in random_weights().items():
+    for name, tensor in random_weights(layers).items():
         base = name.removesuffix(".weight")
         if base.startswith("model.layers."):
             _, _, layer, rest = base.split(".", 3)
@@ -105,6 +110,19 @@ def q8_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.fixture(scope="module")
+def bf16_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The random Llama as HF folders, by number of layers (LAYERS)."""
+    return {layers: write_folder(tmp_path_factory.mktemp(f"load-memory-{layers}"), layers) for layers in LAYERS}
+
+
+@pytest.fixture(scope="module")
+def q8_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The random Llama as Q8_0 GGUF files, by number of layers (LAYERS)."""
+    return {layers: write_q8_gguf(tmp_path_factory.mktemp("load-memory-gguf") / f"q8_0-{layers}.gguf", layers)
+            for layers in LAYERS}
 
 
 def load_in_subprocess(model: Path, **options: Any) -> dict[str, int]:
@@ -129,32 +147,40 @@ def estimate(model: Path, **options: Any) -> memory_fit.WeightBytes:
     return memory_fit.estimate_weight_bytes(str(model), arch, config)
 
 
-def assert_no_second_copy(report: dict[str, int]) -> None:
-    growth, weights = report["peak_rss_bytes"] - report["rss_before_bytes"], report["weights_bytes"]
-    assert growth <= 1.10 * weights + ALLOWANCE, \
-        f"loading {weights / 2**20:.1f} MiB of weights raised the RSS by {growth / 2**20:.1f} MiB at its peak"
+def assert_no_second_copy(models: dict[int, Path], **options: Any) -> None:
+    """Each size's peak stays within its weights + 10% + ALLOWANCE, each size holds the bytes the fits-in-memory
+    check counts, and twice the layers raise the peak by their weights + 10% + SCALING_ALLOWANCE at most (a
+    second copy of each weight would raise it by twice them)."""
+    growth, weights = {}, {}
+    for layers, model in models.items():
+        report = load_in_subprocess(model, **options)
+        growth[layers], weights[layers] = report["peak_rss_bytes"] - report["rss_before_bytes"], report["weights_bytes"]
+        assert weights[layers] == estimate(model, **options).final  # what the fits-in-memory check counts
+        assert growth[layers] <= 1.10 * weights[layers] + ALLOWANCE, \
+            f"loading {weights[layers] / 2**20:.1f} MiB of weights raised the RSS by {growth[layers] / 2**20:.1f} MiB"
+    small, large = LAYERS
+    extra_growth, extra_weights = growth[large] - growth[small], weights[large] - weights[small]
+    assert extra_growth <= 1.10 * extra_weights + SCALING_ALLOWANCE, \
+        f"{extra_weights / 2**20:.1f} MiB more weights raised the peak RSS by {extra_growth / 2**20:.1f} MiB more"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads Linux's per-process peak RSS")
-def test_a_safetensors_folder_loads_without_a_second_copy(bf16_folder: Path) -> None:
+def test_a_safetensors_folder_loads_without_a_second_copy(bf16_folders: dict[int, Path]) -> None:
     """The file's pages are let go tensor by tensor, packing frees each plain weight as it goes, the untied LM
     head keeps only its packed copy: the peak is the weights, not twice them (before: safetensors' own reader
     kept every page of the file it had read mapped until the file's end)."""
-    report = load_in_subprocess(bf16_folder)
-    assert 100 * 2**20 < report["weights_bytes"] < 110 * 2**20  # the untied LM head: its packed copy only
-    assert report["weights_bytes"] == estimate(bf16_folder).final  # what the fits-in-memory check counts
-    assert_no_second_copy(report)
+    small = bf16_folders[LAYERS[0]]
+    assert 100 * 2**20 < estimate(small).final < 110 * 2**20  # the untied LM head: its packed copy only
+    assert_no_second_copy(bf16_folders)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads Linux's per-process peak RSS")
 @pytest.mark.parametrize("quantization", ["auto", None])
-def test_a_gguf_file_loads_without_a_second_copy(q8_gguf: Path, quantization: str | None) -> None:
+def test_a_gguf_file_loads_without_a_second_copy(q8_ggufs: dict[int, Path], quantization: str | None) -> None:
     """The same weights in Q8_0, kept in that format where the kernels run ("auto") or dequantized to bf16 (None):
     the file's pages are let go as each tensor is read, a matrix is decoded a slice of rows at a time (before:
     every page of the file stayed mapped, and a matrix was decoded whole to float32 and copied once more)."""
-    report = load_in_subprocess(q8_gguf, quantization=quantization)
-    assert report["weights_bytes"] == estimate(q8_gguf, quantization=quantization).final  # the kernels' copies
-    assert_no_second_copy(report)
+    assert_no_second_copy(q8_ggufs, quantization=quantization)
 
 
 def test_the_estimate_is_what_loading_takes(tiny_llm_dir: Path, tiny_model: Callable[[str], Path]) -> None:
