@@ -10,7 +10,9 @@
 // into pieces of whole KV blocks that threads run apart (split-KV, attention.h's plan_split): a
 // piece keeps its max score, sum of exp and unnormalized float32 output, merged afterwards by
 // log-sum-exp rescaling, so a 32k context does not leave cores idle. Every path below computes a
-// whole task or a piece alike (a piece is a shorter window, its output the partial result).
+// whole task or a piece alike (a piece is a shorter window, its output the partial result). The rows
+// of a prompt chunk are grouped into tiles that read each K/V block once for many rows (see "prompt
+// tiles" below).
 //
 // Cache layout per block and KV head: V as (block_size, head_dim) rows; K pair-interleaved as
 // (head_dim / 2, block_size, 2): dims (2p, 2p + 1) of every slot side by side (write_kv stores it
@@ -27,6 +29,8 @@
 // prefetcher at every block boundary; 256 x 330 tokens: 1.65 ms per layer against 1.98 one
 // ahead, 4.1 before), as are the next task's first K blocks.
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 #include "attention.h"
@@ -45,7 +49,17 @@ inline const T* head_block(const T* cache, const int32_t* table, int64_t i, int6
 // A thread's buffers, reused across its tasks.
 struct Scratch {
   std::vector<float> qf, scores, acc, kbuf;
+  std::vector<bf16> tile16;  // a prompt tile's query vectors and outputs, in the storage type
+  std::vector<f16> tile_f16;
+  std::vector<float> tile32;
 };
+
+template <typename T>
+std::vector<T>& tile_buffer(Scratch& sc) {
+  if constexpr (std::is_same<T, bf16>::value) return sc.tile16;
+  else if constexpr (std::is_same<T, f16>::value) return sc.tile_f16;
+  else return sc.tile32;
+}
 
 // One task (or piece, w its window) on any shape: out its group x D output rows, or with `part` the
 // piece's partial result (see attention.h) instead.
@@ -369,6 +383,122 @@ void decode_task_dot(const bf16* q, const bf16* kc, const bf16* vc, const Window
 }
 #endif  // __AVX512BF16__
 
+// ------------------------------------------------------------------ prompt tiles
+// The rows of a prompt chunk share their request's table and attend to one more position each. Up to
+// kTileVectors query vectors of such rows (rows x the group's heads) and one KV head make one task:
+// its K/V blocks are read once for all of them (row by row, a 4k-token prompt at 32 KV heads read the
+// whole 32 MiB of a layer's K/V again for every row, from DRAM: 1.9 s a layer at the SmolLM2-1.7B
+// shape, 3.8x SDPA). The vectors go through the decode paths as one group over the last row's window;
+// each row's positions past its own length, or before its own window's start, then get -inf, so a row
+// gets exactly the numbers it gets alone (the positions a row does not see add exact zeros).
+constexpr int64_t kTileVectors = 32;  // scores: 32 x 4k float32 = 512 KiB a thread, beside one head's K/V
+constexpr int64_t kMinTileRows = 4;   // shorter runs of rows (a speculative verify) stay rows: no copies
+
+// Rows [row, row + rows) of one request, each attending to one position more than the row before.
+struct Tile {
+  int64_t row, rows;
+};
+
+// The step's rows cut into tiles of at most `most` rows (a row alone is a tile of one); empty when no
+// run of kMinTileRows rows exists (every row then takes the row path, split-KV included).
+inline std::vector<Tile> find_tiles(const int32_t* tables, const int32_t* lens, const int32_t* starts, int64_t rows,
+                                    const Shape& s, int64_t most) {
+  std::vector<Tile> tiles;
+  bool any = false;
+  for (int64_t r = 0; r < rows;) {
+    int64_t end = r + 1;
+    for (; end < rows && end - r < most && lens[end] == lens[end - 1] + 1; ++end) {
+      const int64_t blocks = (lens[end] + s.bs - 1) / s.bs;  // the entries its window reads (the rest are padding)
+      if (std::memcmp(tables + end * s.maxb, tables + (end - 1) * s.maxb, blocks * sizeof(int32_t)) != 0) break;
+      if (starts != nullptr && starts[end] < starts[end - 1]) break;
+    }
+    tiles.push_back({r, end - r});
+    any |= end - r >= kMinTileRows;
+    r = end;
+  }
+  if (!any) tiles.clear();
+  return tiles;
+}
+
+// One tile and KV head on a fast path: the rows' query vectors copied side by side, scored as one group
+// over the last row's window, each row's own window masked, softmax, P.V, the outputs copied back.
+template <int kDim, typename T>
+void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
+               const int32_t* starts, const Tile& tile, int64_t h, const Shape& s, T* out, Scratch& sc) {
+  const int64_t g = s.group, n = tile.rows * g, first = tile.row, last = tile.row + tile.rows - 1;
+  const Window w0 = window_of(tables, lens, starts, first, s);  // the first row's start is the tile's earliest
+  const int64_t skipped = lens[first] - w0.len, len = lens[last] - skipped, head_off = h * s.bs * kDim;
+  // the last row's table: every entry a row of the tile reads equals it (find_tiles), and it has them all
+  const int32_t* table = tables + last * s.maxb + (w0.table - (tables + first * s.maxb));
+  Shape st = s;
+  st.group = n;
+  std::vector<T>& qt = tile_buffer<T>(sc);
+  qt.resize(2 * n * kDim);  // the query vectors, then the output rows: (rows, g, kDim) each
+  T* ot = qt.data() + n * kDim;
+  for (int64_t r = 0; r < tile.rows; ++r)
+    std::memcpy(qt.data() + r * g * kDim, q + (first + r) * s.q_stride + h * g * kDim, g * kDim * sizeof(T));
+  sc.scores.resize(n * len);
+  float* scores = sc.scores.data();
+  bool dot = false;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same<T, bf16>::value) dot = s.bs % 16 == 0;
+#endif
+  if (dot) {
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same<T, bf16>::value) qk_dot<kDim>(qt.data(), kc, vc, table, len, st, head_off, scores);
+#endif
+  } else {
+    sc.qf.resize(n * kDim);
+    for (int64_t i = 0; i < n * kDim; ++i) sc.qf[i] = to_f32(qt[i]);
+    qk_fma<kDim, T>(sc.qf.data(), kc, vc, table, len, n, st, head_off, scores);
+  }
+  finish_scores(scores, n, len, 0, s.softcap);
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    const int64_t begin = starts == nullptr ? 0 : std::max<int64_t>(0, starts[first + r] - skipped);
+    const int64_t end = lens[first + r] - skipped;
+    for (int64_t i = r * g; i < (r + 1) * g; ++i) {
+      std::fill(scores + i * len, scores + i * len + begin, kNone);
+      std::fill(scores + i * len + end, scores + (i + 1) * len, kNone);
+    }
+  }
+  softmax_rows(scores, n, len);
+  if (dot) {
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same<T, bf16>::value) pv_dot<kDim>(scores, vc, table, len, st, head_off, ot);
+#endif
+  } else {
+    constexpr int kW = kDim < kPassDims ? kDim : kPassDims;
+    pv_heads<kDim, kW, std::max(1, kAccRegs / (kW / kLanes))>(scores, vc, table, len, st, head_off, ot);
+  }
+  for (int64_t r = 0; r < tile.rows; ++r)
+    std::memcpy(out + ((first + r) * s.nh + h * g) * kDim, ot + r * g * kDim, g * kDim * sizeof(T));
+}
+
+// Every (tile, KV head) task, KV head by KV head (the next tile of a prompt reads the K/V the last one
+// left in cache), split between threads by the positions each task scores.
+template <typename T>
+void dispatch_tiles(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
+                    const int32_t* starts, const std::vector<Tile>& tiles, T* out, const Shape& s, int threads,
+                    const std::function<void(int64_t, Scratch&)>& row_task) {
+  const int64_t nt = static_cast<int64_t>(tiles.size()), items = nt * s.nkv;
+  std::vector<int64_t> cum(items + 1, 0);
+  for (int64_t i = 0; i < items; ++i) {
+    const Tile& t = tiles[i % nt];
+    cum[i + 1] = cum[i] + t.rows * s.group * (window_len(lens, starts, t.row + t.rows - 1, s.bs) + 16);
+  }
+  parallel_by_cost(cum, threads, [&](int64_t begin, int64_t end) {
+    Scratch sc;
+    for (int64_t i = begin; i < end; ++i) {
+      const Tile& t = tiles[i % nt];
+      const int64_t h = i / nt;
+      if (t.rows == 1) row_task(t.row * s.nkv + h, sc);
+      else if (s.D == 64) tile_task<64, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc);
+      else tile_task<128, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc);
+    }
+  });
+}
+
 template <typename T>
 void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, const int32_t* starts,
               T* out, int64_t rows, const Shape& s, int threads, int split) {
@@ -400,6 +530,15 @@ void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables, const
     for (int64_t b = begin / bs; b < begin / bs + 2 && b * bs < w.len; ++b)
       prefetch_bytes(head_block(kc, w.table, b, s.block_stride, head_off), bs * D * sizeof(T));
   };
+  if (fast && !(split & kNoTiles)) {
+    const std::vector<Tile> tiles = find_tiles(tables, lens, starts, rows, s, std::max<int64_t>(1, kTileVectors / s.group));
+    if (!tiles.empty()) {
+      dispatch_tiles<T>(q, kc, vc, tables, lens, starts, tiles, out, s, threads, [&](int64_t task, Scratch& sc) {
+        attend(task, window_of(tables, lens, starts, task / s.nkv, s), nullptr, sc);
+      });
+      return;
+    }
+  }
   const SplitPlan plan = plan_split(lens, starts, rows, s.nkv, bs, threads, split);
   if (plan.pieces.empty()) {
     parallel_by_length(lens, s.nkv, items, threads, [&](int64_t begin, int64_t end) {
@@ -478,6 +617,18 @@ PL_EXPORT int pl_paged_attention(const void* q, int64_t q_stride, const void* kc
 PL_EXPORT int64_t pl_attention_split_pieces(const int32_t* lens, const int32_t* starts, int64_t rows, int64_t nkv,
                                             int64_t bs, int threads, int split) {
   return pl::plan_split(lens, starts, rows, nkv, bs, threads, split).slots;
+}
+
+// How many tiles of more than one row paged attention would form for these rows (0: every row alone), for
+// the tests and benchmarks; the arguments as for pl_paged_attention_window.
+PL_EXPORT int64_t pl_attention_prompt_tiles(const int32_t* tables, int64_t maxb, const int32_t* lens,
+                                            const int32_t* starts, int64_t rows, int64_t nh, int64_t nkv, int64_t bs) {
+  if (nkv <= 0 || nh % nkv != 0) return 0;
+  const Shape s{nh, nkv, 0, bs, maxb, 0, nh / nkv, 0, 1.f, 0.f};
+  int64_t count = 0;
+  for (const Tile& t : find_tiles(tables, lens, starts, rows, s, std::max<int64_t>(1, kTileVectors / s.group)))
+    count += t.rows > 1;
+  return count;
 }
 
 // Stores each new token's K and V (tokens, nkv, D; row strides ks / vs, head strides khs / vhs,

@@ -54,13 +54,12 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
   }
 }
 
-// Splits the (row, KV head) tasks into one contiguous range per thread with about equal total
-// context length, and runs fn(begin, end) on each.
+// Splits tasks into one contiguous range per thread with about equal total cost (cum: the running sum
+// of the tasks' costs, items + 1 entries from 0), and runs fn(begin, end) on each.
 template <typename Fn>
-void parallel_by_length(const int32_t* lens, int64_t nkv, int64_t items, int threads, const Fn& fn) {
+void parallel_by_cost(const std::vector<int64_t>& cum, int threads, const Fn& fn) {
+  const int64_t items = static_cast<int64_t>(cum.size()) - 1;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, items));
-  std::vector<int64_t> cum(items + 1, 0);  // cost of a task: its context length + a fixed overhead
-  for (int64_t i = 0; i < items; ++i) cum[i + 1] = cum[i] + lens[i / nkv] + 16;
   auto run = [&](int64_t t) {
     const int64_t begin = std::lower_bound(cum.begin(), cum.end(), cum[items] * t / parts) - cum.begin();
     const int64_t end = std::lower_bound(cum.begin(), cum.end(), cum[items] * (t + 1) / parts) - cum.begin();
@@ -72,6 +71,15 @@ void parallel_by_length(const int32_t* lens, int64_t nkv, int64_t items, int thr
   }
 #pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static, 1)
   for (int64_t t = 0; t < parts; ++t) run(t);
+}
+
+// Splits the (row, KV head) tasks into one contiguous range per thread with about equal total
+// context length, and runs fn(begin, end) on each.
+template <typename Fn>
+void parallel_by_length(const int32_t* lens, int64_t nkv, int64_t items, int threads, const Fn& fn) {
+  std::vector<int64_t> cum(items + 1, 0);  // cost of a task: its context length + a fixed overhead
+  for (int64_t i = 0; i < items; ++i) cum[i + 1] = cum[i] + lens[i / nkv] + 16;
+  parallel_by_cost(cum, threads, fn);
 }
 
 // Shapes of one call, shared by every path.
@@ -116,6 +124,7 @@ inline void finish_scores(float* scores, int64_t group, int64_t len, int64_t mas
 // sum_c e^(m_c - M) l_c. Batches whose tasks cover the threads are never split (bit-identical).
 
 enum SplitMode : int { kSplitAuto = 0, kSplitNever = 1, kSplitAlways = 2 };
+constexpr int kNoTiles = 4;  // or-ed into a SplitMode: prompt rows attend row by row (attention.cpp's tiles)
 
 // A piece shorter than this many tokens (rounded up to whole blocks, at least 2) is not cut off: its
 // merge and a cold start of its prefetches would cost more than its share of the work (1 KV head, 2
@@ -150,6 +159,7 @@ inline int64_t window_len(const int32_t* lens, const int32_t* starts, int64_t se
 inline SplitPlan plan_split(const int32_t* lens, const int32_t* starts, int64_t rows, int64_t nkv, int64_t bs,
                             int threads, int mode) {
   SplitPlan plan;
+  mode &= ~kNoTiles;
   const int64_t items = rows * nkv, parts = threads;
   if (mode == kSplitNever || parts <= 1 || items <= 0) return plan;
   constexpr int64_t kOverhead = 16;  // a task's fixed cost in tokens, as parallel_by_length counts it

@@ -97,6 +97,8 @@ def _cache_dims(cache: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]
 
 _SPLIT_MODES = {None: 0, False: 1, True: 2}
 """paged_attention's ``split`` as the kernels' SplitMode (csrc/attention.h): automatic, never, always."""
+_NO_TILES = 4
+"""Or-ed into the SplitMode: prompt rows attend row by row (csrc/attention.h's kNoTiles)."""
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -119,6 +121,8 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib.pl_last_error.restype = ctypes.c_char_p
         self._lib.pl_qpack_size.argtypes, self._lib.pl_qpack_size.restype = [_I32, _I64, _I64], _I64
+        prompt_tiles = self._lib.pl_attention_prompt_tiles
+        prompt_tiles.argtypes, prompt_tiles.restype = [_P, _I64, _P, _P, _I64, _I64, _I64, _I64], _I64
         split_pieces = self._lib.pl_attention_split_pieces
         split_pieces.argtypes, split_pieces.restype = [_P, _P, _I64, _I64, _I64, _I32, _I32], _I64
         self._layouts = {dtype: self._layout(code) for dtype, code in DTYPE_CODES.items()}
@@ -301,12 +305,14 @@ class CpuKernels:
     def paged_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
                         starts: torch.Tensor | None = None, softcap: float | None = None,
-                        split: bool | None = None) -> None:
+                        split: bool | None = None, tiles: bool = True) -> None:
         """q (rows, heads, head_dim; rows may be strided) attends to positions [starts[row], lens[row])
         of its block table row (from 0 without ``starts``: a sliding window otherwise), scores capped at
         ``softcap`` (cap * tanh(score / cap)) if given; out (rows, heads, head_dim) contiguous.
         ``split``: None lets the kernel split long (row, KV head) tasks over their KV blocks when they are
-        too few for the threads (split-KV); False never splits, True splits whatever is long enough."""
+        too few for the threads (split-KV); False never splits, True splits whatever is long enough.
+        ``tiles``: consecutive rows of one prompt attend in tiles that read each K/V block once for all of
+        them (the same numbers as row by row); False keeps every row apart (the tests' reference)."""
         rows, nh, d = q.shape
         blocks, nkv, bs, _ = _cache_dims(key_cache, d)
         int8 = key_cache.dtype == torch.int8
@@ -320,7 +326,15 @@ class CpuKernels:
         self._check(attend(
             q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), _ptr(starts), out.data_ptr(), rows, nh, nkv, bs, d, scale, softcap or 0.0,
-            DTYPE_CODES[q.dtype], torch.get_num_threads(), _SPLIT_MODES[split]))
+            DTYPE_CODES[q.dtype], torch.get_num_threads(), _SPLIT_MODES[split] | (0 if tiles else _NO_TILES)))
+
+    def attention_prompt_tiles(self, tables: torch.Tensor, lens: torch.Tensor, heads: int, kv_heads: int,
+                               block_size: int, starts: torch.Tensor | None = None) -> int:
+        """How many tiles of more than one prompt row paged_attention would form for these rows (0: every row
+        attends alone)."""
+        assert tables.dtype == lens.dtype == torch.int32 and tables.is_contiguous() and lens.is_contiguous()
+        return self._lib.pl_attention_prompt_tiles(tables.data_ptr(), tables.shape[1], lens.data_ptr(), _ptr(starts),
+                                                   lens.numel(), heads, kv_heads, block_size)
 
     def attention_split_pieces(self, lens: torch.Tensor, kv_heads: int, block_size: int,
                                starts: torch.Tensor | None = None, split: bool | None = None) -> int:
