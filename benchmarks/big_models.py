@@ -28,8 +28,11 @@ the two GGUFs), openvino-bf16 (../shared/peers/openvino, bf16 inference and KV).
 on the same format (bf16 or Q4_K_M): the last column says how many times better ours is (>1: ours better).
 
 Parts (--only; default all, in this order, each round alternating engines):
-  bandwidth   streaming read of a 2 GiB float32 buffer (>> the last-level cache): torch sum, best of 5, at 1 thread
-              and at every core; the all-core figure is the reference of "% of read bandwidth"
+  bandwidth   the machine's figures: a streaming read (torch sum, best of 3, at 1 thread and at every core) of a
+              float32 buffer as large as the bf16 weights a decode step reads (at least 2 GiB, >> the last-level
+              cache; a VM's bandwidth depends on it: 33 GB/s for 2 GiB against 47-59 GB/s for 3.4-15 GB here), the
+              best the reference of "% of read bandwidth"; torch's bf16 matmul of 4096^3 at every core, the
+              reference of "% of bf16 GEMM rate" (run first whenever decode, ttft or throughput is)
   decode      batch 1: --prompt-len random ids, --gen tokens greedily, EOS ignored; tok/s over the steps after
               the first token; % of read bandwidth = (weight bytes one step reads + KV bytes it reads at the
               mean context) x tok/s / bandwidth (weights: every tensor of the file except an untied embedding
@@ -38,6 +41,9 @@ Parts (--only; default all, in this order, each round alternating engines):
   throughput  random --input-len/--output-len x --num-prompts, EOS ignored, all at once (ours `pagedllm bench
               throughput`, vLLM `bench throughput`, OpenVINO the peer's, llama.cpp batched: --parallel sequences a
               llama_decode, greedy)
+              ttft and throughput also give "% of bf16 GEMM rate": the matrix FLOPs of the work (every layer's
+              projections per token, the LM head per sampled token, QK and PV per attended position pair) per
+              second, against the bandwidth part's GEMM figure (for Q4_K_M too: what bf16 matrices would allow)
   load        ours (and vLLM) from the files (bf16 folder, Q4_K_M GGUF) with a 512 MiB KV pool: seconds to build
               the engine, peak RSS (VmHWM) against the weights' bytes, and our start-up line's figures when printed
 """
@@ -321,26 +327,52 @@ def kv_bytes_per_token(shape: str) -> int:
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
 
 
-def read_bandwidth(gib: float = 2.0, reps: int = 5) -> dict[str, float]:
-    """GB/s of a streaming read (torch sum of a float32 buffer of ``gib`` GiB), best of ``reps``, at 1 thread and
-    at every core."""
+def _best_seconds(fn: Any, reps: int) -> float:
+    """The fastest of ``reps`` timed calls of ``fn``, after one untimed."""
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth(nbytes: int, reps: int = 3) -> dict[str, float]:
+    """GB/s of a streaming read (torch sum) of a float32 buffer of ``nbytes``, best of ``reps``, at 1 thread and at
+    every core. The size matters on a VM: here a 2 GiB buffer read at ~33 GB/s where 3.4-15 GB ones (and the
+    model's own weights) read at 47-59, so the buffer is as large as the weights a decode step reads."""
     import torch
 
     before = torch.get_num_threads()
-    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)  # every page touched before timing
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)  # every page touched before timing
     out = {}
     for threads in sorted({1, os.cpu_count() or 1}):
         torch.set_num_threads(threads)
-        buf.sum()
-        best = math.inf
-        for _ in range(reps):
-            start = time.perf_counter()
-            buf.sum()
-            best = min(best, time.perf_counter() - start)
-        out[f"{threads}_threads"] = buf.numel() * 4 / best / 1e9
+        out[f"{threads}_threads"] = buf.numel() * 4 / _best_seconds(buf.sum, reps) / 1e9
     torch.set_num_threads(before)
-    del buf
     return out
+
+
+def gemm_rate(size: int = 4096, reps: int = 3) -> float:
+    """GFLOP/s of torch's bf16 matmul (oneDNN) of two ``size`` x ``size`` matrices at every core, best of ``reps``:
+    the matrix rate this machine gives a library built for it, the reference of "% of GEMM rate"."""
+    import torch
+
+    a = torch.randn(size, size).to(torch.bfloat16)
+    b = torch.randn(size, size).to(torch.bfloat16)
+    return 2 * size**3 / _best_seconds(lambda: torch.matmul(a, b), reps) / 1e9
+
+
+def forward_flops(shape: str, tokens: int, logits: int, attended: int) -> float:
+    """FLOPs of the matrix products of forward passes of ``shape``: ``tokens`` rows through every layer's
+    projections, ``logits`` rows through the LM head, and ``attended`` (query, key) position pairs of attention
+    (QK and PV: 4 FLOPs per head dimension of every query head and layer)."""
+    cfg = SHAPES[shape]
+    h, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * (h // heads)
+    per_layer = h * (2 * h + 2 * kv) + 3 * h * cfg["intermediate_size"]  # q, o, k, v; gate, up, down
+    return 2 * (per_layer * layers * tokens + h * cfg["vocab_size"] * logits) + 4 * h * layers * attended
 
 
 # --------------------------------------------------------------------------------------------------------- engines
@@ -452,6 +484,7 @@ class Runner:
         self.shape, self.args, self.tmp = shape, args, tmp
         self.rows: list[dict[str, Any]] = []
         self.bandwidth: float | None = None
+        self.gemm_gflops: float | None = None
         self.prompts = {}
         for name, length, seed in (("decode", args.prompt_len, 0), ("ttft", args.ttft_len, 1),
                                    ("warmup", 512, 2)):
@@ -506,10 +539,22 @@ class Runner:
         return _result_line(self._run(cmd).stdout)
 
     def _bandwidth(self, round_: int, engine: str) -> None:
-        bw = read_bandwidth(self.args.bandwidth_gib)
+        nbytes = (int(self.args.bandwidth_gib * 2**30) if self.args.bandwidth_gib else
+                  min(max(2**31, weight_read_bytes(self.shape, "hf")), int(0.6 * _mem_available())))
+        bw = read_bandwidth(nbytes)
         self.bandwidth = max(bw.values())
         for key, value in bw.items():
-            self.add(round_, "bandwidth", "machine", f"streaming read, {key.replace('_', ' ')}", value, "GB/s", True)
+            label = f"streaming read of {nbytes / 1e9:.1f} GB, {key.replace('_', ' ')}"
+            self.add(round_, "bandwidth", "machine", label, value, "GB/s", True)
+        self.gemm_gflops = gemm_rate()
+        self.add(round_, "bandwidth", "machine", "bf16 GEMM 4096^3 (torch), every core", self.gemm_gflops, "GFLOP/s",
+                 True)
+
+    def _gemm_share(self, round_: int, part: str, engine: str, flops: float, seconds: float) -> None:
+        """The engine's matrix FLOPs per second over the run against the machine's bf16 GEMM rate."""
+        if self.gemm_gflops:
+            self.add(round_, part, engine, "% of bf16 GEMM rate", 100 * flops / seconds / (self.gemm_gflops * 1e9),
+                     "%", True, format=_fmt_of(engine), flops=flops, gemm_gflops=self.gemm_gflops)
 
     def _decode(self, round_: int, engine: str) -> None:
         if engine.startswith("llamacpp"):
@@ -534,6 +579,8 @@ class Runner:
             seconds = self._probe(engine, "ttft")[0]["ttft_s"]
         self.add(round_, "ttft", engine, f"TTFT, {self.args.ttft_len}-token prompt", seconds, "s", False,
                  format=_fmt_of(engine), prefill_tok_per_s=self.args.ttft_len / seconds)
+        n = self.args.ttft_len
+        self._gemm_share(round_, "ttft", engine, forward_flops(self.shape, n, 1, n * (n + 1) // 2), seconds)
 
     def _throughput(self, round_: int, engine: str) -> None:
         fmt, extra = _fmt_of(engine), {}
@@ -555,6 +602,9 @@ class Runner:
         self.add(round_, "throughput", engine, f"total tok/s, random {self.args.input_len}/{self.args.output_len} x "
                  f"{self.args.num_prompts}", total, "tok/s", True, format=fmt, **extra)
         self.add(round_, "throughput", engine, "output tok/s", output, "tok/s", True, format=fmt)
+        a, b, num = self.args.input_len, self.args.output_len, self.args.num_prompts
+        flops = forward_flops(self.shape, num * (a + b - 1), num * b, num * (a + b - 1) * (a + b) // 2)
+        self._gemm_share(round_, "throughput", engine, flops, num * (a + b) / total)
 
     def _load(self, round_: int, engine: str) -> None:
         r, text = self._probe(engine, "load")
@@ -618,8 +668,8 @@ def for_shape(args: argparse.Namespace, shape: str) -> argparse.Namespace:
 def run_shape(shape: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     args = for_shape(args, shape)
     parts = [p for p in PARTS if p in args.only]
-    if "decode" in parts and "bandwidth" not in parts:
-        parts.insert(0, "bandwidth")  # % of read bandwidth is against the figure of the same run
+    if {"decode", "ttft", "throughput"} & set(parts) and "bandwidth" not in parts:
+        parts.insert(0, "bandwidth")  # % of read bandwidth and of the GEMM rate are against the same run's figures
     engines, failed = list(args.engines), []
     for artifact in ("hf", "bf16", "q4km", "openvino"):  # an artifact that cannot be built drops its engines only
         if artifact not in artifacts_for(engines, parts):
@@ -685,7 +735,8 @@ def main(argv: list[str] | None = None) -> None:
                         "llama-8b 2 so 16 GB of weights and the pool fit 23 GB)")
     r.add_argument("--llamacpp-parallel", type=int, default=64, help="throughput: llama.cpp's sequences per batch")
     r.add_argument("--llamacpp-extra-bufts", type=int, default=1, help="llama.cpp's repack/AMX buffers (0: off)")
-    r.add_argument("--bandwidth-gib", type=float, default=2.0)
+    r.add_argument("--bandwidth-gib", type=float, default=None,
+                   help="the streaming read's buffer (default: the bf16 weights a decode step reads, at least 2 GiB)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds one engine run may take")
     r.add_argument("--out", help="write every row (and the machine) as JSON here")
     r.add_argument("--dry-run", action="store_true", help="print the commands, build and run nothing")

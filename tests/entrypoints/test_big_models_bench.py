@@ -88,6 +88,23 @@ def test_bytes_one_decode_step_reads(big: ModuleType) -> None:
     assert big.kv_bytes_per_token("llama-8b") == 32 * 2 * 8 * 128 * 2
 
 
+def test_flops_of_forward_passes(big: ModuleType) -> None:
+    """Every layer's projections per token (2 FLOPs a weight), the LM head per logits row, QK and PV per attended
+    (query, key) pair: at the 1.7B shape ~1.61 G weights a token in the layers, 100.7 M in the LM head."""
+    layer = 2048 * (2 * 2048 + 2 * 2048) + 3 * 2048 * 8192
+    assert big.forward_flops("smollm2-1.7b", 1, 0, 0) == 2 * 24 * layer and 24 * layer == 1_610_612_736
+    assert big.forward_flops("smollm2-1.7b", 0, 1, 0) == 2 * 2048 * 49152
+    assert big.forward_flops("smollm2-1.7b", 0, 0, 1) == 4 * 64 * 32 * 24
+    assert big.forward_flops("llama-8b", 0, 0, 1) == 4 * 128 * 32 * 32  # every query head of the GQA groups
+
+
+def test_machine_probes(big: ModuleType) -> None:
+    """The streaming read and the GEMM probe give rates, at 1 thread and at every core for the read."""
+    rates = big.read_bandwidth(2**24, reps=1)
+    assert set(rates) == {f"{n}_threads" for n in {1, os.cpu_count()}} and all(v > 0 for v in rates.values())
+    assert big.gemm_rate(size=64, reps=1) > 0
+
+
 def test_dry_run_names_every_engine_on_the_same_files(big: ModuleType, capsys: pytest.CaptureFixture) -> None:
     big.main(["run", "--shape", "smollm2-1.7b", "--num-prompts", "8", "--dry-run"])
     out = capsys.readouterr().out
