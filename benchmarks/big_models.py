@@ -5,6 +5,7 @@ one run with engines alternating. Random weights at real shapes: timings, not an
     .venv/bin/python benchmarks/big_models.py run --shape tiny                  # every part, every engine
     .venv/bin/python benchmarks/big_models.py run --shape smollm2-1.7b --only decode --engines ours-bf16 vllm-bf16
     .venv/bin/python benchmarks/big_models.py run --shape llama-8b --only throughput --num-prompts 16 --out r.json
+    .venv/bin/python benchmarks/big_models.py run --shape smollm2-1.7b --only spec --engines ours-bf16
     .venv/bin/python benchmarks/big_models.py run --shape smollm2-1.7b --dry-run  # the commands, nothing run
 
 Shapes (LlamaForCausalLM, the default model's tokenizer): smollm2-1.7b (hidden 2048, 24 layers, 32 heads, 32 KV
@@ -46,6 +47,24 @@ Parts (--only; default all, in this order, each round alternating engines):
               second, against the bandwidth part's GEMM figure (for Q4_K_M too: what bf16 matrices would allow)
   load        ours (and vLLM) from the files (bf16 folder, Q4_K_M GGUF) with a 512 MiB KV pool: seconds to build
               the engine, peak RSS (VmHWM) against the weights' bytes, and our start-up line's figures when printed
+  spec        ours-bf16 only, always load_format="dummy" (issue 44 point 6): single-stream speculation, greedy,
+              EOS ignored, --prompt-len random ids then --spec-gen tokens, two engines (big_models_probe.py mode
+              spec), each timing a plain request and a speculating one in the same process, k = 5 drafts a step,
+              every step drafting (disable_by_batch_size None, min_acceptance_rate 0: no back-off hides a cost):
+              - ngram (prompt lookup, n-grams of 2-4): dummy weights make the greedy output repeat (norms are the
+                identity and every weight ~1e-3, so the hidden state stays close to its input token's embedding
+                and a tied LM head returns that token), so once the output has repeated its drafts are all
+                accepted: the best case. Gives the verify step's cost (the median step that verified 5 drafts,
+                6 rows, against the median 1-row step of the plain request at the same prompt; both whole
+                engine steps: forward, sampling, proposing) and the single-stream speedup (tok/s over tok/s)
+              - a draft model of the same family, dummy too, from a config-only folder beside hf/ (DRAFTS:
+                SmolLM2-135M's shape for smollm2-1.7b, Llama 3.2 1B's for llama-8b): tok/s, speedup, acceptance
+                (a tied target and a tied draft both echo their input, so they agree: full acceptance; whether
+                llama-8b's untied LM head repeats one token too, and so what its drafts and ngram's get, the
+                acceptance rows and distinct_output_tokens say)
+              step figures are medians (robust to other work on the cores), tok/s the tokens after the first over
+              the summed seconds of the steps after it; each row notes whether both runs gave the same tokens
+              (same_output: greedy speculation is exact)
 """
 from __future__ import annotations
 
@@ -92,9 +111,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 DEFAULT_KV_GIB = {"tiny": 1, "smollm2-1.7b": 4, "llama-8b": 2}
 ENGINES = ("ours-bf16", "ours-q4km", "vllm-bf16", "llamacpp-bf16", "llamacpp-q4km", "openvino-bf16")
-PARTS = ("bandwidth", "decode", "ttft", "throughput", "load")
+PARTS = ("bandwidth", "decode", "ttft", "throughput", "load", "spec")
 PART_ENGINES = {"decode": ENGINES[:5], "ttft": ENGINES[:5], "throughput": ENGINES,
-                "load": ("ours-bf16", "ours-q4km", "vllm-bf16")}
+                "load": ("ours-bf16", "ours-q4km", "vllm-bf16"), "spec": ("ours-bf16",)}
 WEIGHT_STD = 0.02
 SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size
 SLICE_VALUES = 16 << 20  # random values drawn per slice (64 MiB of float32): a tensor is never whole in memory
@@ -103,6 +122,26 @@ OPENVINO_EXPORT_PEAK = 1.8
 LOAD_KV_BYTES = 512 << 20
 """The load part's KV pool (ours; vLLM's 1 GiB), with max_model_len LOAD_MAX_LEN so that it fits every shape."""
 LOAD_MAX_LEN = 2048
+SPEC_K = 5
+"""The spec part's draft tokens a step (issue 44: the verify step of k + 1 = 6 rows)."""
+SPEC_KV_BYTES, SPEC_MAX_LEN = 512 << 20, 2048
+"""The spec part's KV pool and max_model_len: one stream of a few hundred tokens, and room beside 16 GB of 8B
+weights and a 2.5 GB draft (the pool holds a max_model_len sequence of every shape with its draft's K/V)."""
+DRAFTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": ("tiny-draft", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                intermediate_size=256, vocab_size=49152, tie_word_embeddings=True,
+                                max_position_embeddings=8192, rope_theta=10000.0, **_COMMON)),
+    "smollm2-1.7b": ("smollm2-135m", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                                          num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                                          tie_word_embeddings=True, max_position_embeddings=8192,
+                                          rope_theta=100000.0, **_COMMON)),
+    "llama-8b": ("llama-3.2-1b", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                                      num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                                      tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0,
+                                      **_COMMON)),
+}
+"""The spec part's draft of each shape: the same family's small model (SmolLM2-135M's shape as the default model's
+GGUF gives it; Llama 3.2 1B's, without its rope scaling as the 8B shape has none), the target's vocabulary."""
 
 
 # ----------------------------------------------------------------------------------------------------- checkpoints
@@ -260,6 +299,29 @@ def build_openvino(shape: str) -> str:
     return final
 
 
+def draft_path(shape: str) -> str:
+    """The config-only folder of ``shape``'s draft (DRAFTS), beside hf/."""
+    return os.path.join(paths(shape)["home"], f"draft-{DRAFTS[shape][0]}")
+
+
+def build_draft(shape: str) -> str:
+    """The draft's folder: config.json only (it runs with load_format="dummy"), with hf/'s special tokens."""
+    final = draft_path(shape)
+    if os.path.exists(os.path.join(final, "config.json")):
+        return final
+    with open(os.path.join(build_hf(shape), "config.json")) as f:
+        target = json.load(f)
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+              "bos_token_id": target["bos_token_id"], "eos_token_id": target["eos_token_id"], **DRAFTS[shape][1]}
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    os.rename(tmp, final)
+    return final
+
+
 def _mem_available() -> int:
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -410,6 +472,21 @@ def probe_spec(engine: str, shape: str, args: argparse.Namespace, mode: str) -> 
         return {"model": p["hf"], "kwargs": {"dtype": "bfloat16", "load_format": "auto" if files else "dummy",
                                              "max_model_len": max_len, "seed": 0}}
     raise ValueError(engine)
+
+
+def spec_probe_spec(shape: str, method: str) -> dict[str, Any]:
+    """The model and keyword arguments of one engine of the spec part: ``method`` ngram or draft (the draft's
+    folder need not exist yet)."""
+    policy = {"num_speculative_tokens": SPEC_K, "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+    if method == "ngram":
+        config = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4, **policy}
+    elif method == "draft":
+        config = {"model": draft_path(shape), **policy}
+    else:
+        raise ValueError(method)
+    return {"model": paths(shape)["hf"], "kwargs": {
+        "dtype": "bfloat16", "quantization": None, "load_format": "dummy", "kv_cache_memory": SPEC_KV_BYTES,
+        "max_model_len": SPEC_MAX_LEN, "seed": 0, "speculative_config": config}}
 
 
 def probe_command(engine: str, mode: str, spec_file: str) -> list[str]:
@@ -619,6 +696,47 @@ class Runner:
         self.add(round_, "load", engine, "(peak RSS - RSS before - KV pool) / weight bytes",
                  (peak - before - kv) / weights, "x", False, **extra)
 
+    def _spec_probe(self, engine: str, method: str) -> dict[str, Any]:
+        """One engine of the spec part (``method`` ngram or draft): its probe's result."""
+        spec = spec_probe_spec(self.shape, method)
+        # the warm-up prompt repeats a token, so the proposer drafts (and the verify path runs) from its first steps
+        spec.update(prompt=self.prompts["decode"], warmup=self.prompts["warmup"][:8] * 4, gen=self.args.spec_gen)
+        spec_file = os.path.join(self.tmp, f"{engine}-spec-{method}.json")
+        with open(spec_file, "w") as f:
+            json.dump(spec, f)
+        proc = self._run(probe_command(engine, "spec", spec_file), engine_env(engine, "spec", self.args))
+        return _result_line(proc.stdout)
+
+    def _spec(self, round_: int, engine: str) -> None:
+        build_draft(self.shape)
+        k, draft_name = SPEC_K, DRAFTS[self.shape][0]
+        for method in ("ngram", "draft"):
+            r = self._spec_probe(engine, method)
+            plain, spec = r["runs"]["none"], r["runs"]["spec"]
+            label = f"ngram k={k}" if method == "ngram" else f"draft {draft_name} k={k}"
+            facts = dict(format="bf16", same_output=r["same_output"],
+                         distinct_output_tokens=r["distinct_output_tokens"])
+            one, full = plain["by_drafts"].get("0"), spec["by_drafts"].get(str(k))
+            if method == "ngram":  # the verify step's cost: a step of k + 1 rows against one of 1 row
+                self.add(round_, "spec", engine, "step, 1 row (no speculation), median",
+                         1000 * one["median_s"] if one else None, "ms", False, **facts)
+                self.add(round_, "spec", engine, f"step verifying {k} drafts ({k + 1} rows), median",
+                         1000 * full["median_s"] if full else None, "ms", False, **facts)
+                self.add(round_, "spec", engine, f"{k + 1}-row step / 1-row step (goal <= 1.2)",
+                         full["median_s"] / one["median_s"] if one and full else None, "x", False, **facts)
+                self.add(round_, "spec", engine, "tok/s, no speculation", plain["decode_tok_per_s"], "tok/s", True,
+                         **facts)
+            else:
+                self.add(round_, "spec", engine, f"step drafting and verifying {k} ({draft_name}), median",
+                         1000 * full["median_s"] if full else None, "ms", False, **facts)
+            self.add(round_, "spec", engine, f"tok/s, {label}", spec["decode_tok_per_s"], "tok/s", True, **facts)
+            self.add(round_, "spec", engine, f"speedup, {label} (goal >= 3)" if method == "ngram" else
+                     f"speedup, {label}", spec["decode_tok_per_s"] / plain["decode_tok_per_s"], "x", True,
+                     load_s=r["load_s"], plain=plain, speculating=spec, **facts)  # the runs' figures, once
+            self.add(round_, "spec", engine, f"drafts accepted, {label}",
+                     None if spec["acceptance"] is None else 100 * spec["acceptance"], "%", True,
+                     tokens_per_step=spec["tokens_per_step"], **facts)
+
 
 # ------------------------------------------------------------------------------------------------------ reporting
 
@@ -705,6 +823,12 @@ def dry_run(shape: str, args: argparse.Namespace) -> None:
             elif engine.startswith("llamacpp"):
                 length = args.prompt_len if part == "decode" else args.ttft_len
                 cmd = llamacpp_command(engine, shape, part, f"<tmp>/{part}.json", length, ns)
+            elif part == "spec":
+                for method in ("ngram", "draft"):
+                    print(f"{part} {engine} {method}: spec {json.dumps(spec_probe_spec(shape, method))}")
+                    print(f"{part} {engine} {method}: "
+                          f"{shlex.join(probe_command(engine, part, f'<tmp>/{engine}-spec-{method}.json'))}")
+                continue
             else:
                 cmd = probe_command(engine, part, f"<tmp>/{engine}-{part}.json")
                 print(f"{part} {engine}: spec {json.dumps(probe_spec(engine, shape, ns, part))}")
@@ -730,6 +854,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--input-len", type=int, default=128, help="throughput: prompt tokens")
     r.add_argument("--output-len", type=int, default=128, help="throughput: output tokens")
     r.add_argument("--num-prompts", type=int, default=32, help="throughput: requests")
+    r.add_argument("--spec-gen", type=int, default=192, help="spec: tokens generated (after --prompt-len)")
     r.add_argument("--kv-gib", type=int, default=None,
                    help="GiB of KV pool for every engine (default: tiny 1, smollm2-1.7b 4 as vLLM's default, "
                         "llama-8b 2 so 16 GB of weights and the pool fit 23 GB)")
@@ -741,6 +866,9 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--out", help="write every row (and the machine) as JSON here")
     r.add_argument("--dry-run", action="store_true", help="print the commands, build and run nothing")
     args = ap.parse_args(argv)
+    if args.command == "run" and "spec" in args.only and args.prompt_len + args.spec_gen + SPEC_K > SPEC_MAX_LEN:
+        ap.error(f"--prompt-len + --spec-gen + {SPEC_K} drafts must fit the spec part's max_model_len "
+                 f"{SPEC_MAX_LEN}")
     if args.command == "build":
         for shape in args.shape:
             start = time.perf_counter()

@@ -12,6 +12,14 @@ MODE:
   ttft    a warm-up request (``warmup`` prompt, one token), then SPEC's prompt with one token: seconds from
           add_request to the step that returns its token.
   load    builds the engine and generates one token (the load part: load time and peak RSS).
+  spec    ours only, an engine built with SPEC's speculative_config: a warm-up request whose prompt repeats (so
+          drafts come at once), then SPEC's prompt generating ``gen`` tokens greedily twice in a row, first with
+          speculation off for the request (SamplingParams.speculate=False: a plain decode in the same process,
+          weights and pool), then on. Every step is timed alone (engine.step()) and classed by the draft tokens
+          it verified (the engine's counters read between steps, outside the timing): the median seconds of a
+          1-row step and of a step that verified k drafts (k + 1 rows) at the same prompt and about the same
+          mean context; tok/s = tokens after the first / the seconds of the steps after the one that gave it.
+          ``same_output``: both runs gave the same tokens (greedy speculation is exact).
 Every mode prints one line ``RESULT {json}`` with the seconds of the engine's import and of its construction
 (``load_s``: weights, KV pool, warm-up), and the process's peak and current RSS (VmHWM / VmRSS, KiB) before the
 construction (the peak reset there), after it and at the end.
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -79,8 +88,50 @@ def timed_request(llm: Any, sampling_params: Any, request_id: str, prompt: list[
             "decode_tok_per_s": decoded / (end - first_at) if decoded else None}
 
 
+def stepped_request(llm: Any, sampling_params: Any, request_id: str, prompt: list[int], max_tokens: int,
+                    speculate: bool) -> tuple[dict[str, Any], list[int]]:
+    """Run one request alone, each step timed by itself (pagedllm only: its ``speculate`` and spec counters);
+    its figures (module docstring, mode spec) and its output tokens."""
+    engine = llm.llm_engine
+    params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, speculate=speculate)
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    before = engine.get_stats()
+    tokens: list[int] = []
+    steps: list[dict[str, Any]] = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - start
+        now = next((list(o.outputs[0].token_ids) for o in outputs if o.request_id == request_id), tokens)
+        stats = engine.get_stats()  # outside the timed call: ~0.1 ms of copying
+        steps.append({"s": seconds, "context": len(prompt) + len(tokens), "new": len(now) - len(tokens),
+                      "drafts": stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                      "accepted": stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens})
+        tokens, before = now, stats
+    first = next((i for i, step in enumerate(steps) if step["new"]), None)
+    if first is None:
+        raise SystemExit(f"request {request_id} produced no token")
+    decode = steps[first + 1:]  # the steps after the one that gave the first token (it ran the prompt)
+    seconds = sum(step["s"] for step in decode)
+    by_drafts: dict[str, dict[str, float]] = {}
+    for n in sorted({step["drafts"] for step in decode}):
+        group = [step for step in decode if step["drafts"] == n]
+        by_drafts[str(n)] = {"steps": len(group), "median_s": statistics.median(step["s"] for step in group),
+                             "mean_s": statistics.fmean(step["s"] for step in group),
+                             "mean_context": statistics.fmean(step["context"] for step in group)}
+    drafted = sum(step["drafts"] for step in decode)
+    accepted = sum(step["accepted"] for step in decode)
+    decoded = len(tokens) - steps[first]["new"]
+    return {"tokens": len(tokens), "decode_steps": len(decode), "decode_s": seconds,
+            "decode_tok_per_s": decoded / seconds if seconds else None, "draft_tokens": drafted,
+            "accepted_tokens": accepted, "acceptance": accepted / drafted if drafted else None,
+            "tokens_per_step": decoded / len(decode) if decode else None, "by_drafts": by_drafts}, tokens
+
+
 def main() -> None:
     engine, mode, spec_file = sys.argv[1:4]
+    if mode == "spec" and engine != "pagedllm":
+        raise SystemExit("mode spec runs pagedllm only (it reads our speculation counters)")
     with open(spec_file) as f:
         spec = json.load(f)
     started = time.perf_counter()
@@ -100,8 +151,16 @@ def main() -> None:
         result.update(timed_request(llm, sampling_params, "timed", spec["prompt"], 1))
     elif mode == "load":
         timed_request(llm, sampling_params, "one", spec["warmup"], 1)
+    elif mode == "spec":
+        stepped_request(llm, sampling_params, "warmup", spec["warmup"], 8, True)
+        runs, outputs = {}, {}
+        for name, speculate in (("none", False), ("spec", True)):
+            runs[name], outputs[name] = stepped_request(llm, sampling_params, name, spec["prompt"], spec["gen"],
+                                                        speculate)
+        result.update(runs=runs, same_output=outputs["none"] == outputs["spec"],
+                      distinct_output_tokens=len(set(outputs["none"])))
     else:
-        raise SystemExit(f"unknown mode {mode!r}: decode, ttft or load")
+        raise SystemExit(f"unknown mode {mode!r}: decode, ttft, load or spec")
     result["end_kib"] = memory_kib()
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # skip the engines' slow teardown (worker threads, vLLM's atexit hooks): the result is out

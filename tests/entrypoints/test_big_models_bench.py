@@ -112,7 +112,7 @@ def test_dry_run_names_every_engine_on_the_same_files(big: ModuleType, capsys: p
     lines = [line for line in out.splitlines() if not line.startswith("#") and ": spec " not in line]
     commands = dict(line.split(": ", 1) for line in lines)
     assert set(commands) == {f"{part} {engine}" for part in ("decode", "ttft", "throughput", "load")
-                             for engine in big.PART_ENGINES[part]}
+                             for engine in big.PART_ENGINES[part]} | {"spec ours-bf16 ngram", "spec ours-bf16 draft"}
     q4km = os.path.join(home, "smollm2-1.7b.Q4_K_M.gguf")
     assert f"--gguf {q4km}" in commands["decode llamacpp-q4km"] and "--input-len 128 --gen 64" in commands[
         "decode llamacpp-q4km"]
@@ -126,3 +126,76 @@ def test_dry_run_names_every_engine_on_the_same_files(big: ModuleType, capsys: p
     assert "--kv-cache-gb 4" in commands["throughput openvino-bf16"]
     assert commands["decode vllm-bf16"].split()[:4] == [big.VLLM_CPU, "python", big.PROBE, "vllm"]
     assert commands["decode ours-q4km"].split()[:4] == [sys.executable, big.PROBE, "pagedllm", "decode"]
+    assert commands["spec ours-bf16 draft"].split()[:4] == [sys.executable, big.PROBE, "pagedllm", "spec"]
+    specs = {line.split(": spec ")[0]: json.loads(line.split(": spec ", 1)[1]) for line in out.splitlines()
+             if line.startswith("spec ") and ": spec " in line}
+    ngram, draft = (specs[f"spec ours-bf16 {m}"]["kwargs"] for m in ("ngram", "draft"))
+    assert ngram["load_format"] == draft["load_format"] == "dummy" and ngram["dtype"] == "bfloat16"
+    assert ngram["speculative_config"]["method"] == "ngram" and ngram["speculative_config"]["min_acceptance_rate"] == 0
+    assert draft["speculative_config"]["model"] == os.path.join(home, "draft-smollm2-135m")
+    assert draft["speculative_config"]["num_speculative_tokens"] == 5
+
+
+def test_draft_folder_is_config_only_with_the_targets_vocabulary(big: ModuleType) -> None:
+    """The spec part's draft: a config-only folder beside hf/ that our loader reads as the shape asked for."""
+    from pagedllm.models.loader import load_arch_config
+
+    big.DRAFTS["micro"] = ("micro-draft", {**MICRO, "hidden_size": 32, "num_hidden_layers": 1})
+    try:
+        folder = big.build_draft("micro")
+    finally:
+        del big.DRAFTS["micro"]
+    assert folder == os.path.join(big.CACHE, "micro", "draft-micro-draft") and os.listdir(folder) == ["config.json"]
+    assert sorted(os.listdir(os.path.dirname(folder))) == ["draft-micro-draft", "hf"]  # renamed into place
+    arch, target = load_arch_config(folder), load_arch_config(os.path.join(big.CACHE, "micro", "hf"))
+    assert (arch.hidden_size, arch.num_layers, arch.vocab_size) == (32, 1, target.vocab_size)
+    smollm = big.DRAFTS["smollm2-1.7b"][1]  # SmolLM2-135M, as the default model's GGUF has it
+    assert (smollm["hidden_size"], smollm["num_hidden_layers"], smollm["num_attention_heads"],
+            smollm["num_key_value_heads"], smollm["intermediate_size"]) == (576, 30, 9, 3, 1536)
+    assert all(big.DRAFTS[s][1]["vocab_size"] == big.SHAPES[s]["vocab_size"] for s in big.DRAFTS)
+
+
+class _FakeEngine:
+    """Steps of a scripted request: (seconds, new tokens, drafts verified, drafts accepted) each."""
+
+    def __init__(self, script: list[tuple[float, int, int, int]], clock: list[float]) -> None:
+        self.script, self.clock, self.tokens, self.drafts, self.accepted = list(script), clock, [], 0, 0
+
+    def add_request(self, request_id: str, prompt: dict, params: Any) -> None:
+        self.request_id = request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.script)
+
+    def step(self) -> list[Any]:
+        seconds, new, drafts, accepted = self.script.pop(0)
+        self.clock[0] += seconds
+        self.tokens += [7] * new
+        self.drafts, self.accepted = self.drafts + drafts, self.accepted + accepted
+        output = type("Completion", (), {"token_ids": list(self.tokens)})
+        return [type("Output", (), {"request_id": self.request_id, "outputs": [output]})]
+
+    def get_stats(self) -> Any:
+        self.clock[0] += 100.0  # reading the counters is outside the timed steps
+        return type("Stats", (), {"spec_decode_num_draft_tokens": self.drafts,
+                                  "spec_decode_num_accepted_tokens": self.accepted})
+
+
+def test_spec_probe_times_each_step_and_classes_it_by_its_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("big_models_probe", ROOT / "benchmarks" / "big_models_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    clock = [0.0]
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
+    # the prompt's step (1 token), a plain step, two that verified 5 drafts (one rejecting 2), one of 3 drafts
+    script = [(5.0, 1, 0, 0), (0.1, 1, 0, 0), (0.2, 6, 5, 5), (0.4, 4, 5, 3), (0.3, 4, 3, 3)]
+    llm = type("LLM", (), {"llm_engine": _FakeEngine(script, clock)})
+    params = lambda **kw: kw  # noqa: E731  (SamplingParams' keywords as given)
+    result, tokens = probe.stepped_request(llm, params, "r", [1] * 10, 16, True)
+    assert tokens == [7] * 16 and result["tokens"] == 16 and result["decode_steps"] == 4
+    assert result["decode_s"] == pytest.approx(1.0) and result["decode_tok_per_s"] == pytest.approx(15.0)
+    assert (result["draft_tokens"], result["accepted_tokens"]) == (13, 11)
+    assert result["acceptance"] == pytest.approx(11 / 13) and result["tokens_per_step"] == pytest.approx(15 / 4)
+    by = result["by_drafts"]
+    assert set(by) == {"0", "3", "5"} and by["0"]["steps"] == 1 and by["0"]["mean_context"] == 11
+    assert by["5"]["median_s"] == pytest.approx(0.3) and by["5"]["mean_context"] == pytest.approx((12 + 18) / 2)
