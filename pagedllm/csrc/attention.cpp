@@ -52,6 +52,7 @@ struct Scratch {
   std::vector<bf16> tile16;  // a prompt tile's query vectors and outputs, in the storage type
   std::vector<f16> tile_f16;
   std::vector<float> tile32;
+  std::vector<uint16_t> pairs, p16;  // a bf16 tile's V as token pairs and its weights in bf16 (pv_tile_dot)
 };
 
 template <typename T>
@@ -420,6 +421,82 @@ inline std::vector<Tile> find_tiles(const int32_t* tables, const int32_t* lens, 
   return tiles;
 }
 
+#ifdef __AVX512BF16__
+// P.V of kR query vectors over `pairs` token pairs on vdpbf16ps: p (bf16 weight pairs, one 32-bit word a
+// pair, row stride p_stride words), vp (each pair's kDim dims as kDim / 16 words of 16 (token, token + 1)
+// dims), sums into acc (kR x kDim float32). Twice the work an FMA does per instruction.
+template <int kDim, int kR>
+inline void pv_pairs(const uint32_t* p, int64_t p_stride, const uint16_t* vp, int64_t pairs, float* acc_out) {
+  constexpr int kC = kDim / 16;
+  __m512 acc[kR][kC];
+  for (int r = 0; r < kR; ++r)
+    for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh w[kC];
+    for (int c = 0; c < kC; ++c) w[c] = (__m512bh)_mm512_loadu_si512(vp + (j * kC + c) * 32);
+    for (int r = 0; r < kR; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[r * p_stride + j]));
+      for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, w[c]);
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc_out + r * kDim + c * 16, acc[r][c]);
+}
+
+// A bf16 tile's P.V (n vectors over `len` positions of the window at `table`): the weights rounded to bf16
+// (as torch's flash attention does for bf16), V re-laid as token pairs once for the tile, then vdpbf16ps
+// (about half the time of the FMA P.V, which converts every V value to float32 for each vector group).
+template <int kDim>
+void pv_tile_dot(const float* scores, int64_t n, int64_t len, const bf16* vc, const int32_t* table, const Shape& s,
+                 int64_t head_off, bf16* out, Scratch& sc) {
+  constexpr int kR = kDim == 64 ? 6 : 3;  // kR x kDim / 16 sums + kDim / 16 values fit in 32 registers
+  const int64_t pairs = (len + 1) / 2, bs = s.bs;
+  sc.p16.resize(n * pairs * 2);
+  for (int64_t i = 0; i < n; ++i) {  // each row's weights in bf16, a zero after an odd length
+    const float* src = scores + i * len;
+    uint16_t* dst = sc.p16.data() + i * pairs * 2;
+    int64_t t = 0;
+    for (; t + 32 <= len; t += 32)
+      _mm512_storeu_si512(dst + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + t + 16), _mm512_loadu_ps(src + t)));
+    for (; t < len; ++t) dst[t] = bf16_bits(src[t]);
+    if (len % 2) dst[len] = 0;
+  }
+  // V as pairs: word k of pair j's vector c holds dim 16c + k of tokens 2j and 2j + 1
+  sc.pairs.resize(pairs * kDim * 2);
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                      36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t j = 0; j < pairs; ++j) {
+    const int64_t t = 2 * j;  // bs is even: t and t + 1 share a block
+    const uint16_t* row = reinterpret_cast<const uint16_t*>(head_block(vc, table, t / bs, s.block_stride, head_off)) +
+                          (t % bs) * kDim;
+    for (int c2 = 0; c2 < kDim / 32; ++c2) {
+      const __m512i a = _mm512_loadu_si512(row + c2 * 32);
+      const __m512i b = t + 1 < len ? _mm512_loadu_si512(row + kDim + c2 * 32) : _mm512_setzero_si512();
+      uint16_t* dst = sc.pairs.data() + (j * (kDim / 16) + 2 * c2) * 32;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+  sc.acc.resize(kR * kDim);
+  const uint32_t* p = reinterpret_cast<const uint32_t*>(sc.p16.data());
+  for (int64_t r0 = 0; r0 < n; r0 += kR) {
+    const int64_t rows = std::min<int64_t>(kR, n - r0);
+    const uint32_t* pr = p + r0 * pairs;
+    const uint16_t* vp = sc.pairs.data();
+    switch (rows) {  // rows < kR only for the tile's last vectors
+      case 1: pv_pairs<kDim, 1>(pr, pairs, vp, pairs, sc.acc.data()); break;
+      case 2: pv_pairs<kDim, 2>(pr, pairs, vp, pairs, sc.acc.data()); break;
+      case 3: pv_pairs<kDim, 3>(pr, pairs, vp, pairs, sc.acc.data()); break;
+      case 4: pv_pairs<kDim, (kR >= 4 ? 4 : 1)>(pr, pairs, vp, pairs, sc.acc.data()); break;
+      case 5: pv_pairs<kDim, (kR >= 5 ? 5 : 1)>(pr, pairs, vp, pairs, sc.acc.data()); break;
+      default: pv_pairs<kDim, (kR >= 6 ? 6 : 1)>(pr, pairs, vp, pairs, sc.acc.data()); break;
+    }
+    for (int64_t i = 0; i < rows * kDim; i += 16) vstore(out + r0 * kDim + i, _mm512_loadu_ps(sc.acc.data() + i));
+  }
+}
+#endif
+
 // One tile and KV head on a fast path: the rows' query vectors copied side by side, scored as one group
 // over the last row's window, each row's own window masked, softmax, P.V, the outputs copied back.
 template <int kDim, typename T>
@@ -465,7 +542,7 @@ void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, cons
   softmax_rows(scores, n, len);
   if (dot) {
 #ifdef __AVX512BF16__
-    if constexpr (std::is_same<T, bf16>::value) pv_dot<kDim>(scores, vc, table, len, st, head_off, ot);
+    if constexpr (std::is_same<T, bf16>::value) pv_tile_dot<kDim>(scores, n, len, vc, table, s, head_off, ot, sc);
 #endif
   } else {
     constexpr int kW = kDim < kPassDims ? kDim : kPassDims;
