@@ -8,7 +8,9 @@ end-to-end latency divided by output length).
 The workloads are those of ``bench throughput`` (``--dataset-name random | sharegpt-like |
 alpaca-like | sharegpt``): every request asks for exactly its output length (``max_tokens`` and
 ``ignore_eos``, temperature 1.0), so any OpenAI-compatible server that takes token-id prompts
-(vLLM's does) runs the same requests at the same seeded Poisson arrival times.
+(vLLM's does) runs the same requests at the same seeded Poisson arrival times. The synthetic traces
+are clipped to the ``max_model_len`` the server's ``/v1/models`` card gives (at most 2048, vLLM's
+ShareGPT bound), as ``bench throughput`` clips them to its engine's: every request fits.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from pagedllm.entrypoints.bench.datasets import (
     BenchRequest,
     add_dataset_args,
     check_dataset_args,
+    SHAREGPT_MAX_TOTAL_LEN,
     dataset_seed,
     requests_from_args,
     summarize,
@@ -129,6 +132,15 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99))}
 
 
+def served_model(ns: argparse.Namespace) -> tuple[str, int | None]:
+    """The model the requests name (``--model``, else the server's first) and its ``max_model_len`` from
+    ``/v1/models`` (vLLM's and ours give it; None where the card does not)."""
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    cards = httpx.get(f"{ns.base_url}/v1/models", timeout=30, headers=headers).json()["data"]
+    card = next((c for c in cards if c["id"] == ns.model), None) if ns.model else cards[0]
+    return ns.model or card["id"], (card or {}).get("max_model_len")
+
+
 def run(ns: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import get_tokenizer
 
@@ -136,10 +148,9 @@ def run(ns: argparse.Namespace) -> int:
     if not ns.request_rate > 0:
         raise ValidationError.bad_value("request_rate", ns.request_rate, "> 0 (inf = all at once)")
     tokenizer = get_tokenizer(ns.tokenizer)
-    requests = requests_from_args(ns, len(tokenizer), tokenizer, dataset_seed(ns))
-    model = ns.model or httpx.get(f"{ns.base_url}/v1/models", timeout=30,
-                                  headers={"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-                                  ).json()["data"][0]["id"]
+    model, max_model_len = served_model(ns)
+    requests = requests_from_args(ns, len(tokenizer), tokenizer, dataset_seed(ns),
+                                  min(SHAREGPT_MAX_TOTAL_LEN, max_model_len or SHAREGPT_MAX_TOTAL_LEN))
     results, elapsed = asyncio.run(_run(ns, requests, model))
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_len for r in ok)

@@ -63,3 +63,15 @@ def test_bench_serve_rejects_bad_rate(server) -> None:
     proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
                            "--request-rate", "0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "request_rate" in proc.stderr
+
+
+def test_bench_serve_clips_the_trace_to_the_servers_max_model_len(server) -> None:
+    """The tiny server's max_model_len is 512: the sharegpt-like trace (whose third request has 152 + 423 tokens
+    at 2048) is clipped to it, as bench throughput clips it to its engine's, so every request is served."""
+    from pagedllm.entrypoints.bench.datasets import synthetic_lengths
+
+    assert max(p + o for p, o in synthetic_lengths("sharegpt-like", 3, 0, 2048)) > 512
+    clipped = synthetic_lengths("sharegpt-like", 3, 0, 512)
+    result, _ = _bench(server, "--dataset-name", "sharegpt-like", "--num-prompts", "3")
+    assert result["completed"] == 3 and result["failed"] == 0
+    assert result["mean_output_len"] == sum(o for _, o in clipped) / 3
