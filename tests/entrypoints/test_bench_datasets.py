@@ -210,13 +210,19 @@ def test_compare_cold_start_commands(compare: ModuleType) -> None:
         assert "max_tokens=1" in code and "time.time() - start" in code
 
 
-def test_serve_sweep_drives_both_servers_with_one_client(capsys: pytest.CaptureFixture,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/serve_sweep.py: both servers on 127.0.0.1, the same `bench serve` command per rate."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports compare.py beside it
+def _serve_sweep(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/serve_sweep.py as a module."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports compare.py and big_models.py beside it
     spec = importlib.util.spec_from_file_location("serve_sweep", ROOT / "benchmarks" / "serve_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
+    return sweep
+
+
+def test_serve_sweep_drives_both_servers_with_one_client(capsys: pytest.CaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/serve_sweep.py: both servers on 127.0.0.1, the same `bench serve` command per rate."""
+    sweep = _serve_sweep(monkeypatch)
     sweep.main(["--rates", "0.5", "2", "--num-prompts", "10", "--dry-run"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert "serve --host 127.0.0.1 --port 8230 --dtype bfloat16" in lines[0]
@@ -228,6 +234,64 @@ def test_serve_sweep_drives_both_servers_with_one_client(capsys: pytest.CaptureF
     import os
 
     assert sweep.tree_cpu_seconds(os.getpid()) > 0  # this process has used CPU: /proc is read right
+
+
+def test_serve_sweep_at_a_shape_gives_both_servers_the_same_kv_bytes(capsys: pytest.CaptureFixture,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """--shape: both servers on the shape's folder with random weights, the same max_model_len and KV bytes (vLLM's
+    without the peer script's whole-GiB VLLM_CPU_KVCACHE_SPACE, which would override them); --duration: rate x S
+    requests at each rate."""
+    sweep = _serve_sweep(monkeypatch)
+    sweep.main(["--shape", "tiny", "--kv-cache-memory", "0.5", "--max-model-len", "256", "--rates", "0.5", "2",
+                "--duration", "10", "--dry-run"])
+    ours, vllm, *clients = capsys.readouterr().out.strip().splitlines()
+    hf = sweep.paths("tiny")["hf"]
+    for line in (ours, vllm):
+        assert f"--model {hf} --load-format dummy --max-model-len 256" in line
+    assert "--kv-cache-memory 536870912" in ours
+    assert "--kv-cache-memory-bytes 536870912" in vllm and 'os.environ.pop("VLLM_CPU_KVCACHE_SPACE"' in vllm
+    assert [f"--tokenizer {hf}" in c for c in clients] == [True, True]
+    assert "--num-prompts 5 --request-rate 0.5" in clients[0] and "--num-prompts 20 --request-rate 2.0" in clients[1]
+
+
+def test_serve_sweep_counts_preemptions_and_finds_the_knee(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """Preemptions: every *:num_preemptions_total sample of /metrics summed; the KV pool from either start-up log;
+    the sustained rate: the last before the first over the factor or failing, and ours / vLLM's."""
+    sweep = _serve_sweep(monkeypatch)
+    metrics = ('# HELP pagedllm:num_preemptions_total Preemptions.\n'
+               'pagedllm:num_preemptions_total{engine="0",model_name="m"} 3.0\n'
+               'pagedllm:num_preemptions_created{engine="0",model_name="m"} 1.7e+09\n'
+               'vllm:num_preemptions_total{engine="1",model_name="m"} 4.0\n')
+    monkeypatch.setattr(sweep.httpx, "get", lambda url, timeout: type("R", (), {"text": metrics})())
+    assert sweep.preemptions(8230) == 7.0
+    for text, tokens in (("KV cache 32 blocks of 16 tokens, 2 KV heads", 512),
+                         ("CPU KV cache size: 6,826 tokens", 6826), ("nothing", None)):
+        (tmp_path / "log").write_text(text)
+        assert sweep.kv_tokens(str(tmp_path / "log")) == tokens
+
+    def rows(engine: str, points: list[tuple[float, float, int]]) -> list[dict]:
+        return [{"engine": engine, "request_rate": r, "normalized_latency_s_per_token": lat, "failed": failed,
+                 "completed": 4 - failed, "num_requests": 4, "tokens_per_second": 9.0, "preemptions": 1.0}
+                for r, lat, failed in points]
+
+    ours = rows("pagedllm", [(0.3, 0.19, 0), (0.1, 0.1, 0), (0.2, 0.15, 0), (0.4, 0.21, 0), (0.5, 0.12, 0)])
+    vllm = rows("vllm", [(0.1, 0.2, 0), (0.2, 0.3, 1), (0.3, 0.3, 0)])
+    assert sweep.sustained_rate(ours, "pagedllm", 2.0) == (0.3, True)
+    assert sweep.sustained_rate(ours, "pagedllm", 3.0) == (0.5, False)
+    assert sweep.sustained_rate(vllm, "vllm", 2.0) == (0.1, True)
+    args = sweep.argparse.Namespace(engines=["pagedllm", "vllm"], knee_factor=2.0)
+    knees = sweep.knee_report(ours + vllm, args)
+    assert knees["pagedllm"]["vs_vllm"] == pytest.approx(3.0) and knees["pagedllm"]["vs_vllm_bound"] == ""
+    assert "pagedllm / vLLM: 3.00x" in capsys.readouterr().out
+    args.knee_factor = 3.0
+    assert sweep.knee_report(ours + vllm, args)["pagedllm"]["vs_vllm_bound"] == ">="
+    saved = tmp_path / "sweep.json"  # --report: a saved run's table and knees at another factor, nothing run
+    saved.write_text(json.dumps({"settings": {"engines": ["pagedllm", "vllm"]}, "rows": ours + vllm[:1]}))
+    capsys.readouterr()
+    sweep.main(["--report", str(saved), "--knee-factor", "3"])
+    out = capsys.readouterr().out
+    assert "| 0.5 | pagedllm | 4/4 | 0.1200 | 9.0 | 1 |" in out and "unknown (neither saw its knee)" in out
 
 
 def test_bench_serve_splits_sse_lines_at_newlines_only() -> None:
