@@ -9,7 +9,7 @@ decode-first sort) and one call serves the whole step, instead of one SDPA call 
 layer. Measured per layer (bf16, 9 query / 3 KV heads, 2 cores, AVX512-BF16), kernel vs SDPA: 16
 prompts x 128 tokens 1.6 vs 5.4 ms; 4 x 512 4.6 vs 17.5 ms; 1 x 2048 17 vs 40 ms. The kernel groups a
 prompt's consecutive rows into tiles that read each K/V block once (1 x 4096 tokens at 32 KV heads, the
-SmolLM2-1.7B shape: 359 ms a layer against 1,795 row by row and SDPA's 509).
+SmolLM2-1.7B shape: 268 ms a layer against 1,795 row by row and SDPA's 509).
 
 Inside a block K is stored pair-interleaved, ``(head_dim / 2, block_size, 2)`` per KV head: one
 load holds dims 2p and 2p + 1 of a run of tokens, so q.k grows a run's scores with FMAs against
