@@ -457,7 +457,8 @@ void pv_tile_dot(const float* scores, int64_t n, int64_t len, const bf16* vc, co
     uint16_t* dst = sc.p16.data() + i * pairs * 2;
     int64_t t = 0;
     for (; t + 32 <= len; t += 32)
-      _mm512_storeu_si512(dst + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + t + 16), _mm512_loadu_ps(src + t)));
+      _mm512_storeu_si512(dst + t,
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + t + 16), _mm512_loadu_ps(src + t)));
     for (; t < len; ++t) dst[t] = bf16_bits(src[t]);
     if (len % 2) dst[len] = 0;
   }
@@ -468,8 +469,8 @@ void pv_tile_dot(const float* scores, int64_t n, int64_t len, const bf16* vc, co
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t j = 0; j < pairs; ++j) {
     const int64_t t = 2 * j;  // bs is even: t and t + 1 share a block
-    const uint16_t* row = reinterpret_cast<const uint16_t*>(head_block(vc, table, t / bs, s.block_stride, head_off)) +
-                          (t % bs) * kDim;
+    const uint16_t* row =
+        reinterpret_cast<const uint16_t*>(head_block(vc, table, t / bs, s.block_stride, head_off)) + (t % bs) * kDim;
     for (int c2 = 0; c2 < kDim / 32; ++c2) {
       const __m512i a = _mm512_loadu_si512(row + c2 * 32);
       const __m512i b = t + 1 < len ? _mm512_loadu_si512(row + kDim + c2 * 32) : _mm512_setzero_si512();
@@ -500,8 +501,8 @@ void pv_tile_dot(const float* scores, int64_t n, int64_t len, const bf16* vc, co
 // One tile and KV head on a fast path: the rows' query vectors copied side by side, scored as one group
 // over the last row's window, each row's own window masked, softmax, P.V, the outputs copied back.
 template <int kDim, typename T>
-void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
-               const int32_t* starts, const Tile& tile, int64_t h, const Shape& s, T* out, Scratch& sc) {
+void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, const int32_t* starts,
+               const Tile& tile, int64_t h, const Shape& s, T* out, Scratch& sc) {
   const int64_t g = s.group, n = tile.rows * g, first = tile.row, last = tile.row + tile.rows - 1;
   const Window w0 = window_of(tables, lens, starts, first, s);  // the first row's start is the tile's earliest
   const int64_t skipped = lens[first] - w0.len, len = lens[last] - skipped, head_off = h * s.bs * kDim;
@@ -608,7 +609,8 @@ void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables, const
       prefetch_bytes(head_block(kc, w.table, b, s.block_stride, head_off), bs * D * sizeof(T));
   };
   if (fast && !(split & kNoTiles)) {
-    const std::vector<Tile> tiles = find_tiles(tables, lens, starts, rows, s, std::max<int64_t>(1, kTileVectors / s.group));
+    const std::vector<Tile> tiles =
+        find_tiles(tables, lens, starts, rows, s, std::max<int64_t>(1, kTileVectors / s.group));
     if (!tiles.empty()) {
       dispatch_tiles<T>(q, kc, vc, tables, lens, starts, tiles, out, s, threads, [&](int64_t task, Scratch& sc) {
         attend(task, window_of(tables, lens, starts, task / s.nkv, s), nullptr, sc);
