@@ -30,7 +30,6 @@
 // ahead, 4.1 before), as are the next task's first K blocks.
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <vector>
 #include "attention.h"
@@ -49,18 +48,9 @@ inline const T* head_block(const T* cache, const int32_t* table, int64_t i, int6
 // A thread's buffers, reused across its tasks.
 struct Scratch {
   std::vector<float> qf, scores, acc, kbuf;
-  std::vector<bf16> tile16;  // a prompt tile's query vectors and outputs, in the storage type
-  std::vector<f16> tile_f16;
-  std::vector<float> tile32;
+  std::vector<float> tile;  // a prompt tile's query vectors and outputs, in the storage type (float words hold them)
   std::vector<uint16_t> pairs, p16;  // a bf16 tile's V as token pairs and its weights in bf16 (pv_tile_dot)
 };
-
-template <typename T>
-std::vector<T>& tile_buffer(Scratch& sc) {
-  if constexpr (std::is_same<T, bf16>::value) return sc.tile16;
-  else if constexpr (std::is_same<T, f16>::value) return sc.tile_f16;
-  else return sc.tile32;
-}
 
 // One task (or piece, w its window) on any shape: out its group x D output rows, or with `part` the
 // piece's partial result (see attention.h) instead.
@@ -510,11 +500,11 @@ void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, cons
   const int32_t* table = tables + last * s.maxb + (w0.table - (tables + first * s.maxb));
   Shape st = s;
   st.group = n;
-  std::vector<T>& qt = tile_buffer<T>(sc);
-  qt.resize(2 * n * kDim);  // the query vectors, then the output rows: (rows, g, kDim) each
-  T* ot = qt.data() + n * kDim;
+  sc.tile.resize((2 * n * kDim * sizeof(T) + sizeof(float) - 1) / sizeof(float));
+  T* qt = reinterpret_cast<T*>(sc.tile.data());  // the query vectors, then the output rows: (rows, g, kDim) each
+  T* ot = qt + n * kDim;
   for (int64_t r = 0; r < tile.rows; ++r)
-    std::memcpy(qt.data() + r * g * kDim, q + (first + r) * s.q_stride + h * g * kDim, g * kDim * sizeof(T));
+    std::memcpy(qt + r * g * kDim, q + (first + r) * s.q_stride + h * g * kDim, g * kDim * sizeof(T));
   sc.scores.resize(n * len);
   float* scores = sc.scores.data();
   bool dot = false;
@@ -523,7 +513,7 @@ void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, cons
 #endif
   if (dot) {
 #ifdef __AVX512BF16__
-    if constexpr (std::is_same<T, bf16>::value) qk_dot<kDim>(qt.data(), kc, vc, table, len, st, head_off, scores);
+    if constexpr (std::is_same<T, bf16>::value) qk_dot<kDim>(qt, kc, vc, table, len, st, head_off, scores);
 #endif
   } else {
     sc.qf.resize(n * kDim);
@@ -555,10 +545,10 @@ void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, cons
 
 // Every (tile, KV head) task, KV head by KV head (the next tile of a prompt reads the K/V the last one
 // left in cache), split between threads by the positions each task scores.
-template <typename T>
+template <typename T, typename RowTask>
 void dispatch_tiles(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
                     const int32_t* starts, const std::vector<Tile>& tiles, T* out, const Shape& s, int threads,
-                    const std::function<void(int64_t, Scratch&)>& row_task) {
+                    const RowTask& row_task) {
   const int64_t nt = static_cast<int64_t>(tiles.size()), items = nt * s.nkv;
   std::vector<int64_t> cum(items + 1, 0);
   for (int64_t i = 0; i < items; ++i) {

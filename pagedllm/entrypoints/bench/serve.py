@@ -26,10 +26,10 @@ import numpy as np
 
 from pagedllm.entrypoints.bench import emit_json
 from pagedllm.entrypoints.bench.datasets import (
+    SHAREGPT_MAX_TOTAL_LEN,
     BenchRequest,
     add_dataset_args,
     check_dataset_args,
-    SHAREGPT_MAX_TOTAL_LEN,
     dataset_seed,
     requests_from_args,
     summarize,
