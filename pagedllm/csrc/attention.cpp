@@ -32,6 +32,7 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#include "amx.h"
 #include "attention.h"
 
 namespace {
@@ -49,7 +50,9 @@ inline const T* head_block(const T* cache, const int32_t* table, int64_t i, int6
 struct Scratch {
   std::vector<float> qf, scores, acc, kbuf;
   std::vector<float> tile;  // a prompt tile's query vectors and outputs, in the storage type (float words hold them)
-  std::vector<uint16_t> pairs, p16;  // a bf16 tile's V as token pairs and its weights in bf16 (pv_tile_dot)
+  std::vector<uint16_t> pairs, p16;  // a bf16 tile's V as token pairs and its weights in bf16 (flash_tile_dot)
+  std::vector<float> stats;          // a fused tile's running max, sum and rescale per vector
+  std::vector<int64_t> bounds;       // a tile's rows' visible positions, [begin, end) each
 };
 
 // One task (or piece, w its window) on any shape: out its group x D output rows, or with `part` the
@@ -379,11 +382,20 @@ void decode_task_dot(const bf16* q, const bf16* kc, const bf16* vc, const Window
 // kTileVectors query vectors of such rows (rows x the group's heads) and one KV head make one task:
 // its K/V blocks are read once for all of them (row by row, a 4k-token prompt at 32 KV heads read the
 // whole 32 MiB of a layer's K/V again for every row, from DRAM: 1.9 s a layer at the SmolLM2-1.7B
-// shape, 3.8x SDPA). The vectors go through the decode paths as one group over the last row's window;
-// each row's positions past its own length, or before its own window's start, then get -inf, so a row
-// gets exactly the numbers it gets alone (the positions a row does not see add exact zeros).
-constexpr int64_t kTileVectors = 32;  // scores: 32 x 4k float32 = 512 KiB a thread, beside one head's K/V
-constexpr int64_t kMinTileRows = 4;   // shorter runs of rows (a speculative verify) stay rows: no copies
+// shape, 3.8x SDPA). Each row's positions past its own length, or before its own window's start, get -inf.
+// - float32 / f16, and bf16 without AVX512-BF16: the vectors go through the FMA decode path as one group over
+//   the last row's window (scores of the whole window, softmax, P.V), so a row gets exactly the numbers it gets
+//   alone (the positions a row does not see add exact zeros);
+// - bf16 on AVX512-BF16 (flash_tile_dot) and on AMX tiles at the "amx" level (flash_tile_amx): fused as flash
+//   attention, chunk by chunk of positions with a running max and sum per vector, the weights rounded to bf16
+//   for P.V as torch's flash attention rounds them (within two bf16 roundings of the rows). One layer, one
+//   4,096-token prompt at the SmolLM2-1.7B shape, 2 threads of a Xeon with AMX (benchmarks/prompt_attention.py):
+//   two-pass on vdpbf16ps 649 ms, fused 536, on AMX tiles 180 (torch's SDPA, AMX too: 166).
+constexpr int64_t kTileVectors = 32;  // two-pass scores: 32 x 4k float32 = 512 KiB a thread, beside one head's K/V
+// On AMX tiles, twice as many: K/V and its pair layout are read once per 64 vectors (Llama-3.1-8B's shape, 4k-token
+// prompt, one layer: 296 -> 262 ms; 4 tile products of 16 vectors a chunk)
+constexpr int64_t kAmxTileVectors = 2 * kTileVectors;
+constexpr int64_t kMinTileRows = 4;  // shorter runs of rows (a speculative verify) stay rows: no copies
 
 // Rows [row, row + rows) of one request, each attending to one position more than the row before.
 struct Tile {
@@ -414,13 +426,17 @@ inline std::vector<Tile> find_tiles(const int32_t* tables, const int32_t* lens, 
 #ifdef __AVX512BF16__
 // P.V of kR query vectors over `pairs` token pairs on vdpbf16ps: p (bf16 weight pairs, one 32-bit word a
 // pair, row stride p_stride words), vp (each pair's kDim dims as kDim / 16 words of 16 (token, token + 1)
-// dims), sums into acc (kR x kDim float32). Twice the work an FMA does per instruction.
+// dims); acc (kR x kDim float32) becomes acc * scale[r] + the products. Twice the work an FMA does per
+// instruction.
 template <int kDim, int kR>
-inline void pv_pairs(const uint32_t* p, int64_t p_stride, const uint16_t* vp, int64_t pairs, float* acc_out) {
+inline void pv_pairs(const uint32_t* p, int64_t p_stride, const uint16_t* vp, int64_t pairs, const float* scale,
+                     float* acc_io) {
   constexpr int kC = kDim / 16;
   __m512 acc[kR][kC];
-  for (int r = 0; r < kR; ++r)
-    for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int r = 0; r < kR; ++r) {
+    const __m512 a = _mm512_set1_ps(scale[r]);
+    for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc_io + r * kDim + c * 16), a);
+  }
   for (int64_t j = 0; j < pairs; ++j) {
     __m512bh w[kC];
     for (int c = 0; c < kC; ++c) w[c] = (__m512bh)_mm512_loadu_si512(vp + (j * kC + c) * 32);
@@ -430,66 +446,291 @@ inline void pv_pairs(const uint32_t* p, int64_t p_stride, const uint16_t* vp, in
     }
   }
   for (int r = 0; r < kR; ++r)
-    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc_out + r * kDim + c * 16, acc[r][c]);
+    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc_io + r * kDim + c * 16, acc[r][c]);
 }
 
-// A bf16 tile's P.V (n vectors over `len` positions of the window at `table`): the weights rounded to bf16
-// (as torch's flash attention does for bf16), V re-laid as token pairs once for the tile, then vdpbf16ps
-// (about half the time of the FMA P.V, which converts every V value to float32 for each vector group).
+constexpr int64_t kFlashChunk = 64;  // positions per step of a fused tile: 32 vectors' scores (8 KiB) stay in L1
+
+// Tokens [t, t + n) of a window's V (n <= kFlashChunk, t even) as pairs: word k of pair j's vector c holds dim
+// 16c + k of tokens t + 2j and t + 2j + 1 (zero for a token past n), the layout vdpbf16ps multiplies; pairs past
+// the last up to `pad_to` are zeros (an AMX tile reads 16 pairs).
 template <int kDim>
-void pv_tile_dot(const float* scores, int64_t n, int64_t len, const bf16* vc, const int32_t* table, const Shape& s,
-                 int64_t head_off, bf16* out, Scratch& sc) {
-  constexpr int kR = kDim == 64 ? 6 : 3;  // kR x kDim / 16 sums + kDim / 16 values fit in 32 registers
-  const int64_t pairs = (len + 1) / 2, bs = s.bs;
-  sc.p16.resize(n * pairs * 2);
-  for (int64_t i = 0; i < n; ++i) {  // each row's weights in bf16, a zero after an odd length
-    const float* src = scores + i * len;
-    uint16_t* dst = sc.p16.data() + i * pairs * 2;
-    int64_t t = 0;
-    for (; t + 32 <= len; t += 32)
-      _mm512_storeu_si512(dst + t,
-                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + t + 16), _mm512_loadu_ps(src + t)));
-    for (; t < len; ++t) dst[t] = bf16_bits(src[t]);
-    if (len % 2) dst[len] = 0;
-  }
-  // V as pairs: word k of pair j's vector c holds dim 16c + k of tokens 2j and 2j + 1
-  sc.pairs.resize(pairs * kDim * 2);
+inline void v_pairs(const bf16* vc, const int32_t* table, int64_t t, int64_t n, const Shape& s, int64_t head_off,
+                    uint16_t* dst, int64_t pad_to) {
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
                                       36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t j = 0; j < pairs; ++j) {
-    const int64_t t = 2 * j;  // bs is even: t and t + 1 share a block
-    const uint16_t* row =
-        reinterpret_cast<const uint16_t*>(head_block(vc, table, t / bs, s.block_stride, head_off)) + (t % bs) * kDim;
+  int64_t j = 0;
+  for (; 2 * j < n; ++j) {
+    const int64_t u = t + 2 * j;  // bs is even: u and u + 1 share a block
+    const uint16_t* row = reinterpret_cast<const uint16_t*>(head_block(vc, table, u / s.bs, s.block_stride, head_off)) +
+                          (u % s.bs) * kDim;
     for (int c2 = 0; c2 < kDim / 32; ++c2) {
       const __m512i a = _mm512_loadu_si512(row + c2 * 32);
-      const __m512i b = t + 1 < len ? _mm512_loadu_si512(row + kDim + c2 * 32) : _mm512_setzero_si512();
-      uint16_t* dst = sc.pairs.data() + (j * (kDim / 16) + 2 * c2) * 32;
-      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi, b));
+      const __m512i b = 2 * j + 1 < n ? _mm512_loadu_si512(row + kDim + c2 * 32) : _mm512_setzero_si512();
+      uint16_t* out = dst + (j * (kDim / 16) + 2 * c2) * 32;
+      _mm512_storeu_si512(out, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(a, hi, b));
     }
   }
-  sc.acc.resize(kR * kDim);
-  const uint32_t* p = reinterpret_cast<const uint32_t*>(sc.p16.data());
-  for (int64_t r0 = 0; r0 < n; r0 += kR) {
-    const int64_t rows = std::min<int64_t>(kR, n - r0);
-    const uint32_t* pr = p + r0 * pairs;
-    const uint16_t* vp = sc.pairs.data();
-    switch (rows) {  // rows < kR only for the tile's last vectors
-      case 1: pv_pairs<kDim, 1>(pr, pairs, vp, pairs, sc.acc.data()); break;
-      case 2: pv_pairs<kDim, 2>(pr, pairs, vp, pairs, sc.acc.data()); break;
-      case 3: pv_pairs<kDim, 3>(pr, pairs, vp, pairs, sc.acc.data()); break;
-      case 4: pv_pairs<kDim, (kR >= 4 ? 4 : 1)>(pr, pairs, vp, pairs, sc.acc.data()); break;
-      case 5: pv_pairs<kDim, (kR >= 5 ? 5 : 1)>(pr, pairs, vp, pairs, sc.acc.data()); break;
-      default: pv_pairs<kDim, (kR >= 6 ? 6 : 1)>(pr, pairs, vp, pairs, sc.acc.data()); break;
+  if (j < pad_to) std::memset(dst + j * kDim * 2, 0, (pad_to - j) * kDim * 2 * sizeof(uint16_t));
+}
+
+// A fused tile's running state: n vectors (rows of `group` vectors each, n16 rounded up to 16) and their
+// float32 outputs, each vector's running max m, sum l and this chunk's rescale alpha.
+struct Flash {
+  int64_t n, n16, group;
+  float *S, *m, *l, *alpha, *O;
+  uint16_t* P;  // this chunk's weights in bf16, n16 x kFlashChunk (rows past n stay zero)
+};
+
+inline Flash flash_begin(int64_t n, int64_t group, int64_t dim, Scratch& sc) {
+  const int64_t n16 = (n + 15) / 16 * 16;
+  sc.scores.resize(n16 * kFlashChunk);
+  sc.acc.assign(n16 * dim, 0.f);
+  sc.stats.assign(3 * n, 0.f);
+  sc.p16.assign(n16 * kFlashChunk, 0);
+  sc.pairs.resize(kFlashChunk * dim);
+  Flash f{n,
+          n16,
+          group,
+          sc.scores.data(),
+          sc.stats.data(),
+          sc.stats.data() + n,
+          sc.stats.data() + 2 * n,
+          sc.acc.data(),
+          sc.p16.data()};
+  std::fill(f.m, f.m + n, -std::numeric_limits<float>::infinity());
+  return f;
+}
+
+// The chunk at t0 (c positions): the raw scores S (n x kFlashChunk q.k) scaled, capped, masked to each row's
+// [begin, end) (bounds: 2 per row), then each vector's weights exp(score - running max) into P in bf16, its sum
+// and max updated and alpha set to the factor its output must be rescaled by.
+inline void flash_weights(Flash& f, const int64_t* bounds, int64_t t0, int64_t c, const Shape& s) {
+  constexpr int64_t kC = kFlashChunk;
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < f.n; ++i) {
+    float* si = f.S + i * kC;
+    const int64_t r = i / f.group;
+    const int64_t lo = std::clamp<int64_t>(bounds[2 * r] - t0, 0, c),
+                  hi = std::clamp<int64_t>(bounds[2 * r + 1] - t0, 0, c);
+    uint16_t* pi = f.P + i * kC;
+    if (lo >= hi) {  // the row sees none of these positions: they add nothing
+      f.alpha[i] = 1.f;
+      std::memset(pi, 0, kC * sizeof(uint16_t));
+      continue;
     }
-    for (int64_t i = 0; i < rows * kDim; i += 16) vstore(out + r0 * kDim + i, _mm512_loadu_ps(sc.acc.data() + i));
+    float mul = s.scale;    // scale > 0: the max of the raw scores is the max of the scaled ones
+    if (s.softcap > 0.f) {  // Gemma 2: cap * tanh(scale * score / cap), then the weights of those
+      for (int64_t t = lo; t < hi; ++t) si[t] = s.softcap * std::tanh(si[t] * s.scale / s.softcap);
+      mul = 1.f;
+    }
+    if (lo > 0 || hi < kC) {
+      std::fill(si, si + lo, kNone);
+      std::fill(si + hi, si + kC, kNone);
+    }
+    __m512 mx = _mm512_loadu_ps(si);
+    for (int64_t t = 16; t < kC; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(si + t));
+    const float top = std::max(f.m[i], _mm512_reduce_max_ps(mx) * mul);  // finite: the row sees a position here
+    f.alpha[i] = top == f.m[i] ? 1.f : std::exp(f.m[i] - top);           // 0 before the row's first position
+    f.m[i] = top;
+    const __m512 vmul = _mm512_set1_ps(mul), vtop = _mm512_set1_ps(-top);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < kC; t += 32) {  // exp(mul * score - top): masked positions give exp(-inf) = 0
+      const __m512 e0 = vexp_neg(_mm512_fmadd_ps(_mm512_loadu_ps(si + t), vmul, vtop));
+      const __m512 e1 = vexp_neg(_mm512_fmadd_ps(_mm512_loadu_ps(si + t + 16), vmul, vtop));
+      total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(pi + t, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    f.l[i] = f.l[i] * f.alpha[i] + _mm512_reduce_add_ps(total);
   }
 }
-#endif
 
-// One tile and KV head on a fast path: the rows' query vectors copied side by side, scored as one group
-// over the last row's window, each row's own window masked, softmax, P.V, the outputs copied back.
+// Each vector's output O / l into ot (n x dim, bf16).
+inline void flash_end(const Flash& f, int64_t dim, bf16* ot) {
+  for (int64_t i = 0; i < f.n; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / f.l[i]);  // l >= 1: the max position adds exp(0)
+    for (int64_t d = 0; d < dim; d += 16)
+      vstore(ot + i * dim + d, _mm512_mul_ps(_mm512_loadu_ps(f.O + i * dim + d), inv));
+  }
+}
+
+// The K and V blocks of the chunk after the one at t0.
+inline void prefetch_next_chunk(const bf16* kc, const bf16* vc, const int32_t* table, int64_t t0, int64_t len,
+                                const Shape& s, int64_t head_off) {
+  for (int64_t b = (t0 + kFlashChunk) / s.bs; b * s.bs < std::min(len, t0 + 2 * kFlashChunk); ++b) {
+    prefetch_bytes(head_block(kc, table, b, s.block_stride, head_off), s.bs * s.D * 2);
+    prefetch_bytes(head_block(vc, table, b, s.block_stride, head_off), s.bs * s.D * 2);
+  }
+}
+
+// A bf16 tile on vdpbf16ps, fused as flash attention: the window in chunks of kFlashChunk positions; each
+// chunk's scores for the n vectors (qt, n x kDim) are computed, masked to each row's [begin, end) (bounds:
+// 2 per row of `group` vectors), exponentiated against the vector's running max (its sum and output rescaled
+// when the max rises), rounded to bf16 (as torch's flash attention does) and multiplied into float32
+// outputs, so no score leaves L1 (two-pass, the 32 x 4k scores went to memory and back five times).
+template <int kDim>
+void flash_tile_dot(const bf16* qt, int64_t n, int64_t group, const int64_t* bounds, const bf16* kc, const bf16* vc,
+                    const int32_t* table, int64_t len, const Shape& s, int64_t head_off, bf16* ot, Scratch& sc) {
+  constexpr int64_t kC = kFlashChunk;
+  constexpr int kR = kDim == 64 ? 6 : 3;  // kR x kDim / 16 sums + kDim / 16 values fit in 32 registers
+  Flash f = flash_begin(n, group, kDim, sc);
+  for (int64_t t0 = 0; t0 < len; t0 += kC) {
+    const int64_t c = std::min(kC, len - t0);
+    prefetch_next_chunk(kc, vc, table, t0, len, s, head_off);
+    for (int64_t h0 = 0; h0 < c; h0 += 64) {  // 64 positions at a time: 4 runs of 16
+      const int64_t subs = (std::min<int64_t>(64, c - h0) + 15) / 16;
+      const bf16* runs[4];
+      for (int64_t j = 0; j < subs; ++j) {
+        const int64_t t = t0 + h0 + 16 * j;
+        runs[j] = head_block(kc, table, t / s.bs, s.block_stride, head_off) + (t % s.bs) * 2;
+      }
+      for (int64_t g0 = 0; g0 < n; g0 += 4) {  // scores of 4 vectors x 64 positions at a time
+        __m512 acc[4][4];
+        switch (subs) {
+          case 1: dot_heads<kDim, 1>(qt, runs, s.bs, n, g0, acc); break;
+          case 2: dot_heads<kDim, 2>(qt, runs, s.bs, n, g0, acc); break;
+          case 3: dot_heads<kDim, 3>(qt, runs, s.bs, n, g0, acc); break;
+          default: dot_heads<kDim, 4>(qt, runs, s.bs, n, g0, acc); break;
+        }
+        for (int64_t i = g0; i < std::min(n, g0 + 4); ++i)
+          for (int64_t j = 0; j < subs; ++j) _mm512_storeu_ps(f.S + i * kC + h0 + 16 * j, acc[i - g0][j]);
+      }
+    }
+    flash_weights(f, bounds, t0, c, s);
+    v_pairs<kDim>(vc, table, t0, c, s, head_off, sc.pairs.data(), 0);
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(f.P);
+    const int64_t pairs = (c + 1) / 2;
+    for (int64_t r0 = 0; r0 < n; r0 += kR) {
+      const uint32_t* pr = p + r0 * kC / 2;
+      float* o = f.O + r0 * kDim;
+      const float* a = f.alpha + r0;
+      switch (std::min<int64_t>(kR, n - r0)) {  // fewer than kR only for the tile's last vectors
+        case 1: pv_pairs<kDim, 1>(pr, kC / 2, sc.pairs.data(), pairs, a, o); break;
+        case 2: pv_pairs<kDim, 2>(pr, kC / 2, sc.pairs.data(), pairs, a, o); break;
+        case 3: pv_pairs<kDim, 3>(pr, kC / 2, sc.pairs.data(), pairs, a, o); break;
+        case 4: pv_pairs<kDim, (kR >= 4 ? 4 : 1)>(pr, kC / 2, sc.pairs.data(), pairs, a, o); break;
+        case 5: pv_pairs<kDim, (kR >= 5 ? 5 : 1)>(pr, kC / 2, sc.pairs.data(), pairs, a, o); break;
+        default: pv_pairs<kDim, (kR >= 6 ? 6 : 1)>(pr, kC / 2, sc.pairs.data(), pairs, a, o); break;
+      }
+    }
+  }
+  flash_end(f, kDim, ot);
+}
+
+#ifdef PL_AMX
+// ------------------------------------------------------------------ AMX tiles (bf16, the "amx" level)
+// The same fused tile with both products on AMX tiles, 16 vectors at a time. A block's K is stored as (dim
+// pairs, tokens, 2): 16 tokens of 32 dims are one B tile read straight from the cache (row stride bs x 4
+// bytes), q rows A tiles. The output of 16 vectors x 16 dims grows by one tile product per 32 positions (the
+// bf16 weights A tiles, V pairs B tiles) and is added to the rescaled float32 outputs.
+
+// S (16 x kFlashChunk) = 16 q rows (q16, kDim apart) . the chunk's `subs` runs of 16 K tokens. Tiles 0, 1: scores
+// of two runs; 2-5: q by 32 dims; 6, 7: K.
+template <int kDim>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_scores(const bf16* q16, const bf16* const* runs, int64_t subs,
+                                                             int64_t bs, float* S) {
+  constexpr int kQ = kDim / 32;
+  constexpr int64_t qs = kDim * 2;  // bytes between q rows
+  _tile_loadd(2, q16, qs);
+  _tile_loadd(3, q16 + 32, qs);
+  if constexpr (kQ > 2) {
+    _tile_loadd(4, q16 + 64, qs);
+    _tile_loadd(5, q16 + 96, qs);
+  }
+  const int64_t kstride = bs * 4, chunk = 16 * bs * 2;  // bytes between K pair rows; elements per 32 dims
+  for (int64_t j = 0; j < subs; j += 2) {
+    const bool two = j + 1 < subs;
+    _tile_zero(0);
+    _tile_zero(1);
+#define PL_QK(c, qt)                                    \
+  _tile_loadd(6, runs[j] + (c) * chunk, kstride);       \
+  _tile_dpbf16ps(0, qt, 6);                             \
+  if (two) {                                            \
+    _tile_loadd(7, runs[j + 1] + (c) * chunk, kstride); \
+    _tile_dpbf16ps(1, qt, 7);                           \
+  }
+    PL_QK(0, 2)
+    PL_QK(1, 3)
+    if constexpr (kQ > 2) {
+      PL_QK(2, 4)
+      PL_QK(3, 5)
+    }
+#undef PL_QK
+    _tile_stored(0, S + j * 16, kFlashChunk * 4);
+    if (two) _tile_stored(1, S + (j + 1) * 16, kFlashChunk * 4);
+  }
+}
+
+// obuf (16 x kDim float32) = 16 vectors' weights (P16: kFlashChunk bf16 a row) . V pairs (vp: (pairs, kDim, 2))
+// over pairs [0, pairs16), a multiple of 16. Tiles 0-3: 64 dims of output; 4: weights; 5: V pairs.
+template <int kDim>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_output(const uint16_t* p16, const uint16_t* vp, int64_t pairs16,
+                                                             float* obuf) {
+  for (int64_t d0 = 0; d0 < kDim; d0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t jp = 0; jp < pairs16; jp += 16) {
+      _tile_loadd(4, p16 + 2 * jp, kFlashChunk * 2);  // 16 vectors x 32 positions of weights
+      const uint16_t* v = vp + (jp * kDim + d0) * 2;  // 16 pairs x 16 dims, rows kDim words apart
+      _tile_loadd(5, v, kDim * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, v + 32, kDim * 4);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, v + 64, kDim * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, v + 96, kDim * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, obuf + d0, kDim * 4);
+    _tile_stored(1, obuf + d0 + 16, kDim * 4);
+    _tile_stored(2, obuf + d0 + 32, kDim * 4);
+    _tile_stored(3, obuf + d0 + 48, kDim * 4);
+  }
+}
+
+// A bf16 tile on AMX tiles: flash_tile_dot's steps with the products above. qt holds the n vectors and zero
+// rows up to a multiple of 16.
+template <int kDim>
+void flash_tile_amx(const bf16* qt, int64_t n, int64_t group, const int64_t* bounds, const bf16* kc, const bf16* vc,
+                    const int32_t* table, int64_t len, const Shape& s, int64_t head_off, bf16* ot, Scratch& sc) {
+  constexpr int64_t kC = kFlashChunk;
+  Flash f = flash_begin(n, group, kDim, sc);
+  alignas(64) float obuf[16 * kDim];
+  for (int64_t t0 = 0; t0 < len; t0 += kC) {
+    const int64_t c = std::min(kC, len - t0), subs = (c + 15) / 16, pairs16 = ((c + 1) / 2 + 15) / 16 * 16;
+    prefetch_next_chunk(kc, vc, table, t0, len, s, head_off);
+    const bf16* runs[kC / 16];
+    for (int64_t j = 0; j < subs; ++j) {
+      const int64_t t = t0 + 16 * j;
+      runs[j] = head_block(kc, table, t / s.bs, s.block_stride, head_off) + (t % s.bs) * 2;
+    }
+    for (int64_t r0 = 0; r0 < f.n16; r0 += 16) amx_scores<kDim>(qt + r0 * kDim, runs, subs, s.bs, f.S + r0 * kC);
+    flash_weights(f, bounds, t0, c, s);
+    v_pairs<kDim>(vc, table, t0, c, s, head_off, sc.pairs.data(), pairs16);
+    for (int64_t r0 = 0; r0 < f.n16; r0 += 16) {
+      amx_output<kDim>(f.P + r0 * kC, sc.pairs.data(), pairs16, obuf);
+      for (int64_t i = r0; i < std::min(n, r0 + 16); ++i) {
+        const __m512 a = _mm512_set1_ps(f.alpha[i]);
+        float* o = f.O + i * kDim;
+        for (int64_t d = 0; d < kDim; d += 16)
+          _mm512_storeu_ps(o + d,
+                           _mm512_fmadd_ps(_mm512_loadu_ps(o + d), a, _mm512_loadu_ps(obuf + (i - r0) * kDim + d)));
+      }
+    }
+  }
+  flash_end(f, kDim, ot);
+}
+#endif  // PL_AMX
+#endif  // __AVX512BF16__
+
+// One tile and KV head on a fast path: the rows' query vectors copied side by side and attended as one group
+// over the last row's window, each row masked to its own positions (its length, its window's start): fused
+// (flash_tile_dot) for bf16 at AVX512-BF16, else scored, softmaxed and multiplied into V in two passes; the
+// outputs copied back.
 template <int kDim, typename T>
 void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, const int32_t* starts,
                const Tile& tile, int64_t h, const Shape& s, T* out, Scratch& sc) {
@@ -500,42 +741,44 @@ void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, cons
   const int32_t* table = tables + last * s.maxb + (w0.table - (tables + first * s.maxb));
   Shape st = s;
   st.group = n;
-  sc.tile.resize((2 * n * kDim * sizeof(T) + sizeof(float) - 1) / sizeof(float));
+  const int64_t n16 = (n + 15) / 16 * 16;  // AMX tiles read q 16 rows at a time: zero rows after the last
+  sc.tile.resize(((n16 + n) * kDim * sizeof(T) + sizeof(float) - 1) / sizeof(float));
   T* qt = reinterpret_cast<T*>(sc.tile.data());  // the query vectors, then the output rows: (rows, g, kDim) each
-  T* ot = qt + n * kDim;
+  T* ot = qt + n16 * kDim;
   for (int64_t r = 0; r < tile.rows; ++r)
     std::memcpy(qt + r * g * kDim, q + (first + r) * s.q_stride + h * g * kDim, g * kDim * sizeof(T));
-  sc.scores.resize(n * len);
-  float* scores = sc.scores.data();
-  bool dot = false;
+  std::memset(static_cast<void*>(qt + n * kDim), 0, (n16 - n) * kDim * sizeof(T));
+  sc.bounds.resize(2 * tile.rows);
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    sc.bounds[2 * r] = starts == nullptr ? 0 : std::max<int64_t>(0, starts[first + r] - skipped);
+    sc.bounds[2 * r + 1] = lens[first + r] - skipped;
+  }
+  bool fused = false;
 #ifdef __AVX512BF16__
-  if constexpr (std::is_same<T, bf16>::value) dot = s.bs % 16 == 0;
+  if constexpr (std::is_same<T, bf16>::value) {
+    fused = s.bs % 16 == 0;
+#ifdef PL_AMX
+    if (fused && s.amx) flash_tile_amx<kDim>(qt, n, g, sc.bounds.data(), kc, vc, table, len, s, head_off, ot, sc);
+    else
 #endif
-  if (dot) {
-#ifdef __AVX512BF16__
-    if constexpr (std::is_same<T, bf16>::value) qk_dot<kDim>(qt, kc, vc, table, len, st, head_off, scores);
+        if (fused)
+      flash_tile_dot<kDim>(qt, n, g, sc.bounds.data(), kc, vc, table, len, s, head_off, ot, sc);
+  }
 #endif
-  } else {
+  if (!fused) {
+    sc.scores.resize(n * len);
+    float* scores = sc.scores.data();
     sc.qf.resize(n * kDim);
     for (int64_t i = 0; i < n * kDim; ++i) sc.qf[i] = to_f32(qt[i]);
     qk_fma<kDim, T>(sc.qf.data(), kc, vc, table, len, n, st, head_off, scores);
-  }
-  finish_scores(scores, n, len, 0, s.softcap);
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < tile.rows; ++r) {
-    const int64_t begin = starts == nullptr ? 0 : std::max<int64_t>(0, starts[first + r] - skipped);
-    const int64_t end = lens[first + r] - skipped;
-    for (int64_t i = r * g; i < (r + 1) * g; ++i) {
+    finish_scores(scores, n, len, 0, s.softcap);
+    constexpr float kNone = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t begin = sc.bounds[2 * (i / g)], end = sc.bounds[2 * (i / g) + 1];
       std::fill(scores + i * len, scores + i * len + begin, kNone);
       std::fill(scores + i * len + end, scores + (i + 1) * len, kNone);
     }
-  }
-  softmax_rows(scores, n, len);
-  if (dot) {
-#ifdef __AVX512BF16__
-    if constexpr (std::is_same<T, bf16>::value) pv_tile_dot<kDim>(scores, n, len, vc, table, s, head_off, ot, sc);
-#endif
-  } else {
+    softmax_rows(scores, n, len);
     constexpr int kW = kDim < kPassDims ? kDim : kPassDims;
     pv_heads<kDim, kW, std::max(1, kAccRegs / (kW / kLanes))>(scores, vc, table, len, st, head_off, ot);
   }
@@ -557,6 +800,9 @@ void dispatch_tiles(const T* q, const T* kc, const T* vc, const int32_t* tables,
   }
   parallel_by_cost(cum, threads, [&](int64_t begin, int64_t end) {
     Scratch sc;
+#ifdef PL_AMX
+    const AmxTiles amx(s.amx);  // this thread's tiles while it runs tasks
+#endif
     for (int64_t i = begin; i < end; ++i) {
       const Tile& t = tiles[i % nt];
       const int64_t h = i / nt;
@@ -599,8 +845,8 @@ void dispatch(const T* q, const T* kc, const T* vc, const int32_t* tables, const
       prefetch_bytes(head_block(kc, w.table, b, s.block_stride, head_off), bs * D * sizeof(T));
   };
   if (fast && !(split & kNoTiles)) {
-    const std::vector<Tile> tiles =
-        find_tiles(tables, lens, starts, rows, s, std::max<int64_t>(1, kTileVectors / s.group));
+    const std::vector<Tile> tiles = find_tiles(
+        tables, lens, starts, rows, s, std::max<int64_t>(1, (s.amx ? kAmxTileVectors : kTileVectors) / s.group));
     if (!tiles.empty()) {
       dispatch_tiles<T>(q, kc, vc, tables, lens, starts, tiles, out, s, threads, [&](int64_t task, Scratch& sc) {
         attend(task, window_of(tables, lens, starts, task / s.nkv, s), nullptr, sc);
@@ -664,7 +910,10 @@ PL_EXPORT int pl_paged_attention_window(const void* q, int64_t q_stride, const v
                   static_cast<long long>(nkv));
     return -1;
   }
-  const Shape s{nh, nkv, D, bs, maxb, q_stride, nh / nkv, nkv * bs * D, scale, softcap};
+  Shape s{nh, nkv, D, bs, maxb, q_stride, nh / nkv, nkv * bs * D, scale, softcap};
+#ifdef PL_AMX
+  s.amx = (split & kAmxTiles) && dtype == pl::kBF16 && pl::amx_permitted();
+#endif
   return pl::with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     dispatch<T>(static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), tables, lens, starts,

@@ -87,6 +87,7 @@ struct Shape {
   int64_t nh, nkv, D, bs, maxb, q_stride, group, block_stride;
   float scale;
   float softcap = 0.f;  // Gemma 2's attention logit soft cap (0: none)
+  bool amx = false;     // bf16 prompt tiles on AMX tiles (the "amx" level, the OS granting the tile state)
 };
 
 // A row with a sliding window starts at position starts[row]: its table is read from the block
@@ -124,7 +125,8 @@ inline void finish_scores(float* scores, int64_t group, int64_t len, int64_t mas
 // sum_c e^(m_c - M) l_c. Batches whose tasks cover the threads are never split (bit-identical).
 
 enum SplitMode : int { kSplitAuto = 0, kSplitNever = 1, kSplitAlways = 2 };
-constexpr int kNoTiles = 4;  // or-ed into a SplitMode: prompt rows attend row by row (attention.cpp's tiles)
+constexpr int kNoTiles = 4;   // or-ed into a SplitMode: prompt rows attend row by row (attention.cpp's tiles)
+constexpr int kAmxTiles = 8;  // or-ed into a SplitMode: bf16 prompt tiles may run on AMX tiles (the "amx" level)
 
 // A piece shorter than this many tokens (rounded up to whole blocks, at least 2) is not cut off: its
 // merge and a cold start of its prefetches would cost more than its share of the work (1 KV head, 2
@@ -159,7 +161,7 @@ inline int64_t window_len(const int32_t* lens, const int32_t* starts, int64_t se
 inline SplitPlan plan_split(const int32_t* lens, const int32_t* starts, int64_t rows, int64_t nkv, int64_t bs,
                             int threads, int mode) {
   SplitPlan plan;
-  mode &= ~kNoTiles;
+  mode &= ~(kNoTiles | kAmxTiles);
   const int64_t items = rows * nkv, parts = threads;
   if (mode == kSplitNever || parts <= 1 || items <= 0) return plan;
   constexpr int64_t kOverhead = 16;  // a task's fixed cost in tokens, as parallel_by_length counts it

@@ -23,12 +23,11 @@
 // - bf16 on AVX512-BF16: both products by vdpbf16ps on bf16 pairs (keys packed as (D / 2, keys, 2), V rows as
 //   (keys / 2, D, 2), the weights rounded to bf16 as torch's SDPA rounds them before its second product);
 // - every level and storage type: float32 FMAs (keys packed as float32 (D, keys); V read in place).
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
+#include "amx.h"
 #include "common.h"
 
 namespace {
@@ -359,36 +358,15 @@ struct DpPath {
 // are one tile product per 32 dims (q rows straight from the projection, the packed key pairs of DpPath as B
 // tiles); masked and turned into bf16 weights as in DpPath; the output of 16 rows x 16 dims grows by one tile
 // product per 32 keys (weights as A tiles, DpPath's V pairs as B tiles).
-#if defined(__clang__) ? (__clang_major__ >= 12) : (__GNUC__ >= 11)
-#define PL_AMX 1
+#ifdef PL_AMX
 
 constexpr int64_t kAmxMaxDim = 128;  // q tiles for up to 4 x 32 dims stay loaded beside 2 score and 2 key tiles
-
-bool amx_permitted() {  // Linux hands out the tile state only on request (once per process)
-  static bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 struct AmxPath : DpPath {
   alignas(64) uint16_t qbuf[16 * kAmxMaxDim];  // a partial block's q rows, zero-padded to 16
   alignas(64) float obuf[16 * 64];             // 16 rows x up to 64 dims of output, from the C tiles
 
-  __attribute__((target("amx-tile,amx-bf16"))) AmxPath() {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // every tile 16 x 64 bytes
-    asm volatile("" : : "r"(&cfg) : "memory");  // GCC 12 drops the stores above: it does not see ldtilecfg read them
-    _tile_loadconfig(&cfg);
-  }
-  __attribute__((target("amx-tile"))) ~AmxPath() { _tile_release(); }
+  AmxTiles tiles{true};  // this thread's tiles, configured while the path lives
 
   static void pack(const Args& a, int64_t seq, int64_t head, uint32_t* dst) { DpPath::pack(a, seq, head, dst); }
 

@@ -99,6 +99,8 @@ _SPLIT_MODES = {None: 0, False: 1, True: 2}
 """paged_attention's ``split`` as the kernels' SplitMode (csrc/attention.h): automatic, never, always."""
 _NO_TILES = 4
 """Or-ed into the SplitMode: prompt rows attend row by row (csrc/attention.h's kNoTiles)."""
+_AMX_TILES = 8
+"""Or-ed into the SplitMode: bfloat16 prompt tiles may run on AMX tiles (csrc/attention.h's kAmxTiles)."""
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -326,7 +328,8 @@ class CpuKernels:
         self._check(attend(
             q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), _ptr(starts), out.data_ptr(), rows, nh, nkv, bs, d, scale, softcap or 0.0,
-            DTYPE_CODES[q.dtype], torch.get_num_threads(), _SPLIT_MODES[split] | (0 if tiles else _NO_TILES)))
+            DTYPE_CODES[q.dtype], torch.get_num_threads(), _SPLIT_MODES[split] | (0 if tiles else _NO_TILES)
+            | (_AMX_TILES if self.amx else 0)))
 
     def attention_prompt_tiles(self, tables: torch.Tensor, lens: torch.Tensor, heads: int, kv_heads: int,
                                block_size: int, starts: torch.Tensor | None = None) -> int:
