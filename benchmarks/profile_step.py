@@ -1,6 +1,8 @@
 """Time (and optionally profile) decode steps at a fixed batch size and context length.
 
     .venv/bin/python benchmarks/profile_step.py --batch 256 --context 190 --steps 10 --profile
+    .venv/bin/python benchmarks/profile_step.py --model ~/.cache/pagedllm-bench/smollm2-1.7b/hf --load-format dummy \
+        --dtype bfloat16 --batch 32 --context 128 --op-times     # a big_models shape
 
 Adds ``--batch`` requests of ``--context`` random tokens to an engine on the default model,
 steps until every one is decoding, then times ``--steps`` calls of ``engine.step()`` (each a
@@ -30,11 +32,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=190, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--model", default=None, help="an HF folder or GGUF file (default: the default model)")
+    parser.add_argument("--load-format", default="auto", help='"dummy": random weights of --model\'s shape')
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--op-times", action="store_true", help="time each C++ kernel and matmul per step")
     args = parser.parse_args()
 
-    llm = LLM(dtype=args.dtype, seed=0)
+    extra = {} if args.kv_cache_memory is None else {"kv_cache_memory": args.kv_cache_memory}
+    llm = LLM(**({"model": args.model} if args.model else {}), dtype=args.dtype, seed=0, load_format=args.load_format,
+              **extra)
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=1.0, max_tokens=args.steps + 40, ignore_eos=True)

@@ -21,9 +21,10 @@ PL_EXPORT int pl_rotary(const int64_t* positions, void* qkv, int64_t stride, con
 PL_EXPORT int pl_write_kv(const void* k, int64_t ks, int64_t khs, const void* v, int64_t vs, int64_t vhs, void* kc,
                           void* vc, const int64_t* slots, int64_t tokens, int64_t nkv, int64_t bs, int64_t D,
                           int64_t blocks, int64_t esize, int threads);
-PL_EXPORT int pl_paged_attention(const void* q, int64_t q_stride, const void* kc, const void* vc, const int32_t* tables,
-                                 int64_t maxb, const int32_t* lens, void* out, int64_t rows, int64_t nh, int64_t nkv,
-                                 int64_t bs, int64_t D, float scale, int dtype, int threads);
+PL_EXPORT int pl_paged_attention_window(const void* q, int64_t q_stride, const void* kc, const void* vc,
+                                        const int32_t* tables, int64_t maxb, const int32_t* lens, const int32_t* starts,
+                                        void* out, int64_t rows, int64_t nh, int64_t nkv, int64_t bs, int64_t D,
+                                        float scale, float softcap, int dtype, int threads, int split);
 PL_EXPORT int pl_write_kv_i8(const void* k, int64_t ks, int64_t khs, const void* v, int64_t vs, int64_t vhs, void* kc,
                              void* vc, const int64_t* slots, int64_t tokens, int64_t nkv, int64_t bs, int64_t D,
                              int64_t blocks, int dtype, int threads);
@@ -61,7 +62,8 @@ struct StackPlan {
   int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, num_blocks, max_pos;
   float eps, scale;
   int dtype;
-  int kv_int8;  // the KV caches are int8 (kv_int8.cpp's layout), else in the storage type
+  int kv_int8;          // the KV caches are int8 (kv_int8.cpp's layout), else in the storage type
+  int attention_flags;  // or-ed into the paged attention's split mode (attention.h: kAmxTiles at the "amx" level)
   const void* cos;
   const void* sin;
   const void* final_norm;
@@ -121,8 +123,9 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
         return rc;
     } else if ((rc = pl_write_kv(k, qkv_cols, D, v, qkv_cols, D, w.k_cache, w.v_cache, slots, M, nkv, p.block_size, D,
                                  p.num_blocks, esize, threads)) ||
-               (rc = pl_paged_attention(qkv, qkv_cols, w.k_cache, w.v_cache, tables, maxb, lens, attn, M, nh, nkv,
-                                        p.block_size, D, p.scale, dt, threads))) {
+               (rc = pl_paged_attention_window(qkv, qkv_cols, w.k_cache, w.v_cache, tables, maxb, lens, nullptr, attn,
+                                               M, nh, nkv, p.block_size, D, p.scale, 0.f, dt, threads,
+                                               p.attention_flags))) {  // split: automatic
       return rc;
     }
     if ((rc = linear(attn, nh * D, w.o, w.o_qtype, nullptr, hidden, H, M, H, nh * D, dt, threads))) return rc;

@@ -304,6 +304,11 @@ class CpuKernels:
                                           slot_mapping.data_ptr(), k.shape[0], nkv, bs, d, blocks, k.element_size(),
                                           torch.get_num_threads()))
 
+    @property
+    def attention_flags(self) -> int:
+        """What paged attention or-s into its split mode at this level: AMX tiles for bf16 prompt tiles at "amx"."""
+        return _AMX_TILES if self.amx else 0
+
     def paged_attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
                         starts: torch.Tensor | None = None, softcap: float | None = None,
@@ -329,7 +334,7 @@ class CpuKernels:
             q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), _ptr(starts), out.data_ptr(), rows, nh, nkv, bs, d, scale, softcap or 0.0,
             DTYPE_CODES[q.dtype], torch.get_num_threads(), _SPLIT_MODES[split] | (0 if tiles else _NO_TILES)
-            | (_AMX_TILES if self.amx else 0)))
+            | self.attention_flags))
 
     def attention_prompt_tiles(self, tables: torch.Tensor, lens: torch.Tensor, heads: int, kv_heads: int,
                                block_size: int, starts: torch.Tensor | None = None) -> int:

@@ -48,6 +48,7 @@ class _StackPlan(ctypes.Structure):
     _fields_ = [*[(name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
                                                       "intermediate", "block_size", "num_blocks", "max_pos")],
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("kv_int8", ctypes.c_int),
+                ("attention_flags", ctypes.c_int),
                 ("cos", _P), ("sin", _P), ("final_norm", _P), ("layer", ctypes.POINTER(_LayerPlan))]
 
 
@@ -99,6 +100,7 @@ class CpuDecoderStack:
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=mlp.down_proj.input_size_per_partition,
             block_size=block_size, num_blocks=cache.shape[1], max_pos=rotary.cos_cache.shape[0],
             eps=first.input_layernorm.eps, scale=attn.attn.scale, dtype=DTYPE_CODES[dtype], kv_int8=int(int8),
+            attention_flags=kernels.attention_flags,
             cos=_ptr(rotary.cos_cache),
             sin=_ptr(rotary.sin_cache), final_norm=_ptr(model.norm.weight), layer=layers)
         self._layers = layers
