@@ -46,6 +46,7 @@ _SIGNATURES = {
     "pl_gemm_layout": [_I32, ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.POINTER(_I64), ctypes.POINTER(_I32)],
     "pl_gemm_pack": [_P, _P, _I64, _I64, _I32, _I32],
     "pl_gemm": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32],
+    "pl_amx_gemm": [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32],
     "pl_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I32, _I32],
     "pl_layer_norm": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I32, _I32],
     "pl_rotary": [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
@@ -99,6 +100,8 @@ _SPLIT_MODES = {None: 0, False: 1, True: 2}
 """paged_attention's ``split`` as the kernels' SplitMode (csrc/attention.h): automatic, never, always."""
 _NO_TILES = 4
 """Or-ed into the SplitMode: prompt rows attend row by row (csrc/attention.h's kNoTiles)."""
+AMX_GEMM_ROWS = 32
+"""The most rows ``amx_gemm`` takes (csrc/gemm_amx.cpp's kAmxGemmRows)."""
 _AMX_TILES = 8
 """Or-ed into the SplitMode: bfloat16 prompt tiles may run on AMX tiles (csrc/attention.h's kAmxTiles)."""
 
@@ -205,6 +208,15 @@ class CpuKernels:
         self._check(self._lib.pl_qgemm(x.data_ptr(), x.stride(0), w.data.data_ptr(), int(w.packed), out.data_ptr(),
                                        out.stride(0), x.shape[0], w.rows, w.cols, w.qtype, DTYPE_CODES[x.dtype],
                                        torch.get_num_threads()))
+
+    def amx_gemm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+        """out (rows, N) = x (rows, K) W^T on AMX tiles, W the plain (N, K) bfloat16 weight (csrc/gemm_amx.cpp): at
+        most AMX_GEMM_ROWS rows, K a multiple of 32, N of 16; the "amx" level only."""
+        assert self.amx and x.dtype == weight.dtype == out.dtype == torch.bfloat16
+        assert x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous() and out.stride(1) == 1
+        assert x.shape[1] == weight.shape[1] and out.shape == (x.shape[0], weight.shape[0])
+        self._check(self._lib.pl_amx_gemm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                                          x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads()))
 
     def qrows(self, w: QuantMatrix, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the quantized table (packed or not), dequantized: (len(ids), w.cols) of ``dtype``."""

@@ -168,9 +168,8 @@ def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
     packed = [a.qkv_proj.packed_weight, a.o_proj.packed_weight, m.gate_up_proj.silu_packed, m.down_proj.packed_weight]
     linears = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
     quant = [_quant(lin, 2 if lin is a.qkv_proj else 1) for lin in linears]
-    return (all((p is not None and p.kernels is kernels) or (q is not None and all(s.level == kernels.level
-                                                                                   for _, s in q))
-                for p, q in zip(packed, quant))
+    ours = [p is not None and p.kernels is kernels and not p.amx for p in packed]  # our GEMM's packed copies
+    return (all(own or (q is not None and all(s.level == kernels.level for _, s in q)) for own, q in zip(ours, quant))
             and all(getattr(lin, "lora", None) is None for lin in linears)  # the stack adds no adapter deltas
             and a.o_proj.tp_size == 1
             and not hasattr(a, "q_norm")  # the stack has no per-head q/k norms (Qwen3)

@@ -97,3 +97,59 @@ def test_onednn_row_counts_are_bounded_and_rows_unchanged() -> None:
     x = torch.randn(70, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(matmul(x), matmul(torch.cat([x, x[:58]]))[:70], rtol=0, atol=0)
     assert matmul(x).shape == (70, 96)
+
+
+@pytest.fixture
+def amx_level():  # noqa: ANN201 - the "amx" level made the active one, or a skip where the CPU has none
+    from pagedllm import platform
+    from pagedllm.layers import cpu_ops
+
+    if platform.isa_level() != "amx":
+        pytest.skip("AMX tiles: this CPU (or PAGEDLLM_ISA) has no amx level")
+    with platform.use_level("amx"):
+        kernels = cpu_ops.active()
+        assert kernels is not None and kernels.amx
+        yield kernels
+
+
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (48, 64), (16, 32), (2048, 8192)])
+def test_amx_gemm_matches_the_float_product(amx_level, out_features: int, in_features: int) -> None:
+    """The AMX GEMM (csrc/gemm_amx.cpp) over the plain weight: 1 to 32 rows (one or two tiles of 16, a last unit
+    of 16 weight rows), x a column slice (row stride > K) and out a column slice; within bf16 output rounding."""
+    from pagedllm.layers.cpu_ops import AMX_GEMM_ROWS
+
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    wide = torch.randn(AMX_GEMM_ROWS, in_features + 32, generator=g).bfloat16()
+    for rows in (1, 5, 16, 17, 32):
+        x = wide[:rows, 16:16 + in_features]  # (rows, in), row stride in + 32
+        out = torch.full((rows, out_features + 16), float("nan"), dtype=torch.bfloat16)[:, 8:8 + out_features]
+        amx_level.amx_gemm(x, w, out)
+        ref = x.float() @ w.float().t()
+        torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    with pytest.raises(RuntimeError, match="amx_gemm takes"):  # more rows than two tiles: the caller's error
+        amx_level.amx_gemm(torch.randn(AMX_GEMM_ROWS + 1, in_features).bfloat16(), w,
+                           torch.empty(AMX_GEMM_ROWS + 1, out_features, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_level_keeps_bf16_weights_plain(amx_level, bias: bool) -> None:
+    """At the amx level a bf16 weight is not copied (AMX tiles read it plain): up to 32 rows run the AMX GEMM, more
+    go to F.linear over the same weight; both agree with F.linear, bias included. Shapes the tiles do not take
+    (K not a multiple of 32) go to oneDNN's packed copy."""
+    for layer_cls in (ColumnParallelLinear, RowParallelLinear):
+        layer = layer_cls(96, 160, bias=bias, dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(3)
+        weight = torch.randn(160, 96, generator=g).bfloat16()
+        layer.weight.data.copy_(weight)
+        if bias:
+            layer.bias.data.copy_(torch.randn(160, generator=g).bfloat16())
+        layer.process_weights_after_loading()
+        assert layer.packed_weight is not None and layer.packed_weight.amx
+        assert torch.equal(layer.packed_weight.data, weight)  # the weight itself, no packed copy
+        for rows in (1, 32, 33, 300):
+            x = torch.randn(rows, 96, generator=g).bfloat16()
+            ref = F.linear(x.float(), weight.float(), None if not bias else layer.bias.float())
+            torch.testing.assert_close(layer(x).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    odd = prepack(torch.randn(160, 40).bfloat16())
+    assert not odd.amx and odd.kernels is None  # oneDNN's packed copy
