@@ -109,7 +109,8 @@ FUSED_OPS: EnvVar[bool] = EnvVar(
     doc="0: the compiled GEMM and fused ops off (torch's expressions serve; attention kernels stay), for A/B runs.")
 GEMM: EnvVar[str] = EnvVar(
     name="PAGEDLLM_GEMM", default="auto", parse=_choice("auto", "onednn"),
-    doc="auto: our GEMM where it suits (oneDNN on AMX CPUs); onednn: oneDNN for every bf16 matmul.")
+    doc="auto: our GEMM where it suits (on AMX CPUs: AMX tiles for up to 32 rows, oneDNN for more); onednn: "
+        "oneDNN's packed matmul for every bf16 matmul.")
 CPU_STACK: EnvVar[bool] = EnvVar(
     name="PAGEDLLM_CPU_STACK", default="1", parse=_switch,
     doc="0: the decoder layers run one by one from Python instead of in one compiled call (A/B runs).")

@@ -12,6 +12,8 @@ PL_EXPORT int pl_gemm(const void* x, int64_t lda, const void* packed, const floa
                       int64_t M, int64_t N, int64_t K, int dtype, int silu, int threads);
 PL_EXPORT int pl_qgemm(const void* x, int64_t lda, const void* w, int packed, void* out, int64_t ldc, int64_t M,
                        int64_t N, int64_t K, int qtype, int dtype, int threads);
+PL_EXPORT int pl_amx_gemm(const void* x, int64_t lda, const void* w, void* out, int64_t ldc, int64_t M, int64_t N,
+                          int64_t K, int threads);
 PL_EXPORT int pl_silu_and_mul(const void* x, int64_t xs, void* out, int64_t os, int64_t rows, int64_t D, int dtype,
                               int threads);
 PL_EXPORT int pl_rms_norm(const void* x, int64_t xs, void* residual, int64_t rs, const void* weight, void* out,
@@ -37,7 +39,9 @@ PL_EXPORT int pl_paged_attention_i8(const void* q, int64_t q_stride, const void*
 // column-parallel biases as float32 (added inside the GEMM), row-parallel ones in the storage
 // type (added after it), null where there is none. A weight whose qtype is not 0 is a GGUF format
 // packed by pl_qpack (quant.cpp; gate_up then [gate; up], SiLU-and-mul a separate pass), its bias
-// in the storage type, added after the GEMM as the layers do. A quantized qkv may come in two segments of
+// in the storage type, added after the GEMM as the layers do. qtype kAmxPlain: the plain bf16 weight for the AMX
+// GEMM (gemm_amx.cpp; the "amx" level, steps of up to 32 rows), handled like a quantized one (bias in the storage
+// type, gate_up then SiLU-and-mul). A quantized qkv may come in two segments of
 // rows (llama.cpp's Q4_K_M gives some layers' v a format of its own): qkv2 holds rows qkv2_offset on.
 struct LayerPlan {
   const void* input_norm;
@@ -73,9 +77,12 @@ struct StackPlan {
 namespace {
 using namespace pl;
 
-// out (M, N; row stride ldc) = x W^T (+ float32 bias, our GEMM only) by our GEMM or the quantized one
+constexpr int kAmxPlain = -1;  // a LayerPlan qtype: the plain bf16 weight on AMX tiles
+
+// out (M, N; row stride ldc) = x W^T (+ float32 bias, our GEMM only) by our GEMM, the AMX one or the quantized one
 int linear(const void* x, int64_t lda, const void* w, int qtype, const float* bias, void* out, int64_t ldc, int64_t M,
            int64_t N, int64_t K, int dt, int threads) {
+  if (qtype == kAmxPlain) return pl_amx_gemm(x, lda, w, out, ldc, M, N, K, threads);
   if (qtype) return pl_qgemm(x, lda, w, 1, out, ldc, M, N, K, qtype, dt, threads);
   return pl_gemm(x, lda, w, bias, out, ldc, M, N, K, dt, 0, threads);
 }
@@ -132,7 +139,7 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
     if (w.o_bias) add_bias(hidden, static_cast<const T*>(w.o_bias), M, H);
     if ((rc = pl_rms_norm(hidden, H, residual, H, w.post_norm, hidden, H, M, H, p.eps, dt, threads))) return rc;
     if (w.gate_up_qtype) {
-      if ((rc = pl_qgemm(hidden, H, w.gate_up, 1, gate_up, 2 * I, M, 2 * I, H, w.gate_up_qtype, dt, threads)))
+      if ((rc = linear(hidden, H, w.gate_up, w.gate_up_qtype, nullptr, gate_up, 2 * I, M, 2 * I, H, dt, threads)))
         return rc;
       if (w.gate_up_bias) add_bias(gate_up, reinterpret_cast<const T*>(w.gate_up_bias), M, 2 * I);
       if ((rc = pl_silu_and_mul(gate_up, 2 * I, mlp, I, M, I, dt, threads))) return rc;

@@ -2,16 +2,21 @@
 
 ``F.linear`` hands the BLAS a plain row-major weight, which it re-lays out into its blocked GEMM
 format on every call; with few token rows (decode of a small batch) that re-layout costs as much
-as the product. Packing once after loading skips it. Two packers:
+as the product. Packing once after loading skips it. Two packers, and one layout left plain:
 
 - our GEMM (``pagedllm/csrc/gemm.cpp``, through layers/cpu_ops.py) for float32, bfloat16 and
   float16 weights wherever the kernels exist, except bf16 on AMX CPUs (oneDNN's AMX tiles are
   faster there). At AVX512-BF16 on 2 cores, all 30 layers of SmolLM2-135M with weights streamed
   from memory: 1 row 6.2 -> 4.2 ms, 16 rows 8.1 -> 6.7, 64 rows 19.5 -> 16.3, 256 rows 56.3 ->
   53.6, 2,048 rows 427 -> 418 against oneDNN's prepacked matmul.
-- otherwise, for bf16 (or with ``PAGEDLLM_GEMM=onednn``), oneDNN's own packed layout
+- otherwise, for bf16 (on AMX CPUs the shapes the AMX GEMM below does not take, or every bf16 weight with
+  ``PAGEDLLM_GEMM=onednn``), oneDNN's own packed layout
   (``_reorder_linear_weight``): against ``F.linear``, 1 row 1.89 -> 0.99 ms, 8 rows 2.27 -> 1.32,
   256 rows 17.8 -> 16.7 per layer set; bit-identical.
+- at the "amx" level, bf16 weights whose shape AMX tiles take stay plain: steps of up to 32 rows run our AMX GEMM
+  over them (``csrc/gemm_amx.cpp``: the weight streamed once, in order; 1.2-1.35x oneDNN's prepacked matmul at
+  1-32 rows on 2 Xeon cores), more rows F.linear over the same weight (oneDNN packs per call: within 0-40% of the
+  prepacked matmul at 32-256 rows, level with it from 1,024). No second copy of any weight.
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ caches, rotary tables); each step passes only the step's rows. Same kernels, sam
 roundings: the results equal the layer-by-layer path bit for bit (tests/models/test_cpu_stack.py).
 
 Used when every piece runs on the compiled kernels: the cpu attention backend, every linear
-packed for our GEMM (gate_up with the fused SiLU) or kept in a packed GGUF format (csrc/quant.cpp),
-no LoRA adapters, one rank, the kernels on; otherwise the
+packed for our GEMM (gate_up with the fused SiLU), kept in a packed GGUF format (csrc/quant.cpp) or, at the
+"amx" level, a plain bf16 weight for the AMX GEMM (csrc/gemm_amx.cpp: then only steps of up to 32 rows, the
+larger ones' matmuls going to oneDNN layer by layer), no LoRA adapters, one rank, the kernels on; otherwise the
 layers run one by one. ``PAGEDLLM_CPU_STACK=0`` turns it off (A/B measurements).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from pagedllm import platform
 from pagedllm.attention.context import get_forward_context
 from pagedllm.attention.cpu_backend import CpuAttentionMetadata
-from pagedllm.layers.cpu_ops import DTYPE_CODES, CpuKernels
+from pagedllm.layers.cpu_ops import AMX_GEMM_ROWS, DTYPE_CODES, CpuKernels
 from pagedllm.layers.quant import QuantTensor
 
 
@@ -35,6 +36,10 @@ class DecoderModel(Protocol):
 
 
 _P = ctypes.c_void_p
+
+
+_AMX_PLAIN = -1
+"""A _LayerPlan qtype: the plain bf16 weight on AMX tiles (csrc/decoder.cpp's kAmxPlain)."""
 
 
 class _LayerPlan(ctypes.Structure):
@@ -84,7 +89,7 @@ class CpuDecoderStack:
             plan.down, plan.down_bias = self._weight(m.down_proj, plan, "down"), _ptr(m.down_proj.bias)
             plan.qkv = self._weight(a.qkv_proj, plan, "qkv", 2)  # column-parallel biases: float32 in our GEMM
             plan.qkv_bias = _ptr(a.qkv_proj.bias) if plan.qkv_qtype else self._float(a.qkv_proj.bias)
-            if _quant(m.gate_up_proj) is not None:  # [gate; up], then SiLU-and-mul as a pass of its own
+            if _quant(m.gate_up_proj) is not None or _amx(m.gate_up_proj, kernels):  # [gate; up], then SiLU-and-mul
                 plan.gate_up = self._weight(m.gate_up_proj, plan, "gate_up")
                 plan.gate_up_bias = _ptr(m.gate_up_proj.bias)
             else:
@@ -104,6 +109,8 @@ class CpuDecoderStack:
             cos=_ptr(rotary.cos_cache),
             sin=_ptr(rotary.sin_cache), final_norm=_ptr(model.norm.weight), layer=layers)
         self._layers = layers
+        amx = any(_AMX_PLAIN in (p.qkv_qtype, p.o_qtype, p.gate_up_qtype, p.down_qtype) for p in layers)
+        self.max_rows = AMX_GEMM_ROWS if amx else None
         intermediate = mlp.down_proj.input_size_per_partition
         self.work_cols = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim + attn.num_heads * attn.head_dim \
             + intermediate + (2 * intermediate if any(p.gate_up_qtype for p in layers) else 0)
@@ -113,8 +120,8 @@ class CpuDecoderStack:
         """The pointer to a linear layer's packed weight; its GGUF type into the plan (0: our GEMM's), and a second
         quantized segment's (``most`` 2: qkv) as ``{name}2``."""
         segments = _quant(linear, most)
-        if segments is None:
-            setattr(plan, f"{name}_qtype", 0)
+        if segments is None:  # our GEMM's packed copy, or the plain bf16 weight on AMX tiles
+            setattr(plan, f"{name}_qtype", _AMX_PLAIN if linear.packed_weight.amx else 0)
             return linear.packed_weight.data.data_ptr()
         setattr(plan, f"{name}_qtype", segments[0][1].qtype)
         if len(segments) == 2:
@@ -145,10 +152,12 @@ class CpuDecoderStack:
         return cls(model, kernels)
 
     def usable(self, hidden: torch.Tensor, positions: torch.Tensor) -> bool:
-        """This step can run here: the cpu attention backend's metadata, its kernels the stack's."""
+        """This step can run here: the cpu attention backend's metadata, its kernels the stack's, and with weights on
+        AMX tiles at most AMX_GEMM_ROWS rows (larger steps go layer by layer, their matmuls to oneDNN)."""
         ctx = get_forward_context()
         return (isinstance(ctx.metadata, CpuAttentionMetadata) and getattr(ctx.backend, "kernels", None) is self.kernels
-                and positions.dtype == torch.int64 and hidden.is_contiguous())
+                and positions.dtype == torch.int64 and hidden.is_contiguous()
+                and (self.max_rows is None or hidden.shape[0] <= self.max_rows))
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Embeddings (tokens, hidden) -> the final norm's output, through every layer."""
@@ -161,6 +170,12 @@ class CpuDecoderStack:
         return hidden
 
 
+def _amx(linear: nn.Module, kernels: CpuKernels) -> bool:
+    """The layer's weight stays plain for the AMX GEMM (layers/prepack.py, the "amx" level) of these kernels."""
+    packed = getattr(linear, "packed_weight", None)
+    return packed is not None and packed.amx and packed.kernels is kernels
+
+
 def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
     a, m = layer.self_attn, getattr(layer, "mlp", None)
     if not isinstance(getattr(m, "down_proj", None), nn.Module):  # a mixture of experts: not in the stack
@@ -168,7 +183,8 @@ def _eligible(layer: Any, kernels: CpuKernels, dtype: torch.dtype) -> bool:
     packed = [a.qkv_proj.packed_weight, a.o_proj.packed_weight, m.gate_up_proj.silu_packed, m.down_proj.packed_weight]
     linears = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
     quant = [_quant(lin, 2 if lin is a.qkv_proj else 1) for lin in linears]
-    ours = [p is not None and p.kernels is kernels and not p.amx for p in packed]  # our GEMM's packed copies
+    ours = [(p is not None and p.kernels is kernels and not p.amx) or _amx(lin, kernels)  # ours or AMX tiles
+            for p, lin in zip(packed, linears)]
     return (all(own or (q is not None and all(s.level == kernels.level for _, s in q)) for own, q in zip(ours, quant))
             and all(getattr(lin, "lora", None) is None for lin in linears)  # the stack adds no adapter deltas
             and a.o_proj.tp_size == 1

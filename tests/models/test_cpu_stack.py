@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.models.cpu_stack import CpuDecoderStack
 from tests.utils import save_tiny_model
 
 VARIANTS = ["llama-gqa-untied", "qwen2-qkv-bias", "llama-attention-bias"]
@@ -56,3 +57,25 @@ def test_no_stack_where_a_piece_is_not_compiled(tiny_llm_dir: Path) -> None:
         llm = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64)
         llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.llm_engine.engine_core.core.executor.worker.model_runner.model.model._stack is None
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen2-qkv-bias"])
+def test_stack_with_weights_on_amx_tiles(models: dict[str, Path], variant: str) -> None:
+    """At the "amx" level bf16 weights stay plain for the AMX GEMM: the stack runs the steps of up to 32 rows (the
+    decodes) on it, larger ones (the 60-row first step) go layer by layer; the same floats as the layers."""
+    from pagedllm import platform
+
+    if platform.isa_level() != "amx":
+        pytest.skip("AMX tiles: this CPU (or PAGEDLLM_ISA) has no amx level")
+    with platform.use_level("amx"):
+        llm = LLM(str(models[variant]), dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model.model
+    assert model.layers[0].self_attn.qkv_proj.packed_weight.amx  # the plain weight, for AMX tiles
+    if model._stack is False:  # built at the first step, unless warm-up ran one
+        model._stack = CpuDecoderStack.build(model)
+    stack, served = model._stack, []
+    assert stack is not None and stack.max_rows == 32
+    run = stack.run
+    stack.run = lambda hidden, positions: served.append(hidden.shape[0]) or run(hidden, positions)
+    assert_stack_equals_the_layers(llm)
+    assert served and max(served) <= 32, served  # the decodes ran in the stack, the 60-row prefill did not
