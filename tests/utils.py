@@ -226,6 +226,20 @@ def end_levels() -> list[str]:
     return sorted({levels[0], levels[-1]}, key=levels.index) if levels else []
 
 
+def amx_kernels() -> Any:
+    """The "amx" level's CpuKernels (bf16 on AMX tiles), or a skip where this CPU (or PAGEDLLM_ISA) has no AMX."""
+    import pytest
+
+    from pagedllm.layers import cpu_ops
+    from pagedllm.platform import isa_level
+
+    if isa_level() != "amx":
+        pytest.skip("AMX tiles: this CPU (or PAGEDLLM_ISA) has no amx level")
+    kernels = cpu_ops.kernels("amx")
+    assert kernels is not None and kernels.amx
+    return kernels
+
+
 def at_kernel_level(level: str) -> Any:
     """Context: ``level`` made the active one (skips the test where its kernels did not build); returns the entered
     context (exit it after the test) and the active CpuKernels."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm.attention.encoder import KERNEL_UP_TO, EncoderAttention, bidirectional_attention
+from tests.utils import amx_kernels
 
 MIXED = [5, 1, 37, 16, 64, 65, 17, 9, 130, 2, 33]
 """Lengths around the tiles: 16-key vectors, 32-key steps, 64-row work items."""
@@ -102,17 +103,6 @@ def test_op_matches_the_native_path_at_every_level(level: str, window: int | Non
 
 def test_op_keeps_odd_head_dims_on_the_native_path(kernels) -> None:
     assert EncoderAttention(2, 48, 0.1, dtype=torch.float32).implementation == "forward_native"
-
-
-def amx_kernels():  # noqa: ANN201 - the "amx" level's CpuKernels, or a skip where the CPU has no AMX
-    from pagedllm.layers import cpu_ops
-    from pagedllm.platform import isa_level
-
-    if isa_level() != "amx":
-        pytest.skip("AMX tiles: this CPU (or PAGEDLLM_ISA) has no amx level")
-    kernels = cpu_ops.kernels("amx")
-    assert kernels is not None and kernels.amx
-    return kernels
 
 
 @pytest.mark.parametrize(("lens", "d", "window"), [(MIXED, 32, None), ([1], 32, None), ([300], 32, None),

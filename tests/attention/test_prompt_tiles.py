@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
+from tests.utils import amx_kernels
 
 
 def _step(requests: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -94,23 +95,12 @@ def test_what_forms_a_tile(kernels) -> None:
     assert count(tables, lens, 4, 4, 16) == 0  # speculative verifies of 3 rows beside a decode: rows
 
 
-def _amx_kernels():  # noqa: ANN202 - the "amx" level's CpuKernels, or a skip where the CPU has no AMX
-    from pagedllm.layers import cpu_ops
-    from pagedllm.platform import isa_level
-
-    if isa_level() != "amx":
-        pytest.skip("AMX tiles: this CPU (or PAGEDLLM_ISA) has no amx level")
-    kernels = cpu_ops.kernels("amx")
-    assert kernels is not None and kernels.amx
-    return kernels
-
-
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 8, 64), (8, 2, 128), (12, 4, 64), (9, 3, 64)])
 def test_amx_tiles_match_rows(heads: int, kv_heads: int, head_dim: int) -> None:
     """bf16 tiles on AMX tiles (the "amx" level): 16 vectors a tile product, partial ones zero-padded (GQA groups of
     3 and 4 make tiles of 30 and 32 vectors), chunks of 64 positions with a partial last one, online softmax
     across chunks; within the bf16 roundings of the vdpbf16ps tile, against the row path of the same library."""
-    kernels = _amx_kernels()
+    kernels = amx_kernels()
     steps = STEP + [(300, 300)]  # a long prompt: every row's max rises across chunks
     q, kc, vc, tables, lens = _step(steps, heads, kv_heads, head_dim, 16, torch.bfloat16, seed=heads + head_dim)
     tiled, rows = _both(kernels, q, kc, vc, tables, lens)
@@ -122,7 +112,7 @@ def test_amx_tiles_match_rows(heads: int, kv_heads: int, head_dim: int) -> None:
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_amx_tiles_under_windows_and_soft_caps(head_dim: int) -> None:
     """Each row of an AMX tile is masked to its own window (mid-block starts) and capped first, as row by row."""
-    kernels = _amx_kernels()
+    kernels = amx_kernels()
     q, kc, vc, tables, lens = _step([(90, 150), (1, 40), (33, 33)], 8, 2, head_dim, 16, torch.bfloat16, seed=7)
     starts = (lens - 45).clamp(min=0).to(torch.int32)
     for softcap in (None, 2.0):

@@ -102,13 +102,10 @@ def test_onednn_row_counts_are_bounded_and_rows_unchanged() -> None:
 @pytest.fixture
 def amx_level():  # noqa: ANN201 - the "amx" level made the active one, or a skip where the CPU has none
     from pagedllm import platform
-    from pagedllm.layers import cpu_ops
+    from tests.utils import amx_kernels
 
-    if platform.isa_level() != "amx":
-        pytest.skip("AMX tiles: this CPU (or PAGEDLLM_ISA) has no amx level")
+    kernels = amx_kernels()
     with platform.use_level("amx"):
-        kernels = cpu_ops.active()
-        assert kernels is not None and kernels.amx
         yield kernels
 
 
