@@ -74,7 +74,8 @@ def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> 
     for module in model.modules():
         if getattr(module, "tied", False) and config.device.device == "cpu" and not embedding_kept \
                 and not (quantization == "int8" and kernels is not None):  # (else the head shares the table's rows)
-            final += module.weight.numel() * module.weight.element_size()  # the LM head's packed copy
+            if not (dtype == torch.bfloat16 and _plain_on_amx(module.weight)):  # AMX reads it plain
+                final += module.weight.numel() * module.weight.element_size()  # the LM head's packed copy
     return WeightBytes(loading, final)
 
 
@@ -147,6 +148,16 @@ def check_fits(config: EngineConfig, arch: ArchConfig) -> None:
         f"{kv / GIB:.2f} GiB for the KV cache ({how}) = {need / GIB:.2f} GiB needed, "
         f"{available / GIB:.2f} GiB available ({where}). Ask for a smaller KV cache (kv_cache_memory, "
         "num_kv_blocks), or load a smaller model, dtype or quantized GGUF file", param=param, value=value)
+
+
+
+def _plain_on_amx(weight: torch.Tensor) -> bool:
+    """The weight would stay plain for the AMX GEMM at the "amx" level (layers/prepack.py): no packed copy."""
+    from pagedllm import platform
+
+    rows, cols = weight.shape
+    return (platform.active_level() == "amx" and platform.switches().gemm != "onednn" and cols % 32 == 0
+            and rows % 16 == 0)
 
 
 # ------------------------------------------------------------------------------------------------ measuring a load
