@@ -71,8 +71,12 @@ def _amx_gemm(weight: torch.Tensor) -> CpuKernels | None:
     ops = fused_ops(weight)
     if ops is None or not ops.amx or weight.dtype != torch.bfloat16 or platform.switches().gemm == "onednn":
         return None
-    rows, cols = weight.shape
-    return ops if cols % 32 == 0 and rows % 16 == 0 else None
+    return ops if amx_takes(*weight.shape) else None
+
+
+def amx_takes(rows: int, cols: int) -> bool:
+    """The AMX GEMM's shapes (csrc/gemm_amx.cpp): K a multiple of 32, N of 16."""
+    return cols % 32 == 0 and rows % 16 == 0
 
 
 def can_prepack(weight: torch.Tensor) -> bool:

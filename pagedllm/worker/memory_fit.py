@@ -154,10 +154,9 @@ def check_fits(config: EngineConfig, arch: ArchConfig) -> None:
 def _plain_on_amx(weight: torch.Tensor) -> bool:
     """The weight would stay plain for the AMX GEMM at the "amx" level (layers/prepack.py): no packed copy."""
     from pagedllm import platform
+    from pagedllm.layers.prepack import amx_takes
 
-    rows, cols = weight.shape
-    return (platform.active_level() == "amx" and platform.switches().gemm != "onednn" and cols % 32 == 0
-            and rows % 16 == 0)
+    return platform.active_level() == "amx" and platform.switches().gemm != "onednn" and amx_takes(*weight.shape)
 
 
 # ------------------------------------------------------------------------------------------------ measuring a load
