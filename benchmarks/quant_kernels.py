@@ -8,7 +8,14 @@ level packs the format).
 Weights are random blocks (scale fields sane). ``--cold`` rotates through copies of the weight that together
 exceed the last-level cache, so each call reads it from memory; otherwise one copy is read again and again
 (from the cache where it fits). Times are the fastest and the median of ``--reps`` calls after warm-up (GB/s
-from the fastest: other work on the machine's cores shows in the median).
+from the fastest: other work on the machine's cores shows in the median). ``--dense`` also times the same weight
+dequantized to bf16 through the matmul a bf16 model runs (layers/prepack.py: on AMX tiles for up to 32 rows at
+the "amx" level, oneDNN for more), with bf16 rows of x for both: where the quantized kernels lose to it, the
+row count above which a dense copy pays (layers/quant.py ``DENSE_ROWS``; ``bf16-dnnp``: oneDNN's packed layout,
+the one the copies take).
+
+    .venv/bin/python benchmarks/quant_kernels.py --levels amx --formats Q4_1 --shapes 960x576 3072x576 576x1536 \
+        --rows 32 48 64 96 128 256 --threads 2 --dense --cold
 """
 from __future__ import annotations
 
@@ -78,6 +85,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="copies of the weight beyond the last-level cache")
     parser.add_argument("--unpacked", action="store_true", help="also time the rows as the file has them")
     parser.add_argument("--probe", action="store_true", help="first, the read bandwidth of a 512 MiB float32 sum")
+    parser.add_argument("--dense", action="store_true", help="also the bf16 copy through a bf16 model's matmul")
     args = parser.parse_args()
     if args.probe:
         for threads in args.threads:
@@ -90,7 +98,8 @@ def main() -> None:
     for level in levels:
         with cpu_ops.use_level(level):
             kernels = cpu_ops.active()
-            assert kernels is not None and kernels.level == level, f"no {level} kernels here"
+            assert kernels is not None and (kernels.level == level or level == "amx" and kernels.amx), \
+                f"no {level} kernels here"
             for shape in args.shapes:
                 n, k = (int(v) for v in shape.split("x"))
                 for name in args.formats:
@@ -108,10 +117,50 @@ def main() -> None:
                             torch.set_num_threads(threads)
                             for rows in args.rows:
                                 x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                                if args.dense:
+                                    x = x.bfloat16()
                                 reps = max(5, args.reps if rows <= 8 else args.reps // 3)
                                 fastest, median = time_call(kernels, x, weights, reps)
                                 print(f"{level:12} {label:9} {shape:10} {rows:4} {threads:3} {fastest * 1e6:9.1f} "
                                       f"{median * 1e6:9.1f} {nbytes / fastest / 1e9:6.1f}", flush=True)
+                    if args.dense:
+                        time_dense(kernels.qrows(raw, torch.arange(n), torch.bfloat16), args, level)
+
+
+def time_dense(weight: torch.Tensor, args: argparse.Namespace, level: str) -> None:
+    """Rows through a bf16 model's matmul over ``weight`` (its prepack: AMX tiles / oneDNN), as ``main`` prints."""
+    from pagedllm.layers import prepack
+
+    n, k = weight.shape
+    nbytes = weight.numel() * 2
+    copies = max(1, (96 << 20) // nbytes) if args.cold else 1
+    packs = [prepack.prepack(weight.clone()) for _ in range(copies)]
+    label = "bf16" + ("-amx" if packs[0].amx else "-ours" if packs[0].kernels is not None else "-onednn")
+    _time_matmuls([prepack.matmul_for(p, None) for p in packs], label, weight.shape, nbytes, args, level)
+    if packs[0].amx:  # and oneDNN's packed layout, for comparison
+        packs = [prepack.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.clone()), n, None)
+                 for _ in range(copies)]
+        _time_matmuls([prepack.matmul_for(p, None) for p in packs], "bf16-dnnp", weight.shape, nbytes, args, level)
+
+
+def _time_matmuls(matmuls: list, label: str, shape: torch.Size, nbytes: int, args: argparse.Namespace,
+                  level: str) -> None:
+    n, k = shape
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for rows in args.rows:
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            reps = max(5, args.reps if rows <= 8 else args.reps // 3)
+            for matmul in matmuls[:2]:
+                matmul(x)
+            times = []
+            for i in range(reps):
+                start = time.perf_counter()
+                matmuls[i % len(matmuls)](x)
+                times.append(time.perf_counter() - start)
+            fastest = min(times)
+            print(f"{level:12} {label:9} {n}x{k:<5} {rows:4} {threads:3} {fastest * 1e6:9.1f} "
+                  f"{float(np.median(times)) * 1e6:9.1f} {nbytes / fastest / 1e9:6.1f}", flush=True)
 
 
 if __name__ == "__main__":

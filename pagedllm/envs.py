@@ -111,6 +111,11 @@ GEMM: EnvVar[str] = EnvVar(
     name="PAGEDLLM_GEMM", default="auto", parse=_choice("auto", "onednn"),
     doc="auto: our GEMM where it suits (on AMX CPUs: AMX tiles for up to 32 rows, oneDNN for more); onednn: "
         "oneDNN's packed matmul for every bf16 matmul.")
+DENSE_COPY: EnvVar[str] = EnvVar(
+    name="PAGEDLLM_DENSE_COPY", default="auto", parse=_choice("auto", "1", "0"),
+    doc="Weights kept in GGUF formats also get a copy in the model's dtype for steps of more rows than the "
+        "quantized kernels win at (prompts, large batches). auto: at the amx level for bf16 GGUF models whose "
+        "copy takes at most 1 GiB; 1: always; 0: never.")
 CPU_STACK: EnvVar[bool] = EnvVar(
     name="PAGEDLLM_CPU_STACK", default="1", parse=_switch,
     doc="0: the decoder layers run one by one from Python instead of in one compiled call (A/B runs).")
@@ -142,7 +147,7 @@ ALLOW_RUNTIME_LORA_UPDATING: EnvVar[bool] = EnvVar(
     doc="1 or true: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (as --allow-runtime-lora-updating).")
 
 VARIABLES: tuple[EnvVar[Any], ...] = (
-    ISA, CACHE_DIR, FUSED_OPS, GEMM, CPU_STACK, CPU_OMP_THREADS_BIND, CPU_SHM_ALLREDUCE,
+    ISA, CACHE_DIR, FUSED_OPS, GEMM, DENSE_COPY, CPU_STACK, CPU_OMP_THREADS_BIND, CPU_SHM_ALLREDUCE,
     EXECUTE_MODEL_TIMEOUT_SECONDS, RAY_PLACEMENT_STRATEGY, TRITON_DECODE_SPLITS, ENABLE_MULTIPROCESSING, API_KEY,
     ALLOW_RUNTIME_LORA_UPDATING)
 """Every variable, in the README table's order."""

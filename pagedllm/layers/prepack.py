@@ -17,6 +17,10 @@ as the product. Packing once after loading skips it. Two packers, and one layout
   over them (``csrc/gemm_amx.cpp``: the weight streamed once, in order; 1.2-1.35x oneDNN's prepacked matmul at
   1-32 rows on 2 Xeon cores), more rows F.linear over the same weight (oneDNN packs per call: within 0-40% of the
   prepacked matmul at 32-256 rows, level with it from 1,024). No second copy of any weight.
+
+Weights kept in GGUF formats run the quantized kernels (layers/quant.py); where PAGEDLLM_DENSE_COPY says so (by
+default: small bf16 models at the "amx" level) they also get a dense copy in oneDNN's layout
+(``add_dense_copies``) that steps of more than DENSE_ROWS rows run on.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import torch
 
 from pagedllm import platform
 from pagedllm.layers.cpu_ops import AMX_GEMM_ROWS, CpuKernels, fused_ops
-from pagedllm.layers.quant import QuantWeight, quant_linear
+from pagedllm.layers.quant import DENSE_ROWS, QuantWeight, kept_weights, quant_linear, wants_dense
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,42 @@ def _same_rows(rows: int) -> int:
 
 
 def _quantized(quant: QuantWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The quantized kernels, or for a step of more than DENSE_ROWS rows the weight's dense copy where it has one
+    (``add_dense_copies``: there oneDNN's AMX tiles beat the int8 dot products)."""
+    dense = quant.dense
+    if dense is not None and x.numel() > DENSE_ROWS * x.shape[-1] and x.dtype == dense.dtype:
+        if dense.is_mkldnn:
+            return _onednn(dense, x, bias)
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
+        out = _plain_linear(dense, x2, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)
     return quant_linear(x, quant, bias)
+
+
+_DENSE_SLICE_ROWS = 4096
+"""Rows dequantized at a time by ``add_dense_copies`` (bounds its temporaries)."""
+
+
+def add_dense_copies(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None) -> int:
+    """After the weights are processed: beside every weight kept quantized, a dense copy where ``wants_dense`` says
+    so (in oneDNN's packed layout for bf16 where oneDNN runs, else plain), decoded by the kernels' own decoder (the
+    values the quantized kernels read). Returns the copies' bytes (0: none made)."""
+    weights = kept_weights(model)
+    nbytes = sum(q.rows * q.cols for q in weights) * dtype.itemsize
+    if not weights or not wants_dense(any(q.kernels is not None and q.kernels.amx for q in weights), dtype,
+                                      quantization, nbytes):
+        return 0
+    for quant in weights:
+        kernels = quant.kernels
+        assert kernels is not None
+        dense = torch.empty(quant.rows, quant.cols, dtype=dtype)  # (rows, cols)
+        for offset, piece in quant.pieces.items():
+            for start in range(0, piece.rows, _DENSE_SLICE_ROWS):
+                ids = torch.arange(start, min(piece.rows, start + _DENSE_SLICE_ROWS))
+                dense[offset + start:offset + start + len(ids)] = kernels.qrows(piece, ids, dtype)
+        packed = dtype == torch.bfloat16 and _onednn_available()  # 1.2-1.6x F.linear at 48-128 rows (plain)
+        quant.dense = torch.ops.mkldnn._reorder_linear_weight(dense) if packed else dense
+    return nbytes
 
 
 def _ours(gemm: Callable[..., torch.Tensor], data: torch.Tensor, out_features: int, x: torch.Tensor,
@@ -214,11 +253,18 @@ def _amx(ops: CpuKernels, weight: torch.Tensor, x: torch.Tensor, bias: torch.Ten
         if bias is not None:
             out += bias
     else:
-        padded = onednn_rows(rows)
-        if padded != rows:  # zero rows to a cached shape, as for the prepacked weight
-            x2 = torch.nn.functional.pad(x2, (0, 0, 0, padded - rows))
-        out = torch.nn.functional.linear(x2, weight, bias)[:rows]
+        out = _plain_linear(weight, x2, bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)
+
+
+def _plain_linear(weight: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 (rows, in) W^T + b by F.linear over the plain weight (oneDNN packs it per call), the row count rounded as
+    ``onednn_rows`` rounds it."""
+    rows = x2.shape[0]
+    padded = onednn_rows(rows)
+    if padded != rows:  # zero rows to a cached shape, as for the prepacked weight
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, padded - rows))
+    return torch.nn.functional.linear(x2, weight, bias)[:rows]
 
 
 def _onednn(data: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -83,6 +83,9 @@ class QuantWeight:
     """The pieces are the kernels' segments (joined by format, packed): set once, after loading."""
     kernels: CpuKernels | None = None
     """The kernels that packed the pieces and run them (set with ``ready``: chosen once, at load)."""
+    dense: torch.Tensor | None = None
+    """The weight in the model's dtype beside the pieces, in oneDNN's packed layout where it runs (else plain, (rows,
+    cols)): steps of more than DENSE_ROWS rows run on it (layers/prepack.py ``add_dense_copies``); None: none."""
 
     def place(self, offset: int, piece: QuantTensor) -> None:
         assert piece.cols == self.cols and 0 <= offset and offset + piece.rows <= self.rows, (offset, piece.shape)
@@ -197,6 +200,39 @@ def kept_quantized(param: torch.nn.Parameter) -> "QuantWeight | None":
     return None
 
 
+DENSE_ROWS = 48
+"""Steps of more rows than this run a weight kept quantized on its dense copy, when it has one. On an AMX Xeon
+(2 cores, bf16, SmolLM2-135M's shapes in Q4_1 against oneDNN's packed bf16 on AMX tiles, weights from memory:
+benchmarks/quant_kernels.py --dense) the quantized kernels win up to 32 rows (they read 6x fewer bytes), level at
+48, and lose from 64 (1.4-2x slower: their int8 dot products are compute, the tiles' products 16 rows at once)."""
+DENSE_AUTO_BYTES = 1 << 30
+"""PAGEDLLM_DENSE_COPY=auto makes dense copies only while they take at most this (small models: the copy costs
+little KV cache)."""
+
+
+def wants_dense(amx: bool, dtype: torch.dtype, quantization: str | None, nbytes: int) -> bool:
+    """Whether weights kept quantized get dense copies (``nbytes`` in all) under PAGEDLLM_DENSE_COPY: "1" always,
+    "0" never, "auto" where the kernels run AMX tiles (``amx``: the amx level) for a bf16 GGUF model whose copies
+    take at most DENSE_AUTO_BYTES (there AMX tiles beat the int8 dot products once a step has more than DENSE_ROWS
+    rows; without them, the quantized kernels win every step: docs/BENCHMARKS.md)."""
+    from pagedllm import platform
+
+    mode = platform.switches().dense_copy
+    if mode != "auto":
+        return mode == "1"
+    return amx and dtype == torch.bfloat16 and quantization == "gguf" and nbytes <= DENSE_AUTO_BYTES
+
+
+def kept_weights(model: torch.nn.Module) -> list[QuantWeight]:
+    """The model's weights kept quantized, each once (a tied embedding and LM head share one)."""
+    found: dict[int, QuantWeight] = {}
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if isinstance(quant, QuantWeight) and quant.ready:
+            found.setdefault(id(quant), quant)
+    return list(found.values())
+
+
 def quant_linear(x: torch.Tensor, quant: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., cols) W^T + b -> (..., rows), each segment of W's rows by its format's kernel (the ones that
     packed it at load)."""
@@ -224,8 +260,13 @@ def describe_quantized(model: torch.nn.Module) -> str:
         for piece in quant.pieces.values():
             count[piece.type_name] = count.get(piece.type_name, 0) + 1
             size[piece.type_name] = size.get(piece.type_name, 0) + piece.data.numel()
+        if quant.dense is not None:
+            dense = f"{quant.dense.dtype}".removeprefix("torch.")
+            size[dense] = size.get(dense, 0) + quant.dense.numel() * quant.dense.element_size()
     if not count:
         return ("no weight kept quantized (no compiled kernels at this level, or no matrix in a kept format): "
                 "every weight dequantized")
+    copies = [t for t in size if t not in count]
     return ", ".join(f"{count[t]} matrices in {t} ({size[t] / 2 ** 20:.1f} MiB)" for t in sorted(count)) + \
-        "; the other tensors dequantized"
+        "".join(f"; a {t} copy of them ({size[t] / 2 ** 20:.1f} MiB) for steps of more than {DENSE_ROWS} rows"
+                for t in copies) + "; the other tensors dequantized"

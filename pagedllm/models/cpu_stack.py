@@ -24,7 +24,7 @@ from pagedllm import platform
 from pagedllm.attention.context import get_forward_context
 from pagedllm.attention.cpu_backend import CpuAttentionMetadata
 from pagedllm.layers.cpu_ops import AMX_GEMM_ROWS, DTYPE_CODES, CpuKernels
-from pagedllm.layers.quant import QuantTensor
+from pagedllm.layers.quant import DENSE_ROWS, QuantTensor
 
 
 class DecoderModel(Protocol):
@@ -110,7 +110,13 @@ class CpuDecoderStack:
             sin=_ptr(rotary.sin_cache), final_norm=_ptr(model.norm.weight), layer=layers)
         self._layers = layers
         amx = any(_AMX_PLAIN in (p.qkv_qtype, p.o_qtype, p.gate_up_qtype, p.down_qtype) for p in layers)
-        self.max_rows = AMX_GEMM_ROWS if amx else None
+        dense = any(getattr(getattr(lin, "quant", None), "dense", None) is not None for layer in model.layers
+                    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                layer.mlp.down_proj))
+        limits = ([AMX_GEMM_ROWS] if amx else []) + ([DENSE_ROWS] if dense else [])
+        self.max_rows = min(limits) if limits else None
+        """Larger steps go layer by layer: their matmuls on oneDNN (AMX tiles), or on quantized weights' dense
+        copies (layers/quant.py ``add_dense_copies``)."""
         intermediate = mlp.down_proj.input_size_per_partition
         self.work_cols = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim + attn.num_heads * attn.head_dim \
             + intermediate + (2 * intermediate if any(p.gate_up_qtype for p in layers) else 0)
@@ -152,8 +158,8 @@ class CpuDecoderStack:
         return cls(model, kernels)
 
     def usable(self, hidden: torch.Tensor, positions: torch.Tensor) -> bool:
-        """This step can run here: the cpu attention backend's metadata, its kernels the stack's, and with weights on
-        AMX tiles at most AMX_GEMM_ROWS rows (larger steps go layer by layer, their matmuls to oneDNN)."""
+        """This step can run here: the cpu attention backend's metadata, its kernels the stack's, and at most
+        ``max_rows`` rows where it has a bound."""
         ctx = get_forward_context()
         return (isinstance(ctx.metadata, CpuAttentionMetadata) and getattr(ctx.backend, "kernels", None) is self.kernels
                 and positions.dtype == torch.int64 and hidden.is_contiguous()

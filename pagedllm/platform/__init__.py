@@ -49,11 +49,13 @@ class Switches:
     """PAGEDLLM_GEMM: "auto" (ours where it suits, oneDNN on AMX CPUs) or "onednn" (oneDNN for bf16 always)."""
     cpu_stack: bool
     """PAGEDLLM_CPU_STACK=0 runs the decoder layers one by one from Python instead of in one compiled call."""
+    dense_copy: str = "auto"
+    """PAGEDLLM_DENSE_COPY: "auto", "1" or "0": a dense copy beside weights kept quantized (layers/quant.py)."""
 
 
 @functools.lru_cache(maxsize=1)
 def switches() -> Switches:
-    return Switches(envs.FUSED_OPS.read(), envs.GEMM.read(), envs.CPU_STACK.read())
+    return Switches(envs.FUSED_OPS.read(), envs.GEMM.read(), envs.CPU_STACK.read(), envs.DENSE_COPY.read())
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pagedllm.config import EngineConfig, available_memory_bytes, cgroup_availab
 from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.layers import cpu_ops
-from pagedllm.layers.quant import GGML_TYPES
+from pagedllm.layers.quant import GGML_TYPES, wants_dense
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.registry import get_model_class
 
@@ -66,6 +66,8 @@ def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> 
     loading = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
     loading += kept_bytes - kept_elements * dtype.itemsize
     final = loading
+    if kept_elements and wants_dense(kernels.amx, dtype, quantization, kept_elements * dtype.itemsize):
+        final += kept_elements * dtype.itemsize  # their dense copies (layers/quant.py add_dense_copies)
     if quantization == "int8" and kernels is not None:
         for weight in _unique_tensors(model):
             if isinstance(weight, nn.Parameter) and _becomes_int8(weight):  # its float copy becomes Q8_0 rows
@@ -170,8 +172,8 @@ def weight_bytes(model: nn.Module) -> int:
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         tensors += [packed.data for name in ("packed_weight", "silu_packed")
                     if (packed := getattr(module, name, None)) is not None]
-        if (quant := getattr(module, "quant", None)) is not None:  # rows kept in GGUF formats
-            tensors += [piece.data for piece in quant.pieces.values()]
+        if (quant := getattr(module, "quant", None)) is not None:  # rows kept in GGUF formats, a dense copy
+            tensors += [piece.data for piece in quant.pieces.values()] + ([] if quant.dense is None else [quant.dense])
         for t in tensors:
             if t.is_mkldnn:  # oneDNN's opaque packed copy: the same size as the plain tensor
                 size, key = t.numel() * t.element_size(), id(t)

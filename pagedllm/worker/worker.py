@@ -18,6 +18,7 @@ from pagedllm.errors import ValidationError
 from pagedllm.layers.custom_op import bind_ops
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.pooler import Pooler
+from pagedllm.layers.prepack import add_dense_copies
 from pagedllm.layers.quant import describe_quantized, int8_on_load
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora_request import LoRARequest
@@ -91,14 +92,14 @@ class Worker:
         model = self._load_model(config.model.model, arch, "Loading weights")
         # LoRA layers first: packing leaves gate_up unfused where one is attached
         lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
-        _process_weights(model, config.model.quantization == "int8")
+        _process_weights(model, self.dtype, config.model.quantization)
         spec = config.speculative
         self.draft_arch = None if spec is None or not spec.uses_draft_model else load_arch_config(spec.model)
         speculator = make_speculator(spec)
         loaded = weight_bytes(model)
         if self.draft_arch is not None:  # its weights kept as the target's are (a GGUF draft stays quantized)
             draft = self._load_model(spec.model, self.draft_arch, "Loading draft weights")
-            _process_weights(draft, config.model.quantization == "int8")
+            _process_weights(draft, self.dtype, config.model.quantization)
             loaded += weight_bytes(draft)
             speculator = Speculator(spec, DraftModelProposer(draft, backend, config.cache.block_size, self.device))
         self.load_report = meter.report(loaded)
@@ -240,13 +241,15 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
 
-def _process_weights(model: torch.nn.Module, int8: bool) -> None:
-    """Once the checkpoint is in: e.g. weights packed for the CPU GEMM, or quantized to int8."""
-    with int8_on_load(int8):
+def _process_weights(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None) -> None:
+    """Once the checkpoint is in: e.g. weights packed for the CPU GEMM, quantized to int8, or kept quantized with a
+    dense copy beside them for steps of many rows (layers/quant.py ``add_dense_copies``)."""
+    with int8_on_load(quantization == "int8"):
         for module in model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
                 heap.trim()  # a packed or quantized weight's transients: not kept resident (platform/heap.py)
+    add_dense_copies(model, dtype, quantization)
     model.eval()
 
 

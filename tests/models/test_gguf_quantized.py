@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
 from pagedllm.errors import ValidationError
 from pagedllm.layers.quant import QuantWeight, int8_rows
 from tests.utils import end_levels, save_tiny_model
@@ -161,6 +162,95 @@ def test_quantized_stack_equals_the_layers(kernels, quantized: dict[str, Path], 
         assert [(piece.type_name, piece.packed) for _, piece in sorted(qkv.quant.pieces.items())] == \
             [("Q4_K", True), ("Q6_K", True)]
     assert_stack_equals_the_layers(llm)
+
+
+@pytest.fixture
+def dense_copies(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """PAGEDLLM_DENSE_COPY=1 for the test (the switches are read once: cleared before and after)."""
+    from pagedllm import platform
+
+    monkeypatch.setenv("PAGEDLLM_DENSE_COPY", "1")
+    platform.switches.cache_clear()
+    yield
+    monkeypatch.undo()
+    platform.switches.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K_M"])
+def test_dense_copies_run_the_steps_of_many_rows(kernels, dense_copies, quantized: dict[str, Path],
+                                                 q4_k_m_256: Path, name: str) -> None:
+    """PAGEDLLM_DENSE_COPY=1: every weight kept quantized gets a bf16 copy of what its rows decode to; steps of more
+    than DENSE_ROWS rows run on the copies (the stack only the others), steps of fewer on the quantized kernels; the
+    logits of both stay within 5% of the file dequantized; the weights' bytes count the copies, as the
+    fits-in-memory estimate does."""
+    from pagedllm.engine.llm_engine import create_engine_config
+    from pagedllm.layers import prepack, quant
+    from pagedllm.models.cpu_stack import CpuDecoderStack
+    from pagedllm.worker import memory_fit
+
+    path = q4_k_m_256 if name == "Q4_K_M" else quantized[name]
+    seq = torch.randint(4, 319, (66,), generator=torch.Generator().manual_seed(5)).tolist()
+    schedule = [[60]] + [[1]] * 6
+    want = paged_logits(path, [seq], schedule, quantization=None)[0]
+    dense_rows, kernel_rows = [], []
+    plain, onednn, quantized_linear = prepack._plain_linear, prepack._onednn, prepack.quant_linear
+    with pytest.MonkeyPatch.context() as spy:  # the copy: oneDNN's layout where oneDNN runs bf16, else plain
+        spy.setattr(prepack, "_plain_linear", lambda w, x, b: dense_rows.append(x.shape[0]) or plain(w, x, b))
+        spy.setattr(prepack, "_onednn", lambda w, x, b: dense_rows.append(x.shape[0]) or onednn(w, x, b))
+        spy.setattr(prepack, "quant_linear", lambda x, q, b=None: kernel_rows.append(x.shape[0]) or
+                    quantized_linear(x, q, b))
+        got = paged_logits(path, [seq], schedule, dtype="bfloat16", quantization="gguf")[0]
+    assert set(dense_rows) == {60} and set(kernel_rows) == {1}, (dense_rows, kernel_rows)
+    assert (got - want).abs().max() / want.abs().max() < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+    llm = LLM(str(path), quantization="gguf", dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+    weights = quant.kept_weights(model)
+    assert len(weights) == 2 * 4 + 2 and all(q.dense is not None for q in weights)  # 2 layers, embedding, head
+    for q in weights:  # the copy's rows in the weight's order: the kernels' products match the copy's
+        x = torch.randn(quant.DENSE_ROWS + 1, q.cols, generator=torch.Generator().manual_seed(q.rows)).bfloat16()
+        on_copy = prepack.matmul_for(None, q)(x).float()
+        assert (quant.quant_linear(x, q).float() - on_copy).abs().max() < 0.05 * on_copy.abs().max()
+    held = llm.llm_engine.rank_memory_usage()[0]["weights_bytes"]
+    config, arch = create_engine_config(EngineArgs(model=str(path), quantization="gguf", dtype="bfloat16",
+                                                   num_kv_blocks=64))
+    assert memory_fit.estimate_weight_bytes(str(path), arch, config).final == held
+    assert held > sum(q.dense.numel() * 2 for q in weights)
+    if model.model._stack is False:  # built at the first step, unless warm-up ran one
+        model.model._stack = CpuDecoderStack.build(model.model)
+    stack = model.model._stack
+    assert stack is not None and stack.max_rows == quant.DENSE_ROWS
+    served: list[int] = []
+    run = stack.run
+    stack.run = lambda hidden, positions: served.append(hidden.shape[0]) or run(hidden, positions)
+    assert_stack_equals_the_layers(llm)
+    assert served and max(served) <= quant.DENSE_ROWS, served  # the decodes in the stack, the 60-row step not
+
+
+def test_dense_copies_by_default_only_for_small_bf16_gguf_models_on_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGEDLLM_DENSE_COPY=auto (the default): copies at the amx level for a bf16 GGUF model whose copies take at
+    most 1 GiB, nowhere else; "0" never, "1" always."""
+    from pagedllm import platform
+    from pagedllm.layers.quant import DENSE_AUTO_BYTES, wants_dense
+
+    bf16, gguf = torch.bfloat16, "gguf"
+    try:
+        monkeypatch.delenv("PAGEDLLM_DENSE_COPY", raising=False)
+        platform.switches.cache_clear()
+        assert wants_dense(True, bf16, gguf, DENSE_AUTO_BYTES)
+        assert not wants_dense(True, bf16, gguf, DENSE_AUTO_BYTES + 1)
+        assert not wants_dense(False, bf16, gguf, 1 << 20)  # no AMX tiles
+        assert not wants_dense(True, torch.float32, gguf, 1 << 20)
+        assert not wants_dense(True, bf16, "int8", 1 << 20)
+        for mode, want in (("0", False), ("1", True)):
+            monkeypatch.setenv("PAGEDLLM_DENSE_COPY", mode)
+            platform.switches.cache_clear()
+            assert wants_dense(True, bf16, gguf, 1 << 20) is want
+            assert wants_dense(False, torch.float32, "int8", 1 << 40) is want
+    finally:
+        monkeypatch.undo()
+        platform.switches.cache_clear()
 
 
 def test_portable_level_dequantizes(quantized: dict[str, Path]) -> None:
