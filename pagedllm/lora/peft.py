@@ -76,6 +76,11 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+_RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq")
+"""init_lora_weights values whose training starts from a changed base model (the principal part moved into the
+adapter, or the base quantized): run over the original base, such an adapter gives wrong outputs, silently."""
+
+
 def read_config(lora: LoRARequest, max_rank: int) -> tuple[int, float]:
     """(rank, scaling) from adapter_config.json, refusing what we cannot run exactly."""
     path = os.path.join(lora.lora_path, CONFIG_FILE)
@@ -99,6 +104,11 @@ def read_config(lora: LoRARequest, max_rank: int) -> tuple[int, float]:
                    "rank_pattern": bool(config.get("rank_pattern")), "alpha_pattern": bool(config.get("alpha_pattern"))}
     if any(unsupported.values()):
         raise _refuse(lora, f"{[k for k, v in unsupported.items() if v]} are not supported")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_RESIDUAL_INITS):
+        raise _refuse(lora, f"init_lora_weights {init!r} was trained over a base model whose weights it changed "
+                            "(not the one served here); save it with peft's path_initial_model_for_weight_conversion "
+                            "to get a plain LoRA")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     return rank, scaling
 

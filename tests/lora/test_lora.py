@@ -117,13 +117,14 @@ def test_bad_adapters_are_refused_by_name(lora_llm: LLM, tiny_llm_dir: Path, ada
     assert err.value.param == "lora_request" and "max_lora_rank=8" in str(err.value)
     small_engine.shutdown()
     for field, value, why in [("bias", "all", "bias"), ("modules_to_save", ["lm_head"], "modules_to_save"),
-                              ("use_dora", True, "use_dora")]:
-        bad = tmp_path / field
+                              ("use_dora", True, "use_dora"), ("init_lora_weights", "pissa_niter_4", "pissa"),
+                              ("init_lora_weights", "olora", "path_initial_model_for_weight_conversion")]:
+        bad = tmp_path / f"{field}-{value}"
         shutil.copytree(folder, bad)
         config = json.loads((bad / "adapter_config.json").read_text())
         config[field] = value
         (bad / "adapter_config.json").write_text(json.dumps(config))
-        cases.append((LoRARequest(field, 42 + len(cases), str(bad)), why))
+        cases.append((LoRARequest(f"{field}-{len(cases)}", 42 + len(cases), str(bad)), why))
     for lora, why in cases:
         with pytest.raises(ValidationError) as err:
             lora_llm.generate("hi", GREEDY, use_tqdm=False, lora_request=lora)
