@@ -417,9 +417,11 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
               api_keys: list[str], reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None,
               chat_template: str | None = None, limits: ServingLimits | None = None,
-              allow_runtime_lora_updating: bool = False, model_aliases: list[str] | None = None) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, model_aliases: list[str] | None = None,
+              prompt_tokens_details: bool = False) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
-    here (ValidationError if one does not fit)."""
+    here (ValidationError if one does not fit). ``prompt_tokens_details``: chat and completions usage report the
+    prompt's prefix-cache hits (--enable-prompt-tokens-details)."""
     models = OpenAIServingModels(engine, served_model_names, model_aliases)
     models.add_static(lora_modules or [])
     completion = OpenAIServingCompletion(engine, models)
@@ -430,6 +432,7 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     limits = limits or ServingLimits()
     for serving in (completion, chat, pooling):
         serving.limits = limits
+        serving.prompt_tokens_details = prompt_tokens_details
         serving.on_refused = metrics.on_refused
         serving.admission = admission
     store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes, max(1, len(api_keys)))
@@ -486,6 +489,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="split a reasoning model's <think>...</think> into the chat reply's reasoning_content")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="the model's tool-call format, parsed into tool_calls for tool_choice='auto'")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="chat and completions usage blocks report prompt_tokens_details.cached_tokens (the "
+                             "prompt's tokens found in the prefix cache), as vLLM's flag; null without it")
     parser.add_argument("--chat-template", type=read_chat_template, default=None, metavar="FILE",
                         help="a Jinja chat template (a file, or the template itself) used instead of the model's own")
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
@@ -567,7 +573,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         limits = serving_limits(ns)
         app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules,
                         ns.chat_template, limits, allow_runtime_lora_updating=allow_lora_updating,
-                        model_aliases=aliases)
+                        model_aliases=aliases, prompt_tokens_details=ns.enable_prompt_tokens_details)
     except BaseException:
         engine.close()  # an adapter that does not fit: no worker left behind
         raise

@@ -178,13 +178,20 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (their K/V not computed again)."""
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """Chat and completions: set with --enable-prompt-tokens-details (as vLLM), else null."""
     cached_tokens: int = Field(default=0, exclude=True)
-    """Prompt tokens found in the prefix cache: not in chat's JSON (vLLM leaves it out by default); the
-    Responses and Messages APIs report it (cached_tokens, cache_read_input_tokens)."""
+    """Prompt tokens found in the prefix cache: in chat's and completions' JSON only as prompt_tokens_details; the
+    Responses and Messages APIs report it always (cached_tokens, cache_read_input_tokens)."""
 
 
 class CompletionLogprobs(BaseModel):

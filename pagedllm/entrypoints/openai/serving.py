@@ -17,7 +17,8 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.errors import QUOTE_CHARS, ValidationError, quoted
 from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, check_constraint,
                                                check_sampling_limits)
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
+from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingFields,
+                                                  UsageInfo)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob, RequestOutput
@@ -97,6 +98,15 @@ class OpenAIServing:
         self.limits = limits or ServingLimits()
         self.on_refused: Callable[[str], None] = lambda reason: None
         """Told of every request shed here: "overloaded" or "timeout" (the server's metrics)."""
+        self.prompt_tokens_details = False
+        """--enable-prompt-tokens-details: usage blocks carry prompt_tokens_details.cached_tokens."""
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        """``usage_info``, with prompt_tokens_details where the server was started to report them."""
+        usage = usage_info(prompt_tokens, completion_tokens, cached_tokens)
+        if self.prompt_tokens_details:
+            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached_tokens)
+        return usage
 
     def check_limits(self, req: SamplingFields) -> None:
         """The request's sizes against this server's limits (400 naming the field), before anything else."""

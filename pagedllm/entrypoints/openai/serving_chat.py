@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.tool_calls import (ParsedCall, ToolParser, call
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.limits import check_constraint, check_request_tokens, check_tools
 from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamGroup, finite_logprob,
-                                                 merge_streams, sse, usage_info)
+                                                 merge_streams, sse)
 from pagedllm.engine.processor import render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput
@@ -99,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
                                       finish_reason=finish, stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=run.request_id, model=run.model, choices=choices,
-                                      usage=usage_info(run.prompt_tokens, completion, max(out.num_cached_tokens, 0)))
+                                      usage=self.usage(run.prompt_tokens, completion, max(out.num_cached_tokens, 0)))
 
     def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode"
                  ) -> tuple[ChatResponseMessage, str | None]:
@@ -197,14 +197,14 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens, top_n = run.prompt_tokens, run.logprobs
         every_chunk = req.stream_options is not None and req.stream_options.every_chunk
         generated: dict[int, int] = {}  # per choice, its tokens so far (continuous usage)
+        completion_tokens, cached_tokens = 0, 0
 
         def chunk(choice: ChatStreamChoice) -> ChatCompletionStreamResponse:
-            usage = usage_info(prompt_tokens, generated.get(choice.index, 0)) if every_chunk else None
+            usage = self.usage(prompt_tokens, generated.get(choice.index, 0), cached_tokens) if every_chunk else None
             return ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage)
 
         for index in range(req.n):  # the first chunk of each choice names the role
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-        completion_tokens, cached_tokens = 0, 0
         parsers: dict[int, ReasoningStream] = {}
         texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
         async for _, out in merge_streams(streams):
@@ -236,7 +236,7 @@ class OpenAIServingChat(OpenAIServing):
                                           stop_reason=c.stop_reason)
                 yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
-            usage = usage_info(prompt_tokens, completion_tokens, cached_tokens)
+            usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)
             yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
 
 

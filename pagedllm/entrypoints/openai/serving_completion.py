@@ -11,8 +11,7 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, PromptLogprob, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.limits import check_count, check_request_tokens, check_samples
-from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, finite_logprob, merge_streams, sse,
-                                                 usage_info)
+from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, finite_logprob, merge_streams, sse
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams
@@ -153,15 +152,15 @@ class OpenAIServingCompletion(OpenAIServing):
             return default
         return echoed.text_offset[-1] + len(echoed.tokens[-1])
 
-    @staticmethod
-    def _usage(outputs: list[RequestOutput]) -> UsageInfo:
+    def _usage(self, outputs: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        return usage_info(prompt, completion)
+        return self.usage(prompt, completion, sum(max(o.num_cached_tokens, 0) for o in outputs))
 
     async def _stream(self, request_id: str, model: str, req: CompletionRequest, streams: list,
                       echoes: list[str], only_echo: bool = False) -> AsyncIterator[str]:
         prompt_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}  # per prompt, its prefix-cache hits
         completion_tokens = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
@@ -170,6 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_lps: dict[int, CompletionLogprobs | None] = {}  # per prompt: its echoed tokens' logprobs
         async for i, out in merge_streams(streams):
             prompt_tokens[i] = len(out.prompt_token_ids)
+            cached_tokens[i] = max(cached_tokens.get(i, 0), out.num_cached_tokens)
             if req.echo and i not in prompt_lps:  # (they come with a prompt's first output)
                 prompt_lps[i] = self._echo_logprobs(out, req.logprobs)
             for c in out.outputs:
@@ -188,10 +188,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     offsets[index] = self._end(lp, start)
                 choice = CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason)
-                usage = usage_info(prompt_tokens[i], generated[index]) if every_chunk else None
+                usage = self.usage(prompt_tokens[i], generated[index], cached_tokens[i]) if every_chunk else None
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage))
         if req.stream_options and req.stream_options.include_usage:
-            usage = usage_info(sum(prompt_tokens.values()), completion_tokens)
+            usage = self.usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
             yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         yield SSE_DONE
 

@@ -1,6 +1,7 @@
 """The official `openai` client against our server: completions, chat, streaming, n, logprobs, stop, seed."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -238,3 +239,33 @@ def test_multi_turn_appending_the_sdks_own_messages(client: openai.OpenAI, token
     with pytest.raises(openai.BadRequestError) as e:  # a spoken reply's id: this server has no audio to refer to
         client.chat.completions.create(messages=[plain[0], {**plain[1], "audio": {"id": "audio_1"}}], **args)
     assert e.value.status_code == 400 and e.value.body["param"] == "messages[1].audio"
+
+
+def test_prompt_tokens_details_report_prefix_cache_hits(client: openai.OpenAI, tiny_llm_dir: Path) -> None:
+    """As vLLM: usage.prompt_tokens_details is null by default; with --enable-prompt-tokens-details, chat and
+    completions, whole and streamed, report the prompt's tokens found in the prefix cache (none the first time,
+    some of them once the same prompt ran)."""
+    from tests.utils import RemoteServer
+
+    prompt = "one two three four five six seven eight nine ten " * 8
+    messages = [{"role": "user", "content": prompt}]
+    args = dict(model=MODEL, max_tokens=2)
+    assert client.completions.create(prompt=prompt, **args).usage.prompt_tokens_details is None
+    assert client.chat.completions.create(messages=messages, **args).usage.prompt_tokens_details is None
+    srv = RemoteServer(tiny_llm_dir, "--served-model-name", MODEL, "--enable-prompt-tokens-details")
+    try:
+        c = srv.get_client()
+        first = c.completions.create(prompt=prompt, **args).usage
+        assert first.prompt_tokens_details is not None and first.prompt_tokens_details.cached_tokens == 0
+        again = c.completions.create(prompt=prompt, **args).usage
+        assert 0 < again.prompt_tokens_details.cached_tokens < again.prompt_tokens
+        c.chat.completions.create(messages=messages, **args)
+        chat = c.chat.completions.create(messages=messages, **args).usage
+        assert 0 < chat.prompt_tokens_details.cached_tokens < chat.prompt_tokens
+        with_usage = dict(stream=True, stream_options={"include_usage": True}, **args)
+        for stream in (c.completions.create(prompt=prompt, **with_usage),
+                       c.chat.completions.create(messages=messages, **with_usage)):
+            usage = [chunk.usage for chunk in stream][-1]
+            assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    finally:
+        srv.stop()
