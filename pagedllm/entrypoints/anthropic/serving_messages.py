@@ -86,15 +86,20 @@ class AnthropicServingMessages:
             "tools": _chat_tools(req.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
             "stream": req.stream, "response_format": _response_format(req.output_config)}
         if req.stream:
-            fields["stream_options"] = {"include_usage": True}
+            fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}  # cache hits early
         return chat_request(fields, PARAM_NAMES)
 
     async def _events(self, run: Any, chat_req: ChatCompletionRequest, message_id: str) -> AsyncIterator[str]:
-        """message_start, a content_block_start / _delta... / _stop per block, message_delta, message_stop."""
-        start = {"id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
-                 "stop_reason": None, "stop_sequence": None,
-                 "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens))}
-        yield _event("message_start", message=start)
+        """message_start, a content_block_start / _delta... / _stop per block, message_delta, message_stop.
+        message_start waits for the first piece of the reply: its usage then knows the prompt's cache reads."""
+
+        def begin(cached: int) -> str:
+            start = {"id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
+                     "stop_reason": None, "stop_sequence": None,
+                     "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens, cached_tokens=cached))}
+            return _event("message_start", message=start)
+
+        started = False
         index, open_kind = -1, None  # the block being written: "thinking" or "text"
         finish, stop, usage = None, None, None
 
@@ -110,6 +115,11 @@ class AnthropicServingMessages:
                 usage = chunk.usage
                 continue
             choice = chunk.choices[0]
+            if not started:
+                if choice.delta.role is not None and not choice.delta.content and choice.finish_reason is None:
+                    continue  # the chat stream's opening role chunk: nothing of the reply yet
+                started = True
+                yield begin(chunk.usage.cached_tokens if chunk.usage is not None else 0)
             if choice.finish_reason is not None:
                 finish, stop = choice.finish_reason, choice.stop_reason
             delta = choice.delta
@@ -135,6 +145,8 @@ class AnthropicServingMessages:
                 yield _event("content_block_delta", index=index,
                              delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
                 yield _event("content_block_stop", index=index)
+        if not started:
+            yield begin(usage.cached_tokens if usage is not None else 0)
         for event in close():
             yield event
         reason, sequence = _stop_reason(finish, stop)
@@ -158,10 +170,12 @@ def _error_events(error: ErrorInfo) -> list[str]:
 
 
 def _usage(usage: UsageInfo) -> dict[str, int]:
-    """Anthropic's usage. input_tokens is the whole prompt (as count_tokens says), so no token is also counted
-    as a cache read or write: the cache fields are 0 (Anthropic's input_tokens excludes the cached ones)."""
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    """Anthropic's usage: the prompt's tokens found in the prefix cache are cache_read_input_tokens, the others
+    input_tokens (Anthropic's input_tokens leaves the cached ones out: the two add up to count_tokens' figure);
+    nothing is written on request (cache_control), so cache_creation_input_tokens is 0."""
+    cached = min(max(usage.cached_tokens, 0), usage.prompt_tokens)
+    return {"input_tokens": usage.prompt_tokens - cached, "output_tokens": usage.completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _stop_reason(finish: str | None, stop: int | str | None) -> tuple[str | None, str | None]:

@@ -44,7 +44,7 @@ def test_create_is_the_chat_reply(client: anthropic.Anthropic, oai: openai.OpenA
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}])
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_") and m.model == MODEL
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat.choices[0].message.content
-    assert m.usage.input_tokens == chat.usage.prompt_tokens
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
     assert m.usage.output_tokens == chat.usage.completion_tokens
     assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
     assert m.stop_sequence is None
@@ -98,7 +98,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) ->
     chat = oai.chat.completions.create(model=MODEL, max_completion_tokens=8, extra_body=NOISELESS, tools=[CHAT_TOOL],
                                        messages=chat_messages)
     assert second.content[0].text == chat.choices[0].message.content
-    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == chat.usage.prompt_tokens
     with client.messages.stream(model=MODEL, max_tokens=80, extra_body=NOISELESS, messages=[ASK], tools=[TOOL],
                                 tool_choice={"type": "tool", "name": "get_weather",
                                              "disable_parallel_tool_use": True}) as stream:
@@ -122,11 +122,20 @@ def test_output_config_format_and_parse(client: anthropic.Anthropic) -> None:
     assert isinstance(parsed.parsed_output, City)
 
 
-def test_count_tokens(client: anthropic.Anthropic) -> None:
-    kwargs = dict(model=MODEL, system="Be brief.", messages=[ASK], tools=[TOOL])
+def test_count_tokens_and_cache_reads(client: anthropic.Anthropic) -> None:
+    """count_tokens is the whole prompt; a reply's usage splits it as Anthropic does: the tokens found in the prefix
+    cache are cache_read_input_tokens (some, once the same prompt ran: whole and streamed), the rest input_tokens."""
+    kwargs = dict(model=MODEL, system="Be brief. " * 20, messages=[ASK], tools=[TOOL])
     counted = client.messages.count_tokens(**kwargs)
-    m = client.messages.create(max_tokens=1, **kwargs)
-    assert counted.input_tokens == m.usage.input_tokens > 0
+    first = client.messages.create(max_tokens=1, **kwargs).usage
+    assert counted.input_tokens == first.input_tokens + first.cache_read_input_tokens > 0
+    again = client.messages.create(max_tokens=1, **kwargs).usage
+    assert again.cache_read_input_tokens > 0 and again.input_tokens > 0 and again.cache_creation_input_tokens == 0
+    assert again.input_tokens + again.cache_read_input_tokens == counted.input_tokens
+    with client.messages.stream(max_tokens=1, **kwargs) as stream:
+        streamed = stream.get_final_message().usage
+    assert streamed.cache_read_input_tokens > 0
+    assert streamed.input_tokens + streamed.cache_read_input_tokens == counted.input_tokens
 
 
 @pytest.mark.parametrize("fields, fragment", [
