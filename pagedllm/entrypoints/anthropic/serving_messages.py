@@ -86,20 +86,17 @@ class AnthropicServingMessages:
             "tools": _chat_tools(req.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
             "stream": req.stream, "response_format": _response_format(req.output_config)}
         if req.stream:
-            fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}  # cache hits early
+            fields["stream_options"] = {"include_usage": True}
         return chat_request(fields, PARAM_NAMES)
 
     async def _events(self, run: Any, chat_req: ChatCompletionRequest, message_id: str) -> AsyncIterator[str]:
         """message_start, a content_block_start / _delta... / _stop per block, message_delta, message_stop.
-        message_start waits for the first piece of the reply: its usage then knows the prompt's cache reads."""
-
-        def begin(cached: int) -> str:
-            start = {"id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
-                     "stop_reason": None, "stop_sequence": None,
-                     "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens, cached_tokens=cached))}
-            return _event("message_start", message=start)
-
-        started = False
+        message_start goes before the prompt is scheduled, when its cache reads are not known: its usage counts the
+        whole prompt as input_tokens; message_delta's (cumulative, as Anthropic's) splits it."""
+        start = {"id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
+                 "stop_reason": None, "stop_sequence": None,
+                 "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens))}
+        yield _event("message_start", message=start)
         index, open_kind = -1, None  # the block being written: "thinking" or "text"
         finish, stop, usage = None, None, None
 
@@ -115,11 +112,6 @@ class AnthropicServingMessages:
                 usage = chunk.usage
                 continue
             choice = chunk.choices[0]
-            if not started:
-                if choice.delta.role is not None and not choice.delta.content and choice.finish_reason is None:
-                    continue  # the chat stream's opening role chunk: nothing of the reply yet
-                started = True
-                yield begin(chunk.usage.cached_tokens if chunk.usage is not None else 0)
             if choice.finish_reason is not None:
                 finish, stop = choice.finish_reason, choice.stop_reason
             delta = choice.delta
@@ -145,8 +137,6 @@ class AnthropicServingMessages:
                 yield _event("content_block_delta", index=index,
                              delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
                 yield _event("content_block_stop", index=index)
-        if not started:
-            yield begin(usage.cached_tokens if usage is not None else 0)
         for event in close():
             yield event
         reason, sequence = _stop_reason(finish, stop)

@@ -70,13 +70,17 @@ def test_stream_events_and_helper(client: anthropic.Anthropic) -> None:
     assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * len(deltas),
                      "content_block_stop", "message_delta", "message_stop"] and deltas
     assert "".join(deltas) == whole.content[0].text
-    assert events[0].message.usage.input_tokens == whole.usage.input_tokens
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens  # (cache reads: once the prompt ran)
+    assert events[0].message.usage.input_tokens == prompt  # before scheduling: the whole prompt, no reads known
     assert events[-2].delta.stop_reason == whole.stop_reason
     assert events[-2].usage.output_tokens == whole.usage.output_tokens
+    assert events[-2].usage.input_tokens + events[-2].usage.cache_read_input_tokens == prompt  # the split, cumulative
     with client.messages.stream(**kwargs) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert text == final.content[0].text == whole.content[0].text and final.usage == whole.usage
+    assert text == final.content[0].text == whole.content[0].text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt
     assert final.stop_reason == whole.stop_reason
 
 
