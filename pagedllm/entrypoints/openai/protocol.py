@@ -97,6 +97,9 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None
     """vLLM's extra: the prompt tokens' log-probabilities (and the top-N) in each choice."""
     length_penalty: float = 1.0
+    return_token_ids: StrictBool | None = None
+    """vLLM's extra: each choice carries its prompt's token ids and the ids it generated (prompt_token_ids,
+    token_ids; streamed: the prompt's in a choice's first chunk, each chunk's new ids)."""
 
 
 class ContentPart(OpenAIModel):
@@ -176,6 +179,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = None
     add_generation_prompt: StrictBool = True
+    return_token_ids: StrictBool | None = None
+    """vLLM's extra: the reply carries the rendered conversation's token ids (prompt_token_ids) and each choice
+    the ids it generated (token_ids; streamed: the prompt's in the first chunk, each chunk's new ids)."""
 
 
 class PromptTokensDetails(BaseModel):
@@ -215,6 +221,10 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     """vLLM's shape: per prompt position (None first), token id -> its log-probability."""
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the prompt's token ids (streamed: in the choice's first chunk)."""
+    token_ids: list[int] | None = None
+    """With return_token_ids: the token ids generated (streamed: this chunk's)."""
 
 
 class CompletionResponse(BaseModel):
@@ -267,6 +277,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With return_token_ids: the token ids generated."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -276,6 +288,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the rendered conversation's token ids."""
 
 
 class DeltaMessage(BaseModel):
@@ -291,6 +305,8 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With return_token_ids: the token ids this chunk adds."""
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -300,6 +316,8 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the rendered conversation's token ids, in the first chunk."""
 
 
 class ModelCard(BaseModel):

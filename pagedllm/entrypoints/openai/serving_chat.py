@@ -84,7 +84,8 @@ class OpenAIServingChat(OpenAIServing):
                                      raw)
         if streams is None:
             return None
-        return ChatRun(request_id, model, streams, tools, len(prompt_ids), logprobs)
+        return ChatRun(request_id, model, streams, tools, len(prompt_ids), logprobs,
+                       list(prompt_ids) if req.return_token_ids else None)
 
     async def response(self, run: "ChatRun", raw: Request) -> ChatCompletionResponse | None:
         """The finished reply of a queued request (None: the client disconnected first)."""
@@ -96,10 +97,12 @@ class OpenAIServingChat(OpenAIServing):
         for c in out.outputs:
             message, finish = self._message(c.text, c.finish_reason, run.tools)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, run.logprobs),
-                                      finish_reason=finish, stop_reason=c.stop_reason))
+                                      finish_reason=finish, stop_reason=c.stop_reason,
+                                      token_ids=None if run.prompt_ids is None else list(c.token_ids)))
         completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=run.request_id, model=run.model, choices=choices,
-                                      usage=self.usage(run.prompt_tokens, completion, max(out.num_cached_tokens, 0)))
+                                      usage=self.usage(run.prompt_tokens, completion, max(out.num_cached_tokens, 0)),
+                                      prompt_token_ids=run.prompt_ids)
 
     def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode"
                  ) -> tuple[ChatResponseMessage, str | None]:
@@ -203,10 +206,15 @@ class OpenAIServingChat(OpenAIServing):
             usage = self.usage(prompt_tokens, generated.get(choice.index, 0), cached_tokens) if every_chunk else None
             return ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice], usage=usage)
 
-        for index in range(req.n):  # the first chunk of each choice names the role
-            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        ids = run.prompt_ids is not None  # return_token_ids
+        for index in range(req.n):  # the first chunk of each choice names the role (the very first: the prompt ids)
+            first = chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
+                                           token_ids=[] if ids else None))
+            first.prompt_token_ids = run.prompt_ids if index == 0 else None
+            yield first
         parsers: dict[int, ReasoningStream] = {}
         texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
+        held: dict[int, list[int]] = {}  # per choice, its token ids so far (tool calling sends them whole)
         async for _, out in merge_streams(streams):
             prompt_tokens = len(out.prompt_token_ids)
             cached_tokens = max(cached_tokens, out.num_cached_tokens)
@@ -215,6 +223,7 @@ class OpenAIServingChat(OpenAIServing):
                 generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
                 if tools.active:  # tool calls are known once the reply is: it is sent whole, at its end
                     texts[c.index] = texts.get(c.index, "") + c.text
+                    held.setdefault(c.index, []).extend(c.token_ids)
                     if c.finish_reason is None:
                         continue
                     message, finish = self._message(texts[c.index], c.finish_reason, tools)
@@ -222,7 +231,7 @@ class OpenAIServingChat(OpenAIServing):
                              enumerate(message.tool_calls)]
                     choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(
                         content=message.content, reasoning_content=message.reasoning_content, tool_calls=calls or None),
-                        finish_reason=finish, stop_reason=c.stop_reason)
+                        finish_reason=finish, stop_reason=c.stop_reason, token_ids=held[c.index] if ids else None)
                     yield chunk(choice)
                     continue
                 if self.reasoning_parser is None:
@@ -233,7 +242,7 @@ class OpenAIServingChat(OpenAIServing):
                     delta = DeltaMessage(content=piece.content, reasoning_content=piece.reasoning)
                 choice = ChatStreamChoice(index=c.index, delta=delta,
                                           logprobs=self._logprobs(c, top_n), finish_reason=c.finish_reason,
-                                          stop_reason=c.stop_reason)
+                                          stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None)
                 yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
             usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)
@@ -259,6 +268,8 @@ class ChatRun:
     prompt_tokens: int
     logprobs: int | None
     """How many top alternatives each token's logprobs list (None: no logprobs)."""
+    prompt_ids: list[int] | None = None
+    """return_token_ids: the rendered conversation's token ids (None: not asked for)."""
 
 
 @dataclass

@@ -60,7 +60,8 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None if req.use_beam_search else req.logprobs
         choices = [self._choice(i * req.n + c.index, _without_generation(c) if only_echo else c, echoes[i], logprobs,
                                 getattr(out, "prompt_logprobs", None) if req.prompt_logprobs is not None else None,
-                                self._echo_logprobs(out, logprobs) if req.echo else None)
+                                self._echo_logprobs(out, logprobs) if req.echo else None,
+                                out.prompt_token_ids if req.return_token_ids else None)
                    for i, out in enumerate(outputs) for c in out.outputs]
         usage = self._usage(outputs)
         return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump())
@@ -99,14 +100,18 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt["prompt_token_ids"])
 
     def _choice(self, index: int, c: CompletionOutput, echo: str, logprobs: int | None,
-                prompt_logprobs: list | None = None, echoed: CompletionLogprobs | None = None) -> CompletionChoice:
+                prompt_logprobs: list | None = None, echoed: CompletionLogprobs | None = None,
+                prompt_ids: list[int] | None = None) -> CompletionChoice:
+        """One finished choice; ``prompt_ids`` (return_token_ids): its prompt's and its own token ids added."""
         lp = None if c.logprobs is None else self._logprobs(c, self._end(echoed, len(echo)), logprobs or 0, echoed)
         scored = None if prompt_logprobs is None else [
             None if entry is None else {t: PromptLogprob(logprob=finite_logprob(e.logprob), rank=e.rank,
                                                          decoded_token=e.decoded_token)
                                         for t, e in entry.items()} for entry in prompt_logprobs]
         return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason, prompt_logprobs=scored)
+                                stop_reason=c.stop_reason, prompt_logprobs=scored,
+                                prompt_token_ids=None if prompt_ids is None else list(prompt_ids),
+                                token_ids=None if prompt_ids is None else list(c.token_ids))
 
     def _logprobs(self, c: CompletionOutput, offset: int, top_n: int,
                   before: CompletionLogprobs | None = None) -> CompletionLogprobs:
@@ -188,6 +193,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     offsets[index] = self._end(lp, start)
                 choice = CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason)
+                if req.return_token_ids:  # the prompt's ids with a choice's first chunk, then each chunk's own
+                    choice.prompt_token_ids = list(out.prompt_token_ids) if first else None
+                    choice.token_ids = list(c.token_ids)
                 usage = self.usage(prompt_tokens[i], generated[index], cached_tokens[i]) if every_chunk else None
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage))
         if req.stream_options and req.stream_options.include_usage:

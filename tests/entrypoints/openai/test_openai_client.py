@@ -269,3 +269,30 @@ def test_prompt_tokens_details_report_prefix_cache_hits(client: openai.OpenAI, t
             assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
     finally:
         srv.stop()
+
+
+def test_return_token_ids(client: openai.OpenAI) -> None:
+    """vLLM's return_token_ids (RL and agent frameworks): completions give each choice its prompt's ids and the ids
+    it generated, chat the conversation's ids beside the choices'; streamed, the prompt's come with the first
+    chunk and every chunk carries its new ids, which add up to the whole reply's; without it, both are null."""
+    args = dict(model=MODEL, max_tokens=5, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(prompt="The capital of France is", **args)
+    choice = whole.choices[0]
+    assert len(choice.prompt_token_ids) == whole.usage.prompt_tokens
+    assert len(choice.token_ids) == whole.usage.completion_tokens == 5
+    chunks = list(client.completions.create(prompt="The capital of France is", stream=True, **args))
+    assert chunks[0].choices[0].prompt_token_ids == choice.prompt_token_ids
+    assert all(c.choices[0].prompt_token_ids is None for c in chunks[1:])
+    assert sum((c.choices[0].token_ids for c in chunks), []) == choice.token_ids
+    messages = [{"role": "user", "content": "Say hi."}]
+    reply = client.chat.completions.create(messages=messages, **args)
+    assert len(reply.prompt_token_ids) == reply.usage.prompt_tokens
+    assert len(reply.choices[0].token_ids) == reply.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **args))
+    assert chunks[0].prompt_token_ids == reply.prompt_token_ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    assert sum((c.choices[0].token_ids for c in chunks), []) == reply.choices[0].token_ids
+    plain = client.chat.completions.create(messages=messages, model=MODEL, max_tokens=2)
+    assert plain.prompt_token_ids is None and plain.choices[0].token_ids is None
+    plain = client.completions.create(prompt="x", model=MODEL, max_tokens=2)
+    assert plain.choices[0].prompt_token_ids is None and plain.choices[0].token_ids is None
