@@ -56,7 +56,7 @@ def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, max_len: int
     model = get_model_class(arch)(arch, dtype, max_len)
     model.load_weights(iter_weights(str(path), arch))
     bind_ops(model, torch.device("cpu"))
-    _process_weights(model, False)
+    _process_weights(model, dtype, None)
     return model
 
 
