@@ -188,11 +188,7 @@ def _quantized(quant: QuantWeight, x: torch.Tensor, bias: torch.Tensor | None = 
     (``add_dense_copies``: there oneDNN's AMX tiles beat the int8 dot products)."""
     dense = quant.dense
     if dense is not None and x.numel() > DENSE_ROWS * x.shape[-1] and x.dtype == dense.dtype:
-        if dense.is_mkldnn:
-            return _onednn(dense, x, bias)
-        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
-        out = _plain_linear(dense, x2, bias)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)
+        return (_onednn if dense.is_mkldnn else _plain_linear)(dense, x, bias)
     return quant_linear(x, quant, bias)
 
 
@@ -200,15 +196,15 @@ _DENSE_SLICE_ROWS = 4096
 """Rows dequantized at a time by ``add_dense_copies`` (bounds its temporaries)."""
 
 
-def add_dense_copies(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None) -> int:
+def add_dense_copies(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None) -> None:
     """After the weights are processed: beside every weight kept quantized, a dense copy where ``wants_dense`` says
     so (in oneDNN's packed layout for bf16 where oneDNN runs, else plain), decoded by the kernels' own decoder (the
-    values the quantized kernels read). Returns the copies' bytes (0: none made)."""
+    values the quantized kernels read)."""
     weights = kept_weights(model)
     nbytes = sum(q.rows * q.cols for q in weights) * dtype.itemsize
     if not weights or not wants_dense(any(q.kernels is not None and q.kernels.amx for q in weights), dtype,
                                       quantization, nbytes):
-        return 0
+        return
     for quant in weights:
         kernels = quant.kernels
         assert kernels is not None
@@ -219,7 +215,6 @@ def add_dense_copies(model: torch.nn.Module, dtype: torch.dtype, quantization: s
                 dense[offset + start:offset + start + len(ids)] = kernels.qrows(piece, ids, dtype)
         packed = dtype == torch.bfloat16 and _onednn_available()  # 1.2-1.6x F.linear at 48-128 rows (plain)
         quant.dense = torch.ops.mkldnn._reorder_linear_weight(dense) if packed else dense
-    return nbytes
 
 
 def _ours(gemm: Callable[..., torch.Tensor], data: torch.Tensor, out_features: int, x: torch.Tensor,
@@ -245,33 +240,33 @@ def _amx(ops: CpuKernels, weight: torch.Tensor, x: torch.Tensor, bias: torch.Ten
     """Up to AMX_GEMM_ROWS rows on AMX tiles over the plain weight (a decode step: the weight streamed once, in
     order; 1.2-1.35x oneDNN's prepacked matmul at 1-32 rows on 2 Xeon cores), more through F.linear (oneDNN,
     the row count rounded as ``onednn_rows`` rounds it)."""
+    rows = x.numel() // x.shape[-1]
+    if not 0 < rows <= AMX_GEMM_ROWS:
+        return _plain_linear(weight, x, bias)
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
-    rows = x2.shape[0]
-    if 0 < rows <= AMX_GEMM_ROWS:
-        out = torch.empty(rows, weight.shape[0], dtype=x2.dtype)  # (rows, out)
-        ops.amx_gemm(x2, weight, out)
-        if bias is not None:
-            out += bias
-    else:
-        out = _plain_linear(weight, x2, bias)
+    out = torch.empty(rows, weight.shape[0], dtype=x2.dtype)  # (rows, out)
+    ops.amx_gemm(x2, weight, out)
+    if bias is not None:
+        out += bias
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)
 
 
-def _plain_linear(weight: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2 (rows, in) W^T + b by F.linear over the plain weight (oneDNN packs it per call), the row count rounded as
-    ``onednn_rows`` rounds it."""
-    rows = x2.shape[0]
-    padded = onednn_rows(rows)
-    if padded != rows:  # zero rows to a cached shape, as for the prepacked weight
-        x2 = torch.nn.functional.pad(x2, (0, 0, 0, padded - rows))
-    return torch.nn.functional.linear(x2, weight, bias)[:rows]
+def _plain_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b by F.linear over the plain weight (oneDNN packs it per call), rows rounded as ``_onednn`` rounds
+    them."""
+    return _rounded(x, lambda x2: torch.nn.functional.linear(x2, weight, bias))
 
 
 def _onednn(data: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _rounded(x, lambda x2: torch.ops.mkldnn._linear_pointwise(x2, data, bias, "none", [], ""))
+
+
+def _rounded(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``product`` of x's rows, handed to oneDNN as ``onednn_rows`` of them (a cached shape)."""
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()  # (rows, in)
     rows = x2.shape[0]
     padded = onednn_rows(rows)
     if padded != rows:  # zero rows to a cached shape; their outputs are dropped (each row's product is its own)
         x2 = torch.nn.functional.pad(x2, (0, 0, 0, padded - rows))
-    out = torch.ops.mkldnn._linear_pointwise(x2, data, bias, "none", [], "")[:rows]
+    out = product(x2)[:rows]
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (..., out)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm import platform
 from pagedllm.layers.cpu_ops import CpuKernels, fused_ops
 
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -215,8 +216,6 @@ def wants_dense(amx: bool, dtype: torch.dtype, quantization: str | None, nbytes:
     "0" never, "auto" where the kernels run AMX tiles (``amx``: the amx level) for a bf16 GGUF model whose copies
     take at most DENSE_AUTO_BYTES (there AMX tiles beat the int8 dot products once a step has more than DENSE_ROWS
     rows; without them, the quantized kernels win every step: docs/BENCHMARKS.md)."""
-    from pagedllm import platform
-
     mode = platform.switches().dense_copy
     if mode != "auto":
         return mode == "1"

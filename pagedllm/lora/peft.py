@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError
 
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, quoted
 from pagedllm.lora_request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
@@ -106,7 +106,7 @@ def read_config(lora: LoRARequest, max_rank: int) -> tuple[int, float]:
         raise _refuse(lora, f"{[k for k, v in unsupported.items() if v]} are not supported")
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_RESIDUAL_INITS):
-        raise _refuse(lora, f"init_lora_weights {init!r} was trained over a base model whose weights it changed "
+        raise _refuse(lora, f"init_lora_weights {quoted(init)} was trained over a base model whose weights it changed "
                             "(not the one served here); save it with peft's path_initial_model_for_weight_conversion "
                             "to get a plain LoRA")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)

@@ -152,7 +152,6 @@ def check_fits(config: EngineConfig, arch: ArchConfig) -> None:
         "num_kv_blocks), or load a smaller model, dtype or quantized GGUF file", param=param, value=value)
 
 
-
 def _plain_on_amx(weight: torch.Tensor) -> bool:
     """The weight would stay plain for the AMX GEMM at the "amx" level (layers/prepack.py): no packed copy."""
     from pagedllm import platform

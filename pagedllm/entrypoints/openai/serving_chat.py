@@ -210,7 +210,8 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(req.n):  # the first chunk of each choice names the role (the very first: the prompt ids)
             first = chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
                                            token_ids=[] if ids else None))
-            first.prompt_token_ids = run.prompt_ids if index == 0 else None
+            if index == 0:
+                first.prompt_token_ids = run.prompt_ids
             yield first
         parsers: dict[int, ReasoningStream] = {}
         texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
