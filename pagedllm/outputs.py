@@ -25,6 +25,8 @@ class TokenLogprobs:
     sampled_rank: int
     top_token_ids: list[int]
     top_logprobs: list[float]
+    top_ranks: list[int] | None = None
+    """With logprob_token_ids: the rank of each of top_token_ids (those ids, not the top-N; None: their order)."""
 
 
 @dataclass(kw_only=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 import json as _json
 from dataclasses import dataclass, replace
 
@@ -14,6 +15,8 @@ SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 #: |length_penalty| bound: generated_length ** length_penalty stays a finite, non-zero float for any
 #: length up to 2 ** 20 tokens (2 ** (20 * 40) < 1.8e308, the float range).
 MAX_LENGTH_PENALTY = 40.0
+#: Most logprob_token_ids of one request (vLLM's bound).
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -122,6 +125,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Return this many top log-probabilities per generated token (plus the sampled one)."""
     prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    """vLLM's: the log-probabilities of exactly these tokens (and the sampled one) at each generated position,
+    instead of the top ``logprobs`` (which becomes their count); at most MAX_LOGPROB_TOKEN_IDS."""
     """Return this many top log-probabilities per prompt token (plus the prompt token's own); a
     request asking for them computes its whole prompt (no prefix-cache hit)."""
     include_stop_str_in_output: bool = False
@@ -143,6 +149,13 @@ class SamplingParams:
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
     speculate: bool = True
     """With an engine's speculative_config: False opts this request out (it decodes one token per step)."""
+    thinking_token_budget: int | None = None
+    """Most tokens generated inside a reasoning section (after the last reasoning_start_token_ids not yet
+    closed); once spent, reasoning_end_token_ids are forced, one per step (vLLM's name; None or -1: no cap)."""
+    reasoning_start_token_ids: list[int] | None = None
+    """The tokens that open a reasoning section (the server sets them from its --reasoning-parser)."""
+    reasoning_end_token_ids: list[int] | None = None
+    """The tokens that close it, forced when thinking_token_budget is spent."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -190,9 +203,35 @@ class SamplingParams:
             raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+        if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
+            self.thinking_token_budget = None  # vLLM's "unlimited"
+        if self.thinking_token_budget is not None:
+            self._verify_thinking_budget()
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if (not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
+                raise bad("logprob_token_ids", ids, f"a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids")
+            self.logprob_token_ids = list(dict.fromkeys(ids))  # (a repeated id is listed once)
+            self.logprobs = len(self.logprob_token_ids)  # the ids take the place of the top-N
         if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
                                            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise bad("bad_words", self.bad_words, "a list of non-empty strings")
+
+    def _verify_thinking_budget(self) -> None:
+        budget = self.thinking_token_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValidationError.bad_value("thinking_token_budget", budget, "an integer >= 0, or -1 for no cap")
+        for name in ("reasoning_start_token_ids", "reasoning_end_token_ids"):
+            ids = getattr(self, name)
+            if not ids:
+                raise ValidationError("thinking_token_budget needs the tokens that open and close reasoning (a "
+                                      "server started with --reasoning-parser knows them; offline: set "
+                                      "reasoning_start_token_ids and reasoning_end_token_ids)",
+                                      param="thinking_token_budget", value=budget)
+            if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                         for t in ids):
+                raise ValidationError.bad_value(name, ids, "a non-empty list of token ids")
 
     def _verify_ranges(self) -> None:
         bad = ValidationError.bad_value
@@ -269,3 +308,56 @@ class BeamSearchParams:
                       f"{MAX_LENGTH_PENALTY:g}]")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "true or false")
+
+
+def last_index(tokens: list[int], marker: list[int]) -> int:
+    """Where the last occurrence of ``marker`` begins in ``tokens`` (-1: nowhere). Searched as 8-byte words with
+    bytes.rfind: it runs at every step for each row with a thinking budget, over the whole prompt until a marker
+    is found, so the scan is in C (a match must start on a word boundary)."""
+    hay, needle = array("q", tokens).tobytes(), array("q", marker).tobytes()
+    end = len(hay)
+    while (at := hay.rfind(needle, 0, end)) >= 0:
+        if at % 8 == 0:
+            return at // 8
+        end = at + len(needle) - 1  # a match across word boundaries: look further left
+    return -1
+
+
+def thinking_budget_forced_token(tokens: list[int], start: list[int], end: list[int], budget: int) -> int | None:
+    """The token a thinking_token_budget forces after ``tokens`` (prompt + output), or None: inside a reasoning
+    section (its last ``start`` not followed by ``end``) that already holds ``budget`` tokens, the next token of
+    ``end`` (its first, or the one after the part of it the tokens already end with)."""
+    last_start = last_index(tokens, start)
+    if last_start < 0:
+        return None
+    opened = last_start + len(start)
+    last_end = last_index(tokens[opened:], end)
+    if last_end >= 0:
+        return None  # closed (by the model, or by the budget)
+    written = 0  # how much of ``end`` the tokens end with (a forced end in progress)
+    for k in range(min(len(end) - 1, len(tokens) - opened), 0, -1):
+        if tokens[len(tokens) - k:] == end[:k]:
+            written = k
+            break
+    if len(tokens) - opened - written < budget:
+        return None
+    return end[written]
+
+
+def reasoning_token_count(prompt: list[int], output: list[int], start: list[int], end: list[int]) -> int:
+    """How many of ``output``'s tokens lie inside reasoning sections (``start`` ... ``end``, the markers not
+    counted); a prompt that ends inside one (a template that opens the thinking) starts the output inside it."""
+    if not start or not end:
+        return 0
+    opened = last_index(prompt, start)
+    inside = opened >= 0 and last_index(prompt[opened:], end) < 0
+    count, i = 0, 0
+    while i < len(output):
+        for marker, state in ((start, True), (end, False)):
+            if output[i:i + len(marker)] == marker:
+                inside, i = state, i + len(marker)
+                break
+        else:
+            count += inside
+            i += 1
+    return count

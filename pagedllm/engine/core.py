@@ -34,7 +34,7 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import (load_arch_config, load_eos_token_ids, load_tokenizer, matryoshka_dimensions,
                                     quantized_formats, resolve_model_path)
-from pagedllm.models.loader.sentence_transformers import read_sentence_transformers_config
+from pagedllm.models.loader.sentence_transformers import read_sentence_transformers_config, read_task_prompts
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -170,9 +170,14 @@ def _pooling_setup(args: EngineArgs, path: str, arch: ArchConfig) -> _Pooling:
         raise ValidationError.bad_value("tensor_parallel_size", args.tensor_parallel_size,
                                         f"1 for {arch.architecture} (encoders are not split across ranks)")
     base = PoolerConfig(pooling_type=st.pooling_type if st else ("CLS" if encoder else "LAST"),
-                        normalize=st.normalize if st else True, matryoshka_dimensions=matryoshka_dimensions(path))
-    return _Pooling("pooling", convert, PoolerConfig.from_user(base, args.pooler_config),
-                    st.max_seq_length if st else None)
+                        normalize=st.normalize if st else True, matryoshka_dimensions=matryoshka_dimensions(path),
+                        task_prompts=read_task_prompts(path))
+    pooler = PoolerConfig.from_user(base, args.pooler_config)
+    if convert != "embed" and (pooler.enable_chunked_processing or pooler.max_embed_len is not None):
+        name = "enable_chunked_processing" if pooler.enable_chunked_processing else "max_embed_len"
+        raise ValidationError(f"pooler_config.{name} is for embedding models; this one classifies "
+                              f"(convert={convert!r})", param=f"pooler_config.{name}", value=getattr(pooler, name))
+    return _Pooling("pooling", convert, pooler, st.max_seq_length if st else None)
 
 
 def _labels(arch: ArchConfig) -> tuple[str, ...]:

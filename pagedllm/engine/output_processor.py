@@ -28,6 +28,22 @@ class FinishedRequestStats:
     queue_time: float | None
     num_prompt_tokens: int
     num_generation_tokens: int
+    num_cached_tokens: int = 0
+    """Prompt tokens whose K/V came from the prefix cache."""
+    prefill_time: float | None = None
+    """First scheduled to first token (None: no token, or never scheduled)."""
+    decode_time: float | None = None
+    """First token to last token (None: no token)."""
+    inference_time: float | None = None
+    """First scheduled to last token."""
+    time_per_output_token: float | None = None
+    """decode_time over the tokens after the first (0 with one token)."""
+    max_tokens: int | None = None
+    """The request's max_tokens (None: not given, or a pooling request)."""
+    request_n: int | None = None
+    """Set on the last sample of a request to finish: the request's number of samples ..."""
+    request_max_generation_tokens: int | None = None
+    """... and the most tokens one of them generated."""
 
 
 @dataclass
@@ -37,6 +53,10 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    """Prompt tokens of the sequences that got their first token (vLLM's prompt-token count) ..."""
+    num_cached_prompt_tokens: int = 0
+    """... and of those, the ones found in the prefix cache."""
 
 
 @dataclass
@@ -52,6 +72,7 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     last_token_time: float | None = None
+    first_token_time: float | None = None
     sent_text: int = 0
     """DELTA outputs: characters / tokens already handed out, and whether the finish was."""
     sent_tokens: int = 0
@@ -259,8 +280,12 @@ class OutputProcessor:
         previous, seq.last_token_time = seq.last_token_time, now
         metrics.first_token_time = metrics.first_token_time or now
         metrics.last_token_time = now
+        if previous is None:
+            seq.first_token_time = now
         if self.log_stats and previous is None:
             self.iteration_stats.time_to_first_tokens.append(now - metrics.arrival_time)
+            self.iteration_stats.num_prompt_tokens += len(state.prompt_token_ids)
+            self.iteration_stats.num_cached_prompt_tokens += state.num_cached_tokens
         elif self.log_stats:
             self.iteration_stats.inter_token_latencies.append(now - previous)
 
@@ -268,10 +293,22 @@ class OutputProcessor:
         if not self.log_stats:
             return
         first = state.metrics.first_scheduled_time
-        self.iteration_stats.finished.append(FinishedRequestStats(
+        stats = FinishedRequestStats(
             seq.finish_reason, now - state.metrics.arrival_time,
             None if first is None else first - state.metrics.arrival_time,
-            len(state.prompt_token_ids), len(seq.token_ids)))
+            len(state.prompt_token_ids), len(seq.token_ids), state.num_cached_tokens,
+            max_tokens=None if isinstance(state.params, PoolingParams) else state.params.max_tokens)
+        first_token, last_token = seq.first_token_time, seq.last_token_time
+        if first_token is not None and last_token is not None:
+            stats.decode_time = last_token - first_token
+            stats.time_per_output_token = stats.decode_time / (len(seq.token_ids) - 1) \
+                if len(seq.token_ids) > 1 else 0.0
+            if first is not None:
+                stats.prefill_time, stats.inference_time = first_token - first, last_token - first
+        if all(s.finished for s in state.sequences.values()):  # the request's last sample
+            stats.request_n = len(state.sequences)
+            stats.request_max_generation_tokens = max(len(s.token_ids) for s in state.sequences.values())
+        self.iteration_stats.finished.append(stats)
 
     def _prompt_logprobs(self, state: RequestState, scored: list[TokenLogprobs | None]
                          ) -> list[dict[int, Logprob] | None]:
@@ -282,8 +319,9 @@ class OutputProcessor:
 
     def _entry(self, token_id: int, lp: TokenLogprobs, top_n: int) -> dict[int, Logprob]:
         """One position: the top-N tokens and the token itself (with its rank), decoded."""
-        entry = {tid: Logprob(val, rank + 1, self.tokenizer.decode([tid]))
-                 for rank, (tid, val) in enumerate(zip(lp.top_token_ids[:top_n], lp.top_logprobs[:top_n]))}
+        ranks = lp.top_ranks or range(1, top_n + 1)  # (logprob_token_ids: their own ranks; else the top-N's order)
+        entry = {tid: Logprob(val, rank, self.tokenizer.decode([tid]))
+                 for rank, tid, val in zip(ranks, lp.top_token_ids[:top_n], lp.top_logprobs[:top_n])}
         entry.setdefault(token_id, Logprob(lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token_id])))
         return entry
 

@@ -22,21 +22,56 @@ _NO_SAMPLING = SamplingParams(max_tokens=1)
 PromptType = str | dict[str, Any]
 
 
+#: Names a chat_template_kwargs entry may not take: the rendering's own arguments and the template's messages (a
+#: client could otherwise swap the conversation, its tools or the template, or make apply_chat_template tokenize).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "return_assistant_tokens_mask"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """``kwargs`` as the variables a chat template may see (a ValidationError naming ``param`` when it is not a
+    mapping of names, or sets one of RESERVED_TEMPLATE_KWARGS); {} for None."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValidationError.bad_value(param, kwargs, "an object of template variables")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise ValidationError(f"{param} may not set {reserved[0]!r}: it is the request's own field or the "
+                              f"rendering's (reserved: {sorted(RESERVED_TEMPLATE_KWARGS)})", param=param,
+                              value=reserved[0])
+    return dict(kwargs)
+
+
 def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], chat_template: str | None,
-                add_generation_prompt: bool, tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                add_generation_prompt: bool, tools: list[dict] | None = None, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """(prompt text, token ids) of a conversation through ``chat_template`` or the model's own template
     (which sees bos_token and the other special tokens; the text is then encoded without adding them
-    again). ValidationError when there is no template, or the template refuses the messages."""
+    again). ``continue_final_message``: the text ends inside the last message (no end of turn after it), for the
+    model to go on with it; ``template_kwargs``: more variables the template sees (e.g. enable_thinking).
+    ValidationError when there is no template, or the template refuses the messages."""
     from jinja2.exceptions import TemplateError
 
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValidationError("this model has no chat template: pass one (chat_template= in LLM.chat, "
                               "--chat-template FILE for the server) or send plain prompts", param="chat_template")
+    if continue_final_message and add_generation_prompt:
+        raise ValidationError("continue_final_message and add_generation_prompt cannot both be true: set "
+                              "add_generation_prompt to false to continue the last message",
+                              param="continue_final_message")
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **(template_kwargs or {}))
     except TemplateError as e:  # the template itself refuses the conversation (e.g. role order)
         raise ValidationError(f"the chat template refused the messages: {e}", param="messages") from e
+    except ValueError as e:  # continue_final_message: the last message's text is not where the template put it
+        if not continue_final_message:
+            raise
+        raise ValidationError(f"continue_final_message: {e}", param="continue_final_message") from e
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -153,10 +188,14 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
         for name in ("logprobs", "prompt_logprobs"):
+            if name == "logprobs" and params.logprob_token_ids is not None:
+                continue  # (their count: bounded by MAX_LOGPROB_TOKEN_IDS)
             if getattr(params, name) is not None and getattr(params, name) > MAX_LOGPROBS:
                 raise ValidationError.bad_value(name, getattr(params, name), f"<= {MAX_LOGPROBS}")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logprob_token_ids", params.logprob_token_ids or []),
+                          ("reasoning_end_token_ids", params.reasoning_end_token_ids or [])):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValidationError.bad_value(name, bad[0], f"a token id below {self.vocab_size}")

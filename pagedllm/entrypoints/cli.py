@@ -1,4 +1,5 @@
-"""The ``pagedllm`` command: ``generate``, ``serve``, ``models``, ``bench``, ``plan`` and ``build-kernels``."""
+"""The ``pagedllm`` command: ``generate``, ``serve``, ``run-batch``, ``chat``, ``complete``, ``models``, ``bench``,
+``plan`` and ``build-kernels``."""
 from __future__ import annotations
 
 import argparse
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(**SERVE_DEFAULTS)
     serve.set_defaults(func=_serve)
     build_kernels.add_parser(sub)
+    from pagedllm.entrypoints import cli_clients, run_batch
+
+    run_batch.add_parser(sub)
+    cli_clients.add_parsers(sub)
     from pagedllm.entrypoints.bench import plan
 
     plan.add_parser(sub)

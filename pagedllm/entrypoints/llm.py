@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.messages import EngineStats
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.processor import PromptType, render_chat
+from pagedllm.engine.processor import PromptType, check_template_kwargs, render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationOutput, ClassificationRequestOutput,
@@ -76,11 +76,16 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template.
+        ``continue_final_message`` (with add_generation_prompt=False): the model goes on with the last message
+        (an assistant prefill); ``chat_template_kwargs``: more variables for the template (e.g. enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": ids, "prompt": text}
-                   for text, ids in (self._apply_chat_template(c, chat_template, add_generation_prompt)
+                   for text, ids in (self._apply_chat_template(c, chat_template, add_generation_prompt,
+                                                               continue_final_message, chat_template_kwargs)
                                      for c in conversations)]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -115,10 +120,13 @@ class LLM:
         return results
 
     def _apply_chat_template(self, conversation: Conversation, chat_template: str | None,
-                             add_generation_prompt: bool) -> tuple[str, list[int]]:
+                             add_generation_prompt: bool, continue_final_message: bool = False,
+                             template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
         if not conversation or not all(isinstance(m, dict) and "role" in m for m in conversation):
             raise ValidationError.bad_value("messages", conversation, "a non-empty list of {'role', 'content'} dicts")
-        return render_chat(self.get_tokenizer(), conversation, chat_template, add_generation_prompt)
+        return render_chat(self.get_tokenizer(), conversation, chat_template, add_generation_prompt,
+                           continue_final_message=continue_final_message,
+                           template_kwargs=check_template_kwargs(template_kwargs))
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams | PoolingParams], use_tqdm: bool,
              loras: list[LoRARequest | None], order: list[int] | None = None) -> list[Any]:

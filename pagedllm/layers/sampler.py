@@ -52,6 +52,8 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     """Largest top-N asked for by any row; None when no row wants logprobs."""
     wants_logprobs: list[bool] = field(default_factory=list)
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    """Row -> the tokens whose log-probabilities it reports instead of its top-N (logprob_token_ids)."""
 
 
 @dataclass(kw_only=True)
@@ -218,6 +220,12 @@ class Sampler(nn.Module):
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, md: SamplingMetadata) -> list[TokenLogprobs | None]:
         gathered = gather_token_logprobs(raw, sampled, md.max_num_logprobs or 0)
+        for row, token_ids in md.logprob_token_ids.items():  # these tokens instead of the top-N, with their ranks
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=raw.device)
+            values = raw[row, ids]  # (k,)
+            ranks = (raw[row].unsqueeze(0) > values.unsqueeze(1)).sum(dim=1) + 1  # (k, vocab) compared; k <= 128
+            gathered[row].top_token_ids, gathered[row].top_logprobs = list(token_ids), values.tolist()
+            gathered[row].top_ranks = ranks.tolist()
         return [lp if wants else None for lp, wants in zip(gathered, md.wants_logprobs)]
 
 

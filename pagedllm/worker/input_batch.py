@@ -13,7 +13,7 @@ from pagedllm.attention.base import StepInputs
 from pagedllm.layers.sampler import SamplingMetadata
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, thinking_budget_forced_token
 
 
 @dataclass(kw_only=True)
@@ -123,8 +123,10 @@ def build_sampling_metadata(states: list[CachedRequestState], default_generator:
                 raise
             on_fail(s.req_id, "applying the request's logits processors", e)
     if any(p.logprobs is not None for p in params):
-        md.max_num_logprobs = max(p.logprobs or 0 for p in params)
+        md.max_num_logprobs = max((p.logprobs or 0 for p in params if p.logprob_token_ids is None), default=0)
         md.wants_logprobs = [p.logprobs is not None for p in params]
+        md.logprob_token_ids = {row: p.logprob_token_ids for row, p in enumerate(params)
+                                if p.logprob_token_ids is not None}
     return md
 
 
@@ -144,6 +146,12 @@ def _row_logits_processors(md: SamplingMetadata, row: int, s: CachedRequestState
                               torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device))
     if p.allowed_token_ids:
         md.allowed_token_ids[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
+    if p.thinking_token_budget is not None:
+        forced = thinking_budget_forced_token(s.token_ids, p.reasoning_start_token_ids, p.reasoning_end_token_ids,
+                                              p.thinking_token_budget)
+        if forced is not None:  # the only token this row may sample
+            md.allowed_token_ids[row] = torch.tensor([forced], dtype=torch.int64, device=device)
+            md.blocked_token_ids.pop(row, None)
 
 
 def _bad_word_tails(words: list[list[int]], output: list[int]) -> list[int]:

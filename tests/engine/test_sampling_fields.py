@@ -42,3 +42,42 @@ def test_bad_words_never_appear(llm: LLM) -> None:
             n = len(bad)
             assert all(tokens[i:i + n] != bad for i in range(len(tokens) - n + 1)), (bad, tokens)
     assert out != plain
+
+
+def test_thinking_token_budget_forces_the_end_marker(llm: LLM) -> None:
+    """Offline, with the markers given: N tokens after the prompt's open start marker, the end marker's tokens
+    follow one per step (a random row too), then the model goes on; n > 1 samples each keep the budget."""
+    start, end = [44, 17400, 46], [9617, 17400, 46]  # "<think>", "</think>" in the default tokenizer
+    prompt = {"prompt_token_ids": [1, 520, 9531, 198, *start, 198]}
+    for temperature, n in ((0.0, 1), (1.0, 2)):
+        params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=temperature, seed=5, n=n,
+                                thinking_token_budget=4, reasoning_start_token_ids=start, reasoning_end_token_ids=end)
+        for out in llm.generate([prompt], params, use_tqdm=False)[0].outputs:
+            assert out.token_ids[3:6] == end, out.token_ids  # the prompt's newline is the first thinking token
+            assert all(out.token_ids[i:i + 3] != end for i in range(3))
+
+
+def test_chat_continues_the_final_message(llm: LLM) -> None:
+    """LLM.chat's continue_final_message: the prompt ends inside the assistant's prefill (vLLM's offline option)."""
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, my name is"}]
+    out = llm.chat(conversation, SamplingParams(max_tokens=2), use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True, chat_template_kwargs={"unused": 1})
+    assert out[0].prompt.endswith("Hello, my name is")
+
+
+def test_logprob_token_ids_report_those_tokens_with_their_ranks(llm: LLM) -> None:
+    """Offline logprob_token_ids: each position lists those tokens and the sampled one, with the values and ranks
+    the top-20 gives the same tokens (greedy; a row without them in the same batch keeps its top-N)."""
+    top = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0.0, logprobs=20), use_tqdm=False)
+    first = top[0].outputs[0].logprobs[0]
+    asked = [t for t, lp in first.items() if lp.rank in (2, 5, 9)] + [3]
+    both = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=3, temperature=0.0, logprob_token_ids=asked),
+                                      SamplingParams(max_tokens=3, temperature=0.0, logprobs=2)], use_tqdm=False)
+    listed = both[0].outputs[0]
+    assert listed.token_ids == top[0].outputs[0].token_ids
+    for token, mine, theirs in zip(listed.token_ids, listed.logprobs, top[0].outputs[0].logprobs):
+        assert set(mine) == set(asked) | {token}
+        for t, lp in mine.items():
+            if t in theirs:
+                assert abs(lp.logprob - theirs[t].logprob) < 1e-4 and lp.rank == theirs[t].rank
+    assert all(len(entry) in (2, 3) for entry in both[1].outputs[0].logprobs)  # its own top-2 (+ the token)

@@ -256,7 +256,8 @@ def test_serve_sweep_at_a_shape_gives_both_servers_the_same_kv_bytes(capsys: pyt
 
 def test_serve_sweep_counts_preemptions_and_finds_the_knee(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture) -> None:
-    """Preemptions: every *:num_preemptions_total sample of /metrics summed; the KV pool from either start-up log;
+    """Preemptions: the num_preemptions_total samples of /metrics summed (pagedllm:*, else vllm:*: our server shows
+    both); the KV pool from either start-up log;
     the sustained rate: the last before the first over the factor or failing, and ours / vLLM's."""
     sweep = _serve_sweep(monkeypatch)
     metrics = ('# HELP pagedllm:num_preemptions_total Preemptions.\n'
@@ -264,7 +265,10 @@ def test_serve_sweep_counts_preemptions_and_finds_the_knee(monkeypatch: pytest.M
                'pagedllm:num_preemptions_created{engine="0",model_name="m"} 1.7e+09\n'
                'vllm:num_preemptions_total{engine="1",model_name="m"} 4.0\n')
     monkeypatch.setattr(sweep.httpx, "get", lambda url, timeout: type("R", (), {"text": metrics})())
-    assert sweep.preemptions(8230) == 7.0
+    assert sweep.preemptions(8230) == 3.0  # ours: the vllm:* copies are not counted twice
+    vllm_only = 'vllm:num_preemptions_total{engine="0",model_name="m"} 4.0\nvllm:num_preemptions_total{engine="1"} 2\n'
+    monkeypatch.setattr(sweep.httpx, "get", lambda url, timeout: type("R", (), {"text": vllm_only})())
+    assert sweep.preemptions(8230) == 6.0
     for text, tokens in (("KV cache 32 blocks of 16 tokens, 2 KV heads", 512),
                          ("CPU KV cache size: 6,826 tokens", 6826), ("nothing", None)):
         (tmp_path / "log").write_text(text)

@@ -26,7 +26,7 @@ from pagedllm.entrypoints.openai.translate import chat_request, check_keys, form
 from pagedllm.errors import ValidationError, quoted
 
 PARAM_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
-               "response_format": "output_config.format"}
+               "response_format": "output_config.format", "thinking_token_budget": "thinking.budget_tokens"}
 """A chat request's field -> the Messages field it was made from (an error names what the client sent)."""
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 """Chat's finish_reason -> Anthropic's stop_reason ("stop" is end_turn, or stop_sequence for a stop string)."""
@@ -56,7 +56,7 @@ class AnthropicServingMessages:
         m = choice.message
         content = _blocks(m.reasoning_content, m.content, [(c.id, c.function.name, c.function.arguments)
                                                             for c in m.tool_calls])
-        reason, sequence = _stop_reason(choice.finish_reason, choice.stop_reason)
+        reason, sequence = _stop_reason(choice.finish_reason, choice.stop_reason, bool(m.tool_calls))
         return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": run.model,
                              "content": content, "stop_reason": reason, "stop_sequence": sequence,
                              "usage": _usage(completion.usage)})
@@ -64,7 +64,7 @@ class AnthropicServingMessages:
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         """{"input_tokens": N}: the prompt the same request would run, through the chat template."""
         self.chat.check_model(req.model)
-        _refuse_thinking(req.thinking)
+        _thinking_budget(req.thinking, None)
         tools = _chat_tools(req.tools)
         check_tools(tools, self.chat.limits)
         messages = _chat_messages(req)
@@ -78,13 +78,15 @@ class AnthropicServingMessages:
 
     def _chat_request(self, req: MessagesRequest) -> ChatCompletionRequest:
         """The chat completion request this Messages request maps onto (400 naming what cannot be)."""
-        _refuse_thinking(req.thinking)
+        budget = _thinking_budget(req.thinking, req.max_tokens)
         choice, parallel = _chat_tool_choice(req.tool_choice)
         fields: dict[str, Any] = {
             "model": req.model, "messages": _chat_messages(req), "max_completion_tokens": req.max_tokens,
             "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
             "tools": _chat_tools(req.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
             "stream": req.stream, "response_format": _response_format(req.output_config)}
+        if budget is not None:
+            fields["thinking_token_budget"] = budget
         if req.stream:
             fields["stream_options"] = {"include_usage": True}
         return chat_request(fields, PARAM_NAMES)
@@ -98,7 +100,7 @@ class AnthropicServingMessages:
                  "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens))}
         yield _event("message_start", message=start)
         index, open_kind = -1, None  # the block being written: "thinking" or "text"
-        finish, stop, usage = None, None, None
+        finish, stop, usage, called = None, None, None, False
 
         def close() -> list[str]:
             nonlocal open_kind
@@ -129,6 +131,7 @@ class AnthropicServingMessages:
                     {"type": "text_delta", "text": piece}
                 yield _event("content_block_delta", index=index, delta=body)
             for call in delta.tool_calls or []:
+                called = True
                 for event in close():
                     yield event
                 index += 1
@@ -139,7 +142,7 @@ class AnthropicServingMessages:
                 yield _event("content_block_stop", index=index)
         for event in close():
             yield event
-        reason, sequence = _stop_reason(finish, stop)
+        reason, sequence = _stop_reason(finish, stop, called)
         yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                      usage=_usage(usage or UsageInfo(prompt_tokens=run.prompt_tokens)))
         yield _event("message_stop")
@@ -168,8 +171,11 @@ def _usage(usage: UsageInfo) -> dict[str, int]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _stop_reason(finish: str | None, stop: int | str | None) -> tuple[str | None, str | None]:
-    """(stop_reason, stop_sequence) of a chat finish_reason and the stop string or token that ended it."""
+def _stop_reason(finish: str | None, stop: int | str | None, called: bool) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a chat finish_reason, the stop string or token that ended it, and whether
+    the reply called tools (a call forced by name finishes chat's reply with "stop": here it is tool_use)."""
+    if called and finish == "stop":
+        return "tool_use", None
     if finish == "stop" and isinstance(stop, str):
         return "stop_sequence", stop
     return STOP_REASONS.get(finish or "", "end_turn"), None
@@ -312,10 +318,24 @@ def _response_format(config: dict | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def _refuse_thinking(thinking: dict | None) -> None:
-    """Extended thinking budgets cannot be honoured (a reasoning model's thinking comes back as thinking blocks
-    with --reasoning-parser, whatever the budget): refused, unless it turns thinking off."""
-    if thinking is not None and thinking.get("type") != "disabled":
-        raise ValidationError("thinking (an extended thinking budget) is not supported by this server; a reasoning "
-                              "model's thinking is returned as thinking blocks with --reasoning-parser",
-                              param="thinking")
+def _thinking_budget(thinking: dict | None, max_tokens: int | None) -> int | None:
+    """Extended thinking, as vLLM maps it: {"type": "enabled", "budget_tokens": N} caps the reasoning at N tokens
+    (chat's thinking_token_budget: it needs --reasoning-parser; Anthropic's bounds: at least 1024, under
+    max_tokens); "adaptive" and "disabled" set no cap (the model's template decides). None: no cap."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind in ("adaptive", "disabled"):
+        return None
+    if kind != "enabled":
+        raise ValidationError.bad_value("thinking.type", kind, "'enabled', 'adaptive' or 'disabled'")
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+        raise ValidationError.bad_value("thinking.budget_tokens", budget, "an integer >= 1024")
+    if max_tokens is not None and budget >= max_tokens:
+        raise ValidationError("thinking.budget_tokens must be less than max_tokens",
+                              param="thinking.budget_tokens", value=budget)
+    unknown = sorted(set(thinking) - {"type", "budget_tokens", "display"})
+    if unknown:
+        raise ValidationError(f"thinking.{unknown[0]} is not supported", param=f"thinking.{unknown[0]}")
+    return budget

@@ -9,6 +9,8 @@ import os
 import signal
 import threading
 import time
+import types
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,12 +34,14 @@ from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMess
 from pagedllm.entrypoints.openai.http_guard import (ANTHROPIC_PATHS, GuardedServer, UnicodeCheckedRoute,
                                                     add_http_args, raise_open_file_limit, serve_config)
 from pagedllm.entrypoints.openai.http_guard import positive as _positive
+from pagedllm.entrypoints.openai.deploy import DeployOptions, add_deploy_args, attach_deploy, deploy_options
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRAAdapterRequest,
                                                   ModelList, TokenizeRequest, TokenizeResponse,
                                                   UnloadLoRAAdapterRequest)
 from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
+from pagedllm.entrypoints.openai.chat_options import template_options
 from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
 from pagedllm.entrypoints.openai.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath, ModelNotFoundError,
                                                          OpenAIServingModels, parse_lora_module, public_name,
@@ -51,6 +56,8 @@ from pagedllm.entrypoints.openai.protocol_pooling import (ClassificationRequest,
                                                           RerankRequest, ScoreRequest)
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, check_generates
+from pagedllm.entrypoints.openai.protocol_cohere import CohereEmbedRequest
+from pagedllm.entrypoints.openai.serving_cohere import CohereServingEmbed
 from pagedllm.entrypoints.openai.serving_responses import (KEY_INDEX, OpenAIServingResponses, ResponseNotFoundError,
                                                             ResponseStore)
 from pagedllm.errors import ValidationError
@@ -90,13 +97,15 @@ def _cut(text: str, limit: int) -> str:
 def _error(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
            type_: str = "invalid_request_error") -> JSONResponse:
     """The error body for ``request``'s API (see error_response)."""
-    return error_response(status, message, param, code, type_, request.url.path)
+    return error_response(status, message, param, code, type_, get_route_path(request.scope))  # (no --root-path)
 
 
-PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2")
+PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2",
+             "/invocations", "/tokenizer_info")
 """Paths an API key guards (the KV map's data names the requests it shows; the page itself holds no data and
 sends the key given in its address's fragment: /kv#key=KEY; /tokenize and /detokenize run the tokenizer; vLLM's
-pooling endpoints run the model)."""
+pooling endpoints and SageMaker's /invocations run the model (vLLM leaves /invocations open); /tokenizer_info shows
+the chat template). Matched on the path under --root-path: /PREFIX/v1/... is guarded as /v1/... is."""
 
 
 class APIKeyMiddleware:
@@ -111,9 +120,9 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             index = self._key_index(scope)
-            if index is None and scope["path"].startswith(PROTECTED):
+            if index is None and get_route_path(scope).startswith(PROTECTED):
                 response = error_response(401, "invalid or missing API key", code="invalid_api_key",
-                                          path=scope["path"])
+                                          path=get_route_path(scope))
                 await response(scope, receive, send)
                 return
             # a new dict: the server's per-request state must not be shared between requests
@@ -182,6 +191,8 @@ def _generates(request: Request) -> None:
 
 
 @router.get("/health")
+@router.get("/ping")
+@router.post("/ping")
 async def health(request: Request) -> Response:
     """200 while the engine serves (empty, as vLLM's); with data parallelism a JSON body names each replica's
     state, and "degraded" while some are stopped (the others serve). 503 once nothing serves."""
@@ -311,6 +322,12 @@ async def rerank(req: RerankRequest, raw: Request) -> Response:
     return await _pooling(raw).rerank(req, raw)
 
 
+@router.post("/v2/embed")
+async def cohere_embed(req: CohereEmbedRequest, raw: Request) -> Response:
+    """Cohere's embed API (vLLM's /v2/embed)."""
+    return await raw.app.state.cohere_embed.embed(req, raw)
+
+
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, raw: Request) -> dict:
     completion, chat = _completion(raw), _chat(raw)
@@ -319,8 +336,9 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> dict:
         raise ValidationError("give exactly one of prompt and messages", param="prompt")
     completion.check_prompt_size(req.prompt, "prompt")  # the --max-prompt-bytes cap, before tokenizing
     chat.check_prompt_size(req.messages, "messages")
-    if req.messages is not None:
-        _, ids = await chat.render(req.messages, req.add_generation_prompt)
+    if req.messages is not None:  # (chat's template options: continue_final_message, chat_template(_kwargs))
+        _, ids = await chat.render(req.messages, req.add_generation_prompt, None,
+                                   template_options(req, chat.trust_request_chat_template))
     else:
         ids = await _engine(raw).in_tokenizer_thread(
             lambda: completion.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
@@ -418,21 +436,27 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
               tool_call_parser: str | None = None, lora_modules: list[LoRAModulePath] | None = None,
               chat_template: str | None = None, limits: ServingLimits | None = None,
               allow_runtime_lora_updating: bool = False, model_aliases: list[str] | None = None,
-              prompt_tokens_details: bool = False) -> FastAPI:
+              prompt_tokens_details: bool = False, return_tokens_as_token_ids: bool = False,
+              trust_request_chat_template: bool = False, deploy: DeployOptions | None = None) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
     here (ValidationError if one does not fit). ``prompt_tokens_details``: chat and completions usage report the
-    prompt's prefix-cache hits (--enable-prompt-tokens-details)."""
+    prompt's prefix-cache hits (--enable-prompt-tokens-details); ``return_tokens_as_token_ids``: their logprobs
+    name tokens "token_id:<id>" by default (--return-tokens-as-token-ids); ``deploy``: --root-path and vLLM's
+    deployment routes' flags (deploy.py)."""
     models = OpenAIServingModels(engine, served_model_names, model_aliases)
     models.add_static(lora_modules or [])
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
                              chat_template)
+    chat.trust_request_chat_template = trust_request_chat_template  # --trust-request-chat-template
     pooling = OpenAIServingPooling(engine, models)
+    pooling.chat = chat  # messages inputs are rendered by the chat endpoint's template
     admission = Admission()  # one waiting count for every endpoint
     limits = limits or ServingLimits()
     for serving in (completion, chat, pooling):
         serving.limits = limits
         serving.prompt_tokens_details = prompt_tokens_details
+        serving.return_tokens_as_token_ids = return_tokens_as_token_ids
         serving.on_refused = metrics.on_refused
         serving.admission = admission
     store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes, max(1, len(api_keys)))
@@ -446,6 +470,7 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     app.state.completion = completion
     app.state.chat = chat
     app.state.pooling = pooling
+    app.state.cohere_embed = CohereServingEmbed(pooling)
     app.state.responses = OpenAIServingResponses(chat, store)
     app.state.messages = AnthropicServingMessages(chat)
     app.include_router(router)
@@ -456,6 +481,10 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
         app.include_router(lora_router)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    app.state.endpoints = types.SimpleNamespace(  # what /invocations routes to (deploy.py)
+        chat_completions=chat_completions, completions=completions, embeddings=embeddings, classify=classify,
+        score=score, rerank=rerank, pooling=pooling)
+    attach_deploy(app, deploy)  # (after the key check is added: its middleware wraps it)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
     return app
@@ -492,8 +521,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="chat and completions usage blocks report prompt_tokens_details.cached_tokens (the "
                              "prompt's tokens found in the prefix cache), as vLLM's flag; null without it")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="chat and completions logprobs name each token 'token_id:<id>' rather than its text "
+                             "(a request's return_tokens_as_token_ids overrides it), as vLLM's flag")
     parser.add_argument("--chat-template", type=read_chat_template, default=None, metavar="FILE",
                         help="a Jinja chat template (a file, or the template itself) used instead of the model's own")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="run a chat_template sent in a chat or /tokenize request (refused with a 400 without "
+                             "it: a client's template runs on the server), as vLLM's flag")
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
                         help="LoRA adapters (PEFT folders) served by name: a request whose model is NAME runs with "
                              "it; also vLLM's JSON form '{\"name\": ..., \"path\": ...}' (needs --enable-lora)")
@@ -501,6 +536,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter: any client may then load an "
                              f"adapter from any folder the server can read (also {RUNTIME_LORA_ENV}=1; needs "
                              "--enable-lora; --lora-modules adapters stay the operator's)")
+    add_deploy_args(parser)
     add_limit_args(parser)
     add_http_args(parser)
 
@@ -544,8 +580,22 @@ def engine_core_process() -> bool:
     return envs.ENABLE_MULTIPROCESSING.read()
 
 
-def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
-    """Load the engine, then serve until SIGINT/SIGTERM; returns the exit status."""
+@dataclass
+class ServerSetup:
+    """What `pagedllm serve`'s flags decide before the engine loads (shared with `pagedllm run-batch`)."""
+
+    names: list[str]
+    """The served model names (the first is the one replies carry)."""
+    aliases: list[str]
+    """Other names a request may give (the model argument as given, when no --served-model-name)."""
+    keys: list[str]
+    """Accepted API keys (none: no key needed)."""
+    allow_lora_updating: bool
+
+
+def server_setup(ns: argparse.Namespace, engine_args: EngineArgs) -> ServerSetup:
+    """The names, keys and adapter settings of a `pagedllm serve` command line (ValidationError for flags that do
+    not go together), before anything is loaded."""
     model = engine_args.model or DEFAULT_MODEL_NAME
     names = ns.served_model_name or [public_name(model)]  # (no filesystem path shown in /v1/models)
     aliases = [] if ns.served_model_name else [model]  # a request naming the path as given is still served
@@ -557,6 +607,25 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         raise ValidationError(f"--allow-runtime-lora-updating ({RUNTIME_LORA_ENV}) needs --enable-lora",
                               param="allow_runtime_lora_updating", value=True)
     keys = ns.api_key or ([envs.API_KEY.read()] if envs.API_KEY.read() else [])
+    deploy_options(ns)  # (a bad --root-path is refused before the engine loads)
+    return ServerSetup(names, aliases, keys, allow_lora_updating)
+
+
+def app_from_args(ns: argparse.Namespace, engine: AsyncLLM, metrics: ServerMetrics, setup: ServerSetup) -> FastAPI:
+    """build_app with everything a `pagedllm serve` command line sets (the server's and run-batch's one app)."""
+    return build_app(engine, metrics, setup.names, setup.keys, ns.reasoning_parser, ns.tool_call_parser,
+                     ns.lora_modules, ns.chat_template, serving_limits(ns),
+                     allow_runtime_lora_updating=setup.allow_lora_updating,
+                     model_aliases=setup.aliases, prompt_tokens_details=ns.enable_prompt_tokens_details,
+                     return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+                     trust_request_chat_template=ns.trust_request_chat_template,
+                     deploy=deploy_options(ns))
+
+
+def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    """Load the engine, then serve until SIGINT/SIGTERM; returns the exit status."""
+    setup = server_setup(ns, engine_args)
+    names = setup.names
     raise_open_file_limit()  # each connection is a file; before the engine starts, so its processes inherit it
     metrics = ServerMetrics(names[0], engine_args.data_parallel_size)
     server: _Server | None = None
@@ -569,11 +638,9 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
 
     engine = AsyncLLM.from_engine_args(engine_args, on_step=metrics.on_step, on_dead=on_dead, step_log=ns.step_log,
                                        multiprocess=engine_core_process())
+    metrics.engine_loaded(engine.config, engine.num_kv_blocks)  # (vllm:cache_config_info, token histograms)
     try:
-        limits = serving_limits(ns)
-        app = build_app(engine, metrics, names, keys, ns.reasoning_parser, ns.tool_call_parser, ns.lora_modules,
-                        ns.chat_template, limits, allow_runtime_lora_updating=allow_lora_updating,
-                        model_aliases=aliases, prompt_tokens_details=ns.enable_prompt_tokens_details)
+        app = app_from_args(ns, engine, metrics, setup)
     except BaseException:
         engine.close()  # an adapter that does not fit: no worker left behind
         raise

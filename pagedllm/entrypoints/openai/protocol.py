@@ -4,9 +4,10 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler,
+                      StrictBool, StrictInt, model_serializer)
 from pydantic import ValidationError as PydanticValidationError
 
 
@@ -77,6 +78,12 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: StrictBool = False
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    """vLLM's extra: logprobs name each token "token_id:<id>" rather than its text (default: the server's
+    --return-tokens-as-token-ids)."""
+    logprob_token_ids: TokenIds | None = None
+    """vLLM's extra, with logprobs: each generated position lists the log-probabilities of exactly these tokens
+    (and the sampled one), in place of the top ones (top_logprobs / logprobs); at most 128 ids."""
     structured_outputs: dict | None = None
     """vLLM's extra: one of {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ebnf},
     {"json_object": true}."""
@@ -179,6 +186,29 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    """vLLM's extra: the last message (an assistant's prefill) is continued: no end of turn after it, no new turn
+    opened; needs add_generation_prompt false."""
+    echo: StrictBool = False
+    """vLLM's extra: the reply's content starts with the last message's, where that message has the reply's role
+    (the assistant's, or the last message's own with add_generation_prompt false)."""
+    chat_template: str | None = None
+    """vLLM's extra: a Jinja chat template for this request (refused unless the server runs with
+    --trust-request-chat-template)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's extra: more variables the chat template sees, e.g. {"enable_thinking": false} (Qwen3)."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    """OpenAI's: the chat template's reasoning_effort, and its enable_thinking (false for "none") unless
+    chat_template_kwargs sets it, as vLLM passes it; a template without them ignores it."""
+    include_reasoning: StrictBool = True
+    """vLLM's extra: false leaves the reasoning out of the reply (with --reasoning-parser: no reasoning_content,
+    and no logprobs or token ids, which would show it)."""
+    thinking_token_budget: StrictInt | None = None
+    """vLLM's extra: most tokens generated inside the reasoning section; once spent, its end marker is forced
+    (needs --reasoning-parser; -1: no cap)."""
+    prompt_logprobs: int | None = None
+    """vLLM's extra: the rendered conversation's tokens' log-probabilities (and the top-N), in the reply's
+    prompt_logprobs; not streamed."""
     return_token_ids: StrictBool | None = None
     """vLLM's extra: the reply carries the rendered conversation's token ids (prompt_token_ids) and each choice
     the ids it generated (token_ids; streamed: the prompt's in the first chunk, each chunk's new ids)."""
@@ -189,12 +219,19 @@ class PromptTokensDetails(BaseModel):
     """Prompt tokens found in the prefix cache (their K/V not computed again)."""
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+    """Generated tokens inside the reasoning sections (their markers not counted)."""
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
     """Chat and completions: set with --enable-prompt-tokens-details (as vLLM), else null."""
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """Chat with --reasoning-parser (as vLLM): the reasoning tokens among the completion tokens; else null."""
     cached_tokens: int = Field(default=0, exclude=True)
     """Prompt tokens found in the prefix cache: in chat's and completions' JSON only as prompt_tokens_details; the
     Responses and Messages APIs report it always (cached_tokens, cache_read_input_tokens)."""
@@ -205,6 +242,8 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    _end: int = PrivateAttr(default=0)
+    """The text offset after the last token (not in the JSON; tokens may be named "token_id:<id>", not by text)."""
 
 
 class PromptLogprob(BaseModel):
@@ -270,6 +309,14 @@ class ChatResponseMessage(BaseModel):
     reasoning_content: str | None = None
     """With --reasoning-parser: the model's <think> part (vLLM's field)."""
 
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """No tool_calls key when there are none, as OpenAI and vLLM answer (the SDK then reads None)."""
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
+
 
 class ChatChoice(BaseModel):
     index: int
@@ -288,6 +335,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    """With prompt_logprobs (vLLM's extra): per rendered-prompt position (None first), token id -> its
+    log-probability, as completions' choices carry them."""
     prompt_token_ids: list[int] | None = None
     """With return_token_ids: the rendered conversation's token ids."""
 
@@ -342,6 +392,13 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    """messages: end with the template's opening of the assistant's turn."""
+    continue_final_message: StrictBool = False
+    """messages: end inside the last message (as chat's continue_final_message; add_generation_prompt false)."""
+    chat_template: str | None = None
+    """messages: a Jinja chat template (needs --trust-request-chat-template)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """messages: more variables for the chat template (as chat's)."""
 
 
 class TokenizeResponse(BaseModel):

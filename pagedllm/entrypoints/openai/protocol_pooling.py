@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field, StrictBool
+from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import OpenAIModel, TokenIds
+from pydantic import BaseModel, Field, StrictBool, model_validator
+
+from pagedllm.entrypoints.openai.protocol import ChatMessage, OpenAIModel, TokenIds
 from pagedllm.errors import ValidationError
 
 PoolingInput = str | TokenIds | list[str] | list[TokenIds]
@@ -18,11 +20,69 @@ EncodingFormat = Literal["float", "base64"]
 asks for by default)."""
 
 
-class EmbeddingRequest(OpenAIModel):
-    """POST /v1/embeddings (OpenAI's, with vLLM's truncate_prompt_tokens and normalize)."""
+def _is_conversation(value: Any) -> bool:
+    """A list of chat messages (dicts with a string "role")."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+
+
+class ChatInputFields(OpenAIModel):
+    """vLLM's chat-shaped pooling input: ``messages`` (one conversation, or on /v1/embeddings a list of them)
+    rendered through the chat template, each conversation one input; ``input`` may hold the conversation(s)
+    instead. Exactly one of ``input`` and ``messages``."""
+
+    input: PoolingInput | None = None
+    messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
+    add_generation_prompt: StrictBool = False
+    """Append the template's generation prompt (off by default for pooling, as vLLM)."""
+    continue_final_message: StrictBool = False
+    """Leave the last message open (no end-of-turn), as chat's assistant prefill."""
+    add_special_tokens: StrictBool | None = None
+    """Special tokens (BOS, CLS/SEP) added by the tokenizer: default true for ``input``, false for ``messages``
+    (the template writes its own)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. enable_thinking)."""
+    chat_template: str | None = None
+    """The request's own template (needs --trust-request-chat-template, as on chat)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _conversation_in_input(cls, data: Any) -> Any:
+        """A conversation (or a list of them) sent as ``input`` is read as ``messages``, as vLLM does."""
+        if isinstance(data, dict) and "messages" not in data:
+            value = data.get("input")
+            if _is_conversation(value) or (isinstance(value, list) and bool(value)
+                                           and all(_is_conversation(c) for c in value)):
+                data = {k: v for k, v in data.items() if k != "input"} | {"messages": value}
+        return data
+
+    def conversations(self) -> list[list[ChatMessage]] | None:
+        """The conversations to render (None: the request has plain ``input``); ValidationError naming the field
+        when both or neither of input and messages are given, or both prompt flags are set."""
+        if (self.input is None) == (self.messages is None):
+            raise ValidationError("give exactly one of input and messages" if self.input is not None else
+                                  "input (or messages) is required", param="input" if self.input is None
+                                  else "messages")
+        if self.messages is None:
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template"):
+                if getattr(self, name) not in (None, False):
+                    raise ValidationError(f"{name} is for messages (a conversation rendered through the chat "
+                                          "template), not for input", param=name, value=getattr(self, name))
+            return None
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValidationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                                  param="continue_final_message", value=True)
+        if not self.messages:
+            raise ValidationError("messages must not be empty", param="messages", value=[])
+        if isinstance(self.messages[0], list):
+            return self.messages  # type: ignore[return-value]
+        return [self.messages]  # type: ignore[list-item]
+
+
+class EmbeddingRequest(ChatInputFields):
+    """POST /v1/embeddings (OpenAI's, with vLLM's truncate_prompt_tokens, normalize and chat-shaped input)."""
 
     model: str | None = None
-    input: PoolingInput
     encoding_format: EncodingFormat = "float"
     dimensions: int | None = None
     """Keep the first this many values (Matryoshka models only; others refuse it)."""
@@ -33,13 +93,22 @@ class EmbeddingRequest(OpenAIModel):
     400 naming ``input``."""
     normalize: StrictBool | None = None
     """vLLM's extra: scale to unit length (unset: as the model's sentence-transformers config says)."""
+    use_activation: StrictBool | None = None
+    """vLLM 0.34's name of ``normalize`` on embeddings (give one of them)."""
+
+    def normalized(self) -> bool | None:
+        """normalize or use_activation (None: the model's default); ValidationError when both are given."""
+        if self.normalize is not None and self.use_activation is not None:
+            raise ValidationError("give normalize or use_activation (vLLM's newer name of it), not both",
+                                  param="use_activation", value=self.use_activation)
+        return self.normalize if self.use_activation is None else self.use_activation
 
 
-class PoolingRequest(OpenAIModel):
-    """POST /pooling (vLLM's): each input's vector in the model's own task (an embedding, class probabilities)."""
+class PoolingRequest(ChatInputFields):
+    """POST /pooling (vLLM's): each input's vector in the model's own task (an embedding, class probabilities);
+    ``messages`` is one conversation here (vLLM's)."""
 
     model: str | None = None
-    input: PoolingInput
     encoding_format: EncodingFormat = "float"
     user: str | None = None
     truncate_prompt_tokens: int | None = None

@@ -36,6 +36,10 @@ class ResponsesRequest(OpenAIModel):
     reasoning: dict[str, Any] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     seed: int | None = Field(default=None, description="vLLM's extra: a seeded sample")
+    thinking_token_budget: int | None = Field(default=None, strict=True, description=(
+        "vLLM's extra, as chat's: most tokens inside the reasoning (needs --reasoning-parser; -1: no cap)"))
+    include_reasoning: StrictBool = Field(default=True, description=(
+        "vLLM's extra, as chat's: false leaves the reasoning items out"))
 
 
 def new_id(prefix: str) -> str:
@@ -69,8 +73,10 @@ def usage_of(usage: UsageInfo | None) -> dict[str, Any] | None:
     """Chat usage in the Responses API's shape."""
     if usage is None:
         return None
+    details = usage.completion_tokens_details
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": details.reasoning_tokens if details else 0},
             "total_tokens": usage.total_tokens}
 
 
@@ -87,6 +93,7 @@ def response_object(response_id: str, req: ResponsesRequest, model: str, created
         "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
         "text": {"format": fmt}, "truncation": "disabled", "store": req.store, "background": False,
-        "reasoning": {"effort": None, "summary": None}, "usage": usage, "user": req.user,
+        "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}, "usage": usage,
+        "user": req.user,
         "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
     }

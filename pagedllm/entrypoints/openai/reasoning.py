@@ -27,6 +27,8 @@ class ReasoningParser:
     """Splits one reply (whole, or delta by delta through ``stream``)."""
 
     name = ""
+    start, end = START, END
+    """The markers around the reasoning (thinking_token_budget forces ``end``)."""
     starts_inside = False
     """The reply begins inside the reasoning (the template opened <think>)."""
 

@@ -17,8 +17,8 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.errors import QUOTE_CHARS, ValidationError, quoted
 from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, check_constraint,
                                                check_sampling_limits)
-from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingFields,
-                                                  UsageInfo)
+from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptLogprob, PromptTokensDetails,
+                                                  SamplingFields, UsageInfo)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob, RequestOutput
@@ -29,6 +29,22 @@ T = TypeVar("T")
 MIN_LOGPROB = -9999.0
 """The log-probability reported for a token that cannot be chosen (masked by structured outputs, allowed_token_ids
 or bad_words: -inf, which JSON cannot carry), as vLLM reports it."""
+
+
+EVERY_LISTED = 1 << 30
+"""The top-N shown of a request with logprob_token_ids: every token its positions list (those ids and the sampled
+token, each with its own rank), as vLLM lists them."""
+
+
+def shown_logprobs(req: SamplingFields, top_n: int | None) -> int | None:
+    """How many alternatives each reported position shows: ``top_n``, or EVERY_LISTED with logprob_token_ids."""
+    return EVERY_LISTED if top_n is not None and req.logprob_token_ids is not None else top_n
+
+
+def counted_logprobs(req: SamplingFields, top_n: int | None) -> int | None:
+    """The alternatives per token that the request's size check counts: its logprob_token_ids' number, else
+    ``top_n``."""
+    return len(req.logprob_token_ids) if top_n is not None and req.logprob_token_ids is not None else top_n
 
 
 def finite_logprob(value: float) -> float:
@@ -100,6 +116,13 @@ class OpenAIServing:
         """Told of every request shed here: "overloaded" or "timeout" (the server's metrics)."""
         self.prompt_tokens_details = False
         """--enable-prompt-tokens-details: usage blocks carry prompt_tokens_details.cached_tokens."""
+        self.return_tokens_as_token_ids = False
+        """--return-tokens-as-token-ids: logprobs name tokens "token_id:<id>" unless a request says otherwise."""
+
+    def as_token_ids(self, req: SamplingFields) -> bool:
+        """Whether this request's logprobs name tokens by id (its return_tokens_as_token_ids, else the server's)."""
+        asked = req.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         """``usage_info``, with prompt_tokens_details where the server was started to report them."""
@@ -109,8 +132,23 @@ class OpenAIServing:
         return usage
 
     def check_limits(self, req: SamplingFields) -> None:
-        """The request's sizes against this server's limits (400 naming the field), before anything else."""
+        """The request's sizes against this server's limits (400 naming the field), before anything else; and, as
+        vLLM, stream_options only with stream (an empty or null one passes, as there), prompt_logprobs only without
+        it."""
         check_sampling_limits(req, self.limits, self.engine.config.scheduler.max_num_seqs)
+        if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
+            raise ValidationError("stream_options can only be given with stream=true", param="stream_options")
+        if req.logprob_token_ids is not None:
+            logprobs = getattr(req, "logprobs", None)  # (chat: true or false; completions: a count or null)
+            if logprobs is None or logprobs is False:
+                raise ValidationError("logprob_token_ids needs logprobs set (true on chat, a number on completions)",
+                                      param="logprob_token_ids")
+            if getattr(req, "use_beam_search", False):
+                raise ValidationError("logprob_token_ids is not supported with beam search",
+                                      param="logprob_token_ids")
+        prompt_logprobs = getattr(req, "prompt_logprobs", None)  # (completions and chat)
+        if prompt_logprobs is not None and req.stream:
+            raise ValidationError("prompt_logprobs cannot be streamed", param="prompt_logprobs", value=prompt_logprobs)
 
     def constraint(self, req: SamplingFields) -> StructuredOutputsParams | None:
         """The request's structured-output constraint, within this server's limits (before it is compiled)."""
@@ -119,9 +157,11 @@ class OpenAIServing:
             check_constraint(spec, self.limits, constraint_param(req, spec))
         return spec
 
-    def check_prompt_size(self, value: Any, param: str) -> None:
-        """ValidationError (400) when the prompt text of ``value`` is over the byte cap, before any tokenizing."""
-        cap = self.limits.max_prompt_bytes or BYTES_PER_TOKEN_CAP * self.max_model_len
+    def check_prompt_size(self, value: Any, param: str, cap: int | None = None) -> None:
+        """ValidationError (400) when the prompt text of ``value`` is over the byte cap (``cap``, default the
+        server's: --max-prompt-bytes, else BYTES_PER_TOKEN_CAP per token of max_model_len), before any
+        tokenizing."""
+        cap = cap or self.limits.max_prompt_bytes or BYTES_PER_TOKEN_CAP * self.max_model_len
         size = text_bytes(value)
         if size > cap:
             raise ValidationError(f"{param} is {size} bytes of text, over this server's cap of {cap} bytes "
@@ -186,7 +226,7 @@ class OpenAIServing:
             min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
-            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, logprob_token_ids=req.logprob_token_ids,
             structured_outputs=self.constraint(req), speculate=req.speculate,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
@@ -256,7 +296,7 @@ class OpenAIServing:
 
     @staticmethod
     def top_entries(entry: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
-        """The top-N (by rank) of one position's logprobs."""
+        """The top-N (by rank) of one position's logprobs (EVERY_LISTED: all of them, the logprob_token_ids')."""
         return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n),
                       key=lambda item: item[1].rank)[:top_n]
 
@@ -338,6 +378,23 @@ def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     """OpenAI's usage block (``cached_tokens``: the prompt's prefix-cache hits, kept out of chat's JSON)."""
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens, cached_tokens=cached_tokens)
+
+
+def token_label(token_id: int, decoded: str | None, as_ids: bool) -> str:
+    """How a logprobs entry names its token: its text, or (return_tokens_as_token_ids, as vLLM) "token_id:<id>",
+    which names even a token whose bytes are not whole UTF-8 characters."""
+    return f"token_id:{token_id}" if as_ids else decoded or ""
+
+
+def prompt_logprobs_json(scored: list[dict[int, Logprob] | None] | None
+                         ) -> list[dict[int, PromptLogprob] | None] | None:
+    """A request's prompt_logprobs as vLLM returns them (completions' choices, chat's reply): per prompt position
+    (None for the first, which nothing predicts), token id -> its log-probability, rank and text."""
+    if scored is None:
+        return None
+    return [None if entry is None else {t: PromptLogprob(logprob=finite_logprob(e.logprob), rank=e.rank,
+                                                         decoded_token=e.decoded_token) for t, e in entry.items()}
+            for entry in scored]
 
 
 def sse(payload: Any) -> str:

@@ -11,19 +11,22 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                   ChatCompletionStreamResponse, ChatLogprobs, ChatMessage,
                                                   ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob,
-                                                  DeltaMessage, FunctionCall, ToolCall, TopLogprob,
-                                                  random_id)
+                                                  CompletionTokensDetails, DeltaMessage, FunctionCall, ToolCall,
+                                                  TopLogprob, UsageInfo, random_id)
+from pagedllm.entrypoints.openai.chat_options import (TemplateOptions, check_reasoning_effort, echoed_text,
+                                                     template_options)
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
-from pagedllm.entrypoints.openai.tool_calls import (ParsedCall, ToolParser, call_id, constrained_calls, constraint,
+from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constrained_calls, constraint,
                                                     tool_functions)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.limits import check_constraint, check_request_tokens, check_tools
-from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamGroup, finite_logprob,
-                                                 merge_streams, sse)
+from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamGroup, counted_logprobs,
+                                                 finite_logprob, merge_streams, prompt_logprobs_json, shown_logprobs,
+                                                 sse, token_label)
 from pagedllm.engine.processor import render_chat
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams, reasoning_token_count
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -38,6 +41,9 @@ class OpenAIServingChat(OpenAIServing):
         """Splits replies into reasoning_content and content (--reasoning-parser); None: all content."""
         self.tool_parser = tool_parser
         """Finds the model's own tool calls for tool_choice="auto" (--tool-call-parser)."""
+        self.trust_request_chat_template = False
+        """--trust-request-chat-template: a request's own chat_template is run (else refused)."""
+        self._reasoning_markers: tuple[list[int], list[int]] | None = None
 
     def _split(self, text: str) -> ReasoningSplit:
         return ReasoningSplit(None, text) if self.reasoning_parser is None else self.reasoning_parser.split(text)
@@ -66,26 +72,40 @@ class OpenAIServingChat(OpenAIServing):
             raise ValidationError("top_logprobs needs logprobs=true", param="top_logprobs", value=req.top_logprobs)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, max_tokens, logprobs, req.stream)
+        params = self.sampling_params(req, max_tokens, logprobs, req.stream, req.prompt_logprobs)
+        options = template_options(req, self.trust_request_chat_template)
+        check_reasoning_effort(options, options.chat_template or self.chat_template or
+                               getattr(self.tokenizer, "chat_template", None))
+        self._thinking_budget(req, params)
         self._check_waiting([req.messages])  # (a full queue sheds it before it is rendered)
-        text, prompt_ids = await self.render(req.messages, req.add_generation_prompt, req.tools)
+        text, prompt_ids = await self.render(req.messages, req.add_generation_prompt, req.tools, options)
         check_request_tokens(self.limits, self.max_model_len, [self.filled(max_tokens, len(prompt_ids))], req.n,
-                             req.stream, logprobs,
+                             req.stream, counted_logprobs(req, logprobs), [len(prompt_ids)], req.prompt_logprobs,
                              names=("max_completion_tokens" if req.max_completion_tokens is not None else
                                     "max_tokens", "top_logprobs"))
-        if tools.constraint is not None:
-            if params.structured_outputs is not None:
-                raise ValidationError("tool_choice 'required' or a named function cannot be combined with "
-                                      "response_format / structured_outputs", param="tool_choice")
+        if tools.constraint is not None:  # as vLLM, the forced call is the constraint: response_format gives way
+            if req.structured_outputs is not None:  # (vLLM refuses it with a named function, ignores it otherwise)
+                raise ValidationError("structured_outputs cannot be combined with tool_choice 'required' or a named "
+                                      "function (the forced tool call is the reply's constraint)",
+                                      param="structured_outputs")
             check_constraint(tools.constraint, self.limits, "tools", count_bytes=False)  # the tools' own byte cap
             params.structured_outputs = tools.constraint
+        if params.thinking_token_budget is not None and params.structured_outputs is not None:
+            raise ValidationError("thinking_token_budget cannot be combined with response_format, structured_outputs "
+                                  "or a forced tool call here (the constraint holds from the reply's first token, "
+                                  "so it could forbid the forced end of the reasoning)", param="thinking_token_budget",
+                                  value=params.thinking_token_budget)
         request_id = random_id("chatcmpl")
         streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params, lora,
                                      raw)
         if streams is None:
             return None
-        return ChatRun(request_id, model, streams, tools, len(prompt_ids), logprobs,
-                       list(prompt_ids) if req.return_token_ids else None)
+        run = ChatRun(request_id, model, streams, tools, len(prompt_ids), shown_logprobs(req, logprobs),
+                      list(prompt_ids) if req.return_token_ids else None, as_ids=self.as_token_ids(req),
+                      prompt_logprobs=req.prompt_logprobs is not None)
+        run.hide_reasoning = not req.include_reasoning and self.reasoning_parser is not None
+        run.echo = echoed_text(req.messages, req.add_generation_prompt, self._content) if req.echo else ""
+        return run
 
     async def response(self, run: "ChatRun", raw: Request) -> ChatCompletionResponse | None:
         """The finished reply of a queued request (None: the client disconnected first)."""
@@ -96,44 +116,68 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         for c in out.outputs:
             message, finish = self._message(c.text, c.finish_reason, run.tools)
-            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, run.logprobs),
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=self._logprobs(c, run.logprobs, run.as_ids),
                                       finish_reason=finish, stop_reason=c.stop_reason,
                                       token_ids=None if run.prompt_ids is None else list(c.token_ids)))
+        for choice in choices:  # include_reasoning false, echo
+            self._shown(run, choice)
+            if run.echo:
+                choice.message.content = run.echo + (choice.message.content or "")
         completion = sum(len(c.token_ids) for c in out.outputs)
-        return ChatCompletionResponse(id=run.request_id, model=run.model, choices=choices,
-                                      usage=self.usage(run.prompt_tokens, completion, max(out.num_cached_tokens, 0)),
+        usage = self.usage(run.prompt_tokens, completion, max(out.num_cached_tokens, 0))
+        self._count_reasoning(usage, out.prompt_token_ids, [c.token_ids for c in out.outputs])
+        return ChatCompletionResponse(id=run.request_id, model=run.model, choices=choices, usage=usage,
+                                      prompt_logprobs=prompt_logprobs_json(getattr(out, "prompt_logprobs", None))
+                                      if run.prompt_logprobs else None,
                                       prompt_token_ids=run.prompt_ids)
+
+    @staticmethod
+    def _shown(run: "ChatRun", choice: ChatChoice | ChatStreamChoice) -> bool:
+        """Whether a choice (or a streamed one's chunk) still says something once include_reasoning false took out
+        its reasoning, and with it its logprobs and token ids (which would show it), as vLLM does."""
+        if not run.hide_reasoning:
+            return True
+        message = choice.message if isinstance(choice, ChatChoice) else choice.delta
+        message.reasoning_content = None
+        choice.logprobs, choice.token_ids = None, None
+        return bool(message.content or message.tool_calls or choice.finish_reason)
 
     def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode"
                  ) -> tuple[ChatResponseMessage, str | None]:
-        """One finished choice: (its message, its finish_reason: "tool_calls" when it called tools; "length", as
-        vLLM, when max_tokens ended it, with the calls if the forced call's JSON was complete by then)."""
+        """One finished choice: (its message, its finish_reason: "tool_calls" when it called tools, except a call
+        forced by name, which ends with "stop" as OpenAI and vLLM report it; "length", as vLLM, when max_tokens
+        ended it, with the calls if the forced call's JSON was complete by then, else none)."""
         split = self._split(text)
         calls = []
         content = split.content
         if tools.constraint is not None and finish_reason in ("stop", "length"):
             try:
                 calls, content = constrained_calls(split.content or "", tools.named), None
-            except ValueError:  # cut by max_tokens before the JSON ended (the grammar makes a whole reply parse)
+            except ValueError:  # cut by max_tokens before the JSON ended (the grammar makes a whole reply parse):
                 assert finish_reason == "length", "a forced tool call that finished must parse"
-                if tools.named is not None:  # as vLLM: the named call, its arguments as far as they got
-                    calls, content = [ParsedCall(tools.named, split.content or "")], None
+                content = None  # as vLLM's test: no call (its arguments would not parse), no content
         elif tools.parser is not None:
             content, calls = tools.parser.parse(split.content or "")
         calls = calls if tools.parallel else calls[:1]
         message = ChatResponseMessage(content=content, reasoning_content=split.reasoning, tool_calls=[
             ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
-        return message, "tool_calls" if calls and finish_reason != "length" else finish_reason
+        called = calls and finish_reason != "length" and tools.named is None
+        return message, "tool_calls" if called else finish_reason
 
     async def render(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                     tools: list[dict] | None = None, options: TemplateOptions | None = None
+                     ) -> tuple[str, list[int]]:
         """apply_chat_template in the engine's tokenizer thread (a template and a long prompt take a while: never
         on the event loop)."""
-        return await self.engine.in_tokenizer_thread(self.apply_chat_template, messages, add_generation_prompt, tools)
+        return await self.engine.in_tokenizer_thread(self.apply_chat_template, messages, add_generation_prompt, tools,
+                                                     options)
 
     def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                            tools: list[dict] | None = None) -> tuple[str, list[int]]:
-        """(prompt text, token ids) of a conversation (and its tools), through the model's chat template."""
+                            tools: list[dict] | None = None, options: TemplateOptions | None = None
+                            ) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a conversation (and its tools), through the model's chat template (or the
+        request's, ``options``: with its continue_final_message and template variables)."""
         if not messages:
             raise ValidationError("messages must not be empty", param="messages", value=messages)
         conversation = []
@@ -153,7 +197,52 @@ class OpenAIServingChat(OpenAIServing):
             if reasoning is not None:  # templates read either name (Qwen3's reasoning_content, newer ones reasoning)
                 entry["reasoning_content"] = entry["reasoning"] = reasoning
             conversation.append(entry)
-        return render_chat(self.tokenizer, conversation, self.chat_template, add_generation_prompt, tools)
+        options = options or TemplateOptions()
+        try:
+            return render_chat(self.tokenizer, conversation, options.chat_template or self.chat_template,
+                               add_generation_prompt, tools, options.continue_final_message, options.kwargs)
+        except ValidationError:
+            raise
+        except Exception as e:  # a variable of the client's (or its own template) broke the template: its 400
+            if options.chat_template is None and not options.kwargs:
+                raise
+            param = "chat_template" if options.chat_template is not None else "chat_template_kwargs"
+            raise ValidationError(f"the chat template failed with this request's {param}: {type(e).__name__}: "
+                                  f"{str(e)[:300]}", param=param) from e
+
+    def _marker_ids(self) -> tuple[list[int], list[int]]:
+        """The reasoning parser's start and end markers as token ids (tokenized once)."""
+        assert self.reasoning_parser is not None
+        if self._reasoning_markers is None:
+            encode = self.tokenizer.encode
+            self._reasoning_markers = (encode(self.reasoning_parser.start, add_special_tokens=False),
+                                       encode(self.reasoning_parser.end, add_special_tokens=False))
+        return self._reasoning_markers
+
+    def _count_reasoning(self, usage: UsageInfo, prompt: list[int], outputs: list[list[int]]) -> None:
+        """With a reasoning parser, as vLLM: usage.completion_tokens_details.reasoning_tokens, the generated tokens
+        inside reasoning sections (counted on the token ids once the reply is done)."""
+        if self.reasoning_parser is None:
+            return
+        start, end = self._marker_ids()
+        count = sum(reasoning_token_count(prompt, list(ids), start, end) for ids in outputs)
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=count)
+
+    def _thinking_budget(self, req: ChatCompletionRequest, params: SamplingParams) -> None:
+        """thinking_token_budget into ``params``, with the reasoning parser's markers as token ids (400 without a
+        parser: nothing then says where reasoning starts and ends)."""
+        budget = req.thinking_token_budget
+        if budget is None or budget == -1:
+            return
+        if budget < 0:
+            raise ValidationError.bad_value("thinking_token_budget", budget, "an integer >= 0, or -1 for no cap")
+        if self.reasoning_parser is None:
+            raise ValidationError("thinking_token_budget needs the server started with --reasoning-parser (it "
+                                  "knows where the reasoning starts and ends)", param="thinking_token_budget",
+                                  value=budget)
+        start, end = self._marker_ids()
+        params.reasoning_start_token_ids, params.reasoning_end_token_ids = list(start), list(end)
+        params.thinking_token_budget = budget
 
     @staticmethod
     def _role(index: int, message: ChatMessage) -> str:
@@ -177,18 +266,20 @@ class OpenAIServingChat(OpenAIServing):
             texts.append(part.text)
         return "".join(texts)
 
-    def _logprobs(self, c: CompletionOutput, top_n: int | None) -> ChatLogprobs | None:
+    def _logprobs(self, c: CompletionOutput, top_n: int | None, as_ids: bool = False) -> ChatLogprobs | None:
+        """OpenAI's logprobs of a choice's tokens; ``as_ids`` (return_tokens_as_token_ids): each token named
+        "token_id:<id>" (its bytes stay its text's, as vLLM's)."""
         if c.logprobs is None or top_n is None:
             return None
         content = []
         for token_id, entry in zip(c.token_ids, c.logprobs):
             sampled = entry[token_id]
-            token = sampled.decoded_token or ""
-            top = [TopLogprob(token=lp.decoded_token or "", logprob=finite_logprob(lp.logprob),
+            text = sampled.decoded_token or ""
+            top = [TopLogprob(token=token_label(t, lp.decoded_token, as_ids), logprob=finite_logprob(lp.logprob),
                               bytes=list((lp.decoded_token or "").encode()))
-                   for _, lp in self.top_entries(entry, top_n)]
-            content.append(ChatTokenLogprob(token=token, logprob=finite_logprob(sampled.logprob),
-                                            bytes=list(token.encode()),
+                   for t, lp in self.top_entries(entry, top_n)]
+            content.append(ChatTokenLogprob(token=token_label(token_id, text, as_ids),
+                                            logprob=finite_logprob(sampled.logprob), bytes=list(text.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 
@@ -213,13 +304,19 @@ class OpenAIServingChat(OpenAIServing):
             if index == 0:
                 first.prompt_token_ids = run.prompt_ids
             yield first
+        for index in range(req.n if run.echo else 0):  # echo: the last message's text, then the reply
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=run.echo)))
         parsers: dict[int, ReasoningStream] = {}
         texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
         held: dict[int, list[int]] = {}  # per choice, its token ids so far (tool calling sends them whole)
+        generated_ids: dict[int, list[int]] = {}  # per choice, its token ids (a reasoning parser counts them)
+        prompt_ids: list[int] = []
         async for _, out in merge_streams(streams):
-            prompt_tokens = len(out.prompt_token_ids)
+            prompt_tokens, prompt_ids = len(out.prompt_token_ids), out.prompt_token_ids
             cached_tokens = max(cached_tokens, out.num_cached_tokens)
             for c in out.outputs:
+                if self.reasoning_parser is not None:  # (the usage's reasoning tokens are counted on the ids)
+                    generated_ids.setdefault(c.index, []).extend(c.token_ids)
                 completion_tokens += len(c.token_ids)
                 generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
                 if tools.active:  # tool calls are known once the reply is: it is sent whole, at its end
@@ -233,7 +330,8 @@ class OpenAIServingChat(OpenAIServing):
                     choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(
                         content=message.content, reasoning_content=message.reasoning_content, tool_calls=calls or None),
                         finish_reason=finish, stop_reason=c.stop_reason, token_ids=held[c.index] if ids else None)
-                    yield chunk(choice)
+                    if self._shown(run, choice):
+                        yield chunk(choice)
                     continue
                 if self.reasoning_parser is None:
                     delta = DeltaMessage(content=c.text)
@@ -242,11 +340,13 @@ class OpenAIServingChat(OpenAIServing):
                         c.text, c.finish_reason is not None)
                     delta = DeltaMessage(content=piece.content, reasoning_content=piece.reasoning)
                 choice = ChatStreamChoice(index=c.index, delta=delta,
-                                          logprobs=self._logprobs(c, top_n), finish_reason=c.finish_reason,
+                                          logprobs=self._logprobs(c, top_n, run.as_ids), finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None)
-                yield chunk(choice)
+                if self._shown(run, choice):
+                    yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
             usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)
+            self._count_reasoning(usage, prompt_ids, list(generated_ids.values()))
             yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
 
 
@@ -271,6 +371,14 @@ class ChatRun:
     """How many top alternatives each token's logprobs list (None: no logprobs)."""
     prompt_ids: list[int] | None = None
     """return_token_ids: the rendered conversation's token ids (None: not asked for)."""
+    as_ids: bool = False
+    """return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"."""
+    hide_reasoning: bool = False
+    """include_reasoning false (with a reasoning parser): no reasoning, logprobs or token ids in the reply."""
+    echo: str = ""
+    """echo: the text the reply's content starts with."""
+    prompt_logprobs: bool = False
+    """prompt_logprobs was asked for: the reply carries the prompt's."""
 
 
 @dataclass

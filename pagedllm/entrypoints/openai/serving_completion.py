@@ -9,9 +9,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                                  CompletionResponse, PromptLogprob, UsageInfo, random_id)
+                                                  CompletionResponse, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.limits import check_count, check_request_tokens, check_samples
-from pagedllm.entrypoints.openai.serving import SSE_DONE, OpenAIServing, finite_logprob, merge_streams, sse
+from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, counted_logprobs, finite_logprob,
+                                                 merge_streams, prompt_logprobs_json, shown_logprobs, sse,
+                                                 token_label)
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams
@@ -27,9 +29,6 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ValidationError("suffix is not supported", param="suffix", value=req.suffix)
         if req.best_of is not None and req.best_of != req.n:
             raise ValidationError("best_of other than n is not supported", param="best_of", value=req.best_of)
-        if req.prompt_logprobs is not None and req.stream:
-            raise ValidationError("prompt_logprobs cannot be streamed", param="prompt_logprobs",
-                                  value=req.prompt_logprobs)
         self.check_prompt_size(req.prompt, "prompt")
         prompts = self._prompts(req.prompt)
         check_samples(len(prompts), max(req.n or 1, req.best_of or 1), self.limits)
@@ -45,7 +44,8 @@ class OpenAIServingCompletion(OpenAIServing):
         lengths = [len(p["prompt_token_ids"]) for p in prompts]
         check_request_tokens(self.limits, self.max_model_len, [self.filled(params.max_tokens, n) for n in lengths],
                              req.n, req.stream,
-                             None if req.use_beam_search else req.logprobs, lengths, prompt_logprobs)
+                             None if req.use_beam_search else counted_logprobs(req, req.logprobs), lengths,
+                             prompt_logprobs)
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, prompts, params, lora, raw)
         if streams is None:
@@ -57,11 +57,12 @@ class OpenAIServingCompletion(OpenAIServing):
         outputs = await self.outputs(streams, raw)
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        logprobs = None if req.use_beam_search else req.logprobs
+        logprobs = None if req.use_beam_search else shown_logprobs(req, req.logprobs)
+        as_ids = self.as_token_ids(req)
         choices = [self._choice(i * req.n + c.index, _without_generation(c) if only_echo else c, echoes[i], logprobs,
                                 getattr(out, "prompt_logprobs", None) if req.prompt_logprobs is not None else None,
-                                self._echo_logprobs(out, logprobs) if req.echo else None,
-                                out.prompt_token_ids if req.return_token_ids else None)
+                                self._echo_logprobs(out, logprobs, as_ids) if req.echo else None,
+                                out.prompt_token_ids if req.return_token_ids else None, as_ids)
                    for i, out in enumerate(outputs) for c in out.outputs]
         usage = self._usage(outputs)
         return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump())
@@ -101,29 +102,28 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _choice(self, index: int, c: CompletionOutput, echo: str, logprobs: int | None,
                 prompt_logprobs: list | None = None, echoed: CompletionLogprobs | None = None,
-                prompt_ids: list[int] | None = None) -> CompletionChoice:
-        """One finished choice; ``prompt_ids`` (return_token_ids): its prompt's and its own token ids added."""
-        lp = None if c.logprobs is None else self._logprobs(c, self._end(echoed, len(echo)), logprobs or 0, echoed)
-        scored = None if prompt_logprobs is None else [
-            None if entry is None else {t: PromptLogprob(logprob=finite_logprob(e.logprob), rank=e.rank,
-                                                         decoded_token=e.decoded_token)
-                                        for t, e in entry.items()} for entry in prompt_logprobs]
+                prompt_ids: list[int] | None = None, as_ids: bool = False) -> CompletionChoice:
+        """One finished choice; ``prompt_ids`` (return_token_ids): its prompt's and its own token ids added;
+        ``as_ids``: its logprobs name tokens by id."""
+        lp = None if c.logprobs is None else self._logprobs(c, self._end(echoed, len(echo)), logprobs or 0, echoed,
+                                                            as_ids)
         return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason, prompt_logprobs=scored,
+                                stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs_json(prompt_logprobs),
                                 prompt_token_ids=None if prompt_ids is None else list(prompt_ids),
                                 token_ids=None if prompt_ids is None else list(c.token_ids))
 
     def _logprobs(self, c: CompletionOutput, offset: int, top_n: int,
-                  before: CompletionLogprobs | None = None) -> CompletionLogprobs:
+                  before: CompletionLogprobs | None = None, as_ids: bool = False) -> CompletionLogprobs:
         """OpenAI's logprobs of the generated tokens, after ``before`` (the echoed prompt's) when given."""
         out = CompletionLogprobs() if before is None else before.model_copy(deep=True)
         for token_id, entry in zip(c.token_ids, c.logprobs or []):
-            offset = self._append(out, token_id, entry, offset, top_n)
+            offset = self._append(out, token_id, entry, offset, top_n, as_ids)
         return out
 
-    def _append(self, out: CompletionLogprobs, token_id: int, entry: dict | None, offset: int, top_n: int) -> int:
+    def _append(self, out: CompletionLogprobs, token_id: int, entry: dict | None, offset: int, top_n: int,
+                as_ids: bool = False) -> int:
         """One token into ``out`` (``entry`` None: the prompt's first token, which nothing predicts); the next
-        token's text offset."""
+        token's text offset (counted in the text, also when ``as_ids`` names the tokens "token_id:<id>")."""
         if entry is None:
             text = self.tokenizer.decode([token_id])
             out.token_logprobs.append(None)
@@ -132,14 +132,16 @@ class OpenAIServingCompletion(OpenAIServing):
             sampled = entry[token_id]
             text = sampled.decoded_token or ""
             out.token_logprobs.append(finite_logprob(sampled.logprob))
-            top = {lp.decoded_token: finite_logprob(lp.logprob) for _, lp in self.top_entries(entry, top_n)}
-            top.setdefault(text, finite_logprob(sampled.logprob))
+            top = {token_label(token_id, text, as_ids): finite_logprob(sampled.logprob)}  # the token first, as vLLM
+            top.update((token_label(t, lp.decoded_token, as_ids), finite_logprob(lp.logprob))
+                       for t, lp in self.top_entries(entry, top_n))
             out.top_logprobs.append(top)
-        out.tokens.append(text)
+        out.tokens.append(token_label(token_id, text, as_ids))
         out.text_offset.append(offset)
-        return offset + len(text)
+        out._end = offset + len(text)
+        return out._end
 
-    def _echo_logprobs(self, out: RequestOutput, top_n: int | None) -> CompletionLogprobs | None:
+    def _echo_logprobs(self, out: RequestOutput, top_n: int | None, as_ids: bool = False) -> CompletionLogprobs | None:
         """With echo and logprobs: the prompt's tokens as OpenAI and vLLM list them (the first with a null
         log-probability), offsets counted from the start of the echoed text."""
         scored = getattr(out, "prompt_logprobs", None)
@@ -147,15 +149,13 @@ class OpenAIServingCompletion(OpenAIServing):
             return None
         echoed, offset = CompletionLogprobs(), 0
         for token_id, entry in zip(out.prompt_token_ids, scored):
-            offset = self._append(echoed, token_id, entry, offset, top_n)
+            offset = self._append(echoed, token_id, entry, offset, top_n, as_ids)
         return echoed
 
     @staticmethod
     def _end(echoed: CompletionLogprobs | None, default: int) -> int:
         """The text offset after the echoed prompt's tokens (``default`` without them)."""
-        if echoed is None or not echoed.tokens:
-            return default
-        return echoed.text_offset[-1] + len(echoed.tokens[-1])
+        return default if echoed is None or not echoed.tokens else echoed._end
 
     def _usage(self, outputs: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
@@ -172,11 +172,12 @@ class OpenAIServingCompletion(OpenAIServing):
         generated: dict[int, int] = {}  # per choice, its tokens so far (continuous usage)
         every_chunk = req.stream_options is not None and req.stream_options.every_chunk
         prompt_lps: dict[int, CompletionLogprobs | None] = {}  # per prompt: its echoed tokens' logprobs
+        as_ids = self.as_token_ids(req)
         async for i, out in merge_streams(streams):
             prompt_tokens[i] = len(out.prompt_token_ids)
             cached_tokens[i] = max(cached_tokens.get(i, 0), out.num_cached_tokens)
             if req.echo and i not in prompt_lps:  # (they come with a prompt's first output)
-                prompt_lps[i] = self._echo_logprobs(out, req.logprobs)
+                prompt_lps[i] = self._echo_logprobs(out, req.logprobs, as_ids)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)  # (echo without generation too: as vLLM, its one token)
                 generated[i * req.n + c.index] = generated.get(i * req.n + c.index, 0) + len(c.token_ids)
@@ -189,7 +190,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp = None
                 if c.logprobs is not None:
                     start = offsets.get(index, self._end(before, len(echo)))
-                    lp = self._logprobs(c, start, req.logprobs or 0, before)
+                    lp = self._logprobs(c, start, shown_logprobs(req, req.logprobs) or 0, before, as_ids)
                     offsets[index] = self._end(lp, start)
                 choice = CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason)

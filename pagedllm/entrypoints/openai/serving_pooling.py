@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import BaseModel
@@ -14,9 +15,11 @@ from starlette.responses import JSONResponse, Response
 from pagedllm.config import ModelConfig
 from pagedllm.engine.processor import PromptType
 from pagedllm.engine.scoring import cosine, pair_prompt, score_pairs
-from pagedllm.entrypoints.openai.limits import check_count
+from pagedllm.entrypoints.openai.chat_options import template_options
+from pagedllm.entrypoints.openai.embed_chunks import combine_chunks, split_chunks
+from pagedllm.entrypoints.openai.limits import BYTES_PER_TOKEN_CAP, check_count
 from pagedllm.entrypoints.openai.protocol import random_id
-from pagedllm.entrypoints.openai.protocol_pooling import (ClassificationData, ClassificationRequest,
+from pagedllm.entrypoints.openai.protocol_pooling import (ChatInputFields, ClassificationData, ClassificationRequest,
                                                           ClassificationResponse, EmbeddingData, EmbeddingRequest,
                                                           EmbeddingResponse, PoolingData, PoolingInput,
                                                           PoolingRequest, PoolingResponse, PoolingUsage,
@@ -26,6 +29,9 @@ from pagedllm.entrypoints.openai.serving import OpenAIServing
 from pagedllm.errors import ValidationError, quoted
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 GONE = 499
 """The status of a request whose client left before its answer (nobody reads it)."""
@@ -63,26 +69,31 @@ def _usage(outputs: list[PoolingRequestOutput]) -> PoolingUsage:
 class OpenAIServingPooling(OpenAIServing):
     """The pooling endpoints (see the module docstring)."""
 
+    chat: "OpenAIServingChat | None" = None
+    """The chat endpoint's renderer (its template, --chat-template, --trust-request-chat-template): ``messages``
+    inputs are rendered by it; None: they are refused."""
+
     # ------------------------------------------------------------------ endpoints
     async def embed(self, req: EmbeddingRequest, raw: Request) -> Response:
-        """OpenAI's embeddings: one vector per input, in input order."""
+        """OpenAI's embeddings: one vector per input, in input order (texts, token ids or conversations; inputs
+        longer than max_model_len embedded in chunks where the server enables it)."""
         model = self._check(req.model, "embed", raw.url.path)
-        prompts = self._prompts(req.input, "input")
-        params = PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize,
+        params = PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalized(),
                                truncate_prompt_tokens=self._truncate(req.truncate_prompt_tokens))
+        prompts, names = await self._inputs(req, embed=True)
         request_id = random_id("embd")
-        outputs = await self._run(request_id, prompts, params, raw)
-        if outputs is None:
+        result = await self.embed_prompts(request_id, prompts, names, params, raw)
+        if result is None:
             return Response(status_code=GONE)
-        data = [EmbeddingData(embedding=encode_vector(o.outputs.data, req.encoding_format), index=i)
-                for i, o in enumerate(outputs)]
-        return _json(EmbeddingResponse(id=request_id, model=model, data=data, usage=_usage(outputs)))
+        vectors, usage = result
+        data = [EmbeddingData(embedding=encode_vector(v, req.encoding_format), index=i) for i, v in enumerate(vectors)]
+        return _json(EmbeddingResponse(id=request_id, model=model, data=data, usage=usage))
 
     async def pool(self, req: PoolingRequest, raw: Request) -> Response:
         """vLLM's /pooling: each input's vector in the model's own task."""
         model = self._check(req.model, None, raw.url.path)
-        prompts = self._prompts(req.input, "input")
         params = PoolingParams(truncate_prompt_tokens=self._truncate(req.truncate_prompt_tokens))
+        prompts, _ = await self._inputs(req, embed=False)
         request_id = random_id("pool")
         outputs = await self._run(request_id, prompts, params, raw)
         if outputs is None:
@@ -142,6 +153,118 @@ class OpenAIServingPooling(OpenAIServing):
                               results=results)
         return JSONResponse(body.model_dump(exclude_none=True))
 
+    # ------------------------------------------------------------------ inputs and long texts
+    @property
+    def embed_len(self) -> int | None:
+        """Most tokens of one embeddings input: max_embed_len, else max_model_len (with chunked processing and
+        no max_embed_len: None, the prompt byte cap bounds an input)."""
+        pooler = self.engine.config.model.pooler
+        if pooler is None or pooler.max_embed_len is None:
+            return None if pooler is not None and pooler.enable_chunked_processing else self.max_model_len
+        return pooler.max_embed_len if pooler.enable_chunked_processing else min(pooler.max_embed_len,
+                                                                                 self.max_model_len)
+
+    def _byte_cap_tokens(self, embed: bool) -> int:
+        """The token length the prompt byte cap of an input is sized for (max_embed_len for embeddings)."""
+        return max(self.embed_len or 0, self.max_model_len) if embed else self.max_model_len
+
+    async def _inputs(self, req: ChatInputFields, embed: bool) -> tuple[list[PromptType], list[str]]:
+        """The request's prompts and the field each came from (for errors): its ``input`` (texts, tokenized here
+        without special tokens when add_special_tokens is false), or each conversation of ``messages`` rendered
+        through the chat template into token ids."""
+        conversations = req.conversations()
+        add_special = req.add_special_tokens
+        if conversations is None:
+            value = req.input
+            prompts = self._prompts(value, "input", self._byte_cap_tokens(embed))  # type: ignore[arg-type]
+            one = isinstance(value, str) or isinstance(value[0], int)  # type: ignore[index]
+            names = ["input"] if one else [f"input[{i}]" for i in range(len(prompts))]
+            if add_special is False and any(isinstance(p, str) for p in prompts):
+                prompts = await self.engine.in_tokenizer_thread(self._without_special_tokens, prompts, names)
+            return prompts, names
+        if not embed and len(conversations) > 1:
+            raise ValidationError("messages on /pooling is one conversation (a list of messages); send several "
+                                  "conversations to /v1/embeddings", param="messages")
+        check_count(conversations, self.limits.max_prompts, "messages", "--max-prompts")
+        if self.chat is None:
+            raise ValidationError("messages are not supported by this server", param="messages")
+        cap = self.limits.max_prompt_bytes or BYTES_PER_TOKEN_CAP * self._byte_cap_tokens(embed)
+        self.check_prompt_size(req.messages, "messages", cap)
+        options = template_options(req, self.chat.trust_request_chat_template)
+        chat = self.chat
+
+        def render() -> list[PromptType]:
+            prompts: list[PromptType] = []
+            for messages in conversations:
+                text, ids = chat.apply_chat_template(messages, req.add_generation_prompt, None, options)
+                if add_special:  # as the tokenizer adds them to a plain text, on top of the template's own
+                    ids = self.tokenizer.encode(text)
+                if not ids:
+                    raise ValidationError("messages render to an empty prompt", param="messages")
+                prompts.append({"prompt_token_ids": list(ids), "prompt": text})
+            return prompts
+
+        prompts = await self.engine.in_tokenizer_thread(render)
+        names = ["messages"] if len(prompts) == 1 else [f"messages[{i}]" for i in range(len(prompts))]
+        return prompts, names
+
+    def _without_special_tokens(self, prompts: list[PromptType], names: list[str]) -> list[PromptType]:
+        """Each text prompt as its token ids with no special tokens added (add_special_tokens=false)."""
+        out: list[PromptType] = []
+        for p, name in zip(prompts, names):
+            if isinstance(p, str):
+                ids = self.tokenizer.encode(p, add_special_tokens=False)
+                if not ids:
+                    raise ValidationError(f"{name} has no tokens without its special tokens", param=name)
+                out.append({"prompt_token_ids": ids, "prompt": p})
+            else:
+                out.append(p)
+        return out
+
+    async def embed_prompts(self, request_id: str, prompts: list[PromptType], names: list[str],
+                            params: PoolingParams, raw: Request
+                            ) -> tuple[list[list[float]], PoolingUsage] | None:
+        """Each prompt's embedding, in order, and the tokens run (None if the client left first). Where the
+        server sets max_embed_len or chunked processing, prompts are tokenized here: one over max_embed_len is
+        refused naming its field, and (chunked processing) one over max_model_len embedded in chunks."""
+        pooler = self.engine.config.model.pooler
+        if params.truncate_prompt_tokens is not None or pooler is None or \
+                (not pooler.enable_chunked_processing and pooler.max_embed_len is None):
+            outputs = await self._run(request_id, prompts, params, raw)
+            return None if outputs is None else ([o.outputs.data for o in outputs], _usage(outputs))
+        tokenized = await self.tokenized(prompts)
+        cap, size = self.embed_len, self.max_model_len
+        if cap is None:  # chunked, no max_embed_len: token ids are held to what the byte cap allows of text
+            cap = self.limits.max_prompt_bytes or BYTES_PER_TOKEN_CAP * self.max_model_len
+        pieces: list[PromptType] = []
+        owners: list[int] = []
+        for i, (prompt, name) in enumerate(zip(tokenized, names)):
+            ids = prompt["prompt_token_ids"]
+            if len(ids) > cap:
+                raise ValidationError(f"{name} has {len(ids)} tokens, over this server's limit of {cap} for one "
+                                      f"embeddings input (max_embed_len of --pooler-config; max_model_len is "
+                                      f"{self.max_model_len})", param=name, value=len(ids))
+            chunks = split_chunks(ids, size) if pooler.enable_chunked_processing else [ids]
+            if len(chunks) == 1:
+                pieces.append(prompt)
+            else:
+                pieces.extend({"prompt_token_ids": chunk} for chunk in chunks)
+            owners.extend([i] * len(chunks))
+        if len(pieces) > max(self.limits.max_prompts, len(prompts)):
+            raise ValidationError(f"the inputs make {len(pieces)} chunks of {size} tokens; this server runs at most "
+                                  f"{self.limits.max_prompts} in one request (--max-prompts)",
+                                  param=names[0] if len(names) == 1 else "input", value=len(pieces))
+        outputs = await self._run(request_id, pieces, params, raw)
+        if outputs is None:
+            return None
+        normalize = pooler.normalize if params.normalize is None else params.normalize
+        per_input: list[list[PoolingRequestOutput]] = [[] for _ in tokenized]
+        for output, owner in zip(outputs, owners):
+            per_input[owner].append(output)
+        vectors = [combine_chunks([o.outputs.data for o in mine], [len(o.prompt_token_ids) for o in mine], normalize)
+                   for mine in per_input]
+        return vectors, _usage(outputs)
+
     # ------------------------------------------------------------------ shared steps
     def _check(self, model: str | None, task: str | None, endpoint: str) -> str:
         """The model name to answer with, once the model is known to serve ``task`` (None: any pooling task);
@@ -156,11 +279,12 @@ class OpenAIServingPooling(OpenAIServing):
                                   value=name)
         return name
 
-    def _prompts(self, value: PoolingInput, param: str) -> list[PromptType]:
+    def _prompts(self, value: PoolingInput, param: str, cap_tokens: int | None = None) -> list[PromptType]:
         """One engine prompt per input: a text, or {"prompt_token_ids": ids}; at most --max-prompts of them, each
-        non-empty, its text within the prompt-size cap (before anything is tokenized), its ids in the vocabulary."""
+        non-empty, its text within the prompt-size cap (sized for ``cap_tokens``, default max_model_len; before
+        anything is tokenized), its ids in the vocabulary."""
         if isinstance(value, str):
-            self._check_text(value, param)
+            self._check_text(value, param, cap_tokens)
             return [value]
         if not value:
             raise ValidationError(f"{param} must not be empty", param=param, value=value)
@@ -171,7 +295,7 @@ class OpenAIServingPooling(OpenAIServing):
         prompts: list[PromptType] = []
         for i, item in enumerate(value):
             if isinstance(item, str):
-                self._check_text(item, f"{param}[{i}]")
+                self._check_text(item, f"{param}[{i}]", cap_tokens)
                 prompts.append(item)
             elif not item:
                 raise ValidationError(f"{param}[{i}] must not be empty", param=f"{param}[{i}]", value=item)
@@ -187,10 +311,11 @@ class OpenAIServingPooling(OpenAIServing):
             raise ValidationError(f"{param} contains token id {bad}, outside the vocabulary [0, {vocab})",
                                   param=param, value=bad)
 
-    def _check_text(self, text: str, param: str) -> None:
+    def _check_text(self, text: str, param: str, cap_tokens: int | None = None) -> None:
         if not text:
             raise ValidationError(f"{param} must not be empty", param=param, value=text)
-        self.check_prompt_size(text, param)
+        self.check_prompt_size(text, param, None if cap_tokens is None else
+                               self.limits.max_prompt_bytes or BYTES_PER_TOKEN_CAP * cap_tokens)
 
     def _truncate(self, tokens: int | None) -> int | None:
         """truncate_prompt_tokens within max_model_len (PoolingParams checks the rest)."""

@@ -27,7 +27,8 @@ from pagedllm.entrypoints.openai.translate import chat_request, check_keys, form
 from pagedllm.errors import ValidationError, quoted
 
 PARAM_NAMES = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
-               "max_tokens": "max_output_tokens", "response_format": "text.format", "structured_outputs": "text.format"}
+               "max_tokens": "max_output_tokens", "response_format": "text.format", "structured_outputs": "text.format",
+               "reasoning_effort": "reasoning.effort"}
 """A chat request's field -> the Responses field it was made from (an error names what the client sent)."""
 METADATA_LIMITS = (16, 64, 512)
 """OpenAI's bounds on metadata: pairs, characters of a key, characters of a value."""
@@ -196,7 +197,9 @@ class OpenAIServingResponses:
             "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stream": req.stream,
             "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
-            "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice), "user": req.user}
+            "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice), "user": req.user,
+            "reasoning_effort": (req.reasoning or {}).get("effort"), "thinking_token_budget": req.thinking_token_budget,
+            "include_reasoning": req.include_reasoning}
         if req.stream:
             fields["stream_options"] = {"include_usage": True}
         return chat_request(fields, PARAM_NAMES)
@@ -446,9 +449,13 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     """Known fields whose other values we cannot honour: 400 naming them, never silently ignored."""
     if req.background:
         raise ValidationError("background responses are not supported by this server", param="background")
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise ValidationError("reasoning settings (effort, summary) are not supported by this server; the "
-                              "model's own thinking is returned with --reasoning-parser", param="reasoning")
+    if req.reasoning:  # effort goes to the chat template (as vLLM: reasoning_effort, enable_thinking)
+        check_keys(req.reasoning, {"effort", "summary", "generate_summary"}, "reasoning")
+        for name in ("summary", "generate_summary"):
+            if req.reasoning.get(name) is not None:
+                raise ValidationError(f"reasoning.{name} is not supported by this server (it writes no reasoning "
+                                      "summaries; the model's own reasoning comes back as reasoning items with "
+                                      "--reasoning-parser)", param=f"reasoning.{name}", value=req.reasoning[name])
     if req.include:
         raise ValidationError(f"include {quoted(req.include[0])} is not supported by this server", param="include")
     if req.truncation == "auto":

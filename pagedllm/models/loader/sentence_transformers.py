@@ -84,3 +84,20 @@ def _pooling_type(path: str, folder: str) -> str:
         raise ValidationError(f"the Pooling module of {folder} turns on {unsupported + modes or 'no mode'}: "
                               f"exactly one of {sorted(_MODES)} is supported", param="model", value=folder)
     return modes[0]
+
+
+def read_task_prompts(folder: str) -> dict[str, str]:
+    """The prefixes a model puts before its input per task (Cohere's ``input_type``, e.g. {"query": "query: "}):
+    ``config_sentence_transformers.json``'s ``prompts``, else config.json's ``task_instructions`` (vLLM reads
+    both); empty when the folder has neither (or is not a folder)."""
+    for name, key in (("config_sentence_transformers.json", "prompts"), ("config.json", "task_instructions")):
+        path = os.path.join(folder, name) if os.path.isdir(folder) else ""
+        if not path or not os.path.isfile(path):
+            continue
+        found = _read_json(path)
+        prompts = found.get(key) if isinstance(found, dict) else None
+        if isinstance(prompts, dict):
+            kept = {k: v for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str)}
+            if kept:
+                return kept
+    return {}

@@ -145,7 +145,10 @@ def test_count_tokens_and_cache_reads(client: anthropic.Anthropic) -> None:
 @pytest.mark.parametrize("fields, fragment", [
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2000}, "--reasoning-parser"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "less than max_tokens"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"stop_sequences": ["x"] * 1000}, "stop_sequences"),
     ({"container": "c"}, "container"),

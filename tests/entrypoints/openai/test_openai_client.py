@@ -244,7 +244,8 @@ def test_multi_turn_appending_the_sdks_own_messages(client: openai.OpenAI, token
 def test_prompt_tokens_details_report_prefix_cache_hits(client: openai.OpenAI, tiny_llm_dir: Path) -> None:
     """As vLLM: usage.prompt_tokens_details is null by default; with --enable-prompt-tokens-details, chat and
     completions, whole and streamed, report the prompt's tokens found in the prefix cache (none the first time,
-    some of them once the same prompt ran)."""
+    some of them once the same prompt ran). The same server has vLLM's --return-tokens-as-token-ids: logprobs name
+    tokens "token_id:<id>" unless a request's return_tokens_as_token_ids is false."""
     from tests.utils import RemoteServer
 
     prompt = "one two three four five six seven eight nine ten " * 8
@@ -252,7 +253,8 @@ def test_prompt_tokens_details_report_prefix_cache_hits(client: openai.OpenAI, t
     args = dict(model=MODEL, max_tokens=2)
     assert client.completions.create(prompt=prompt, **args).usage.prompt_tokens_details is None
     assert client.chat.completions.create(messages=messages, **args).usage.prompt_tokens_details is None
-    srv = RemoteServer(tiny_llm_dir, "--served-model-name", MODEL, "--enable-prompt-tokens-details")
+    srv = RemoteServer(tiny_llm_dir, "--served-model-name", MODEL, "--enable-prompt-tokens-details",
+                       "--return-tokens-as-token-ids")
     try:
         c = srv.get_client()
         first = c.completions.create(prompt=prompt, **args).usage
@@ -267,6 +269,14 @@ def test_prompt_tokens_details_report_prefix_cache_hits(client: openai.OpenAI, t
                        c.chat.completions.create(messages=messages, **with_usage)):
             usage = [chunk.usage for chunk in stream][-1]
             assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+        logprobs = dict(logprobs=True, top_logprobs=1, **args)
+        tokens = [t.token for t in c.chat.completions.create(messages=messages, **logprobs).choices[0].logprobs.content]
+        assert tokens and all(t.startswith("token_id:") for t in tokens)
+        lp = c.completions.create(prompt=prompt, logprobs=1, **args).choices[0].logprobs
+        assert all(t.startswith("token_id:") for t in lp.tokens + [k for top in lp.top_logprobs for k in top])
+        text = c.chat.completions.create(messages=messages, extra_body={"return_tokens_as_token_ids": False},
+                                         **logprobs).choices[0]
+        assert "".join(t.token for t in text.logprobs.content) == text.message.content
     finally:
         srv.stop()
 

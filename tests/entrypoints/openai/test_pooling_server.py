@@ -171,7 +171,8 @@ def test_embedding_refusals_name_the_field(embed_server: RemoteServer, st_model:
     _refused(_post(embed_server, "/v1/embeddings", {"input": [[1, 2, 10**9]]}), "input[0]", "vocabulary")
     _refused(_post(embed_server, "/v1/embeddings", {"input": ["a"] * 9}), "input", "--max-prompts")
     _refused(_post(embed_server, "/v1/embeddings", {"input": "a", "encoding_format": "bytes"}), "encoding_format")
-    _refused(_post(embed_server, "/v1/embeddings", {"input": "a", "use_activation": True}), "use_activation")
+    _refused(_post(embed_server, "/v1/embeddings", {"input": "a", "use_activation": True, "normalize": True}),
+             "use_activation")
     _refused(_post(embed_server, "/v1/embeddings", {"input": "a", "color": "red"}), "color")
     _refused(_post(embed_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
              "model", "/v1/embeddings")
@@ -280,3 +281,20 @@ def test_many_long_inputs_are_tokenized_off_the_event_loop(folders: dict[str, Pa
         assert max(poller.latencies) < HEALTHY_WITHIN, sorted(poller.latencies)[-5:]
     finally:
         srv.stop()
+
+
+def test_invocations_on_pooling_models(embed_server: RemoteServer, cross_server: RemoteServer) -> None:
+    """SageMaker's /invocations routes a pooling model's bodies as vLLM's does: embeddings, rerank, score."""
+    direct = httpx.post(f"{embed_server.url}/v1/embeddings", json={"input": ["a cat"]}, timeout=30).json()
+    routed = httpx.post(f"{embed_server.url}/invocations", json={"input": ["a cat"]}, timeout=30)
+    assert routed.status_code == 200, routed.text
+    assert routed.json()["object"] == "list" and routed.json()["data"][0]["embedding"] == direct["data"][0]["embedding"]
+    rerank = httpx.post(f"{cross_server.url}/invocations", json={"query": "q", "documents": ["a", "b"]}, timeout=30)
+    assert rerank.status_code == 200, rerank.text
+    assert len(rerank.json()["results"]) == 2
+    score = httpx.post(f"{cross_server.url}/invocations", json={"text_1": "q", "text_2": ["a", "b"]}, timeout=30)
+    assert score.status_code == 200, score.text
+    assert len(score.json()["data"]) == 2
+    neither = httpx.post(f"{embed_server.url}/invocations", json={"prompt": "x"}, timeout=30)
+    assert neither.status_code == 400  # not a generating model: no completions route to take it
+    assert "Cannot find suitable handler" in neither.json()["error"]["message"]

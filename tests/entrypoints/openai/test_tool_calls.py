@@ -54,7 +54,9 @@ def test_named_function_streamed_and_not(client: openai.OpenAI) -> None:
              for call in c.choices[0].delta.tool_calls]
     assert [c.function.name for c in calls] == ["get_time"] and calls[0].index == 0
     assert calls[0].function.arguments == reply.message.tool_calls[0].function.arguments
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    # a call forced by name ends with "stop", as OpenAI and vLLM answer ("required" and auto calls: "tool_calls")
+    assert reply.finish_reason == "stop"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
 def test_tool_results_in_the_history(client: openai.OpenAI) -> None:
@@ -77,6 +79,24 @@ def test_refusals(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, tools=[{"type": "function", "function": {}}])
     assert e.value.body["param"] == "tools[0]"
+
+
+def test_forced_call_wins_over_response_format(client: openai.OpenAI) -> None:
+    """As vLLM: "required" or a named function with response_format gives the call(s) (the forced call is the reply's
+    constraint; response_format gives way); vLLM's own structured_outputs with a forced call is refused."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "other": {"type": "integer"}}, "required": ["other"]}}}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, fmt, names in (("required", {"type": "json_object"}, tuple(SCHEMAS)), (named, schema, ("get_time",))):
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                               response_format=fmt, max_tokens=150, temperature=1.0,
+                                               seed=2).choices[0]
+        assert reply.finish_reason == ("stop" if choice is named else "tool_calls") and reply.message.content is None
+        _check_calls(reply.message.tool_calls, names)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=4,
+                                       extra_body={"structured_outputs": {"json": WEATHER}})
+    assert e.value.body["param"] == "structured_outputs"
 
 
 @pytest.mark.parametrize("name, reply, content, calls", [
@@ -109,36 +129,37 @@ def test_auto_with_a_parser_serves(tiny_llm_dir) -> None:
     with TestClient(build_app(engine, ServerMetrics("t"), ["t"], [], tool_call_parser="hermes")) as http:
         body = {"messages": ASK, "tools": TOOLS, "max_tokens": 6}
         choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
-        assert choice["message"]["tool_calls"] == [] and choice["message"]["content"]
+        assert "tool_calls" not in choice["message"] and choice["message"]["content"]  # none: no key, as vLLM
         stream = http.post("/v1/chat/completions", json={**body, "stream": True}).text
         assert '"finish_reason":"length"' in stream.replace(" ", "")
 
 
 def test_a_call_cut_by_max_tokens_is_parsed_when_complete(client: openai.OpenAI) -> None:
     """As vLLM: a forced call whose arguments are complete JSON when max_tokens ends it comes back as the call,
-    with finish_reason "length"; cut before its end, a named call still comes back with its arguments so far,
-    and a "required" reply (no tool named yet) stays text."""
+    with finish_reason "length"; cut before its end, as vLLM's test_max_tokens_with_tool_choice_required, a named
+    or "required" reply has no tool_calls (and no content), streamed or not."""
     named = {"type": "function", "function": {"name": "get_time"}}
     args = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, temperature=1.0, seed=3)
     whole = client.chat.completions.create(max_tokens=60, **args)
-    assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.choices[0].finish_reason == "stop"  # (forced by name: OpenAI's and vLLM's finish_reason)
     arguments = whole.choices[0].message.tool_calls[0].function.arguments
     n = whole.usage.completion_tokens
     cut = [client.chat.completions.create(max_tokens=m, **args).choices[0] for m in (n - 1, n)]
     complete = [c for c in cut if c.finish_reason == "length"]  # (the end of the JSON, with or without its EOS)
     assert complete and complete[-1].message.tool_calls[0].function.arguments == arguments
     assert complete[-1].message.content is None
-    short = client.chat.completions.create(max_tokens=2, **args).choices[0]  # cut inside the JSON: as vLLM,
-    assert short.finish_reason == "length" and short.message.content is None  # the named call, its arguments
-    assert [c.function.name for c in short.message.tool_calls] == ["get_time"]  # as far as they got
-    with pytest.raises(ValueError):
-        json.loads(short.message.tool_calls[0].function.arguments)
-    streamed = [c.choices[0] for c in client.chat.completions.create(max_tokens=2, stream=True, **args) if c.choices]
-    calls = [call for c in streamed for call in c.delta.tool_calls or []]
-    assert [c.function.arguments for c in calls] == [short.message.tool_calls[0].function.arguments]
-    required = client.chat.completions.create(max_tokens=2, **{**args, "tool_choice": "required"}).choices[0]
-    assert required.finish_reason == "length" and not required.message.tool_calls  # which tool, unknown: text
-    assert required.message.content
+    for choice in (named, "required"):  # cut inside the JSON
+        for max_tokens in (1, 2):
+            short = client.chat.completions.create(max_tokens=max_tokens, **{**args, "tool_choice": choice})
+            message = short.choices[0].message
+            assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == max_tokens
+            assert message.tool_calls is None and message.content is None
+        streamed = [c.choices[0] for c in client.chat.completions.create(max_tokens=2, stream=True,
+                                                                         **{**args, "tool_choice": choice})
+                    if c.choices]
+        assert not [call for c in streamed for call in c.delta.tool_calls or []]
+        assert not "".join(c.delta.content or "" for c in streamed)
+        assert [c.finish_reason for c in streamed if c.finish_reason] == ["length"]
 
 
 class Address(pydantic.BaseModel):
@@ -165,7 +186,7 @@ def test_pydantic_tools_with_defs(server, client: openai.OpenAI) -> None:
         for seed in range(2):
             reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
                                                    max_tokens=200, temperature=1.0, seed=seed).choices[0]
-            assert reply.finish_reason == "tool_calls", reply
+            assert reply.finish_reason == ("tool_calls" if choice == "required" else "stop"), reply
             for call in reply.message.tool_calls:
                 if call.function.name == "Trip":
                     Trip.model_validate_json(call.function.arguments)
