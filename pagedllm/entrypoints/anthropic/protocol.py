@@ -48,6 +48,8 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_tokens: int = 0
+    """vLLM's extra: no stop (end of turn or stop sequence) before this many tokens."""
     stream: StrictBool = False
     metadata: dict[str, Any] | None = None
     """{"user_id": ...}: accepted, as OpenAI's ``user``."""

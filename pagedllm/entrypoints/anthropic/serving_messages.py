@@ -83,6 +83,7 @@ class AnthropicServingMessages:
         fields: dict[str, Any] = {
             "model": req.model, "messages": _chat_messages(req), "max_completion_tokens": req.max_tokens,
             "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+            "min_tokens": req.min_tokens,
             "tools": _chat_tools(req.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
             "stream": req.stream, "response_format": _response_format(req.output_config)}
         if budget is not None:

@@ -47,7 +47,8 @@ from pagedllm.entrypoints.openai.serving_models import (RUNTIME_LORA_ENV, LoRAMo
                                                          OpenAIServingModels, parse_lora_module, public_name,
                                                          runtime_lora_updating)
 from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, get_tool_parser
-from pagedllm.entrypoints.openai.limits import BYTES_PER_TOKEN_CAP, ServingLimits, add_limit_args, serving_limits
+from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, add_limit_args, check_tools,
+                                               serving_limits)
 from pagedllm.entrypoints.openai.serving import (Admission, OverloadedError, RequestFailedError,
                                                  RequestTimeoutError)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -336,14 +337,18 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> dict:
         raise ValidationError("give exactly one of prompt and messages", param="prompt")
     completion.check_prompt_size(req.prompt, "prompt")  # the --max-prompt-bytes cap, before tokenizing
     chat.check_prompt_size(req.messages, "messages")
+    if req.tools is not None and req.messages is None:
+        raise ValidationError("tools are shown by the chat template: give them with messages", param="tools")
+    check_tools(req.tools, chat.limits)
     if req.messages is not None:  # (chat's template options: continue_final_message, chat_template(_kwargs))
-        _, ids = await chat.render(req.messages, req.add_generation_prompt, None,
+        _, ids = await chat.render(req.messages, req.add_generation_prompt, req.tools,
                                    template_options(req, chat.trust_request_chat_template))
     else:
         ids = await _engine(raw).in_tokenizer_thread(
             lambda: completion.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
     max_model_len = raw.app.state.config.model.max_model_len
-    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids).model_dump()
+    strs = completion.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs).model_dump()
 
 
 @router.post("/detokenize")

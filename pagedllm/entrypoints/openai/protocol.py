@@ -311,11 +311,19 @@ class ChatResponseMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_empty_calls(self, handler: SerializerFunctionWrapHandler) -> dict:
-        """No tool_calls key when there are none, as OpenAI and vLLM answer (the SDK then reads None)."""
-        data = handler(self)
-        if not data.get("tool_calls"):
-            data.pop("tool_calls", None)
-        return data
+        """No tool_calls key when there are none, as OpenAI and vLLM answer (the SDK then reads None); the
+        reasoning under both its names (vLLM 0.34's ``reasoning``, and ``reasoning_content`` that clients of
+        older vLLMs read)."""
+        return _with_both_reasoning_names(handler(self))
+
+
+def _with_both_reasoning_names(data: dict) -> dict:
+    """A message or delta as JSON: no empty tool_calls, ``reasoning`` beside ``reasoning_content``."""
+    if not data.get("tool_calls"):
+        data.pop("tool_calls", None)
+    if "reasoning_content" in data:
+        data["reasoning"] = data["reasoning_content"]
+    return data
 
 
 class ChatChoice(BaseModel):
@@ -348,6 +356,11 @@ class DeltaMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
 
+    @model_serializer(mode="wrap")
+    def _names(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """As a message's: no empty tool_calls, the reasoning as ``reasoning`` too (vLLM 0.34's name)."""
+        return _with_both_reasoning_names(handler(self))
+
 
 class ChatStreamChoice(BaseModel):
     index: int
@@ -367,7 +380,15 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
-    """With return_token_ids: the rendered conversation's token ids, in the first chunk."""
+    """With return_token_ids: the rendered conversation's token ids, in the first chunk (no key in the others,
+    as vLLM's)."""
+
+    @model_serializer(mode="wrap")
+    def _prompt_ids_once(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        if data.get("prompt_token_ids") is None:
+            data.pop("prompt_token_ids", None)
+        return data
 
 
 class ModelCard(BaseModel):
@@ -399,12 +420,18 @@ class TokenizeRequest(OpenAIModel):
     """messages: a Jinja chat template (needs --trust-request-chat-template)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """messages: more variables for the chat template (as chat's)."""
+    tools: list[dict] | None = None
+    """messages: the tools the template shows (as chat's, checked against the same limits)."""
+    return_token_strs: StrictBool = False
+    """vLLM's: the reply also lists each token as the tokenizer's string (token_strs)."""
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
+    """With return_token_strs: each token's string in the vocabulary."""
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -59,6 +59,10 @@ def test_stop_sequences(client: anthropic.Anthropic, oai: openai.OpenAI) -> None
                                stop_sequences=[stop])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert m.content[0].text == whole[:whole.index(stop)]
+    # vLLM's min_tokens extra: no stop before that many tokens (the whole reply, here)
+    late = client.messages.create(model=MODEL, max_tokens=16, messages=messages, stop_sequences=[stop],
+                                  extra_body={**NOISELESS, "min_tokens": 16})
+    assert late.stop_reason == "max_tokens" and late.usage.output_tokens == 16
 
 
 def test_stream_events_and_helper(client: anthropic.Anthropic) -> None:

@@ -118,6 +118,17 @@ def test_tokenize_detokenize_version(server, tokenizer: Any) -> None:
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert httpx.get(f"{server.url}/version").json()["version"]
+    # vLLM's return_token_strs, and tools shown by the template (as chat renders them: the same ids)
+    strs = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert strs["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"]) and r["token_strs"] is None
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    ask = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    with_tools = httpx.post(f"{server.url}/tokenize", json=ask).json()
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json={**ask, "max_tokens": 1, "return_token_ids": True,
+                                                                  "tool_choice": "none"}).json()
+    assert with_tools["tokens"] == reply["prompt_token_ids"]  # (this template does not show tools: equal to chat)
+    bad = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "tools": [tool]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
 
 
 def test_beam_search_and_prefix_cache_metrics(server, client: openai.OpenAI) -> None:
