@@ -69,6 +69,28 @@ def test_tool_results_in_the_history(client: openai.OpenAI) -> None:
     assert reply.message.content and not reply.message.tool_calls
 
 
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_three_turns_send_back_the_sdks_own_tool_call_messages(client: openai.OpenAI) -> None:
+    """Issue 45's multi-turn test with tools: each reply's message object, as the SDK returned it (with its
+    tool_calls, refusal, annotations...), goes back into the history with the tools' results, for three turns."""
+    messages: list = list(ASK)
+    for turn in range(3):
+        last = turn == 2
+        reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                               tool_choice="none" if last else NAMED_TIME,
+                                               max_tokens=8 if last else 150, temperature=1.0, seed=turn).choices[0]
+        message = reply.message
+        if last:
+            assert message.content and not message.tool_calls
+            break
+        _check_calls(message.tool_calls, ("get_time",))
+        messages.append(message)
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": "18 degrees"} for call in message.tool_calls]
+    assert sum(not isinstance(m, dict) for m in messages) == 2
+
+
 def test_refusals(client: openai.OpenAI) -> None:
     for kwargs, param in ((dict(tool_choice="auto"), "tool_choice"),  # this server has no --tool-call-parser
                           (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
