@@ -88,22 +88,18 @@ class AnthropicServingMessages:
             "stream": req.stream, "response_format": _response_format(req.output_config)}
         if budget is not None:
             fields["thinking_token_budget"] = budget
-        if req.stream:  # (every chunk's usage: message_start reads the prompt's cache reads from the first)
-            fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        if req.stream:
+            fields["stream_options"] = {"include_usage": True}
         return chat_request(fields, PARAM_NAMES)
 
     async def _events(self, run: Any, chat_req: ChatCompletionRequest, message_id: str) -> AsyncIterator[str]:
         """message_start, a content_block_start / _delta... / _stop per block, message_delta, message_stop.
-        message_start goes with the engine's first output, once the prompt's cache reads are known: its usage splits
-        the prompt as message_delta's (cumulative, as Anthropic's) does, as vLLM's test asks."""
-        def message_start(chunk_usage: UsageInfo | None) -> str:
-            cached = chunk_usage.cached_tokens if chunk_usage is not None else 0
-            start = {"id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
-                     "stop_reason": None, "stop_sequence": None,
-                     "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens, cached_tokens=cached))}
-            return _event("message_start", message=start)
-
-        started = False
+        message_start goes before the prompt is scheduled, when its cache reads are not known: its usage counts the
+        whole prompt as input_tokens; message_delta's (cumulative, as Anthropic's) splits it."""
+        start = {"id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
+                 "stop_reason": None, "stop_sequence": None,
+                 "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens))}
+        yield _event("message_start", message=start)
         index, open_kind = -1, None  # the block being written: "thinking" or "text"
         finish, stop, usage, called = None, None, None, False
 
@@ -115,9 +111,6 @@ class AnthropicServingMessages:
             return [_event("content_block_stop", index=index)]
 
         async for chunk in self.chat.chunks(run, chat_req):
-            if not started and (not chunk.choices or chunk.choices[0].delta.role is None):  # (after chat's role chunk)
-                started = True
-                yield message_start(chunk.usage)
             if chunk.usage is not None and not chunk.choices:
                 usage = chunk.usage
                 continue
