@@ -102,7 +102,8 @@ class Processor:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValidationError(
-                    f"prompt_token_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
+                    f"prompt_token_ids contains token id {bad[0]}, out of vocabulary (ids are in "
+                    f"[0, {self.vocab_size}))",
                     param="prompt_token_ids", value=bad[0])
             text = prompt.get("prompt")
             if limit is not None:

@@ -24,11 +24,14 @@ from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, Stream
                                                  finite_logprob, merge_streams, prompt_logprobs_json, shown_logprobs,
                                                  sse, token_label)
 from pagedllm.engine.processor import render_chat
-from pagedllm.errors import ValidationError
+from pagedllm.errors import ValidationError, quoted
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams, reasoning_token_count
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+"""OpenAI's roles. Another role is passed to the chat template as vLLM passes it (a template that refuses it is a
+400 naming messages), if it is a name: 1 to MAX_ROLE_CHARS letters, digits, '_' or '-'."""
+MAX_ROLE_CHARS = 64
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -246,10 +249,13 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def _role(index: int, message: ChatMessage) -> str:
-        if message.role not in ROLES:
-            raise ValidationError(f"messages[{index}].role must be one of {list(ROLES)}, got {message.role!r}",
-                                  param=f"messages[{index}].role", value=message.role)
-        return message.role
+        role = message.role
+        if role not in ROLES and not (0 < len(role) <= MAX_ROLE_CHARS and role.replace("_", "").replace("-", "")
+                                      .isascii() and role.replace("_", "").replace("-", "").isalnum()):
+            raise ValidationError(f"messages[{index}].role must be one of {list(ROLES)} or a custom role's name "
+                                  f"(1 to {MAX_ROLE_CHARS} ASCII letters, digits, '_' or '-'), got {quoted(role)}",
+                                  param=f"messages[{index}].role", value=role)
+        return role
 
     @staticmethod
     def _content(index: int, message: ChatMessage) -> str:

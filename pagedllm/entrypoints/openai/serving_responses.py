@@ -33,6 +33,9 @@ PARAM_NAMES = {"messages": "input", "prompt": "input", "max_completion_tokens": 
 METADATA_LIMITS = (16, 64, 512)
 """OpenAI's bounds on metadata: pairs, characters of a key, characters of a value."""
 
+INPUT_ROLES = ("user", "assistant", "system", "developer")
+"""The roles of a Responses input message (OpenAI's)."""
+
 
 class ResponseNotFoundError(Exception):
     """GET/DELETE of an id that is not (or no longer) stored: 404."""
@@ -373,6 +376,8 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
         kind = item.get("type", "message")
         if kind == "message":
             _check_item(item, {"type", "role", "content", "id", "status"}, f"input[{i}]")
+            if item.get("role") not in INPUT_ROLES:  # (OpenAI's Responses roles; chat alone passes custom ones on)
+                raise ValidationError.bad_value(f"input[{i}].role", item.get("role"), f"one of {list(INPUT_ROLES)}")
             messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), f"input[{i}]")})
         elif kind == "function_call":
             _check_item(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"input[{i}]")

@@ -63,7 +63,8 @@ CASES = [
     (C, {"prompt": "word " * 600}, 400, "prompt"),
     (C, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     (CHAT, {"messages": []}, 400, "messages"),
-    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "wizard of oz", "content": "hi"}]}, 400, "messages[0].role"),  # (not a name)
+    (CHAT, {"messages": [{"role": "", "content": "hi"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
     (CHAT, {"messages": [{"content": "no role"}]}, 400, "messages[0].role"),

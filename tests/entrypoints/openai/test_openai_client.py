@@ -228,6 +228,15 @@ def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(client: openai.O
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
 
 
+def test_custom_role_reaches_the_template(client: openai.OpenAI, tokenizer: Any) -> None:
+    """As vLLM (its test_custom_role): a role outside OpenAI's is passed to the chat template, which renders it."""
+    messages = [{"role": "my-custom-role", "content": "what is 1+1?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           extra_body={"return_token_ids": True})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "my-custom-role" in text and reply.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_multi_turn_appending_the_sdks_own_messages(client: openai.OpenAI, tokenizer: Any) -> None:
     """The SDK's everyday pattern: each reply's message object (and its model_dump(), which adds refusal,
     annotations, audio, function_call... as null) appended to the history for the next turn. Every field of
