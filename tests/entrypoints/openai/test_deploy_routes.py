@@ -98,7 +98,7 @@ def test_batch_chat_refuses_what_vllm_refuses(server: RemoteServer, extra: dict,
 
 def test_batch_chat_names_the_bad_conversation(server: RemoteServer) -> None:
     response = httpx.post(f"{server.url}/v1/chat/completions/batch", timeout=10, json={
-        "model": "tiny", "messages": [[{"role": "user", "content": "Hi"}], [{"role": "nobody", "content": "x"}]]})
+        "model": "tiny", "messages": [[{"role": "user", "content": "Hi"}], [{"role": "no body!", "content": "x"}]]})
     assert response.status_code == 400
     assert response.json()["error"]["param"].startswith("messages[1]")
     flat = httpx.post(f"{server.url}/v1/chat/completions/batch", timeout=10,
