@@ -223,10 +223,23 @@ class Sampler(nn.Module):
         for row, token_ids in md.logprob_token_ids.items():  # these tokens instead of the top-N, with their ranks
             ids = torch.tensor(token_ids, dtype=torch.int64, device=raw.device)
             values = raw[row, ids]  # (k,)
-            ranks = (raw[row].unsqueeze(0) > values.unsqueeze(1)).sum(dim=1) + 1  # (k, vocab) compared; k <= 128
+            ranks = _ranks(raw[row], values)
             gathered[row].top_token_ids, gathered[row].top_logprobs = list(token_ids), values.tolist()
             gathered[row].top_ranks = ranks.tolist()
         return [lp if wants else None for lp, wants in zip(gathered, md.wants_logprobs)]
+
+
+RANKS_BY_COMPARING = 16
+"""Up to this many tokens, a row's ranks come from comparing each with the whole row (k x vocab); more, from one
+sort of the row and a binary search each (a client's 128 ids would otherwise cost 128 passes over the vocabulary)."""
+
+
+def _ranks(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """1 + how many of ``row``'s (vocab,) log-probabilities exceed each of ``values`` (k,)."""
+    if values.numel() <= RANKS_BY_COMPARING:
+        return (row.unsqueeze(0) > values.unsqueeze(1)).sum(dim=1) + 1  # (k, vocab) compared
+    ascending = row.sort().values
+    return row.numel() - torch.searchsorted(ascending, values, right=True) + 1
 
 
 def gather_token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[TokenLogprobs]:

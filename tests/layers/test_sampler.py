@@ -129,3 +129,18 @@ def test_inverse_cdf_sample_follows_the_weights() -> None:
     assert ((counts.float() - expected).abs()[allowed] < 5 * expected[allowed].sqrt() + 5).all()
     edge = inverse_cdf_sample(weights.expand(2, -1).clone(), torch.tensor([1.0, 1e-12]))
     assert edge.tolist() == [vocab - 1, 0]
+
+
+def test_listed_token_ranks_agree_by_comparing_and_by_sorting() -> None:
+    """logprob_token_ids' ranks: the sort-and-search path (many ids) gives the comparing path's ranks, ties too."""
+    from pagedllm.layers.sampler import RANKS_BY_COMPARING, _ranks
+
+    torch.manual_seed(0)
+    row = torch.randn(4096).log_softmax(-1)
+    row[:8] = row[8]  # ties: equal values share the rank of 1 + those strictly above
+    ids = torch.randint(0, 4096, (RANKS_BY_COMPARING * 4,))
+    ids[:3] = torch.tensor([0, 1, 8])
+    values = row[ids]
+    compared = (row.unsqueeze(0) > values.unsqueeze(1)).sum(dim=1) + 1
+    assert torch.equal(_ranks(row, values), compared)
+    assert torch.equal(_ranks(row, values[:RANKS_BY_COMPARING]), compared[:RANKS_BY_COMPARING])
