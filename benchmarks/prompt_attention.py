@@ -5,6 +5,7 @@ prompt tiles (the default), row by row (``tiles=False``), and torch's causal SDP
     .venv/bin/python benchmarks/prompt_attention.py --prompt 4096                          # SmolLM2-1.7B's shape
     .venv/bin/python benchmarks/prompt_attention.py --prompt 4096 --kv-heads 8 --head-dim 128  # Llama-3.1-8B's
     .venv/bin/python benchmarks/prompt_attention.py --prompt 4096 --no-rows                # skip the slow row path
+    .venv/bin/python benchmarks/prompt_attention.py --prompt 4096 --kv-cache-dtype int8    # the int8 KV cache
 
 bf16 where the CPU has bf16 dot products (else float32); K/V blocks in random order, as a pool hands them out.
 """
@@ -17,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.layers.cpu_ops import active
 from pagedllm.platform import active_level
@@ -41,6 +43,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--no-rows", action="store_true", help="leave out the row-by-row path (minutes at 4k)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                        help="int8: the same K/V quantized into the int8 cache (csrc/kv_int8.cpp)")
     args = parser.parse_args()
     kernels = active()
     assert kernels is not None, "no compiled kernels on this machine"
@@ -49,6 +53,13 @@ def main() -> None:
     n, bs, d = args.prompt, args.block_size, args.head_dim
     blocks = -(-n // bs)
     cache = torch.randn(TorchAttentionBackend.kv_cache_shape(blocks + 1, bs, args.kv_heads, d)).to(dtype)
+    if args.kv_cache_dtype == "int8":  # the same values quantized slot by slot into the int8 layout
+        quantized = torch.zeros(TorchAttentionBackend.kv_cache_shape(blocks + 1, bs, args.kv_heads, d, torch.int8),
+                                dtype=torch.int8)
+        slots = torch.arange((blocks + 1) * bs)
+        as_slots = [c.transpose(1, 2).reshape(-1, args.kv_heads, d) for c in cache]  # (slots, kv_heads, d)
+        kv_quant.write(quantized, as_slots[0], as_slots[1], slots // bs, slots % bs)
+        cache = quantized
     kc, vc = cache[0], cache[1]
     table = (torch.randperm(blocks) + 1).to(torch.int32)
     tables = table.expand(n, blocks).contiguous()  # every row of the prompt reads its request's table
@@ -69,7 +80,7 @@ def main() -> None:
         F.scaled_dot_product_attention(qd, k, v, is_causal=True)
 
     flops = 4 * n * n / 2 * d * args.heads  # QK and PV over the causal half
-    print(f"level {active_level()}, {dtype}, prompt {n}, {args.heads} heads / {args.kv_heads} KV heads of {d}, "
+    print(f"level {active_level()}, {dtype} ({args.kv_cache_dtype} cache), prompt {n}, {args.heads} heads / {args.kv_heads} KV heads of {d}, "
           f"blocks of {bs}, {torch.get_num_threads()} threads: median ms (GFLOP/s)")
     rows = [("tiles", lambda: paged(True)), ("sdpa", sdpa)] + ([] if args.no_rows else [("rows", lambda: paged(False))])
     for name, fn in rows:

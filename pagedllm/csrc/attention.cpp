@@ -46,15 +46,6 @@ inline const T* head_block(const T* cache, const int32_t* table, int64_t i, int6
 
 // ------------------------------------------------------------------ scalar path (any shape)
 
-// A thread's buffers, reused across its tasks.
-struct Scratch {
-  std::vector<float> qf, scores, acc, kbuf;
-  std::vector<float> tile;  // a prompt tile's query vectors and outputs, in the storage type (float words hold them)
-  std::vector<uint16_t> pairs, p16;  // a bf16 tile's V as token pairs and its weights in bf16 (flash_tile_dot)
-  std::vector<float> stats;          // a fused tile's running max, sum and rescale per vector
-  std::vector<int64_t> bounds;       // a tile's rows' visible positions, [begin, end) each
-};
-
 // One task (or piece, w its window) on any shape: out its group x D output rows, or with `part` the
 // piece's partial result (see attention.h) instead.
 template <typename T>
@@ -391,37 +382,6 @@ void decode_task_dot(const bf16* q, const bf16* kc, const bf16* vc, const Window
 //   for P.V as torch's flash attention rounds them (within two bf16 roundings of the rows). One layer, one
 //   4,096-token prompt at the SmolLM2-1.7B shape, 2 threads of a Xeon with AMX (benchmarks/prompt_attention.py):
 //   two-pass on vdpbf16ps 649 ms, fused 536, on AMX tiles 180 (torch's SDPA, AMX too: 166).
-constexpr int64_t kTileVectors = 32;  // two-pass scores: 32 x 4k float32 = 512 KiB a thread, beside one head's K/V
-// On AMX tiles, twice as many: K/V and its pair layout are read once per 64 vectors (Llama-3.1-8B's shape, 4k-token
-// prompt, one layer: 296 -> 262 ms; 4 tile products of 16 vectors a chunk)
-constexpr int64_t kAmxTileVectors = 2 * kTileVectors;
-constexpr int64_t kMinTileRows = 4;  // shorter runs of rows (a speculative verify) stay rows: no copies
-
-// Rows [row, row + rows) of one request, each attending to one position more than the row before.
-struct Tile {
-  int64_t row, rows;
-};
-
-// The step's rows cut into tiles of at most `most` rows (a row alone is a tile of one); empty when no
-// run of kMinTileRows rows exists (every row then takes the row path, split-KV included).
-inline std::vector<Tile> find_tiles(const int32_t* tables, const int32_t* lens, const int32_t* starts, int64_t rows,
-                                    const Shape& s, int64_t most) {
-  std::vector<Tile> tiles;
-  bool any = false;
-  for (int64_t r = 0; r < rows;) {
-    int64_t end = r + 1;
-    for (; end < rows && end - r < most && lens[end] == lens[end - 1] + 1; ++end) {
-      const int64_t blocks = (lens[end] + s.bs - 1) / s.bs;  // the entries its window reads (the rest are padding)
-      if (std::memcmp(tables + end * s.maxb, tables + (end - 1) * s.maxb, blocks * sizeof(int32_t)) != 0) break;
-      if (starts != nullptr && starts[end] < starts[end - 1]) break;
-    }
-    tiles.push_back({r, end - r});
-    any |= end - r >= kMinTileRows;
-    r = end;
-  }
-  if (!any) tiles.clear();
-  return tiles;
-}
 
 #ifdef __AVX512BF16__
 // P.V of kR query vectors over `pairs` token pairs on vdpbf16ps: p (bf16 weight pairs, one 32-bit word a
@@ -733,10 +693,10 @@ void flash_tile_amx(const bf16* qt, int64_t n, int64_t group, const int64_t* bou
 // outputs copied back.
 template <int kDim, typename T>
 void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, const int32_t* starts,
-               const Tile& tile, int64_t h, const Shape& s, T* out, Scratch& sc) {
+               const Tile& tile, int64_t h, const Shape& s, T* out, Scratch& sc, int64_t cache_head) {
   const int64_t g = s.group, n = tile.rows * g, first = tile.row, last = tile.row + tile.rows - 1;
   const Window w0 = window_of(tables, lens, starts, first, s);  // the first row's start is the tile's earliest
-  const int64_t skipped = lens[first] - w0.len, len = lens[last] - skipped, head_off = h * s.bs * kDim;
+  const int64_t skipped = lens[first] - w0.len, len = lens[last] - skipped, head_off = cache_head * s.bs * kDim;
   // the last row's table: every entry a row of the tile reads equals it (find_tiles), and it has them all
   const int32_t* table = tables + last * s.maxb + (w0.table - (tables + first * s.maxb));
   Shape st = s;
@@ -807,8 +767,8 @@ void dispatch_tiles(const T* q, const T* kc, const T* vc, const int32_t* tables,
       const Tile& t = tiles[i % nt];
       const int64_t h = i / nt;
       if (t.rows == 1) row_task(t.row * s.nkv + h, sc);
-      else if (s.D == 64) tile_task<64, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc);
-      else tile_task<128, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc);
+      else if (s.D == 64) tile_task<64, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc, h);
+      else tile_task<128, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc, h);
     }
   });
 }
@@ -895,6 +855,22 @@ inline void scatter_pairs(const char* src, char* dst, int64_t pairs, int64_t str
   }
 }
 }  // namespace
+
+template <typename T>
+void pl::attend_prompt_tile(const T* q, const T* kc, const T* vc, const int32_t* table, const int32_t* lens,
+                            const int32_t* starts, const Tile& tile, int64_t h, const Shape& s, T* out, Scratch& sc) {
+  Shape one = s;
+  one.maxb = 0;  // every row reads `table`
+  one.block_stride = s.bs * s.D;
+  if (s.D == 64) tile_task<64, T>(q, kc, vc, table, lens, starts, tile, h, one, out, sc, 0);
+  else tile_task<128, T>(q, kc, vc, table, lens, starts, tile, h, one, out, sc, 0);
+}
+template void pl::attend_prompt_tile<float>(const float*, const float*, const float*, const int32_t*, const int32_t*,
+                                            const int32_t*, const Tile&, int64_t, const Shape&, float*, Scratch&);
+template void pl::attend_prompt_tile<bf16>(const bf16*, const bf16*, const bf16*, const int32_t*, const int32_t*,
+                                           const int32_t*, const Tile&, int64_t, const Shape&, bf16*, Scratch&);
+template void pl::attend_prompt_tile<f16>(const f16*, const f16*, const f16*, const int32_t*, const int32_t*,
+                                          const int32_t*, const Tile&, int64_t, const Shape&, f16*, Scratch&);
 
 // q (rows, nh, D), row stride q_stride, heads contiguous; key/value cache (blocks, nkv, bs, D), K
 // pair-interleaved within each block; tables (rows, maxb) int32; lens (rows,) int32; out

@@ -6,6 +6,7 @@
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 #include "common.h"
@@ -271,6 +272,56 @@ void run_split(const SplitPlan& plan, const PieceFn& pieces, const MergeFn& merg
     for (int64_t i = merges * me / n; i < merges * (me + 1) / n; ++i) merge(plan.merges[i]);
   }
 }
+
+// ------------------------------------------------------------------ prompt tiles (attention.cpp)
+// A thread's buffers, reused across its tasks.
+struct Scratch {
+  std::vector<float> qf, scores, acc, kbuf;
+  std::vector<float> tile;  // a prompt tile's query vectors and outputs, in the storage type (float words hold them)
+  std::vector<uint16_t> pairs, p16;  // a bf16 tile's V as token pairs and its weights in bf16 (flash_tile_dot)
+  std::vector<float> stats;          // a fused tile's running max, sum and rescale per vector
+  std::vector<int64_t> bounds;       // a tile's rows' visible positions, [begin, end) each
+};
+
+constexpr int64_t kTileVectors = 32;  // two-pass scores: 32 x 4k float32 = 512 KiB a thread, beside one head's K/V
+// On AMX tiles, twice as many: K/V and its pair layout are read once per 64 vectors (Llama-3.1-8B's shape, 4k-token
+// prompt, one layer: 296 -> 262 ms; 4 tile products of 16 vectors a chunk)
+constexpr int64_t kAmxTileVectors = 2 * kTileVectors;
+constexpr int64_t kMinTileRows = 4;  // shorter runs of rows (a speculative verify) stay rows: no copies
+
+// Rows [row, row + rows) of one request, each attending to one position more than the row before.
+struct Tile {
+  int64_t row, rows;
+};
+
+// The step's rows cut into tiles of at most `most` rows (a row alone is a tile of one); empty when no
+// run of kMinTileRows rows exists (every row then takes the row path, split-KV included).
+inline std::vector<Tile> find_tiles(const int32_t* tables, const int32_t* lens, const int32_t* starts, int64_t rows,
+                                    const Shape& s, int64_t most) {
+  std::vector<Tile> tiles;
+  bool any = false;
+  for (int64_t r = 0; r < rows;) {
+    int64_t end = r + 1;
+    for (; end < rows && end - r < most && lens[end] == lens[end - 1] + 1; ++end) {
+      const int64_t blocks = (lens[end] + s.bs - 1) / s.bs;  // the entries its window reads (the rest are padding)
+      if (std::memcmp(tables + end * s.maxb, tables + (end - 1) * s.maxb, blocks * sizeof(int32_t)) != 0) break;
+      if (starts != nullptr && starts[end] < starts[end - 1]) break;
+    }
+    tiles.push_back({r, end - r});
+    any |= end - r >= kMinTileRows;
+    r = end;
+  }
+  if (!any) tiles.clear();
+  return tiles;
+}
+
+// One tile of prompt rows and KV head h attended on attention.cpp's tile paths over K/V that the caller laid out
+// as the storage type's cache, one head's blocks only (block stride bs x D; kv_int8.cpp dequantizes its blocks
+// so): `table` indexed as the rows' own tables are (maxb entries, every row the same), q/out/lens/starts and s
+// as for the whole call.
+template <typename T>
+void attend_prompt_tile(const T* q, const T* kc, const T* vc, const int32_t* table, const int32_t* lens,
+                        const int32_t* starts, const Tile& tile, int64_t h, const Shape& s, T* out, Scratch& sc);
 
 // The arguments of a K/V slot write (either cache type), checked before anything is written: an even
 // head_dim and every slot inside the cache. False with the error set otherwise.

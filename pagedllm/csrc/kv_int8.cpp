@@ -16,6 +16,7 @@
 // writes and reads the same layout in torch (the reference the tests compare against). Tasks are
 // shared between threads as in attention.cpp, long ones split over their KV blocks when too few
 // for the threads (attention.h's split-KV plan and merge).
+#include "amx.h"
 #include "attention.h"
 
 namespace {
@@ -240,6 +241,78 @@ void task_vector(const T* q, const int8_t* kc, const int8_t* vc, const Window& w
   else pv(scores.data(), vc, w, h, g, out);
 }
 
+// ------------------------------------------------------------------ prompt tiles
+// A prompt chunk's rows attend in tiles on attention.cpp's paths (fused flash attention, AMX tiles at "amx") over
+// the window's blocks dequantized into the model's type: row by row, a 4k-token prompt read the whole window's K/V
+// again for every row. A thread keeps the blocks it dequantized for one KV head and table while its tasks (KV head
+// by KV head, a prompt's tiles in order) read them again, so each block is converted about once a call.
+template <typename T>
+struct Dequantized {
+  std::vector<T> k, v;          // one head's blocks in the model type's cache layout (block stride bs x D)
+  std::vector<int32_t> ids;     // the int8 blocks they hold, in order (from the window's first block)
+  std::vector<int64_t> filled;  // slots converted in each (the rest zero)
+  std::vector<int32_t> table;   // logical block i -> i - first (the rows' tables, read by attend_prompt_tile)
+  int64_t h = -1, first = -1;
+  Scratch sc;
+};
+
+// Blocks [first, first + nb) of `table` (a row's whole table) for KV head h, all their slots filled but
+// `last_slots` in the last: K as (D / 2, bs, 2) pairs, V as (bs, D) rows of x = scale x q (vector path shapes: bs
+// and D multiples of kLanes).
+template <typename T>
+void dequantize_window(const int8_t* kc, const int8_t* vc, const int32_t* table, int64_t first, int64_t nb,
+                       int64_t last_slots, int64_t h, const I8Shape& g, int64_t maxb, Dequantized<T>& d) {
+  const Shape& s = g.s;
+  const int64_t bs = s.bs, D = s.D, per = bs * D;
+  if (d.h != h || d.first != first) d.ids.clear(), d.filled.clear();
+  d.h = h, d.first = first;
+  int64_t keep = 0;  // blocks already held: same int8 block, at least as many slots
+  while (keep < static_cast<int64_t>(d.ids.size()) && keep < nb && d.ids[keep] == table[first + keep] &&
+         d.filled[keep] >= (keep + 1 < nb ? bs : last_slots))
+    ++keep;
+  d.ids.resize(nb), d.filled.resize(nb);
+  if (static_cast<int64_t>(d.k.size()) < nb * per) d.k.resize(nb * per), d.v.resize(nb * per);
+  for (int64_t i = keep; i < nb; ++i) {
+    const int64_t n = i + 1 < nb ? bs : last_slots;
+    const int8_t* kb = head_block(kc, table + first, i, g, h);
+    const int8_t* vb = head_block(vc, table + first, i, g, h);
+    const f16* kscale = slot_scales(kb, s);
+    const f16* vscale = slot_scales(vb, s);
+    T* kd = d.k.data() + i * per;
+    T* vd = d.v.data() + i * per;
+    for (int64_t t0 = 0; t0 < bs; t0 += kLanes) {  // K: kLanes tokens of dims 2p, 2p + 1 interleaved into pairs
+      const V ks = vload_n(kscale + t0, static_cast<int>(std::clamp<int64_t>(n - t0, 0, kLanes)));  // 0 past n
+      for (int64_t p = 0; p < D / 2; ++p) {
+        V lo, hi;
+        vinterleave(vmul(vload(kb + 2 * p * bs + t0), ks), vmul(vload(kb + (2 * p + 1) * bs + t0), ks), lo, hi);
+        vstore(kd + (p * bs + t0) * 2, lo);
+        vstore(kd + (p * bs + t0) * 2 + kLanes, hi);
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {  // V: token rows times their scale
+      const V vs = vset1(to_f32(vscale[t]));
+      for (int64_t x = 0; x < D; x += kLanes) vstore(vd + t * D + x, vmul(vload(vb + t * D + x), vs));
+    }
+    std::fill(vd + n * D, vd + per, from_f32<T>(0.f));  // slots past the window's end: zeros, not the cache's bytes
+    d.ids[i] = table[first + i], d.filled[i] = n;
+  }
+  d.table.resize(maxb);
+  for (int64_t i = 0; i < maxb; ++i) d.table[i] = static_cast<int32_t>(std::max<int64_t>(0, i - first));
+}
+
+// One (tile, KV head) task: the window of the tile's last row (the widest) dequantized, then attended.
+template <typename T>
+void tile_i8(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables, const int32_t* lens,
+             const int32_t* starts, const Tile& tile, int64_t h, const I8Shape& g, T* out, Dequantized<T>& d) {
+  const Shape& s = g.s;
+  const int64_t last = tile.row + tile.rows - 1;
+  const int64_t first = (starts == nullptr || starts[tile.row] <= 0) ? 0 : starts[tile.row] / s.bs;
+  const int64_t end_block = (lens[last] + s.bs - 1) / s.bs;
+  const int64_t last_slots = lens[last] - (end_block - 1) * s.bs;
+  dequantize_window<T>(kc, vc, tables + last * s.maxb, first, end_block - first, last_slots, h, g, s.maxb, d);
+  attend_prompt_tile<T>(q, d.k.data(), d.v.data(), d.table.data(), lens, starts, tile, h, s, out, d.sc);
+}
+
 template <typename T>
 void attend(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* tables, const int32_t* lens,
             const int32_t* starts, T* out, int64_t rows, const I8Shape& g, int threads, int split) {
@@ -253,6 +326,32 @@ void attend(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* table
     if (vector) task_vector<T>(qrow, kc, vc, w, h, g, orow, part, qf, scores);
     else task_scalar<T>(qrow, kc, vc, w, h, g, orow, part, scores);
   };
+  if (vector && (s.D == 64 || s.D == 128) && !(split & kNoTiles)) {
+    const std::vector<Tile> tiles = find_tiles(
+        tables, lens, starts, rows, s, std::max<int64_t>(1, (s.amx ? kAmxTileVectors : kTileVectors) / s.group));
+    if (!tiles.empty()) {
+      const int64_t nt = static_cast<int64_t>(tiles.size()), items = nt * s.nkv;
+      std::vector<int64_t> cum(items + 1, 0);
+      for (int64_t i = 0; i < items; ++i) {
+        const Tile& t = tiles[i % nt];
+        cum[i + 1] = cum[i] + t.rows * s.group * (window_len(lens, starts, t.row + t.rows - 1, s.bs) + 16);
+      }
+      parallel_by_cost(cum, threads, [&](int64_t begin, int64_t end) {
+        Dequantized<T> d;
+        std::vector<float> scores, qf(s.group * s.D);
+#ifdef PL_AMX
+        const AmxTiles amx(s.amx);  // this thread's tiles while it runs tasks
+#endif
+        for (int64_t i = begin; i < end; ++i) {
+          const Tile& t = tiles[i % nt];
+          const int64_t h = i / nt;
+          if (t.rows == 1) run(t.row * s.nkv + h, window_of(tables, lens, starts, t.row, s), nullptr, qf, scores);
+          else tile_i8<T>(q, kc, vc, tables, lens, starts, t, h, g, out, d);
+        }
+      });
+      return;
+    }
+  }
   const SplitPlan plan = plan_split(lens, starts, rows, s.nkv, s.bs, threads, split);
   if (plan.pieces.empty()) {
     parallel_by_length(lens, s.nkv, rows * s.nkv, threads, [&](int64_t begin, int64_t end) {
@@ -295,7 +394,10 @@ PL_EXPORT int pl_paged_attention_i8(const void* q, int64_t q_stride, const void*
     return -1;
   }
   const int64_t head_bytes = bs * (D + 2);
-  const I8Shape g{Shape{nh, nkv, D, bs, maxb, q_stride, nh / nkv, nkv * head_bytes, scale, softcap}, head_bytes};
+  I8Shape g{Shape{nh, nkv, D, bs, maxb, q_stride, nh / nkv, nkv * head_bytes, scale, softcap}, head_bytes};
+#ifdef PL_AMX
+  g.s.amx = (split & kAmxTiles) && dtype == pl::kBF16 && pl::amx_permitted();  // bf16 prompt tiles on AMX tiles
+#endif
   return pl::with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     attend<T>(static_cast<const T*>(q), static_cast<const int8_t*>(kc), static_cast<const int8_t*>(vc), tables, lens,

@@ -96,3 +96,60 @@ def test_sliding_window_and_soft_cap(kernels, window: int | None, softcap: float
     full = TorchAttentionBackend().forward(q, k, v, int8_cache(floats), TorchAttentionBackend().make_builder().build(
         step), head_dim ** -0.5).float()
     assert not torch.allclose(outs[0], full, atol=1e-2)  # the window / cap changed the result: the test bites
+
+
+TILE_STEP = [(1, 37), (70, 70), (1, 300), (60, 161), (3, 20), (300, 300)]
+"""Decodes, fresh prompts of 70 and 300 rows, a chunk after 101 cached positions, a 3-row verify-like run."""
+
+
+def _int8_tiles_and_rows(kernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                         window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 kernel's output for TILE_STEP with prompt tiles (the window dequantized, attention.cpp's tile paths)
+    and row by row (the int8 values read in place)."""
+    from tests.attention.test_prompt_tiles import _both, _step
+
+    q, kc, vc, tables, lens = _step(TILE_STEP, heads, kv_heads, head_dim, 16, torch.float32, seed=heads + head_dim)
+    cache = int8_cache(torch.stack([kc, vc]))
+    assert kernels.attention_prompt_tiles(tables, lens, heads, kv_heads, 16) > 0  # tiles form
+    starts = None if window is None else (lens - window).clamp(min=0).to(torch.int32)
+    return _both(kernels, q.to(dtype), cache[0], cache[1], tables, lens, starts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 8, 64), (8, 2, 128), (12, 4, 64)])
+def test_prompt_tiles_match_rows(kernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Prompt rows of an int8 cache attend in tiles: float32 within rounding of the rows' numbers (the scale
+    multiplies K before the dot product, not after); bf16 within the roundings of the dequantized K/V and of the
+    bf16 weights the fused tile multiplies into V."""
+    tiled, rows = _int8_tiles_and_rows(kernels, dtype, heads, kv_heads, head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(tiled.float(), rows.float(), rtol=tol, atol=tol)
+    assert not torch.equal(tiled, rows)  # the tiles ran (their rounding differs from the rows')
+    assert not torch.allclose(tiled[70:72].float(), tiled[71:73].float(), atol=2 ** -4)  # each row its own length
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prompt_tiles_under_windows(kernels, amx: bool, head_dim: int) -> None:
+    """Sliding windows (a window's first block dequantized first, mid-block starts masked), bf16, on vdpbf16ps or
+    AMX tiles (the "amx" level)."""
+    if amx:
+        from tests.utils import amx_kernels
+
+        if kernels.level != "avx512_bf16":
+            pytest.skip("AMX tiles run in the avx512_bf16 library")
+        kernels = amx_kernels()
+    tiled, rows = _int8_tiles_and_rows(kernels, torch.bfloat16, 8, 2, head_dim, window=45)
+    torch.testing.assert_close(tiled.float(), rows.float(), rtol=2 ** -6, atol=2 ** -6)
+    full, _ = _int8_tiles_and_rows(kernels, torch.bfloat16, 8, 2, head_dim)
+    assert not torch.allclose(tiled.float(), full.float(), atol=2 ** -4)  # the window took effect
+
+
+def test_amx_prompt_tiles_match_rows() -> None:
+    """The int8 cache's bf16 prompt tiles on AMX tiles, against its own row path."""
+    from tests.utils import amx_kernels
+
+    kernels = amx_kernels()
+    for heads, kv_heads, head_dim in [(8, 8, 64), (8, 2, 128), (9, 3, 64)]:
+        tiled, rows = _int8_tiles_and_rows(kernels, torch.bfloat16, heads, kv_heads, head_dim)
+        torch.testing.assert_close(tiled.float(), rows.float(), rtol=2 ** -6, atol=2 ** -6)
