@@ -15,7 +15,8 @@
 // of kLanes take the vector path, any other shape a scalar loop. pagedllm/attention/kv_quant.py
 // writes and reads the same layout in torch (the reference the tests compare against). Tasks are
 // shared between threads as in attention.cpp, long ones split over their KV blocks when too few
-// for the threads (attention.h's split-KV plan and merge).
+// for the threads (attention.h's split-KV plan and merge). The rows of a prompt chunk attend in tiles
+// on attention.cpp's paths over their window dequantized into the model's type (see "prompt tiles").
 #include "amx.h"
 #include "attention.h"
 
