@@ -7,6 +7,8 @@ one run with engines alternating. Random weights at real shapes: timings, not an
     .venv/bin/python benchmarks/big_models.py run --shape llama-8b --only throughput --num-prompts 16 --out r.json
     .venv/bin/python benchmarks/big_models.py run --shape smollm2-1.7b --only spec --engines ours-bf16
     .venv/bin/python benchmarks/big_models.py run --shape smollm2-1.7b --dry-run  # the commands, nothing run
+    .venv/bin/python benchmarks/big_models.py run --shape smollm2-1.7b --only throughput --kv-cache-dtype int8 \
+        --vllm-kv-cache-dtype fp8 --engines ours-bf16 vllm-bf16      # both KV caches at one byte a value
 
 Shapes (LlamaForCausalLM, the default model's tokenizer): smollm2-1.7b (hidden 2048, 24 layers, 32 heads, 32 KV
 heads: MHA, ~196 KB of KV per token; intermediate 8192, vocab 49152, tied), llama-8b (hidden 4096, 32 layers, 32
@@ -461,16 +463,18 @@ def probe_spec(engine: str, shape: str, args: argparse.Namespace, mode: str) -> 
     files = mode == "load" or args.weights == "files"
     kv = LOAD_KV_BYTES if mode == "load" else args.kv_gib * 2**30
     max_len = LOAD_MAX_LEN if mode == "load" else SHAPES[shape]["max_position_embeddings"]
+    ours_kv = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
+    vllm_kv = {} if args.vllm_kv_cache_dtype == "auto" else {"kv_cache_dtype": args.vllm_kv_cache_dtype}
     if engine == "ours-bf16":
         return {"model": p["hf"], "kwargs": {"dtype": "bfloat16", "quantization": None, "kv_cache_memory": kv,
                                              "max_model_len": max_len, "load_format": "auto" if files else "dummy",
-                                             "seed": 0}}
+                                             "seed": 0, **ours_kv}}
     if engine == "ours-q4km":
         return {"model": p["q4km"], "kwargs": {"quantization": "gguf", "kv_cache_memory": kv, "max_model_len": max_len,
-                                               "seed": 0}}
+                                               "seed": 0, **ours_kv}}
     if engine == "vllm-bf16":  # its KV pool: VLLM_CPU_KVCACHE_SPACE (engine_env)
         return {"model": p["hf"], "kwargs": {"dtype": "bfloat16", "load_format": "auto" if files else "dummy",
-                                             "max_model_len": max_len, "seed": 0}}
+                                             "max_model_len": max_len, "seed": 0, **vllm_kv}}
     raise ValueError(engine)
 
 
@@ -520,6 +524,10 @@ def throughput_command(engine: str, shape: str, args: argparse.Namespace, result
     work = ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
             str(args.output_len), "--random-range-ratio", "0", "--num-prompts", str(args.num_prompts)]
     load_format = "dummy" if args.weights == "dummy" else "auto"
+    if engine.startswith("ours") and args.kv_cache_dtype != "auto":
+        work += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if engine == "vllm-bf16" and args.vllm_kv_cache_dtype != "auto":
+        work += ["--kv-cache-dtype", args.vllm_kv_cache_dtype]
     if engine == "ours-bf16":
         return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "throughput", "--model", p["hf"],
                 "--dtype", "bfloat16", "--dequantize", "--load-format", load_format, "--kv-cache-memory",
@@ -858,6 +866,10 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--kv-gib", type=int, default=None,
                    help="GiB of KV pool for every engine (default: tiny 1, smollm2-1.7b 4 as vLLM's default, "
                         "llama-8b 2 so 16 GB of weights and the pool fit 23 GB)")
+    r.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="our KV cache (decode, ttft, throughput): int8 holds twice the tokens and reads half the bytes")
+    r.add_argument("--vllm-kv-cache-dtype", choices=["auto", "fp8", "fp8_e5m2", "fp8_e4m3"], default="auto",
+                   help="vLLM-CPU's KV cache (its fp8 caches: one byte a value, as our int8)")
     r.add_argument("--llamacpp-parallel", type=int, default=64, help="throughput: llama.cpp's sequences per batch")
     r.add_argument("--llamacpp-extra-bufts", type=int, default=1, help="llama.cpp's repack/AMX buffers (0: off)")
     r.add_argument("--bandwidth-gib", type=float, default=None,
