@@ -126,7 +126,8 @@ int run(const StackPlan& p, int64_t M, T* hidden, T* residual, T* work, const in
       if ((rc = pl_write_kv_i8(k, qkv_cols, D, v, qkv_cols, D, w.k_cache, w.v_cache, slots, M, nkv, p.block_size, D,
                                p.num_blocks, dt, threads)) ||
           (rc = pl_paged_attention_i8(qkv, qkv_cols, w.k_cache, w.v_cache, tables, maxb, lens, nullptr, attn, M, nh,
-                                      nkv, p.block_size, D, p.scale, 0.f, dt, threads, 0)))  // split: automatic
+                                      nkv, p.block_size, D, p.scale, 0.f, dt, threads,
+                                      p.attention_flags)))  // split: automatic
         return rc;
     } else if ((rc = pl_write_kv(k, qkv_cols, D, v, qkv_cols, D, w.k_cache, w.v_cache, slots, M, nkv, p.block_size, D,
                                  p.num_blocks, esize, threads)) ||
