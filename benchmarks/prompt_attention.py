@@ -80,8 +80,8 @@ def main() -> None:
         F.scaled_dot_product_attention(qd, k, v, is_causal=True)
 
     flops = 4 * n * n / 2 * d * args.heads  # QK and PV over the causal half
-    print(f"level {active_level()}, {dtype} ({args.kv_cache_dtype} cache), prompt {n}, {args.heads} heads / {args.kv_heads} KV heads of {d}, "
-          f"blocks of {bs}, {torch.get_num_threads()} threads: median ms (GFLOP/s)")
+    print(f"level {active_level()}, {dtype} ({args.kv_cache_dtype} cache), prompt {n}, {args.heads} heads / "
+          f"{args.kv_heads} KV heads of {d}, blocks of {bs}, {torch.get_num_threads()} threads: median ms (GFLOP/s)")
     rows = [("tiles", lambda: paged(True)), ("sdpa", sdpa)] + ([] if args.no_rows else [("rows", lambda: paged(False))])
     for name, fn in rows:
         ms = _median_ms(fn, args.passes if name != "rows" else 1)
