@@ -35,11 +35,14 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="an HF folder or GGUF file (default: the default model)")
     parser.add_argument("--load-format", default="auto", help='"dummy": random weights of --model\'s shape')
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool")
+    parser.add_argument("--kv-cache-dtype", default="auto", help='"int8": the int8 KV cache')
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--op-times", action="store_true", help="time each C++ kernel and matmul per step")
     args = parser.parse_args()
 
     extra = {} if args.kv_cache_memory is None else {"kv_cache_memory": args.kv_cache_memory}
+    if args.kv_cache_dtype != "auto":
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
     llm = LLM(**({"model": args.model} if args.model else {}), dtype=args.dtype, seed=0, load_format=args.load_format,
               **extra)
     engine = llm.llm_engine
