@@ -495,11 +495,14 @@ inline void flash_weights(Flash& f, const int64_t* bounds, int64_t t0, int64_t c
     const float top = std::max(f.m[i], _mm512_reduce_max_ps(mx) * mul);  // finite: the row sees a position here
     f.alpha[i] = top == f.m[i] ? 1.f : std::exp(f.m[i] - top);           // 0 before the row's first position
     f.m[i] = top;
-    const __m512 vmul = _mm512_set1_ps(mul), vtop = _mm512_set1_ps(-top);
+    // exp(mul * score - top) as 2^(log2e (mul * score - top)): one FMA in, the weights rounded to bf16 after (so
+    // a coarser exp does: vexp2_neg_coarse); masked positions give 2^-inf = 0
+    constexpr float kLog2e = 1.4426950408889634f;
+    const __m512 vmul = _mm512_set1_ps(mul * kLog2e), vtop = _mm512_set1_ps(-top * kLog2e);
     __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < kC; t += 32) {  // exp(mul * score - top): masked positions give exp(-inf) = 0
-      const __m512 e0 = vexp_neg(_mm512_fmadd_ps(_mm512_loadu_ps(si + t), vmul, vtop));
-      const __m512 e1 = vexp_neg(_mm512_fmadd_ps(_mm512_loadu_ps(si + t + 16), vmul, vtop));
+    for (int64_t t = 0; t < kC; t += 32) {
+      const __m512 e0 = vexp2_neg_coarse(_mm512_fmadd_ps(_mm512_loadu_ps(si + t), vmul, vtop));
+      const __m512 e1 = vexp2_neg_coarse(_mm512_fmadd_ps(_mm512_loadu_ps(si + t + 16), vmul, vtop));
       total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(pi + t, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }

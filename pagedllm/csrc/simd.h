@@ -429,6 +429,18 @@ inline V vexp_neg(V x) {
   return vzero_below(vmul(vexp_taylor<6>(r), vpow2i(n)), x, -87.f);
 }
 
+#ifdef PL_AVX512
+// 2^y for y <= 0 where the result is rounded to bf16 next (flash attention's weights): y = n + f, |f| <= 1/2, 2^f
+// by the Taylor series of e^(f ln 2) to the 4th power (relative error below 5e-5, a fortieth of bf16's step),
+// times 2^n by one vscalefps; y below -150 (and -inf) gives exactly 0. Half of vexp_neg's instructions.
+inline V vexp2_neg_coarse(V y) {
+  y = vmax(y, vset1(-160.f));
+  const V n = vround(y);
+  const V f = vmul(vsub(y, n), vset1(0.6931471805599453f));
+  return _mm512_scalef_ps(vexp_taylor<4>(f), n);
+}
+#endif
+
 // silu(g) = g / (1 + exp(-g))
 inline V vsilu(V g) { return vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g)))); }
 
