@@ -4,6 +4,7 @@ head_dim 64, blocks of 16, scattered), at the active kernel level (PAGEDLLM_ISA 
 Best of 10 calls after 3 warm-up calls, the two caches alternating in one process.
 
     OMP_NUM_THREADS=2 python benchmarks/kv_cache_attention.py [--shapes 64x512 8x2048 256x200]
+    OMP_NUM_THREADS=2 python benchmarks/kv_cache_attention.py --shapes 32x192 1x128 --heads 32 --kv-heads 32
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["64x512", "8x2048", "256x200"],
                         help="decode batches as SEQUENCESxCONTEXT")
+    parser.add_argument("--heads", type=int, default=9, help="query heads (32 and --kv-heads 32: the 1.7B shape)")
+    parser.add_argument("--kv-heads", type=int, default=3)
     args = parser.parse_args()
     print(platform.describe("bfloat16"))
     torch.manual_seed(0)
@@ -47,8 +50,8 @@ def main() -> None:
         block_size = 16
         blocks = seqs * -(-context // block_size) + 8
         step = make_step([context] * seqs, 0, block_size=block_size, num_blocks=blocks, seed=1)
-        floats = torch.randn(TorchAttentionBackend.kv_cache_shape(blocks, block_size, 3, 64))
-        q, k, v = (torch.randn(seqs, h, 64).bfloat16() for h in (9, 3, 3))
+        floats = torch.randn(TorchAttentionBackend.kv_cache_shape(blocks, block_size, args.kv_heads, 64))
+        q, k, v = (torch.randn(seqs, h, 64).bfloat16() for h in (args.heads, args.kv_heads, args.kv_heads))
         metadata = backend.make_builder().build(step)
         caches = {"bf16": CpuAttentionBackend.to_kernel_layout(floats.bfloat16()), "int8": int8_cache(floats)}
         ms = {name: best_ms(lambda c=cache: backend.forward(q, k, v, c, metadata, 0.125))
