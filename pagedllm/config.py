@@ -128,6 +128,9 @@ def json_object(value: Any, param: str) -> dict[str, Any]:
     return value
 
 
+DEFAULT_MAX_LOGPROBS = 20
+"""EngineArgs.max_logprobs' default (vLLM's: OpenAI's own bound on top_logprobs)."""
+
 POOLING_TYPES = ("CLS", "MEAN", "LAST", "MAX")
 CHUNKED_POOLING_TYPES = ("CLS", "MEAN", "LAST")
 """The poolings enable_chunked_processing takes (vLLM's: it has no MAX pooling)."""
@@ -228,6 +231,9 @@ class ModelConfig:
     """Bidirectional attention over whole inputs (BERT-style): no KV pool, inputs are never chunked."""
     labels: tuple[str, ...] = ()
     """A classifier's label names in output order (its config's id2label; "LABEL_i" where it has none)."""
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    """Most log-probabilities a request may ask for per token (logprobs, prompt_logprobs; EngineArgs.max_logprobs
+    with -1 resolved to the vocabulary size)."""
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -245,6 +251,8 @@ class ModelConfig:
             raise ValidationError.bad_value("dtype", self.dtype, "'auto', 'float32', 'bfloat16' or 'float16'")
         if self.max_model_len < 1:
             raise ValidationError.bad_value("max_model_len", self.max_model_len, ">= 1")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValidationError.bad_value("max_logprobs", self.max_logprobs, "an integer >= 0 (resolved before this)")
         if self.runner not in ("generate", "pooling"):
             raise ValidationError.bad_value("runner", self.runner, "'auto', 'generate' or 'pooling'")
         if (self.runner == "pooling") != (self.pooler is not None and self.convert in ("embed", "classify")):
@@ -742,6 +750,17 @@ class EngineArgs:
     command line); the default comes from the sentence-transformers config of the folder. Keys: pooling_type,
     normalize (or vLLM's use_activation), enable_chunked_processing and max_embed_len (long-text embeddings: see
     pagedllm.config.PoolerConfig)."""
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    """Most log-probabilities a request may ask for per token: logprobs (chat's top_logprobs) and prompt_logprobs
+    above it are refused with 400 naming the field (vLLM's --max-logprobs). -1: the vocabulary size (a request's
+    own -1, "every token", is then allowed). The server's default --max-request-tokens grows with it: one reply may
+    hold a whole context of tokens with this many alternatives each."""
+    hf_overrides: str | dict | None = None
+    """Entries merged into the model's config.json before anything reads it (a dict, or its JSON on the command
+    line), e.g. {"max_position_embeddings": 4096} or {"rope_scaling": {"factor": 2.0}}: a nested object merges
+    into the entry it names (vLLM's --hf-overrides). As vLLM, a key the config lacks is added (a model reads only
+    the keys it knows: matryoshka_dimensions, task_instructions and every ArchConfig field). The target model's
+    config only (a draft model keeps its own); HF folders only (refused with a .gguf file)."""
     speculative_config: str | dict | None = None
     """Speculative decoding, as vLLM's (a dict, or its JSON on the command line), e.g. {"method": "ngram",
     "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, {"method": "suffix"} or

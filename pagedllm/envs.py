@@ -1,4 +1,5 @@
-"""Every ``PAGEDLLM_*`` environment variable in one place: its type, default and meaning.
+"""Every ``PAGEDLLM_*`` environment variable (and the one SageMaker's we read) in one place: its type, default and
+meaning.
 
 Only this module reads them (``tests/test_envs.py`` checks that no other module names one, and that the
 README's table lists each of them). Each user reads a variable's value where it starts (the process, a
@@ -145,9 +146,13 @@ API_KEY: EnvVar[str] = EnvVar(
 ALLOW_RUNTIME_LORA_UPDATING: EnvVar[bool] = EnvVar(
     name="PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", default="0", parse=_true_or_false,
     doc="1 or true: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (as --allow-runtime-lora-updating).")
+SAGEMAKER_STATEFUL_SESSIONS: EnvVar[bool] = EnvVar(
+    name="SAGEMAKER_ENABLE_STATEFUL_SESSIONS", default="false", parse=_true_or_false,
+    doc="SageMaker's own variable, 1 or true: /invocations opens and closes stateful sessions (as "
+        "--enable-sagemaker-sessions).")
 
 VARIABLES: tuple[EnvVar[Any], ...] = (
     ISA, CACHE_DIR, FUSED_OPS, GEMM, DENSE_COPY, CPU_STACK, CPU_OMP_THREADS_BIND, CPU_SHM_ALLREDUCE,
     EXECUTE_MODEL_TIMEOUT_SECONDS, RAY_PLACEMENT_STRATEGY, TRITON_DECODE_SPLITS, ENABLE_MULTIPROCESSING, API_KEY,
-    ALLOW_RUNTIME_LORA_UPDATING)
+    ALLOW_RUNTIME_LORA_UPDATING, SAGEMAKER_STATEFUL_SESSIONS)
 """Every variable, in the README table's order."""

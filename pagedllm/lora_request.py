@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 from pagedllm.errors import ValidationError
 
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+"""A PEFT adapter folder's config: a folder without one holds no adapter (the server's 404)."""
+
 
 @dataclass(frozen=True)
 class LoRARequest:

@@ -123,13 +123,15 @@ class SamplingParams:
     min_tokens: int = 0
     """Generate at least this many tokens before EOS / stop_token_ids / stop strings count."""
     logprobs: int | None = None
-    """Return this many top log-probabilities per generated token (plus the sampled one)."""
+    """Return this many top log-probabilities per generated token (plus the sampled one); -1: every token of the
+    vocabulary (vLLM's). At most the engine's max_logprobs."""
     prompt_logprobs: int | None = None
+    """Return this many top log-probabilities per prompt token (plus the prompt token's own; -1: every token of
+    the vocabulary, at most the engine's max_logprobs); a request asking for them computes its whole prompt (no
+    prefix-cache hit)."""
     logprob_token_ids: list[int] | None = None
     """vLLM's: the log-probabilities of exactly these tokens (and the sampled one) at each generated position,
     instead of the top ``logprobs`` (which becomes their count); at most MAX_LOGPROB_TOKEN_IDS."""
-    """Return this many top log-probabilities per prompt token (plus the prompt token's own); a
-    request asking for them computes its whole prompt (no prefix-cache hit)."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string in the text."""
     skip_special_tokens: bool = True
@@ -258,14 +260,17 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise bad(name, getattr(self, name), "an integer >= 0")
+            if getattr(self, name) is not None and getattr(self, name) < -1:
+                raise bad(name, getattr(self, name), "an integer >= 0, or -1 for the whole vocabulary")
         if self.logit_bias and any(not -100.0 <= b <= 100.0 or t < 0 for t, b in self.logit_bias.items()):
             raise bad("logit_bias", self.logit_bias, "non-negative token ids with biases in [-100, 100]")
-        # sample i of n runs with seed + i: every one of them must fit a 64-bit generator seed
-        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
-            raise bad("seed", self.seed, f"in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (with n={self.n}, samples "
-                      "use seed, seed + 1, ... seed + n - 1: each a signed 64-bit integer)")
+        # sample i of n runs with seed + i: every one of them must fit a 64-bit generator seed (the words name the
+        # bound broken as pydantic's error types do, greater_than_equal / less_than_equal: vLLM's clients match them)
+        if self.seed is not None and self.seed < SEED_MIN:
+            raise bad("seed", self.seed, f">= {SEED_MIN} (greater_than_equal: a signed 64-bit integer)")
+        if self.seed is not None and self.seed > SEED_MAX - (self.n - 1):
+            raise bad("seed", self.seed, f"<= {SEED_MAX - (self.n - 1)} (less_than_equal: with n={self.n}, samples use "
+                      "seed, seed + 1, ... seed + n - 1: each a signed 64-bit integer)")
 
     @property
     def greedy(self) -> bool:

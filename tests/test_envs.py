@@ -55,6 +55,7 @@ def test_defaults_parse_and_empty_is_unset(var: envs.EnvVar) -> None:
     (envs.GEMM, "mkl"), (envs.EXECUTE_MODEL_TIMEOUT_SECONDS, "-1"), (envs.EXECUTE_MODEL_TIMEOUT_SECONDS, "soon"),
     (envs.RAY_PLACEMENT_STRATEGY, "ANYWHERE"), (envs.TRITON_DECODE_SPLITS, "0"),
     (envs.ENABLE_MULTIPROCESSING, "yes"), (envs.ALLOW_RUNTIME_LORA_UPDATING, "maybe"),
+    (envs.SAGEMAKER_STATEFUL_SESSIONS, "maybe"),
 ], ids=lambda x: getattr(x, "name", x))
 def test_a_bad_value_names_the_variable(var: envs.EnvVar, bad: str) -> None:
     with pytest.raises(ValidationError) as e:

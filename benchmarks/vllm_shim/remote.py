@@ -3,6 +3,7 @@
 whose flags, model or environment we lack is skipped naming them. Installed as ``tests.utils`` by ``plugin.py``."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -43,7 +44,7 @@ class RemoteOpenAIServer:
         """Translates the command line (skipping the test on what we lack), starts the server, waits for /health."""
         args = list(vllm_serve_args)
         if override_hf_configs is not None:
-            args += ["--hf-overrides", "{...}"]
+            args += ["--hf-overrides", json.dumps(override_hf_configs)]
         if seed is not None and "--seed" not in args:
             args += ["--seed", str(seed)]
         try:

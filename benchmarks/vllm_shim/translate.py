@@ -52,8 +52,9 @@ HARMLESS_ENV = {"VLLM_LOGGING_LEVEL", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_
                 "VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE", "VLLM_LOG_STATS_INTERVAL",
                 # pagedllm's Responses API stores responses (store: true) without being asked
                 "VLLM_ENABLE_RESPONSES_API_STORE"}
-#: VLLM_* environment variables with a pagedllm flag.
-ENV_FLAGS = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "--allow-runtime-lora-updating"}
+#: Environment variables (vLLM's, and SageMaker's one vLLM's container reads) with a pagedllm flag.
+ENV_FLAGS = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "--allow-runtime-lora-updating",
+             "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "--enable-sagemaker-sessions"}
 
 
 class Refused(Exception):
@@ -158,7 +159,8 @@ def translate(model: str, vllm_args: list[str], env: dict[str, str] | None = Non
             unknown.append(flag if not values else f"{flag} {' '.join(values)}"[:80])
     for key, value in (env or {}).items():
         # tests often pass a copy of os.environ with a few changes: only the changes count
-        if not key.startswith("VLLM_") or key in HARMLESS_ENV or os.environ.get(key) == value:
+        if (key not in ENV_FLAGS and (not key.startswith("VLLM_") or key in HARMLESS_ENV)) or \
+                os.environ.get(key) == value:
             continue
         if key in ENV_FLAGS and value.lower() in ("1", "true"):
             ours.append(ENV_FLAGS[key])

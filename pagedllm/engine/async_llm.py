@@ -52,7 +52,7 @@ class AsyncLLM:
         self.tokenizer = client.tokenizer
         self.num_kv_blocks: int = ready.num_kv_blocks
         self.processor = Processor(self.tokenizer, self.config.model.max_model_len, ready.vocab_size,
-                                   tuple(ready.eos_token_ids))
+                                   tuple(ready.eos_token_ids), max_logprobs=self.config.model.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.dead_error: BaseException | None = None
         self._closing = False

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import gc
 import itertools
+import json
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ from typing import Any
 from pagedllm import platform
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
                              ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
-                             parse_cuda_graph_sizes, parse_memory)
+                             json_object, parse_cuda_graph_sizes, parse_memory)
 from pagedllm.core.kv_cache_manager import ROUTING_KEY_MASK
 from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler
@@ -26,7 +27,7 @@ from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, CoreReady, EngineStats,
                                       StepOutputs)
-from pagedllm.engine.processor import MAX_LOGPROBS, Processor
+from pagedllm.engine.processor import Processor
 from pagedllm.errors import ValidationError
 from pagedllm.executor.factory import get_executor_class
 from pagedllm.layers import cpu_ops
@@ -47,7 +48,13 @@ logger = logging.getLogger(__name__)
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     """Resolve the model path, dtype and max_model_len; build every subsystem's config."""
     path = resolve_model_path(args.model)
-    arch = load_arch_config(path)
+    overrides = None if args.hf_overrides is None else json_object(args.hf_overrides, "hf_overrides")
+    arch = load_arch_config(path, overrides)  # the one read of the target's config: the workers are given it
+    if overrides:
+        logger.info("config.json overridden by hf_overrides: %s", json.dumps(overrides, sort_keys=True))
+    max_logprobs = args.max_logprobs
+    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+        raise ValidationError.bad_value("max_logprobs", max_logprobs, "an integer >= 0, or -1 for the vocabulary size")
     device = platform.resolve_device(args.device)
     quantization = args.quantization
     if quantization == "auto":  # a GGUF file's quantized matrices stay so where the kernels run them
@@ -59,7 +66,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     dtype = args.dtype
     if dtype == "auto":  # a GPU computes in bf16 natively; a CPU: what its kernels run fastest
         dtype = "bfloat16" if device == "cuda" else platform.default_dtype()
-    pooling = _pooling_setup(args, path, arch)
+    pooling = _pooling_setup(args, path, arch, overrides)
     limit = arch.max_position_embeddings - arch_position_offset(arch)
     default_len = limit if pooling.max_seq_length is None else min(limit, pooling.max_seq_length)
     max_model_len = default_len if args.max_model_len is None else args.max_model_len
@@ -86,7 +93,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         model=ModelConfig(model=path, dtype=dtype, max_model_len=max_model_len, seed=args.seed,
                           load_format=args.load_format, quantization=quantization, runner=pooling.runner,
                           convert=pooling.convert, pooler=pooling.pooler, encoder_only=arch.is_encoder_only,
-                          labels=_labels(arch) if pooling.convert == "classify" else ()),
+                          labels=_labels(arch) if pooling.convert == "classify" else (),
+                          max_logprobs=arch.vocab_size if max_logprobs == -1 else max_logprobs),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=kv_memory, num_kv_blocks=args.num_kv_blocks,
                           # pooled inputs want every token's hidden state: a cached prefix would skip some
                           enable_prefix_caching=args.enable_prefix_caching and pooling.runner != "pooling",
@@ -135,7 +143,7 @@ def arch_position_offset(arch: ArchConfig) -> int:
     return getattr(arch, "position_offset", 0)
 
 
-def _pooling_setup(args: EngineArgs, path: str, arch: ArchConfig) -> _Pooling:
+def _pooling_setup(args: EngineArgs, path: str, arch: ArchConfig, overrides: dict[str, Any] | None) -> _Pooling:
     """runner and convert resolved as vLLM does ("auto": pooling for sentence-transformers folders, encoder-only
     models and *ForSequenceClassification checkpoints), and the pooling from the folder's sentence-transformers
     config (else CLS for encoders, LAST for decoders; normalized) with pooler_config over it."""
@@ -170,8 +178,9 @@ def _pooling_setup(args: EngineArgs, path: str, arch: ArchConfig) -> _Pooling:
         raise ValidationError.bad_value("tensor_parallel_size", args.tensor_parallel_size,
                                         f"1 for {arch.architecture} (encoders are not split across ranks)")
     base = PoolerConfig(pooling_type=st.pooling_type if st else ("CLS" if encoder else "LAST"),
-                        normalize=st.normalize if st else True, matryoshka_dimensions=matryoshka_dimensions(path),
-                        task_prompts=read_task_prompts(path))
+                        normalize=st.normalize if st else True,
+                        matryoshka_dimensions=matryoshka_dimensions(path, overrides),
+                        task_prompts=read_task_prompts(path, overrides))
     pooler = PoolerConfig.from_user(base, args.pooler_config)
     if convert != "embed" and (pooler.enable_chunked_processing or pooler.max_embed_len is not None):
         name = "enable_chunked_processing" if pooler.enable_chunked_processing else "max_embed_len"
@@ -262,7 +271,8 @@ class EngineCore:
         # the worker's own compiler when it runs in this process (one grammar cache per process)
         grammars = functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(eos),
                                      config.structured_outputs)
-        self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars)
+        self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars,
+                                   max_logprobs=config.model.max_logprobs)
         """Checks requests against the model (and prepares their grammars); prompts come tokenized."""
         check_fits(config, arch)  # weights + KV cache against the memory here, before anything is allocated
         self.executor = get_executor_class(config)(config, arch, eos)
@@ -348,8 +358,10 @@ class EngineCore:
             raise ValidationError(f"request id {request.request_id!r} is already in use", param="request_id",
                                   value=request.request_id)
         self._check_generates("beam search")
-        if 2 * params.beam_width > MAX_LOGPROBS:
-            raise ValidationError.bad_value("beam_width", params.beam_width, f"<= {MAX_LOGPROBS // 2}")
+        most = self.processor.max_logprobs  # each step ranks 2 x beam_width candidates per beam, as vLLM
+        if 2 * params.beam_width > most:
+            raise ValidationError.bad_value("beam_width", params.beam_width,
+                                            f"<= {most // 2} (half of max_logprobs, --max-logprobs)")
         seq_params = self.beam_search.sampling_params(params)
         if request.lora_request is not None:
             self.add_lora(request.lora_request)

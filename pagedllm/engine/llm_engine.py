@@ -40,7 +40,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.num_kv_blocks = ready.num_kv_blocks
         self.processor = Processor(tokenizer, self.config.model.max_model_len, ready.vocab_size,
-                                   tuple(ready.eos_token_ids))
+                                   tuple(ready.eos_token_ids), max_logprobs=self.config.model.max_logprobs)
         self.output_processor = OutputProcessor(tokenizer, log_stats)
         self._seq_counter = itertools.count()
         self._beams: set[str] = set()
@@ -69,7 +69,7 @@ class LLMEngine:
         assert isinstance(request, AddRequest)
         self.engine_core.add(request)
         try:
-            self.output_processor.add_request(request_id, text, request.prompt_ids, params, request.seq_ids,
+            self.output_processor.add_request(request_id, text, request.prompt_ids, request.params, request.seq_ids,
                                               request.arrival_time)
         except BaseException:
             self.engine_core.abort(Abort(request_id=request_id, seq_ids=request.seq_ids))  # none of it left queued

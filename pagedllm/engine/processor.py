@@ -1,9 +1,11 @@
 """Turns user input (text, token ids, chat messages) into validated Requests."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.config import DEFAULT_MAX_LOGPROBS
 from pagedllm.engine.messages import AddBeamSearch, AddRequest
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
@@ -14,8 +16,8 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams, check_ref
 if TYPE_CHECKING:
     from pagedllm.worker.structured_output import GrammarCompiler
 
-#: Most top log-probabilities one request may ask for per token (vLLM's default max_logprobs).
-MAX_LOGPROBS = 20
+#: Most top log-probabilities one request may ask for per token by default (EngineArgs.max_logprobs' default).
+MAX_LOGPROBS = DEFAULT_MAX_LOGPROBS
 #: What a pooling request carries as its sampling parameters: it never samples.
 _NO_SAMPLING = SamplingParams(max_tokens=1)
 
@@ -79,10 +81,12 @@ class Processor:
     """Tokenizes and validates; everything it refuses raises ValidationError naming the parameter."""
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 grammars: Callable[[], GrammarCompiler] | None = None) -> None:
+                 grammars: Callable[[], GrammarCompiler] | None = None, max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        """Most log-probabilities a request may ask for per token (ModelConfig.max_logprobs: -1 already resolved)."""
         self.eos_token_ids = eos_token_ids
         self._grammars = grammars
         """The structured-output compiler (shared with an in-process worker: one cache), made on the first
@@ -141,6 +145,7 @@ class Processor:
                                        arrival_time=arrival_time, lora_request=lora_request)
         if not isinstance(params, SamplingParams):
             raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
+        params = self.resolve_logprobs(params)  # (what the core and the front's output processor both read)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         seq_ids = [f"{next(seq_counter)}:{request_id}" for _ in range(params.n)]
         return text, AddRequest(request_id=request_id, seq_ids=seq_ids,
@@ -185,14 +190,32 @@ class Processor:
                 param="max_tokens", value=max_tokens)
         return max_tokens
 
+    def resolve_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with logprobs / prompt_logprobs checked against max_logprobs (400 naming the field, in vLLM's
+        words) and made counts the sampler takes: -1 ("every token", vLLM's) becomes the vocabulary size, a count
+        above it the vocabulary size too (there are no more). A copy when anything changes: the caller's object
+        is never edited."""
+        changes = {}
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(params, name)
+            if value is None or (name == "logprobs" and params.logprob_token_ids is not None):
+                continue  # (logprob_token_ids: their count, bounded by MAX_LOGPROB_TOKEN_IDS)
+            asked = self.vocab_size if value == -1 else value
+            if asked > self.max_logprobs:
+                raise ValidationError(f"Requested {what} logprobs of {asked}, which is greater than max allowed: "
+                                      f"{self.max_logprobs} (the engine's max_logprobs, --max-logprobs; -1 asks for "
+                                      f"the whole vocabulary, {self.vocab_size} tokens)", param=name, value=value)
+            if min(asked, self.vocab_size) != value:
+                changes[name] = min(asked, self.vocab_size)
+        return dataclasses.replace(params, **changes) if changes else params
+
     def check_params(self, params: SamplingParams) -> None:
+        """The request's sampling parameters against the model and this engine's bounds (ValidationError naming
+        the field); its bad words tokenized and its grammar compiled. -1 logprobs must be resolved before
+        (resolve_logprobs: make_requests does)."""
         if not isinstance(params, SamplingParams):
             raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
-        for name in ("logprobs", "prompt_logprobs"):
-            if name == "logprobs" and params.logprob_token_ids is not None:
-                continue  # (their count: bounded by MAX_LOGPROB_TOKEN_IDS)
-            if getattr(params, name) is not None and getattr(params, name) > MAX_LOGPROBS:
-                raise ValidationError.bad_value(name, getattr(params, name), f"<= {MAX_LOGPROBS}")
+        self.resolve_logprobs(params)
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
                           ("allowed_token_ids", params.allowed_token_ids or []),
                           ("logprob_token_ids", params.logprob_token_ids or []),
@@ -241,6 +264,8 @@ class Processor:
                       arrival_time: float | None = None, cache_salt: str | None = None,
                       lora_request: LoRARequest | None = None) -> list[Request]:
         """One Request per sample (``params.n`` of them, one per id in ``seq_ids``)."""
+        if isinstance(params, SamplingParams):
+            params = self.resolve_logprobs(params)
         self.check_params(params)
         max_tokens = self.check_length(len(prompt_ids), params)
         if cache_salt is not None and not isinstance(cache_salt, str):

@@ -203,6 +203,9 @@ async def run_line(client: Any, app: Any, number: int, raw: bytes | None, max_by
         return line_error(custom_id, f"{where}: body must be a JSON object", "body")
     if body.get("stream"):
         return line_error(custom_id, f"{where}: a batch request must not be streamed (stream: true)", "body.stream")
+    if body.get("background"):  # (its answer would be a queued response that nothing polls)
+        return line_error(custom_id, f"{where}: a batch request must not run in the background (background: true)",
+                          "body.background")
     try:
         response = await client.post(url, content=json.dumps(body, ensure_ascii=False).encode(),
                                      headers={"content-type": "application/json"})

@@ -19,9 +19,9 @@ import torch
 from safetensors import SafetensorError
 
 from pagedllm.errors import ValidationError, quoted
-from pagedllm.lora_request import LoRARequest
+from pagedllm.lora_request import ADAPTER_CONFIG_FILE, LoRARequest
 
-CONFIG_FILE = "adapter_config.json"
+CONFIG_FILE = ADAPTER_CONFIG_FILE
 MAX_CONFIG_BYTES = 1 << 20
 """A larger adapter_config.json is refused unread (PEFT writes a few kB)."""
 WEIGHTS_FILE = "adapter_model.safetensors"

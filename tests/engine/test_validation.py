@@ -26,7 +26,7 @@ LLM_OPTIONS = dict(max_model_len=64, num_kv_blocks=32, block_size=4)
     (dict(n=0), "n"),
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),  # (-1: every token, as vLLM)
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
 ])
 def test_sampling_params_refused(kwargs: dict, param: str) -> None:

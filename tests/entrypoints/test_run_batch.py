@@ -20,6 +20,8 @@ LINES = [
      "body": {"model": "tiny", "prompt": "x", "temperature": -1}},
     {"custom_id": "other-model", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "nope", "messages": [{"role": "user", "content": "Hi"}]}},
+    {"custom_id": "background", "method": "POST", "url": "/v1/responses",
+     "body": {"model": "tiny", "input": "Hi", "background": True}},
 ]
 
 
@@ -32,11 +34,11 @@ def test_run_batch(tiny_llm_dir: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == ["chat-1", None, "comp-1", "bad-url", "streamed", "refused",
-                                                 "other-model"]
+                                                 "other-model", "background"]
     for r in results:
         assert set(r) == {"id", "custom_id", "response", "error"}
         assert set(r["response"]) == {"status_code", "request_id", "body"}
-    chat, not_json, completion, bad_url, streamed, refused, other = results
+    chat, not_json, completion, bad_url, streamed, refused, other, background = results
     assert chat["response"]["status_code"] == 200 and chat["error"] is None
     assert chat["response"]["body"]["object"] == "chat.completion"
     assert completion["response"]["body"]["choices"][0]["text"]
@@ -44,6 +46,7 @@ def test_run_batch(tiny_llm_dir: Path, tmp_path: Path) -> None:
         not_json["error"]["error"]["message"]
     assert bad_url["error"]["error"]["param"] == "url"
     assert streamed["error"]["error"]["param"] == "body.stream"
+    assert background["error"]["error"]["param"] == "body.background"
     # refused by the server's own checks, in its own words
     assert refused["response"]["status_code"] == 400 and refused["response"]["body"] is None
     assert refused["error"]["error"]["param"] == "temperature"

@@ -1,11 +1,15 @@
 """Run-time LoRA management is the operator's to allow: /v1/load_lora_adapter and /v1/unload_lora_adapter exist only
 with --allow-runtime-lora-updating or PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING; the --lora-modules adapters cannot be
-unloaded or replaced by clients; concurrent loads of one name leave one adapter; errors never quote the folder."""
+unloaded or replaced by clients; concurrent loads of one name leave one adapter, and so does a load_inplace (the
+replaced adapter leaves the engine once its requests end); errors never quote the folder; --lora-modules' JSON form
+takes vLLM's keys and refuses others."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -18,8 +22,10 @@ import pytest
 from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.serving_models import RUNTIME_LORA_ENV, LoRAModulePath, runtime_lora_updating
+from pagedllm.entrypoints.openai.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath, parse_lora_module,
+                                                        runtime_lora_updating)
 from pagedllm.errors import ValidationError
+from pagedllm.sampling_params import SamplingParams
 from tests.utils import RemoteServer, thread_engine
 
 SECRET = "SECRET123"
@@ -163,6 +169,66 @@ def test_concurrent_loads_leave_one_adapter_in_the_engine(tiny_llm_dir: Path, ad
     codes, ids = asyncio.run(run())
     assert codes == [200, 400, 400, 400]
     assert len(ids) == 2  # the operator's adapter and the one winner: no orphans
+
+
+def test_load_inplace_retires_the_old_adapter_once_its_request_ends(tiny_llm_dir: Path, adapters: Callable) -> None:
+    """In process: a request runs with the old adapter while load_inplace replaces it; it runs to its end, and the
+    engine then holds the new adapter only."""
+    engine = thread_engine(tiny_llm_dir, enable_lora=True, max_lora_rank=16)
+    app = build_app(engine, ServerMetrics("tiny"), ["tiny"], [], allow_runtime_lora_updating=True)
+    models = app.state.models
+
+    async def run() -> tuple[int, set[int], set[int], int]:
+        engine.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                load = lambda path, inplace: client.post("/v1/load_lora_adapter", json={  # noqa: E731
+                    "lora_name": "a", "lora_path": str(adapters(path)[0]), "load_inplace": inplace})
+                assert (await load("attn-r2", False)).status_code == 200
+                old = models.loras["a"]
+                stream = await engine.add_request("long", "Once upon a time", SamplingParams(
+                    max_tokens=300, ignore_eos=True, temperature=0.0), lora_request=old)
+                outputs = stream.__aiter__()
+                await outputs.__anext__()  # it runs
+                status = (await load("mlp-r16", True)).status_code
+                new = models.loras["a"]
+                last = None
+                async for last in outputs:
+                    pass
+                for _ in range(100):  # the old one leaves within a few RETIRE_POLL_S
+                    if await engine.list_loras() == {new.lora_int_id}:
+                        break
+                    await asyncio.sleep(0.1)
+                return status, {old.lora_int_id}, await engine.list_loras(), len(last.outputs[0].token_ids)
+        finally:
+            await engine.shutdown()
+
+    status, old_ids, ids, generated = asyncio.run(run())
+    assert status == 200
+    assert generated == 300  # the running request was not cut short
+    assert len(ids) == 1 and not ids & old_ids  # only the new adapter is left
+
+
+@pytest.mark.parametrize("text, error", [
+    ('{"name": "a", "path": "/x", "dtype": "bf16"}', "['dtype'] not supported"),
+    ('{"name": "a", "path": "/x", "is_3d_lora_weight": true}', "is_3d_lora_weight"),
+    ('{"name": "a", "path": "/x", "base_model_name": 3}', "base_model_name"),
+    ('["a", "/x"]', "expected name=path"), ('{"name": "a"}', "expected name=path"),
+])
+def test_lora_modules_json_takes_vllms_keys_only(text: str, error: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(error)):
+        parse_lora_module(text)
+    assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "m", "is_3d_lora_weight": false}') == \
+        LoRAModulePath("a", "/x", "m")
+    assert parse_lora_module("a=/x") == LoRAModulePath("a", "/x")
+
+
+def test_lora_modules_base_model_name_must_be_served(tiny_llm_dir: Path, adapters: Callable) -> None:
+    engine = thread_engine(tiny_llm_dir, enable_lora=True, max_lora_rank=16)
+    module = LoRAModulePath("first", str(adapters("all-r8")[0]), base_model_name="other")
+    with pytest.raises(ValidationError, match="not a served model name") as err:
+        build_app(engine, ServerMetrics("tiny"), ["tiny"], [], lora_modules=[module])
+    assert err.value.param == "lora_modules"
 
 
 def _bad_folders(base: Path, out: Path) -> dict[str, Path]:

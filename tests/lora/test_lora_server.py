@@ -1,6 +1,7 @@
 """LoRA adapters through a real `pagedllm serve` and the official openai client: --lora-modules listed in
-/v1/models and chosen by the request's model, adapters loaded and unloaded at run time, concurrent
-requests of different adapters (and the base model) answered as the offline engine answers each."""
+/v1/models and chosen by the request's model, adapters loaded and unloaded at run time (and replaced with
+load_inplace, as vLLM), SageMaker's /adapters routes and adapter header, concurrent requests of different adapters
+(and the base model) answered as the offline engine answers each."""
 from __future__ import annotations
 
 import shutil
@@ -23,7 +24,7 @@ def lora_server(tiny_llm_dir: Path, adapters: Callable) -> Iterator[RemoteServer
     srv = RemoteServer(tiny_llm_dir, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
                        "--max-lora-rank", "16", "--allow-runtime-lora-updating",
                        "--lora-modules", f"first={adapters('all-r8')[0]}",
-                       '{"name": "second", "path": "%s"}' % adapters("qv-r4-rslora")[0])
+                       '{"name": "second", "path": "%s", "base_model_name": "tiny"}' % adapters("qv-r4-rslora")[0])
     yield srv
     srv.stop()
 
@@ -59,6 +60,7 @@ def test_models_lists_the_adapters(lora_server: RemoteServer, adapters: Callable
     cards = {m.id: m for m in client.models.list().data}
     assert list(cards) == ["tiny", "first", "second"]
     assert cards["first"].model_extra["parent"] == "tiny" and cards["tiny"].model_extra["parent"] is None
+    assert cards["second"].model_extra["parent"] == "tiny"  # (vLLM's base_model_name, given in its JSON form)
     # no filesystem path shown: each root is its folder's name
     assert cards["first"].model_extra["root"] == adapters("all-r8")[0].name, cards["first"]
     assert all("/" not in card.model_extra["root"] for card in cards.values()), cards
@@ -88,10 +90,15 @@ def test_load_and_unload_at_run_time(lora_server: RemoteServer, adapters: Callab
     assert _complete(client, "third", PROMPTS[0]) == offline("third", PROMPTS[0])
     again = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": path}, timeout=30)
     assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
-    bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)},
-                     timeout=30)
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_request"
-    assert "adapter_config.json" in bad.json()["error"]["message"]
+    assert "already been loaded" in again.json()["error"]["message"]  # (vLLM's words: its clients match them)
+    # no adapter_config.json, or no folder at all: one 404, as vLLM's (no hint of which folders exist)
+    for missing in (tmp_path, tmp_path / "nowhere"):
+        bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(missing)},
+                         timeout=30)
+        assert bad.status_code == 404, bad.text
+        error = bad.json()["error"]
+        assert error["param"] == "lora_path" and error["code"] == "adapter_not_found", error
+        assert "adapter_config.json" in error["message"] and str(missing) in error["message"]
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "third"}, timeout=30)
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
@@ -100,6 +107,59 @@ def test_load_and_unload_at_run_time(lora_server: RemoteServer, adapters: Callab
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_name"
     assert _complete(client, "first", PROMPTS[1]) == offline("first", PROMPTS[1])  # the others still serve
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def test_load_inplace_replaces_an_adapter(lora_server: RemoteServer, adapters: Callable, offline: Callable) -> None:
+    """vLLM's load_inplace: the name stays, the weights are the new folder's (the old ones leave the engine)."""
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="x")
+    load = lambda name, body: httpx.post(f"{lora_server.url}/v1/load_lora_adapter",  # noqa: E731
+                                         json={"lora_name": name, **body}, timeout=30)
+    assert load("swap", {"lora_path": str(adapters("mlp-r16")[0])}).status_code == 200
+    assert _complete(client, "swap", PROMPTS[0]) == offline("third", PROMPTS[0])
+    refused = load("swap", {"lora_path": str(adapters("all-r8")[0]), "load_inplace": False})
+    assert refused.status_code == 400 and "already been loaded" in refused.json()["error"]["message"]
+    r = load("swap", {"lora_path": str(adapters("all-r8")[0]), "load_inplace": True})
+    assert r.status_code == 200, r.text
+    assert _complete(client, "swap", PROMPTS[0]) == offline("first", PROMPTS[0])  # the new weights
+    assert [m.id for m in client.models.list().data].count("swap") == 1
+    # a replacement that fails leaves the adapter as it was
+    assert load("swap", {"lora_path": "/no/such/adapter", "load_inplace": True}).status_code == 404
+    assert _complete(client, "swap", PROMPTS[1]) == offline("first", PROMPTS[1])
+    # the operator's adapters stay theirs, load_inplace or not
+    assert load("first", {"lora_path": str(adapters("mlp-r16")[0]), "load_inplace": True}).status_code == 400
+    assert load("swap", {"lora_path": str(adapters("all-r8")[0]), "load_inplace": "yes"}).status_code == 400
+    assert httpx.post(f"{lora_server.url}/v1/unload_lora_adapter", json={"lora_name": "swap"},
+                      timeout=30).status_code == 200
+
+
+def test_sagemaker_adapter_routes(lora_server: RemoteServer, adapters: Callable, offline: Callable) -> None:
+    """SageMaker's POST /adapters {name, src} and DELETE /adapters/{name} (as vLLM's, with run-time updating on);
+    /invocations runs the adapter its X-Amzn-SageMaker-Adapter-Identifier header names."""
+    url = lora_server.url
+    r = httpx.post(f"{url}/adapters", json={"name": "sm", "src": str(adapters("mlp-r16")[0])}, timeout=30)
+    assert r.status_code == 200 and r.text == "Adapter sm registered", r.text
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+    card = next(m for m in client.models.list().data if m.id == "sm")
+    assert card.model_extra["parent"] == "tiny"
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    invoked = httpx.post(f"{url}/invocations", json=body, headers={"X-Amzn-SageMaker-Adapter-Identifier": "sm"},
+                         timeout=60)
+    assert invoked.status_code == 200, invoked.text
+    assert invoked.json()["model"] == "sm" and invoked.json()["choices"][0]["text"] == offline("third", PROMPTS[0])
+    unknown = httpx.post(f"{url}/invocations", json=body, headers={"X-Amzn-SageMaker-Adapter-Identifier": "nope"},
+                         timeout=30)
+    assert unknown.status_code == 404
+    assert httpx.post(f"{url}/adapters", json={"name": "sm2", "src": "/no/such/adapter"},
+                      timeout=30).status_code == 404
+    for extra in ({"pinned": True}, {"preload": False}):
+        refused = httpx.post(f"{url}/adapters", json={"name": "sm2", "src": str(adapters("mlp-r16")[0]), **extra},
+                             timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == next(iter(extra)), refused.text
+    gone = httpx.delete(f"{url}/adapters/sm", timeout=30)
+    assert gone.status_code == 200 and gone.text == "Adapter sm unregistered"
+    assert "sm" not in [m.id for m in client.models.list().data]
+    assert httpx.delete(f"{url}/adapters/sm", timeout=30).status_code == 404
+    assert httpx.delete(f"{url}/adapters/first", timeout=30).status_code == 400  # the operator's
 
 
 def test_lora_modules_need_enable_lora(tiny_llm_dir: Path, adapters: Callable) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -34,7 +35,8 @@ from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMess
 from pagedllm.entrypoints.openai.http_guard import (ANTHROPIC_PATHS, GuardedServer, UnicodeCheckedRoute,
                                                     add_http_args, raise_open_file_limit, serve_config)
 from pagedllm.entrypoints.openai.http_guard import positive as _positive
-from pagedllm.entrypoints.openai.deploy import DeployOptions, add_deploy_args, attach_deploy, deploy_options
+from pagedllm.entrypoints.openai.deploy import (DeployOptions, add_deploy_args, attach_deploy, deploy_options,
+                                                sagemaker_lora_router)
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRAAdapterRequest,
@@ -75,14 +77,24 @@ _SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The signals that start a graceful shutdown."""
 
 
+POOLING_PATHS = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                 "/v2/rerank")
+"""vLLM's pooling routes: their 400s and 404s say vLLM's error types (POOLING_ERROR_TYPES), which vLLM's clients of
+them check, in place of OpenAI's invalid_request_error."""
+POOLING_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    type_: str = "invalid_request_error", path: str = "") -> JSONResponse:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}; on the Anthropic Messages API's
-    ``path``, Anthropic's: {"type": "error", "error": {"type", "message"}}. The message and param are cut to
-    MAX_ERROR_CHARS (a backstop: call sites quote client values with errors.quoted)."""
+    ``path``, Anthropic's: {"type": "error", "error": {"type", "message"}}; on vLLM's pooling routes a client
+    error's type is vLLM's (POOLING_PATHS). The message and param are cut to MAX_ERROR_CHARS (a backstop: call sites
+    quote client values with errors.quoted)."""
     message, param = _cut(message, MAX_ERROR_CHARS), None if param is None else _cut(param, MAX_ERROR_CHARS // 8)
     if path.startswith(ANTHROPIC_PATHS):
         return JSONResponse(anthropic_error(status, message), status_code=status)
+    if type_ == "invalid_request_error" and path.startswith(POOLING_PATHS):
+        type_ = POOLING_ERROR_TYPES.get(status, type_)
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status)
 
@@ -102,11 +114,12 @@ def _error(request: Request, status: int, message: str, param: str | None = None
 
 
 PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2",
-             "/invocations", "/tokenizer_info")
+             "/invocations", "/tokenizer_info", "/adapters")
 """Paths an API key guards (the KV map's data names the requests it shows; the page itself holds no data and
 sends the key given in its address's fragment: /kv#key=KEY; /tokenize and /detokenize run the tokenizer; vLLM's
 pooling endpoints and SageMaker's /invocations run the model (vLLM leaves /invocations open); /tokenizer_info shows
-the chat template). Matched on the path under --root-path: /PREFIX/v1/... is guarded as /v1/... is."""
+the chat template; SageMaker's /adapters loads adapters as /v1/load_lora_adapter does). Matched on the path under
+--root-path: /PREFIX/v1/... is guarded as /v1/... is."""
 
 
 class APIKeyMiddleware:
@@ -244,8 +257,9 @@ async def list_models(request: Request) -> dict:
 
 @lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(req: LoadLoRAAdapterRequest, raw: Request) -> Response:
-    """The adapter is served under lora_name from then on (400 if the name is taken or it does not fit)."""
-    await _models(raw).load(req.lora_name, req.lora_path)
+    """The adapter is served under lora_name from then on (400 if the name is taken, unless load_inplace replaces
+    the adapter of that name, or if it does not fit; 404 if lora_path holds no adapter)."""
+    await _models(raw).load(req.lora_name, req.lora_path, req.load_inplace)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 
@@ -274,14 +288,20 @@ async def create_response(req: ResponsesRequest, raw: Request) -> Response:
     return await raw.app.state.responses.create(req, raw)
 
 
-@router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request) -> dict:
-    return request.app.state.responses.get(response_id, request)
+@router.get("/v1/responses/{response_id}", response_model=None)
+async def get_response(response_id: str, request: Request, stream: bool = False,
+                       starting_after: int | None = None) -> dict | Response:
+    return request.app.state.responses.get(response_id, request, stream, starting_after)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict:
-    return request.app.state.responses.delete(response_id, request)
+    return await request.app.state.responses.delete(response_id, request)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> dict:
+    return await request.app.state.responses.cancel(response_id, request)
 
 
 @router.post("/v1/messages")
@@ -369,6 +389,9 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> dict:
 
 async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
+    ours = (first.get("ctx") or {}).get("error")
+    if isinstance(ours, ValidationError):  # a request model's own check (a model_validator): its words and param
+        return _error(request, 400, ours.message, param=ours.param)
     param = _field_name(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         return _error(request, 400, f"request body is not valid JSON: {first.get('msg')}")
@@ -384,7 +407,7 @@ async def on_validation(request: Request, exc: ValidationError) -> JSONResponse:
 
 
 async def on_model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
-    return _error(request, 404, str(exc), param=exc.param, code="model_not_found")
+    return _error(request, 404, str(exc), param=exc.param, code=exc.code)
 
 
 async def on_response_not_found(request: Request, exc: ResponseNotFoundError) -> JSONResponse:
@@ -433,6 +456,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine = app.state.engine
     engine.start()
     yield
+    await app.state.responses.close()  # background responses still running: cancelled, their requests aborted
     await engine.shutdown()  # in-flight requests that outlived the graceful period are aborted
 
 
@@ -457,7 +481,8 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     pooling = OpenAIServingPooling(engine, models)
     pooling.chat = chat  # messages inputs are rendered by the chat endpoint's template
     admission = Admission()  # one waiting count for every endpoint
-    limits = limits or ServingLimits()
+    # the engine's --max-logprobs sizes the reply bound (limits.py): the limits carry it, resolved
+    limits = dataclasses.replace(limits or ServingLimits(), max_logprobs=engine.config.model.max_logprobs)
     for serving in (completion, chat, pooling):
         serving.limits = limits
         serving.prompt_tokens_details = prompt_tokens_details
@@ -484,6 +509,7 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
                        "adapter from any folder this server can read (use --api-key, and only on a trusted "
                        "network)")
         app.include_router(lora_router)
+        app.include_router(sagemaker_lora_router)  # (SageMaker's POST /adapters, DELETE /adapters/{name})
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     app.state.endpoints = types.SimpleNamespace(  # what /invocations routes to (deploy.py)

@@ -74,6 +74,11 @@ class ServingLimits:
     alternatives, and prompt_logprobs'): a stream holds nothing per token, a whole reply all of it. None: 2**20, or
     one whole context with the most logprobs a token when that is more (any single sample is served, as vLLM)."""
 
+    max_logprobs: int = MAX_LOGPROBS
+    """Not a flag of its own: the engine's max_logprobs (--max-logprobs, -1 resolved to the vocabulary size), set
+    by the server from the engine's config. It sizes the default max_request_tokens, and a request's -1
+    ("every token") counts as this many alternatives per token."""
+
     max_stored_responses: int = 1000
     """Most responses kept for GET /v1/responses/{id} and previous_response_id (``store: true``); with K API keys,
     each key's share is a Kth and its own least recently used goes first."""
@@ -84,8 +89,10 @@ class ServingLimits:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValidationError.bad_value(field.name, value, "a number above 0")
+            zero_ok = field.name in _FROM_ENGINE  # (--max-logprobs 0: no alternatives, as vLLM)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or value < 0 or (value == 0 and not zero_ok)):
+                raise ValidationError.bad_value(field.name, value, "an integer >= 0" if zero_ok else "a number above 0")
 
 
 def check_count(items: Any, limit: int, param: str, flag: str) -> None:
@@ -136,10 +143,11 @@ REQUEST_TOKENS_FLOOR = 2**20
 
 def request_tokens_cap(limits: ServingLimits, max_model_len: int) -> int:
     """--max-request-tokens, or its default: 2**20, or one sample filling the context with the most logprobs a
-    token (1 + MAX_LOGPROBS entries each), whichever is more: a single ordinary sample is never refused."""
+    token (1 + the engine's max_logprobs entries each), whichever is more: a single ordinary sample is never
+    refused, and the largest reply stays what --max-logprobs allows."""
     if limits.max_request_tokens is not None:
         return limits.max_request_tokens
-    return max(REQUEST_TOKENS_FLOOR, (1 + MAX_LOGPROBS) * max_model_len)
+    return max(REQUEST_TOKENS_FLOOR, (1 + limits.max_logprobs) * max_model_len)
 
 
 def check_request_tokens(limits: ServingLimits, max_model_len: int, max_tokens: list[int], n: int, stream: bool,
@@ -150,8 +158,10 @@ def check_request_tokens(limits: ServingLimits, max_model_len: int, max_tokens: 
     the tokens it may generate (``max_tokens``: each prompt's, an omitted one already filled to the context, times
     ``n`` samples or beams), and unless it streams, what its reply would hold: each token with its ``logprobs``
     alternatives, and each prompt token with its ``prompt_logprobs`` ones (in each of the n choices). ``names``:
-    the request's own names for max_tokens and logprobs."""
+    the request's own names for max_tokens and logprobs; a -1 (vLLM's "every token") counts as the engine's
+    max_logprobs, all it can be (the engine refuses it when the vocabulary is larger)."""
     limit = request_tokens_cap(limits, max_model_len)
+    logprobs, prompt_logprobs = (limits.max_logprobs if value == -1 else value for value in (logprobs, prompt_logprobs))
     generated = n * sum(max_tokens)
     if generated > limit:
         raise ValidationError(f"this request may generate {generated} tokens ({len(max_tokens)} prompt(s) x n {n} x "
@@ -226,6 +236,8 @@ def check_constraint(spec: StructuredOutputsParams | None, limits: ServingLimits
 
 _FLAGGED_ELSEWHERE = ("max_waiting_requests", "request_timeout", "max_prompt_bytes")
 """ServingLimits fields whose flags api_server defines itself (with their own wording)."""
+_FROM_ENGINE = ("max_logprobs",)
+"""ServingLimits fields the server takes from the engine's config (their flags are engine options)."""
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -234,7 +246,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     hints, docs = typing.get_type_hints(ServingLimits), field_docs(ServingLimits)
     group = parser.add_argument_group("request limits (a request over one is refused with 400 naming the field)")
     for f in dataclasses.fields(ServingLimits):
-        if f.name in _FLAGGED_ELSEWHERE:
+        if f.name in _FLAGGED_ELSEWHERE or f.name in _FROM_ENGINE:
             continue
         kind = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind[0], default=f.default,
@@ -243,4 +255,5 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
 
 def serving_limits(ns: argparse.Namespace) -> ServingLimits:
     """The limits a parsed ``pagedllm serve`` command line sets (ValidationError naming a bad one)."""
-    return ServingLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServingLimits)})
+    return ServingLimits(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServingLimits)
+                            if f.name not in _FROM_ENGINE})

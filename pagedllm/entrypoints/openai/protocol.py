@@ -7,8 +7,10 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler,
-                      StrictBool, StrictInt, model_serializer)
+                      StrictBool, StrictInt, model_serializer, model_validator)
 from pydantic import ValidationError as PydanticValidationError
+
+from pagedllm.errors import ValidationError
 
 
 TokenIds = list[StrictInt]
@@ -93,7 +95,11 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | TokenIds | list[str] | list[TokenIds]
+    prompt: str | TokenIds | list[str] | list[TokenIds] | None = None
+    """Required and not "" (checked with prompt_embeds, as vLLM: a 400 naming prompt)."""
+    prompt_embeds: str | list[str] | None = None
+    """vLLM's extra (with its --enable-prompt-embeds, which pagedllm serve lacks): only absent or empty ([] as vLLM
+    reads it: none given); any embedding is refused."""
     max_tokens: int | None = 16
     echo: StrictBool = False
     suffix: str | None = None
@@ -107,6 +113,17 @@ class CompletionRequest(SamplingFields):
     return_token_ids: StrictBool | None = None
     """vLLM's extra: each choice carries its prompt's token ids and the ids it generated (prompt_token_ids,
     token_ids; streamed: the prompt's in a choice's first chunk, each chunk's new ids)."""
+
+    @model_validator(mode="after")
+    def _a_prompt(self) -> "CompletionRequest":
+        """A prompt (vLLM's words: its clients match them); prompt_embeds refused."""
+        if self.prompt_embeds:
+            raise ValidationError("prompt_embeds is not supported by this server (vLLM's --enable-prompt-embeds): "
+                                  "give prompt", param="prompt_embeds")
+        if self.prompt is None or self.prompt == "":
+            raise ValidationError("Either prompt or prompt_embeds must be provided and non-empty (this server "
+                                  "takes prompt only)", param="prompt", value=self.prompt)
+        return self
 
 
 class ContentPart(OpenAIModel):
@@ -450,6 +467,8 @@ class LoadLoRAAdapterRequest(OpenAIModel):
 
     lora_name: str
     lora_path: str
+    load_inplace: StrictBool = False
+    """An adapter already loaded under lora_name is replaced (else that is a 400)."""
 
 
 class UnloadLoRAAdapterRequest(OpenAIModel):

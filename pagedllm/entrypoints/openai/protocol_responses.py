@@ -13,7 +13,7 @@ from pagedllm.entrypoints.openai.protocol import OpenAIModel, UsageInfo
 
 class ResponsesRequest(OpenAIModel):
     """POST /v1/responses. Fields we cannot honour are refused (400 naming them): unknown ones by the model,
-    known ones (``background``, ``reasoning``, built-in tools, ...) by the translation."""
+    known ones (``reasoning.summary``, built-in tools, ``include`` values, ...) by the translation."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -35,11 +35,15 @@ class ResponsesRequest(OpenAIModel):
     background: StrictBool | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    top_logprobs: int | None = Field(default=None, strict=True, description=(
+        "alternatives per output token, with include ['message.output_text.logprobs'] (0: the sampled one only)"))
     seed: int | None = Field(default=None, description="vLLM's extra: a seeded sample")
     thinking_token_budget: int | None = Field(default=None, strict=True, description=(
         "vLLM's extra, as chat's: most tokens inside the reasoning (needs --reasoning-parser; -1: no cap)"))
     include_reasoning: StrictBool = Field(default=True, description=(
         "vLLM's extra, as chat's: false leaves the reasoning items out"))
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description=(
+        "vLLM's extra, as chat's: more variables for the chat template (e.g. enable_thinking)"))
 
 
 def new_id(prefix: str) -> str:
@@ -53,20 +57,27 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
     return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
-def message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
-    """An assistant message item with one output_text part (none while it is being opened: ``text`` None)."""
-    content = [] if text is None else [output_text(text)]
+def message_item(item_id: str, text: str | None, status: str = "completed",
+                 logprobs: list[dict] | None = None) -> dict[str, Any]:
+    """An assistant message item with one output_text part (none while it is being opened: ``text`` None);
+    ``logprobs``: its tokens' (include message.output_text.logprobs)."""
+    content = [] if text is None else [output_text(text, logprobs)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
-                       status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed",
+                       namespace: str | None = None) -> dict[str, Any]:
+    """A function_call item; ``namespace``: the namespace tool that holds the function (``name`` its own name in
+    it), left out for a top-level function."""
+    item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def usage_of(usage: UsageInfo | None) -> dict[str, Any] | None:
@@ -92,8 +103,8 @@ def response_object(response_id: str, req: ResponsesRequest, model: str, created
         "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
         "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
-        "text": {"format": fmt}, "truncation": "disabled", "store": req.store, "background": False,
+        "text": {"format": fmt}, "truncation": "disabled", "store": req.store, "background": bool(req.background),
         "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}, "usage": usage,
-        "user": req.user,
+        "user": req.user, "top_logprobs": req.top_logprobs,
         "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
     }

@@ -37,8 +37,10 @@ token, each with its own rank), as vLLM lists them."""
 
 
 def shown_logprobs(req: SamplingFields, top_n: int | None) -> int | None:
-    """How many alternatives each reported position shows: ``top_n``, or EVERY_LISTED with logprob_token_ids."""
-    return EVERY_LISTED if top_n is not None and req.logprob_token_ids is not None else top_n
+    """How many alternatives each reported position shows: ``top_n``, or EVERY_LISTED with logprob_token_ids or
+    for -1 (vLLM's "every token": the engine lists the whole vocabulary)."""
+    listed = top_n is not None and (req.logprob_token_ids is not None or top_n == -1)
+    return EVERY_LISTED if listed else top_n
 
 
 def counted_logprobs(req: SamplingFields, top_n: int | None) -> int | None:
@@ -182,10 +184,12 @@ class OpenAIServing:
         """A request's max_tokens, an omitted one filled to the rest of the context (as the engine fills it)."""
         return max_tokens if max_tokens is not None else max(self.max_model_len - prompt_tokens, 0)
 
-    async def outputs(self, streams: StreamGroup, raw: Request) -> list[RequestOutput] | None:
-        """Every stream's final output (None if the client disconnected first), within the request timeout."""
+    async def outputs(self, streams: StreamGroup, raw: Request | None) -> list[RequestOutput] | None:
+        """Every stream's final output (None if the client disconnected first; ``raw`` None: a request no client
+        waits on, a background response), within the request timeout."""
         try:
-            return await unless_disconnected(final_outputs(streams), raw)
+            work = final_outputs(streams)
+            return await (work if raw is None else unless_disconnected(work, raw))
         except RequestTimeoutError:
             self.on_refused("timeout")
             raise
@@ -198,14 +202,10 @@ class OpenAIServing:
         try:
             async for event in events:
                 yield event
-        except (RequestTimeoutError, EngineDeadError, RequestFailedError) as e:
-            timeout = isinstance(e, RequestTimeoutError)
-            if timeout:
+        except LATE_FAILURES as e:
+            if isinstance(e, RequestTimeoutError):
                 self.on_refused("timeout")
-            code = "request_timeout" if timeout else "request_failed" if isinstance(e, RequestFailedError) else \
-                "engine_dead"
-            error = ErrorInfo(message=str(e), type="timeout_error" if timeout else "server_error", code=code)
-            for event in (error_events or _openai_error_events)(error):
+            for event in (error_events or _openai_error_events)(late_failure(e)):
                 yield event
 
     def check_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
@@ -299,6 +299,17 @@ class OpenAIServing:
         """The top-N (by rank) of one position's logprobs (EVERY_LISTED: all of them, the logprob_token_ids')."""
         return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n),
                       key=lambda item: item[1].rank)[:top_n]
+
+
+LATE_FAILURES = (RequestTimeoutError, EngineDeadError, RequestFailedError)
+"""How a request fails once its answer has begun (its stream's status line sent, a background response queued)."""
+
+
+def late_failure(e: Exception) -> ErrorInfo:
+    """One of LATE_FAILURES as the error its stream ends in (or a background response records)."""
+    timeout = isinstance(e, RequestTimeoutError)
+    code = "request_timeout" if timeout else "request_failed" if isinstance(e, RequestFailedError) else "engine_dead"
+    return ErrorInfo(message=str(e), type="timeout_error" if timeout else "server_error", code=code)
 
 
 async def merge_streams(streams: StreamGroup) -> AsyncIterator[tuple[int, RequestOutput]]:

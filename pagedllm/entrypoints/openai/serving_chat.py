@@ -110,8 +110,9 @@ class OpenAIServingChat(OpenAIServing):
         run.echo = echoed_text(req.messages, req.add_generation_prompt, self._content) if req.echo else ""
         return run
 
-    async def response(self, run: "ChatRun", raw: Request) -> ChatCompletionResponse | None:
-        """The finished reply of a queued request (None: the client disconnected first)."""
+    async def response(self, run: "ChatRun", raw: Request | None) -> ChatCompletionResponse | None:
+        """The finished reply of a queued request (None: the client disconnected first; ``raw`` None: no client
+        waits on it)."""
         outputs = await self.outputs(run.streams, raw)
         if outputs is None:
             return None

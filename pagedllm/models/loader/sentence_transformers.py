@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.errors import ValidationError
+from pagedllm.models.loader.hf_loader import merge_hf_overrides
 
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"
@@ -86,15 +87,18 @@ def _pooling_type(path: str, folder: str) -> str:
     return modes[0]
 
 
-def read_task_prompts(folder: str) -> dict[str, str]:
+def read_task_prompts(folder: str, hf_overrides: dict[str, Any] | None = None) -> dict[str, str]:
     """The prefixes a model puts before its input per task (Cohere's ``input_type``, e.g. {"query": "query: "}):
     ``config_sentence_transformers.json``'s ``prompts``, else config.json's ``task_instructions`` (vLLM reads
-    both); empty when the folder has neither (or is not a folder)."""
+    both; ``hf_overrides`` merged into config.json first); empty when the folder has neither (or is not a
+    folder)."""
     for name, key in (("config_sentence_transformers.json", "prompts"), ("config.json", "task_instructions")):
         path = os.path.join(folder, name) if os.path.isdir(folder) else ""
         if not path or not os.path.isfile(path):
             continue
         found = _read_json(path)
+        if name == "config.json" and hf_overrides and isinstance(found, dict):
+            merge_hf_overrides(found, hf_overrides)
         prompts = found.get(key) if isinstance(found, dict) else None
         if isinstance(prompts, dict):
             kept = {k: v for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str)}

@@ -1,9 +1,13 @@
 """vLLM's deployment routes and flags through a real `pagedllm serve` (issue 45 point 8): /ping, /invocations,
 /load, /v1/chat/completions/batch on the session server; --root-path, --enable-request-id-headers,
---enable-tokenizer-info-endpoint and --enable-server-load-tracking on one extra server started with them all (and
-an API key, as vLLM's root-path test); `pagedllm chat` / `pagedllm complete` against the session server."""
+--enable-tokenizer-info-endpoint, --enable-server-load-tracking and SageMaker's stateful sessions
+(SAGEMAKER_ENABLE_STATEFUL_SESSIONS) on one extra server started with them all (and an API key, as vLLM's root-path
+test); `pagedllm chat` / `pagedllm complete` against the session server. SageMaker's /adapters routes: in
+tests/lora/test_lora_server.py."""
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -25,7 +29,8 @@ def deploy_server(tiny_llm_dir: Path) -> Iterator[RemoteServer]:
     """One server with every deployment flag (plus an API key: the prefix must not slip past it)."""
     srv = RemoteServer(tiny_llm_dir, "--served-model-name", "tiny", "--root-path", "/llm",
                        "--enable-request-id-headers", "--enable-tokenizer-info-endpoint",
-                       "--enable-server-load-tracking", "--api-key", KEY)
+                       "--enable-server-load-tracking", "--api-key", KEY,
+                       env={**os.environ, "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "true"})
     yield srv
     srv.stop()
 
@@ -164,6 +169,52 @@ def test_server_load_tracking(deploy_server: RemoteServer) -> None:
     while load() != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert load() == 0
+
+
+SESSION = "X-Amzn-SageMaker-Session-Id"
+
+
+def test_sagemaker_sessions(deploy_server: RemoteServer) -> None:
+    """SageMaker's stateful sessions, as its hosting standard answers them: NEW_SESSION gives an id and its expiry,
+    requests name it, CLOSE ends it; a closed or unknown id is a 400, a CLOSE without one a 424."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    post = lambda body, **headers: httpx.post(f"{deploy_server.url}/invocations", json=body,  # noqa: E731
+                                              headers={**auth, **headers}, timeout=60)
+    opened = post({"requestType": "NEW_SESSION"})
+    assert opened.status_code == 200, opened.text
+    session, expires = opened.headers["x-amzn-sagemaker-new-session-id"].split("; ")
+    assert re.fullmatch(r"[0-9a-f-]{36}", session) and re.fullmatch(r"Expires=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", expires)
+    used = post({"model": "tiny", "prompt": "Hello", "max_tokens": 2}, **{SESSION: session})
+    assert used.status_code == 200 and used.json()["object"] == "text_completion", used.text
+    ask = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+    for body, headers, status, words in [
+            (ask, {SESSION: "no-such-session"}, 400, "session not found"),
+            ({"requestType": "CLOSE"}, {SESSION: "no-such-session"}, 400, "session not found"),
+            ({"requestType": "CLOSE", "extra": 1}, {SESSION: session}, 400, "requestType only"),
+            ({"requestType": "OPEN"}, {}, 400, "requestType"),
+            ({"requestType": "CLOSE"}, {}, 424, "invalid session_id")]:
+        r = post(body, **headers)
+        assert r.status_code == status and words in r.json()["error"]["message"], (body, r.text)
+    closed = post({"requestType": "CLOSE"}, **{SESSION: session})
+    assert closed.status_code == 200 and closed.headers["x-amzn-sagemaker-closed-session-id"] == session
+    assert post({"requestType": "CLOSE"}, **{SESSION: session}).status_code == 400  # closed already
+    assert httpx.post(f"{deploy_server.url}/invocations", json={"requestType": "NEW_SESSION"},
+                      timeout=10).status_code == 401  # the key still guards it
+
+
+def test_sagemaker_sessions_are_off_by_default(server: RemoteServer) -> None:
+    r = httpx.post(f"{server.url}/invocations", json={"requestType": "NEW_SESSION"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "requestType", r.text
+    assert "--enable-sagemaker-sessions" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/invocations", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                   headers={SESSION: "abc"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == SESSION, r.text
+
+
+def test_sagemaker_adapters_route_needs_the_key(deploy_server: RemoteServer) -> None:
+    """/adapters loads adapters as /v1/load_lora_adapter does: the API key guards it (even where it is off)."""
+    assert httpx.post(f"{deploy_server.url}/adapters", json={"name": "a", "src": "/x"}, timeout=10).status_code == 401
+    assert httpx.delete(f"{deploy_server.url}/llm/adapters/a", timeout=10).status_code == 401
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.utils import RemoteServer
@@ -18,6 +19,10 @@ CASES = [
     (C, {"max_tokens": 5}, 400, "prompt"),
     (C, {"prompt": 42}, 400, "prompt"),
     (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": None}, 400, "prompt"),
+    (C, {"prompt": None, "prompt_embeds": []}, 400, "prompt"),
+    (C, {"prompt": "hi", "prompt_embeds": ["AAAA"]}, 400, "prompt_embeds"),
+    ("/invocations", {"prompt": ""}, 400, "prompt"),
     (C, {"prompt": []}, 400, "prompt"),
     (C, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     (C, {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
@@ -58,6 +63,7 @@ CASES = [
      "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": []}, 400, "functions"),
     (C, {"prompt": "hi", "seed": "abc"}, 400, "seed"),
+    (CHAT, {"messages": OK_MSG, "seed": -(2 ** 63) - 1}, 400, "seed"),
     (C, {"prompt": [10, 99999999]}, 400, "prompt_token_ids"),
     (C, {"prompt": [-1, 5]}, 400, "prompt_token_ids"),
     (C, {"prompt": "word " * 600}, 400, "prompt"),
@@ -86,6 +92,20 @@ def test_malformed_request(server: RemoteServer, path: str, body, status: int, p
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param, error
+
+
+def test_vllms_words_where_its_clients_match_them(server: RemoteServer) -> None:
+    """vLLM's tests match these words (test_prompt_validation.py, test_chat.py::test_long_seed): ours say them,
+    still naming the parameter."""
+    client = server.get_client()
+    with pytest.raises(openai.BadRequestError,
+                       match="Either prompt or prompt_embeds must be provided and non-empty") as e:
+        client.completions.create(model="tiny", prompt=None, max_tokens=5, extra_body={"prompt_embeds": []})
+    assert e.value.body["param"] == "prompt"
+    for seed, words in ((-(2 ** 63) - 1, "greater_than_equal"), (2 ** 63, "less_than_equal")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=OK_MSG, max_tokens=2, seed=seed)
+        assert words in e.value.message and e.value.body["param"] == "seed", e.value.message
 
 
 def test_prompt_too_long_names_both_lengths(server: RemoteServer) -> None:

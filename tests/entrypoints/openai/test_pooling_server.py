@@ -183,6 +183,24 @@ def test_embedding_refusals_name_the_field(embed_server: RemoteServer, st_model:
     assert httpx.get(f"{embed_server.url}/health").status_code == 200
 
 
+def test_pooling_errors_say_vllms_types(embed_server: RemoteServer) -> None:
+    """vLLM's pooling routes answer a client error with its own types (its tests check BadRequestError), and a
+    too-large truncate_prompt_tokens in its words (its test compares the message); other routes keep OpenAI's."""
+    big = _post(embed_server, "/v1/embeddings", {"input": "x", "truncate_prompt_tokens": MAX_LEN + 1})
+    assert big.status_code == 400
+    assert big.json()["error"] == {"type": "BadRequestError", "param": "truncate_prompt_tokens", "code": None,
+                                   "message": "truncate_prompt_tokens value is greater than max_model_len. Please "
+                                              "request a smaller truncation size."}
+    for path, body in (("/pooling", {"input": 5}), ("/v1/embeddings", {"input": "x", "color": "red"}),
+                       ("/score", {"text_1": "a"})):
+        r = _post(embed_server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError", (path, r.text)
+    missing = _post(embed_server, "/v1/embeddings", {"input": "x", "model": "nope"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+    other = _post(embed_server, "/v1/completions", {"prompt": "hi"})
+    assert other.status_code == 400 and other.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_score_on_an_embedding_model_is_the_cosine(embed_server: RemoteServer, st_model: Any) -> None:
     body = _post(embed_server, "/score", {"model": "bert", "text_1": QUERY, "text_2": DOCS}).json()
     vectors = st_model.encode([QUERY, *DOCS])

@@ -246,6 +246,30 @@ def test_responses_thinking_token_budget_matches_chat(think_client: openai.OpenA
     assert [item.type for item in hidden.output] == ["message"]
 
 
+def test_responses_chat_template_kwargs_as_chat(think_client: openai.OpenAI) -> None:
+    """vLLM's Responses API takes chat_template_kwargs as chat does (its test_function_call switches
+    enable_thinking with it): the same prompt and reply as chat's with the same variables; a reserved name is the
+    same 400."""
+    for kwargs in ({"enable_thinking": False}, {"enable_thinking": True}):
+        extra = {"chat_template_kwargs": kwargs}
+        chat = think_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0,
+                                                    extra_body=extra)
+        response = think_client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0,
+                                                 extra_body=extra)
+        assert response.usage.input_tokens == chat.usage.prompt_tokens
+        reasoning = "".join(part.text for item in response.output if item.type == "reasoning"
+                            for part in item.content or [])
+        assert reasoning == (chat.choices[0].message.reasoning_content or "")
+        assert response.output_text == (chat.choices[0].message.content or "")
+    off = think_client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    on = think_client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6)
+    assert off.usage.input_tokens < on.usage.input_tokens  # no <think> opened in the prompt
+    _refused(lambda: think_client.responses.create(model=MODEL, input=QUESTION,
+                                                   extra_body={"chat_template_kwargs": {"messages": None}}),
+             "chat_template_kwargs")
+
+
 def test_forced_token_follows_the_markers() -> None:
     """The worker's rule, multi-token markers: the budget counts from the last open start; a forced end goes on
     token by token; a closed section forces nothing."""

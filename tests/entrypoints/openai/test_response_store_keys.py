@@ -47,14 +47,23 @@ def test_another_keys_response_is_as_unknown_as_one_never_stored(keyed: RemoteSe
     mine = _create(a)
     unknown = "resp_" + "0" * 32
     assert a.responses.retrieve(mine.id).output_text == mine.output_text
-    # GET, DELETE and previous_response_id of A's response with B's key: the very answer an unknown id gets
+    # GET, DELETE, cancel and previous_response_id of A's response with B's key: the very answer an unknown id
+    # gets (a background one still running too)
+    running = a.responses.create(model=MODEL, input="Go on.", max_output_tokens=400, background=True)
     for call, kind in ((lambda i: b.responses.retrieve(i), openai.NotFoundError),
                        (lambda i: b.responses.delete(i), openai.NotFoundError),
+                       (lambda i: b.responses.cancel(i), openai.NotFoundError),
                        (lambda i: _create(b, previous_response_id=i), openai.BadRequestError)):
         theirs = _error(lambda: call(mine.id), kind, mine.id, unknown)
         assert theirs == _error(lambda: call(unknown), kind, unknown, unknown)
+    unknown_cancel = _error(lambda: b.responses.cancel(unknown), openai.NotFoundError, unknown, unknown)
+    assert _error(lambda: b.responses.cancel(running.id), openai.NotFoundError, running.id, unknown) == unknown_cancel
     # nothing B did touched it: A still reads, continues and deletes it
     assert a.responses.retrieve(mine.id).id == mine.id
+    try:  # A's own cancel works (unless 400 tokens of the tiny model were already done: then it is a 400)
+        assert a.responses.cancel(running.id).status == "cancelled"
+    except openai.BadRequestError:
+        assert a.responses.retrieve(running.id).status == "incomplete"
     assert _create(a, previous_response_id=mine.id, store=False).status in ("completed", "incomplete")
     a.responses.delete(mine.id)
     with pytest.raises(openai.NotFoundError):

@@ -1,12 +1,15 @@
 """The OpenAI Responses API through the official `openai` SDK against a real server: plain, streamed (the SDK's
-event sequence and its stream helper), a function tool round trip, text.format json_schema and
-responses.parse, previous_response_id, GET and DELETE, the store's bounds, and 400s for what we cannot do.
-Each reply is held to the chat completion of the same conversation: both run one request path."""
+event sequence and its stream helper), a function tool round trip, namespace tools, text.format json_schema and
+responses.parse, previous_response_id, GET and DELETE, background responses and their cancel, the store's
+bounds, and 400s for what we cannot do. Each reply is held to the chat completion of the same conversation: both
+run one request path."""
 from __future__ import annotations
 
 import json
 import random
+import re
 import string
+import time
 from typing import Literal
 
 import httpx
@@ -24,6 +27,8 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city",
            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather now", "parameters": WEATHER,
         "strict": True}
+NAMESPACE = {"type": "namespace", "name": "crm", "description": "Customer records.", "tools": [TOOL]}
+"""A namespace tool: its function is shown to the model as crm__get_weather."""
 
 
 def _chat(client: openai.OpenAI, messages: list[dict], max_tokens: int):
@@ -103,9 +108,17 @@ def test_function_tool_round_trip(client: openai.OpenAI) -> None:
     assert chained.usage.input_tokens == second.usage.input_tokens
     named = client.responses.create(model=MODEL, input=[question], tools=[TOOL], max_output_tokens=80,
                                     tool_choice={"type": "function", "name": "get_weather"}, stream=True)
+    named = list(named)
     done = [e.item for e in named if e.type == "response.output_item.done"]
     assert [item.type for item in done] == ["function_call"] and done[0].name == "get_weather"
     jsonschema.validate(json.loads(done[0].arguments), WEATHER)
+    # vLLM's test_function_calling_with_streaming_*: the added item's arguments plus the deltas are the done ones
+    added = next(e.item for e in named if e.type == "response.output_item.added")
+    deltas = "".join(e.delta for e in named if e.type == "response.function_call_arguments.delta")
+    arguments_done = next(e for e in named if e.type == "response.function_call_arguments.done")
+    assert added.arguments + deltas == arguments_done.arguments == done[0].arguments
+    assert added.name == arguments_done.name == "get_weather" and added.call_id == done[0].call_id
+    assert not any(e.type == "response.output_text.delta" for e in named)  # no call JSON leaks as text
 
 
 class City(BaseModel):
@@ -157,8 +170,197 @@ def test_get_and_delete(client: openai.OpenAI, server) -> None:
     assert e.value.body["param"] == "previous_response_id"
 
 
+def test_namespace_tools_come_back_by_name_and_namespace(client: openai.OpenAI) -> None:
+    """vLLM's test_namespace_tool_separator: a namespace's function is shown to the model as <namespace>__<name>
+    (the same prompt and call as chat with that flat tool); its calls come back, streamed or not, as their own
+    name and namespace, and go back in (input items, previous_response_id) as the model was shown them."""
+    question = {"role": "user", "content": "Weather in Paris?"}
+    first = client.responses.create(model=MODEL, input=[question], tools=[NAMESPACE], tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" and c.namespace == "crm" for c in calls)
+    flat = {"type": "function", "function": {"name": "crm__get_weather", "parameters": WEATHER,
+                                             "description": "Customer records.\nWeather now"}}
+    chat = client.chat.completions.create(model=MODEL, messages=[question], tools=[flat], tool_choice="required",
+                                          parallel_tool_calls=False, max_completion_tokens=80, temperature=0)
+    chat_calls = chat.choices[0].message.tool_calls
+    assert first.usage.input_tokens == chat.usage.prompt_tokens
+    assert [c.function.name for c in chat_calls] == ["crm__get_weather"] * len(calls)
+    assert [c.arguments for c in calls] == [c.function.arguments for c in chat_calls]
+    for name in ("get_weather", "crm__get_weather"):  # its own name (one namespace holds it) or the flat one
+        events = list(client.responses.create(model=MODEL, input=[question], tools=[NAMESPACE], stream=True,
+                                              tool_choice={"type": "function", "name": name}, max_output_tokens=80))
+        items = [e.item for e in events if e.type in ("response.output_item.added", "response.output_item.done")]
+        assert [(i.type, i.name, i.namespace) for i in items] == [("function_call", "get_weather", "crm")] * 2
+    answers = [{"type": "function_call_output", "call_id": c.call_id, "output": "21 C, sunny"} for c in calls]
+    second = client.responses.create(model=MODEL, input=[question, *first.output, *answers], tools=[NAMESPACE],
+                                     max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL, tools=[flat], max_completion_tokens=8, temperature=0,
+        messages=[question, {"role": "assistant", "content": "", "tool_calls": [c.model_dump() for c in chat_calls]},
+                  *[{"role": "tool", "tool_call_id": c.call_id, "content": "21 C, sunny"} for c in calls]])
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    chained = client.responses.create(model=MODEL, previous_response_id=first.id, input=answers, tools=[NAMESPACE],
+                                      max_output_tokens=8, temperature=0)
+    assert chained.output_text == second.output_text and chained.usage.input_tokens == second.usage.input_tokens
+
+
+def _tokens(logprobs: list) -> list[tuple]:
+    return [(lp.token, lp.logprob, lp.bytes, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in logprobs]
+
+
+def test_output_logprobs_are_chats(client: openai.OpenAI) -> None:
+    """vLLM's test_logprobs: include ['message.output_text.logprobs'] with top_logprobs puts chat's logprobs of the
+    same reply on the output_text (streamed: spread over the deltas, whole on the done events); top_logprobs
+    without that include is a 400 naming it."""
+    kwargs = dict(model=MODEL, input="Hi", max_output_tokens=6, temperature=0, top_logprobs=3,
+                  include=["message.output_text.logprobs"])
+    r = client.responses.create(**kwargs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                          max_completion_tokens=6, logprobs=True, top_logprobs=3)
+    want = _tokens(chat.choices[0].logprobs.content)
+    assert _tokens(r.output[-1].content[-1].logprobs) == want and len(want) == 6
+    assert all(len(alternatives) == 3 for *_, alternatives in want) and r.top_logprobs == 3
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert _tokens(streamed) == want
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert _tokens(done.logprobs) == want == _tokens(events[-1].response.output[-1].content[-1].logprobs)
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert plain.output[-1].content[-1].logprobs == []
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Hi", top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return float(re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))
+
+
+def _idle(server) -> float:
+    """The tokens the server has generated, once nothing runs (polled: the gauges follow the engine's steps)."""
+    deadline = time.monotonic() + 30
+    while _metric(server, "vllm:num_requests_running") or _metric(server, "vllm:num_requests_waiting"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return _metric(server, "vllm:generation_tokens_total")
+
+
+def _settled(client: openai.OpenAI, response_id: str, timeout: float = 60.0):
+    """A background response, polled until it is no longer queued."""
+    deadline = time.monotonic() + timeout
+    while (got := client.responses.retrieve(response_id)).status == "queued":
+        assert time.monotonic() < deadline, "the background response never finished"
+        time.sleep(0.05)
+    return got
+
+
+def test_background_responses_are_polled_and_cancelled(client: openai.OpenAI, server) -> None:
+    """vLLM's test_stateful: ``background: true`` answers at once with a queued response that GET polls to the
+    reply a plain request gets; POST /v1/responses/{id}/cancel stops one still running (its engine request
+    aborted) and it stays cancelled; a response made without background is a 400, an unknown id a 404."""
+    kwargs = dict(model=MODEL, input="Tell me a story.", max_output_tokens=10, temperature=0)
+    plain = client.responses.create(**kwargs)
+    queued = client.responses.create(background=True, **kwargs)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    done = _settled(client, queued.id)
+    assert done.background and done.status == plain.status and done.output_text == plain.output_text
+    assert done.usage.output_tokens == plain.usage.output_tokens
+    chained = client.responses.create(model=MODEL, input="And then?", previous_response_id=queued.id,
+                                      max_output_tokens=4, temperature=0)
+    assert chained.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a response that is already"):
+        client.responses.cancel(queued.id)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response."):
+        client.responses.cancel(plain.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+    again = httpx.get(f"{server.url}/v1/responses/{queued.id}", params={"stream": "true"}, timeout=30)
+    assert again.status_code == 400 and again.json()["error"]["param"] == "stream"  # it was not streamed
+    # a long one, cancelled while it runs (the tiny random model does not stop before its max_output_tokens)
+    generated = _idle(server)
+    long = client.responses.create(background=True, model=MODEL, input="Go on.", max_output_tokens=400)
+    with pytest.raises(openai.BadRequestError) as e:  # not a turn to continue from before it is done
+        client.responses.create(model=MODEL, input="Hi", previous_response_id=long.id)
+    assert e.value.body["param"] == "previous_response_id"
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.id == long.id
+    assert client.responses.cancel(long.id).status == "cancelled"  # again: the same (as OpenAI)
+    assert _idle(server) - generated < 400  # its engine request was aborted
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    # DELETE of a running one cancels it too
+    generated = _idle(server)
+    running = client.responses.create(background=True, model=MODEL, input="Go on.", max_output_tokens=400)
+    client.responses.delete(running.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
+    assert _idle(server) - generated < 400
+
+
+def test_background_responses_are_bounded() -> None:
+    """Background responses hold no connection, so their count is bounded apart (MAX_BACKGROUND_RESPONSES at once):
+    one more is an OverloadedError (the server's 503 "overloaded") before anything is prepared; a plain request is
+    not counted."""
+    import asyncio
+
+    from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving import OverloadedError
+    from pagedllm.entrypoints.openai.serving_responses import MAX_BACKGROUND_RESPONSES, OpenAIServingResponses
+
+    assert MAX_BACKGROUND_RESPONSES == 1024
+    serving = OpenAIServingResponses(chat=None, store=None)  # the bound is checked before either is used
+    serving.max_background = 2
+    serving._running = {"resp_a": object(), "resp_b": object()}
+    background = ResponsesRequest(model=MODEL, input="x", background=True)
+    with pytest.raises(OverloadedError, match="2 background responses are running"):
+        asyncio.run(serving.create(background, raw=None))
+    with pytest.raises(AttributeError):  # a plain one goes on to the request path (here: no chat server)
+        asyncio.run(serving.create(ResponsesRequest(model=MODEL, input="x"), raw=None))
+
+
+def test_streamed_background_responses_resume(client: openai.OpenAI, server) -> None:
+    """``background`` with ``stream``: the events as a plain stream's; a client that stops reading leaves it
+    running, and GET ?stream=true&starting_after=N (``responses.retrieve(stream=True)``) follows it again from
+    event N+1 to its end; once it is done, it is polled as any other (streaming it again is a 400)."""
+    kwargs = dict(model=MODEL, input="Tell me a story.", max_output_tokens=10, temperature=0)
+    plain = client.responses.create(**kwargs)
+    events = list(client.responses.create(background=True, stream=True, **kwargs))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[0].response.background
+    assert events[-1].type == f"response.{plain.status}" and events[-1].response.output_text == plain.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+    done = _settled(client, events[0].response.id)
+    assert done.status == plain.status and done.output_text == plain.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.retrieve(done.id, stream=True)
+    assert e.value.body["param"] == "stream"
+    # a long one: read three events, go away, come back from the third
+    stream = client.responses.create(background=True, stream=True, model=MODEL, input="Go on.", max_output_tokens=300)
+    first = [next(iter(stream)) for _ in range(3)]
+    stream.close()
+    response_id = first[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+    assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))
+    final = client.responses.retrieve(response_id)
+    assert rest[-1].type == f"response.{final.status}" and final.usage.output_tokens == 300
+    text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
+    assert text == final.output_text
+    bad = httpx.get(f"{server.url}/v1/responses/{response_id}", params={"starting_after": 2}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
+
+
 @pytest.mark.parametrize("fields, param", [
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "c"}]}]},
+     "tools[0].tools[0].type"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": []}]}, "tools[0].tools"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [TOOL], "colour": 1}]}, "tools[0].colour"),
+    ({"tools": [{**NAMESPACE, "name": "a"}, {**NAMESPACE, "name": "b"}],
+      "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice.name"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "namespace": 1, "arguments": "{}"}]},
+     "input[0].namespace"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
