@@ -749,30 +749,15 @@ void tile_task(const T* q, const T* kc, const T* vc, const int32_t* tables, cons
     std::memcpy(out + ((first + r) * s.nh + h * g) * kDim, ot + r * g * kDim, g * kDim * sizeof(T));
 }
 
-// Every (tile, KV head) task, KV head by KV head (the next tile of a prompt reads the K/V the last one
-// left in cache), split between threads by the positions each task scores.
+// Every (tile, KV head) task (attention.h's run_tiles): a tile of one row on the row path, others in tiles.
 template <typename T, typename RowTask>
 void dispatch_tiles(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
                     const int32_t* starts, const std::vector<Tile>& tiles, T* out, const Shape& s, int threads,
                     const RowTask& row_task) {
-  const int64_t nt = static_cast<int64_t>(tiles.size()), items = nt * s.nkv;
-  std::vector<int64_t> cum(items + 1, 0);
-  for (int64_t i = 0; i < items; ++i) {
-    const Tile& t = tiles[i % nt];
-    cum[i + 1] = cum[i] + t.rows * s.group * (window_len(lens, starts, t.row + t.rows - 1, s.bs) + 16);
-  }
-  parallel_by_cost(cum, threads, [&](int64_t begin, int64_t end) {
-    Scratch sc;
-#ifdef PL_AMX
-    const AmxTiles amx(s.amx);  // this thread's tiles while it runs tasks
-#endif
-    for (int64_t i = begin; i < end; ++i) {
-      const Tile& t = tiles[i % nt];
-      const int64_t h = i / nt;
-      if (t.rows == 1) row_task(t.row * s.nkv + h, sc);
-      else if (s.D == 64) tile_task<64, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc, h);
-      else tile_task<128, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc, h);
-    }
+  run_tiles<Scratch>(tiles, lens, starts, s, threads, [&](const Tile& t, int64_t h, Scratch& sc) {
+    if (t.rows == 1) row_task(t.row * s.nkv + h, sc);
+    else if (s.D == 64) tile_task<64, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc, h);
+    else tile_task<128, T>(q, kc, vc, tables, lens, starts, t, h, s, out, sc, h);
   });
 }
 

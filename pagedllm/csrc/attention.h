@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#include "amx.h"
 #include "common.h"
 
 namespace pl {
@@ -313,6 +314,27 @@ inline std::vector<Tile> find_tiles(const int32_t* tables, const int32_t* lens, 
   }
   if (!any) tiles.clear();
   return tiles;
+}
+
+// Every (tile, KV head) task of a step, KV head by KV head (the next tile of a prompt reads the K/V the last one
+// left in cache), split between threads by the positions each task scores: task(tile, h, state) with one State a
+// thread (its buffers), the thread's AMX tiles configured while it runs tasks (s.amx).
+template <typename State, typename TaskFn>
+void run_tiles(const std::vector<Tile>& tiles, const int32_t* lens, const int32_t* starts, const Shape& s, int threads,
+               const TaskFn& task) {
+  const int64_t nt = static_cast<int64_t>(tiles.size()), items = nt * s.nkv;
+  std::vector<int64_t> cum(items + 1, 0);
+  for (int64_t i = 0; i < items; ++i) {
+    const Tile& t = tiles[i % nt];
+    cum[i + 1] = cum[i] + t.rows * s.group * (window_len(lens, starts, t.row + t.rows - 1, s.bs) + 16);
+  }
+  parallel_by_cost(cum, threads, [&](int64_t begin, int64_t end) {
+    State state;
+#ifdef PL_AMX
+    const AmxTiles amx(s.amx);
+#endif
+    for (int64_t i = begin; i < end; ++i) task(tiles[i % nt], i / nt, state);
+  });
 }
 
 // One tile of prompt rows and KV head h attended on attention.cpp's tile paths over K/V that the caller laid out

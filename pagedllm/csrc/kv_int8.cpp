@@ -255,6 +255,7 @@ struct Dequantized {
   std::vector<int32_t> table;   // logical block i -> i - first (the rows' tables, read by attend_prompt_tile)
   int64_t h = -1, first = -1;
   Scratch sc;
+  std::vector<float> qf, scores;  // a lone row's (the row path)
 };
 
 // Blocks [first, first + nb) of `table` (a row's whole table) for KV head h, all their slots filled but
@@ -331,24 +332,10 @@ void attend(const T* q, const int8_t* kc, const int8_t* vc, const int32_t* table
     const std::vector<Tile> tiles = find_tiles(
         tables, lens, starts, rows, s, std::max<int64_t>(1, (s.amx ? kAmxTileVectors : kTileVectors) / s.group));
     if (!tiles.empty()) {
-      const int64_t nt = static_cast<int64_t>(tiles.size()), items = nt * s.nkv;
-      std::vector<int64_t> cum(items + 1, 0);
-      for (int64_t i = 0; i < items; ++i) {
-        const Tile& t = tiles[i % nt];
-        cum[i + 1] = cum[i] + t.rows * s.group * (window_len(lens, starts, t.row + t.rows - 1, s.bs) + 16);
-      }
-      parallel_by_cost(cum, threads, [&](int64_t begin, int64_t end) {
-        Dequantized<T> d;
-        std::vector<float> scores, qf(s.group * s.D);
-#ifdef PL_AMX
-        const AmxTiles amx(s.amx);  // this thread's tiles while it runs tasks
-#endif
-        for (int64_t i = begin; i < end; ++i) {
-          const Tile& t = tiles[i % nt];
-          const int64_t h = i / nt;
-          if (t.rows == 1) run(t.row * s.nkv + h, window_of(tables, lens, starts, t.row, s), nullptr, qf, scores);
-          else tile_i8<T>(q, kc, vc, tables, lens, starts, t, h, g, out, d);
-        }
+      run_tiles<Dequantized<T>>(tiles, lens, starts, s, threads, [&](const Tile& t, int64_t h, Dequantized<T>& d) {
+        if (t.rows > 1) return tile_i8<T>(q, kc, vc, tables, lens, starts, t, h, g, out, d);
+        d.qf.resize(s.group * s.D);
+        run(t.row * s.nkv + h, window_of(tables, lens, starts, t.row, s), nullptr, d.qf, d.scores);
       });
       return;
     }
