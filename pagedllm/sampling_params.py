@@ -158,6 +158,10 @@ class SamplingParams:
     """The tokens that open a reasoning section (the server sets them from its --reasoning-parser)."""
     reasoning_end_token_ids: list[int] | None = None
     """The tokens that close it, forced when thinking_token_budget is spent."""
+    reasoning_forced_end_token_ids: list[int] | None = None
+    """What a spent thinking_token_budget forces instead, when it is not reasoning_end_token_ids (vLLM's
+    --reasoning-config reasoning_end_str: a phrase that leads up to the end marker); the section is closed once
+    these or reasoning_end_token_ids are written. None: reasoning_end_token_ids."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -234,6 +238,10 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
                                                          for t in ids):
                 raise ValidationError.bad_value(name, ids, "a non-empty list of token ids")
+        forced = self.reasoning_forced_end_token_ids
+        if forced is not None and (not isinstance(forced, (list, tuple)) or not forced or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in forced)):
+            raise ValidationError.bad_value("reasoning_forced_end_token_ids", forced, "a non-empty list of token ids")
 
     def _verify_ranges(self) -> None:
         bad = ValidationError.bad_value
@@ -328,34 +336,38 @@ def last_index(tokens: list[int], marker: list[int]) -> int:
     return -1
 
 
-def thinking_budget_forced_token(tokens: list[int], start: list[int], end: list[int], budget: int) -> int | None:
+def thinking_budget_forced_token(tokens: list[int], start: list[int], end: list[int], budget: int,
+                                 forced: list[int] | None = None) -> int | None:
     """The token a thinking_token_budget forces after ``tokens`` (prompt + output), or None: inside a reasoning
-    section (its last ``start`` not followed by ``end``) that already holds ``budget`` tokens, the next token of
-    ``end`` (its first, or the one after the part of it the tokens already end with)."""
+    section (its last ``start`` not followed by ``end`` or ``forced``) that already holds ``budget`` tokens, the
+    next token of ``forced`` (default ``end``): its first, or the one after the part of it the tokens already end
+    with. (The forced tokens count toward the section, as vLLM counts them.)"""
+    forced = forced or end
     last_start = last_index(tokens, start)
     if last_start < 0:
         return None
     opened = last_start + len(start)
-    last_end = last_index(tokens[opened:], end)
-    if last_end >= 0:
+    if last_index(tokens[opened:], end) >= 0 or (forced is not end and last_index(tokens[opened:], forced) >= 0):
         return None  # closed (by the model, or by the budget)
-    written = 0  # how much of ``end`` the tokens end with (a forced end in progress)
-    for k in range(min(len(end) - 1, len(tokens) - opened), 0, -1):
-        if tokens[len(tokens) - k:] == end[:k]:
+    written = 0  # how much of ``forced`` the tokens end with (a forced end in progress)
+    for k in range(min(len(forced) - 1, len(tokens) - opened), 0, -1):
+        if tokens[len(tokens) - k:] == forced[:k]:
             written = k
             break
     if len(tokens) - opened - written < budget:
         return None
-    return end[written]
+    return forced[written]
 
 
-def reasoning_token_count(prompt: list[int], output: list[int], start: list[int], end: list[int]) -> int:
+def reasoning_token_count(prompt: list[int], output: list[int], start: list[int], end: list[int],
+                          inside: bool = False) -> int:
     """How many of ``output``'s tokens lie inside reasoning sections (``start`` ... ``end``, the markers not
-    counted); a prompt that ends inside one (a template that opens the thinking) starts the output inside it."""
+    counted); a prompt that ends inside one (a template that opens the thinking), or ``inside`` (a parser that
+    reads the reply as starting in its reasoning), starts the output inside it."""
     if not start or not end:
         return 0
     opened = last_index(prompt, start)
-    inside = opened >= 0 and last_index(prompt[opened:], end) < 0
+    inside = inside or (opened >= 0 and last_index(prompt[opened:], end) < 0)
     count, i = 0, 0
     while i < len(output):
         for marker, state in ((start, True), (end, False)):

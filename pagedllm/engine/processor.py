@@ -211,15 +211,15 @@ class Processor:
 
     def check_params(self, params: SamplingParams) -> None:
         """The request's sampling parameters against the model and this engine's bounds (ValidationError naming
-        the field); its bad words tokenized and its grammar compiled. -1 logprobs must be resolved before
-        (resolve_logprobs: make_requests does)."""
+        the field); its bad words tokenized and its grammar compiled. Its logprobs are checked (and -1 resolved)
+        by resolve_logprobs before, once: make_requests and prepare call it."""
         if not isinstance(params, SamplingParams):
             raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
-        self.resolve_logprobs(params)
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
                           ("allowed_token_ids", params.allowed_token_ids or []),
                           ("logprob_token_ids", params.logprob_token_ids or []),
-                          ("reasoning_end_token_ids", params.reasoning_end_token_ids or [])):
+                          ("reasoning_end_token_ids", params.reasoning_end_token_ids or []),
+                          ("reasoning_forced_end_token_ids", params.reasoning_forced_end_token_ids or [])):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValidationError.bad_value(name, bad[0], f"a token id below {self.vocab_size}")
@@ -258,6 +258,8 @@ class Processor:
         """The slow part of a request's checks, meant to run off the step loop (a worker thread): compiles its
         grammar into the shared cache (ValidationError if it does not compile) and tokenizes its bad words.
         The checks done when the request is queued then find both ready."""
+        if isinstance(params, SamplingParams):
+            self.resolve_logprobs(params)  # (its logprobs refused here too; make_requests resolves them for good)
         self.check_params(params)
 
     def make_requests(self, seq_ids: list[str], prompt_ids: list[int], params: SamplingParams,

@@ -51,6 +51,8 @@ class SamplingMetadata:
     """Row -> the only token ids (int64) it may sample."""
     max_num_logprobs: int | None = None
     """Largest top-N asked for by any row; None when no row wants logprobs."""
+    num_logprobs: list[int] = field(default_factory=list)
+    """Per row, its own top-N (0: none, or its logprob_token_ids instead); empty: every row ranks max_num_logprobs."""
     wants_logprobs: list[bool] = field(default_factory=list)
     logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
     """Row -> the tokens whose log-probabilities it reports instead of its top-N (logprob_token_ids)."""
@@ -219,7 +221,7 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, md: SamplingMetadata) -> list[TokenLogprobs | None]:
-        gathered = gather_token_logprobs(raw, sampled, md.max_num_logprobs or 0)
+        gathered = gather_token_logprobs(raw, sampled, md.num_logprobs or md.max_num_logprobs or 0)
         for row, token_ids in md.logprob_token_ids.items():  # these tokens instead of the top-N, with their ranks
             ids = torch.tensor(token_ids, dtype=torch.int64, device=raw.device)
             values = raw[row, ids]  # (k,)
@@ -242,13 +244,26 @@ def _ranks(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return row.numel() - torch.searchsorted(ascending, values, right=True) + 1
 
 
-def gather_token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[TokenLogprobs]:
+def gather_token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top_n: int | list[int]
+                          ) -> list[TokenLogprobs]:
     """Per row of ``logprobs`` (rows, vocab): the log-probability and rank of ``tokens[row]`` and the
-    row's top ``top_n`` (sampled tokens, and prompt tokens for prompt_logprobs)."""
+    row's top ``top_n`` (sampled tokens, and prompt tokens for prompt_logprobs); ``top_n`` a list: each row's
+    own count (rows asking the same count share one topk; all alike, the common case, is the one topk of an int)."""
     chosen = logprobs.gather(1, tokens.unsqueeze(1))  # (rows, 1)
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-    top = logprobs.topk(top_n, dim=-1) if top_n else None
-    top_ids = top.indices.tolist() if top is not None else [[] for _ in ranks]
-    top_vals = top.values.tolist() if top is not None else [[] for _ in ranks]
+    counts = top_n if isinstance(top_n, list) else [top_n] * len(ranks)
+    top_ids: list[list[int]] = [[] for _ in ranks]
+    top_vals: list[list[float]] = [[] for _ in ranks]
+    distinct = set(counts)
+    if len(distinct) == 1:
+        if counts[0]:
+            top = logprobs.topk(counts[0], dim=-1)
+            top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+    else:  # a row asking for the whole vocabulary no longer makes every other row rank (and list) it too
+        for k in distinct - {0}:
+            rows = [r for r, c in enumerate(counts) if c == k]
+            top = logprobs[torch.tensor(rows, device=logprobs.device)].topk(k, dim=-1)
+            for r, ids, vals in zip(rows, top.indices.tolist(), top.values.tolist()):
+                top_ids[r], top_vals[r] = ids, vals
     return [TokenLogprobs(sampled_logprob=c, sampled_rank=r, top_token_ids=ids, top_logprobs=vals)
             for c, r, ids, vals in zip(chosen.squeeze(1).tolist(), ranks, top_ids, top_vals)]

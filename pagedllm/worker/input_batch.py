@@ -125,6 +125,7 @@ def build_sampling_metadata(states: list[CachedRequestState], default_generator:
     if any(p.logprobs is not None for p in params):
         md.max_num_logprobs = max((p.logprobs or 0 for p in params if p.logprob_token_ids is None), default=0)
         md.wants_logprobs = [p.logprobs is not None for p in params]
+        md.num_logprobs = [(p.logprobs or 0) if p.logprob_token_ids is None else 0 for p in params]
         md.logprob_token_ids = {row: p.logprob_token_ids for row, p in enumerate(params)
                                 if p.logprob_token_ids is not None}
     return md
@@ -148,7 +149,7 @@ def _row_logits_processors(md: SamplingMetadata, row: int, s: CachedRequestState
         md.allowed_token_ids[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
     if p.thinking_token_budget is not None:
         forced = thinking_budget_forced_token(s.token_ids, p.reasoning_start_token_ids, p.reasoning_end_token_ids,
-                                              p.thinking_token_budget)
+                                              p.thinking_token_budget, p.reasoning_forced_end_token_ids)
         if forced is not None:  # the only token this row may sample
             md.allowed_token_ids[row] = torch.tensor([forced], dtype=torch.int64, device=device)
             md.blocked_token_ids.pop(row, None)

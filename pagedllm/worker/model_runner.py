@@ -51,17 +51,6 @@ def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[t
         d.index_copy_(1, to_ids, s.index_select(1, from_ids).to(d.device, non_blocking=True))
 
 
-def _keep_own_top_n(params: SamplingParams, logprobs: list[TokenLogprobs] | None) -> None:
-    """A row's logprobs cut to its own top-N: the sampler ranks every row to the step's largest (a request asking
-    for the whole vocabulary would otherwise send every other row's too, each step, to the front)."""
-    top_n = params.logprobs
-    if logprobs is None or top_n is None or params.logprob_token_ids is not None:
-        return
-    for lp in logprobs:
-        if len(lp.top_token_ids) > top_n:
-            lp.top_token_ids, lp.top_logprobs = lp.top_token_ids[:top_n], lp.top_logprobs[:top_n]
-
-
 class ModelRunner:
     """Owns the model, its KV cache tensors and the per-request states of one worker."""
 
@@ -194,8 +183,6 @@ class ModelRunner:
                                                         hidden, inputs.logits_indices)
         else:
             tokens, logprobs = self._sample(samplers, rows, hidden, inputs.logits_indices)
-        for state, lps in zip(samplers, logprobs):
-            _keep_own_top_n(state.sampling_params, lps)
         for state, new in zip(samplers, tokens):
             state.token_ids.extend(new)
             state.num_computed_tokens = len(state.token_ids) - 1  # rejected drafts are not computed tokens

@@ -79,3 +79,21 @@ def test_skipped_special_tokens_never_grow_the_decode_window(tokenizer: Any) -> 
     shown = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), SamplingParams(skip_special_tokens=False))
     shown.update([tokenizer.eos_token_id], stopped_by_token=False)
     assert shown.output_text == tokenizer.eos_token
+
+
+def test_a_reply_cut_inside_a_character_ends_with_the_last_whole_one(tokenizer: Any) -> None:
+    """As vLLM's detokenizer (tokenizers' DecodeStream): a reply cut (max_tokens) inside a multi-byte character
+    ends with the last whole character, the cut bytes never shown as U+FFFD (decoding all the reply's ids does show
+    one: vLLM's test_chat_return_tokens_as_token_ids_completion compares the two, so it fails whenever the model's
+    reply is cut inside a character, on vLLM too)."""
+    from tokenizers.decoders import DecodeStream
+
+    ids = tokenizer.encode("🐱🐶🎉", add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts, "the emojis take several tokens each"
+    for k in cuts:
+        detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), SamplingParams())
+        detok.update(ids[:k], stopped_by_token=False)
+        stream = DecodeStream(skip_special_tokens=True)
+        vllm_text = "".join(piece or "" for piece in (stream.step(tokenizer._tokenizer, t) for t in ids[:k]))
+        assert detok.output_text == vllm_text == tokenizer.decode(ids[:k]).rstrip("\ufffd")

@@ -108,17 +108,41 @@ def test_sampling_params_take_minus_one_only() -> None:
 
 
 def test_a_row_keeps_its_own_top_n(every_token: LLM) -> None:
-    """Beside a request asking for the whole vocabulary (the sampler ranks the step's rows to the largest top-N),
-    another keeps its own count: what the worker sends is cut to it, and so is what it gets."""
-    from pagedllm.outputs import TokenLogprobs
-    from pagedllm.worker.model_runner import _keep_own_top_n
+    """Beside a request asking for the whole vocabulary, another keeps its own count: the sampler ranks each row
+    to its own top-N (gather_token_logprobs with per-row counts: the same lists as one topk of that count, a row
+    asking none lists none), and so is what it gets."""
+    from pagedllm.layers.sampler import gather_token_logprobs
 
-    rows = [TokenLogprobs(sampled_logprob=-1.0, sampled_rank=1, top_token_ids=list(range(8)),
-                          top_logprobs=[-1.0] * 8)]
-    _keep_own_top_n(SamplingParams(logprobs=2), rows)
-    assert rows[0].top_token_ids == [0, 1] and rows[0].top_logprobs == [-1.0, -1.0]
+    logprobs = torch.randn(4, VOCAB).log_softmax(-1)
+    tokens = torch.tensor([3, 9, 27, 81])
+    own = gather_token_logprobs(logprobs, tokens, [VOCAB, 2, 0, 2])
+    alike = gather_token_logprobs(logprobs, tokens, 2)
+    assert [len(r.top_token_ids) for r in own] == [VOCAB, 2, 0, 2]
+    for r in (1, 3):
+        assert own[r].top_token_ids == alike[r].top_token_ids and own[r].top_logprobs == alike[r].top_logprobs
+    assert [(r.sampled_logprob, r.sampled_rank) for r in own] == [(r.sampled_logprob, r.sampled_rank) for r in alike]
+    assert gather_token_logprobs(logprobs, tokens, [2, 2, 2, 2])[0].top_token_ids == alike[0].top_token_ids
     outs = every_token.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:3]}],
                                 [SamplingParams(max_tokens=3, logprobs=-1), SamplingParams(max_tokens=3, logprobs=2)],
                                 use_tqdm=False)
     assert all(len(entry) == VOCAB for entry in outs[0].outputs[0].logprobs)
     assert all(2 <= len(entry) <= 3 for entry in outs[1].outputs[0].logprobs)
+
+
+def test_make_requests_resolves_logprobs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """make_requests checks and resolves a request's logprobs once (check_params no longer resolves them again);
+    -1 still becomes the vocabulary size, and prepare (the preparation thread's early checks) still refuses a
+    count over max_logprobs."""
+    from pagedllm.engine.processor import Processor
+
+    processor = Processor(None, 64, VOCAB, (2,), max_logprobs=VOCAB)
+    calls = []
+    resolve = Processor.resolve_logprobs
+    monkeypatch.setattr(Processor, "resolve_logprobs", lambda self, p: calls.append(p) or resolve(self, p))
+    requests = processor.make_requests(["0:a", "1:a"], PROMPT, SamplingParams(n=2, logprobs=-1, max_tokens=4))
+    assert len(calls) == 1
+    assert all(r.sampling_params.logprobs == VOCAB for r in requests)
+    small = Processor(None, 64, VOCAB, (2,), max_logprobs=5)
+    with pytest.raises(ValidationError) as e:
+        small.prepare(SamplingParams(logprobs=6))
+    assert e.value.param == "logprobs"

@@ -89,17 +89,25 @@ class AnthropicServingMessages:
         if budget is not None:
             fields["thinking_token_budget"] = budget
         if req.stream:
-            fields["stream_options"] = {"include_usage": True}
+            fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}  # (message_start's)
         return chat_request(fields, PARAM_NAMES)
 
     async def _events(self, run: Any, chat_req: ChatCompletionRequest, message_id: str) -> AsyncIterator[str]:
-        """message_start, a content_block_start / _delta... / _stop per block, message_delta, message_stop.
-        message_start goes before the prompt is scheduled, when its cache reads are not known: its usage counts the
-        whole prompt as input_tokens; message_delta's (cumulative, as Anthropic's) splits it."""
-        start = {"id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
-                 "stop_reason": None, "stop_sequence": None,
-                 "usage": _usage(UsageInfo(prompt_tokens=run.prompt_tokens))}
-        yield _event("message_start", message=start)
+        """A ping (Anthropic's keep-alive event, which its SDKs skip) at once, then message_start with the engine's
+        first output (as vLLM: its usage already splits the prompt into input_tokens and cache_read_input_tokens,
+        the split message_delta reports; a request queued behind others has the ping to show it is alive), a
+        content_block_start / _delta... / _stop per block, message_delta, message_stop."""
+        yield _event("ping")
+        started = False
+
+        def message_start(usage: UsageInfo) -> str:
+            nonlocal started
+            started = True
+            return _event("message_start", message={
+                "id": message_id, "type": "message", "role": "assistant", "model": run.model, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": _usage(UsageInfo(
+                    prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens))})
+
         index, open_kind = -1, None  # the block being written: "thinking" or "text"
         finish, stop, usage, called = None, None, None, False
 
@@ -111,6 +119,10 @@ class AnthropicServingMessages:
             return [_event("content_block_stop", index=index)]
 
         async for chunk in self.chat.chunks(run, chat_req):
+            if chunk.choices and chunk.choices[0].delta.role is not None:
+                continue  # (the role chunk goes before the engine's first output: its usage knows no cache reads)
+            if not started:
+                yield message_start(chunk.usage or UsageInfo(prompt_tokens=run.prompt_tokens))
             if chunk.usage is not None and not chunk.choices:
                 usage = chunk.usage
                 continue
@@ -143,6 +155,8 @@ class AnthropicServingMessages:
                 yield _event("content_block_stop", index=index)
         for event in close():
             yield event
+        if not started:  # (no output at all: cannot happen with include_usage's last chunk, but never skip it)
+            yield message_start(usage or UsageInfo(prompt_tokens=run.prompt_tokens))
         reason, sequence = _stop_reason(finish, stop, called)
         yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                      usage=_usage(usage or UsageInfo(prompt_tokens=run.prompt_tokens)))

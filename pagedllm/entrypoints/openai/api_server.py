@@ -37,14 +37,14 @@ from pagedllm.entrypoints.openai.http_guard import (ANTHROPIC_PATHS, GuardedServ
 from pagedllm.entrypoints.openai.http_guard import positive as _positive
 from pagedllm.entrypoints.openai.deploy import (DeployOptions, add_deploy_args, attach_deploy, deploy_options,
                                                 sagemaker_lora_router)
-from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.metrics import ORCA_FORMATS, ServerMetrics, orca_header
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRAAdapterRequest,
                                                   ModelList, TokenizeRequest, TokenizeResponse,
                                                   UnloadLoRAAdapterRequest)
 from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedllm.entrypoints.openai.chat_options import template_options
-from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
+from pagedllm.entrypoints.openai.reasoning import ReasoningConfig, get_reasoning_parser, parse_reasoning_config
 from pagedllm.entrypoints.openai.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath, ModelNotFoundError,
                                                          OpenAIServingModels, parse_lora_module, public_name,
                                                          runtime_lora_updating)
@@ -61,6 +61,10 @@ from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, check_generates
 from pagedllm.entrypoints.openai.protocol_cohere import CohereEmbedRequest
 from pagedllm.entrypoints.openai.serving_cohere import CohereServingEmbed
+from pagedllm.entrypoints.openai.serving_generative_scoring import (GenerativeScoringRequest,
+                                                                     OpenAIServingGenerativeScoring)
+from pagedllm.entrypoints.openai.protocol_decisions import DecisionRequest, StructuredDecisionRequest
+from pagedllm.entrypoints.openai.serving_decisions import DecisionsUnsupportedError, OpenAIServingDecisions
 from pagedllm.entrypoints.openai.serving_responses import (KEY_INDEX, OpenAIServingResponses, ResponseNotFoundError,
                                                             ResponseStore)
 from pagedllm.errors import ValidationError
@@ -78,9 +82,10 @@ _SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 POOLING_PATHS = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
-                 "/v2/rerank")
-"""vLLM's pooling routes: their 400s and 404s say vLLM's error types (POOLING_ERROR_TYPES), which vLLM's clients of
-them check, in place of OpenAI's invalid_request_error."""
+                 "/v2/rerank", "/generative_scoring", "/v1/decisions", "/v1/systemone")
+"""vLLM's pooling routes (and its generative scoring and structured decision routes): their 400s and 404s say
+vLLM's error types (POOLING_ERROR_TYPES), which vLLM's clients of them check, in place of OpenAI's
+invalid_request_error."""
 POOLING_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
 
 
@@ -114,6 +119,7 @@ def _error(request: Request, status: int, message: str, param: str | None = None
 
 
 PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2",
+             "/generative_scoring",
              "/invocations", "/tokenizer_info", "/adapters")
 """Paths an API key guards (the KV map's data names the requests it shows; the page itself holds no data and
 sends the key given in its address's fragment: /kv#key=KEY; /tokenize and /detokenize run the tokenizer; vLLM's
@@ -270,16 +276,41 @@ async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, raw: Request) -> Re
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
+LOAD_FORMAT_HEADER = "endpoint-load-metrics-format"
+"""A request header asking for ORCA's load report (TEXT or JSON) in the reply's ``endpoint-load-metrics``."""
+_unknown_load_formats: set[str] = set()
+"""Formats already warned about (a few: each is logged once)."""
+
+
+def _with_load_report(raw: Request, response: Response) -> Response:
+    """vLLM's ORCA load report: a chat or completions request with an ``endpoint-load-metrics-format`` header
+    gets the engine's load as of its last step (KV cache usage, requests waiting: ServerMetrics.load_figures) in
+    an ``endpoint-load-metrics`` header, streamed replies too (the load as the stream starts; vLLM reports on whole
+    replies only). Another format gets none, as in vLLM, and a warning in the log."""
+    metrics_format = raw.headers.get(LOAD_FORMAT_HEADER)
+    if not metrics_format or response.status_code != 200:
+        return response
+    metrics: ServerMetrics = raw.app.state.metrics
+    header = orca_header(metrics_format, metrics.load_figures())
+    if header is not None:
+        response.headers["endpoint-load-metrics"] = header
+    elif len(_unknown_load_formats) < 16 and metrics_format not in _unknown_load_formats:
+        _unknown_load_formats.add(metrics_format)
+        logger.warning("%s %r: no load report (the formats are %s)", LOAD_FORMAT_HEADER, metrics_format[:64],
+                       " and ".join(f.upper() for f in ORCA_FORMATS))
+    return response
+
+
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, raw: Request) -> Response:
     _generates(raw)
-    return await _completion(raw).create(req, raw)
+    return _with_load_report(raw, await _completion(raw).create(req, raw))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
     _generates(raw)
-    return await _chat(raw).create(req, raw)
+    return _with_load_report(raw, await _chat(raw).create(req, raw))
 
 
 @router.post("/v1/responses")
@@ -341,6 +372,33 @@ async def score(req: ScoreRequest, raw: Request) -> Response:
 @router.post("/v2/rerank")
 async def rerank(req: RerankRequest, raw: Request) -> Response:
     return await _pooling(raw).rerank(req, raw)
+
+
+@router.post("/generative_scoring")
+async def generative_scoring(req: GenerativeScoringRequest, raw: Request) -> Response:
+    """vLLM's Generative Scoring API: each item's probability of the first label token after query + item."""
+    _generates(raw)
+    return await raw.app.state.generative_scoring.score(req, raw)
+
+
+@router.post("/v1/decisions")
+async def create_decisions(req: DecisionRequest, raw: Request) -> Response:
+    """vLLM's Decisions API: each question answered from the model's next-token label probabilities."""
+    _generates(raw)
+    try:
+        return await raw.app.state.decisions.decide(req, raw)
+    except DecisionsUnsupportedError as e:
+        return _error(raw, 501, str(e), type_="NotImplementedError")
+
+
+@router.post("/v1/systemone")
+async def create_structured_decision(req: StructuredDecisionRequest, raw: Request) -> Response:
+    """vLLM's structured decisions API (questions by id; choice, noul and score types)."""
+    _generates(raw)
+    try:
+        return await raw.app.state.decisions.systemone(req, raw)
+    except DecisionsUnsupportedError as e:
+        return _error(raw, 501, str(e), type_="NotImplementedError")
 
 
 @router.post("/v2/embed")
@@ -466,27 +524,35 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
               chat_template: str | None = None, limits: ServingLimits | None = None,
               allow_runtime_lora_updating: bool = False, model_aliases: list[str] | None = None,
               prompt_tokens_details: bool = False, return_tokens_as_token_ids: bool = False,
-              trust_request_chat_template: bool = False, deploy: DeployOptions | None = None) -> FastAPI:
+              trust_request_chat_template: bool = False, deploy: DeployOptions | None = None,
+              force_include_usage: bool = False, reasoning_config: ReasoningConfig | None = None) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
     here (ValidationError if one does not fit). ``prompt_tokens_details``: chat and completions usage report the
     prompt's prefix-cache hits (--enable-prompt-tokens-details); ``return_tokens_as_token_ids``: their logprobs
     name tokens "token_id:<id>" by default (--return-tokens-as-token-ids); ``deploy``: --root-path and vLLM's
-    deployment routes' flags (deploy.py)."""
+    deployment routes' flags (deploy.py); ``force_include_usage``: streamed chat and completions replies carry
+    usage in every chunk whatever their stream_options (--enable-force-include-usage); ``reasoning_config``:
+    --reasoning-config's strings for thinking_token_budget."""
     models = OpenAIServingModels(engine, served_model_names, model_aliases)
     models.add_static(lora_modules or [])
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
                              chat_template)
     chat.trust_request_chat_template = trust_request_chat_template  # --trust-request-chat-template
+    chat.reasoning_config = reasoning_config or ReasoningConfig()  # --reasoning-config
     pooling = OpenAIServingPooling(engine, models)
     pooling.chat = chat  # messages inputs are rendered by the chat endpoint's template
+    scoring = OpenAIServingGenerativeScoring(engine, models)
+    decisions = OpenAIServingDecisions(scoring, chat_template)  # (reads through the scoring endpoint's read_labels)
+    decisions.trust_request_chat_template = trust_request_chat_template
     admission = Admission()  # one waiting count for every endpoint
     # the engine's --max-logprobs sizes the reply bound (limits.py): the limits carry it, resolved
     limits = dataclasses.replace(limits or ServingLimits(), max_logprobs=engine.config.model.max_logprobs)
-    for serving in (completion, chat, pooling):
+    for serving in (completion, chat, pooling, scoring, decisions):
         serving.limits = limits
         serving.prompt_tokens_details = prompt_tokens_details
         serving.return_tokens_as_token_ids = return_tokens_as_token_ids
+        serving.force_include_usage = force_include_usage
         serving.on_refused = metrics.on_refused
         serving.admission = admission
     store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes, max(1, len(api_keys)))
@@ -501,6 +567,8 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     app.state.chat = chat
     app.state.pooling = pooling
     app.state.cohere_embed = CohereServingEmbed(pooling)
+    app.state.generative_scoring = scoring
+    app.state.decisions = decisions
     app.state.responses = OpenAIServingResponses(chat, store)
     app.state.messages = AnthropicServingMessages(chat)
     app.include_router(router)
@@ -547,6 +615,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: {BYTES_PER_TOKEN_CAP} per token of max_model_len)")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="split a reasoning model's <think>...</think> into the chat reply's reasoning_content")
+    parser.add_argument("--reasoning-config", type=reasoning_config_arg, default=None, metavar="JSON",
+                        help="vLLM's: {\"reasoning_start_str\": ..., \"reasoning_end_str\": ...}, the strings "
+                             "thinking_token_budget opens and forces the end of the reasoning with (default: the "
+                             "reasoning parser's <think> and </think>)")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="the model's tool-call format, parsed into tool_calls for tool_choice='auto'")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -555,6 +627,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="chat and completions logprobs name each token 'token_id:<id>' rather than its text "
                              "(a request's return_tokens_as_token_ids overrides it), as vLLM's flag")
+    parser.add_argument("--enable-force-include-usage", action="store_true",
+                        help="include usage on every request: each chunk of a streamed chat or completions reply "
+                             "carries the usage so far and a last chunk the whole, as if its stream_options asked "
+                             "for include_usage and continuous_usage_stats, as vLLM's flag")
     parser.add_argument("--chat-template", type=read_chat_template, default=None, metavar="FILE",
                         help="a Jinja chat template (a file, or the template itself) used instead of the model's own")
     parser.add_argument("--trust-request-chat-template", action="store_true",
@@ -624,6 +700,14 @@ class ServerSetup:
     allow_lora_updating: bool
 
 
+def reasoning_config_arg(value: str) -> ReasoningConfig:
+    """--reasoning-config's JSON (argparse's error names what is wrong)."""
+    try:
+        return parse_reasoning_config(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def server_setup(ns: argparse.Namespace, engine_args: EngineArgs) -> ServerSetup:
     """The names, keys and adapter settings of a `pagedllm serve` command line (ValidationError for flags that do
     not go together), before anything is loaded."""
@@ -639,6 +723,11 @@ def server_setup(ns: argparse.Namespace, engine_args: EngineArgs) -> ServerSetup
                               param="allow_runtime_lora_updating", value=True)
     keys = ns.api_key or ([envs.API_KEY.read()] if envs.API_KEY.read() else [])
     deploy_options(ns)  # (a bad --root-path is refused before the engine loads)
+    if ns.reasoning_config is not None:
+        try:
+            ns.reasoning_config.check_parser(ns.reasoning_parser)
+        except ValueError as e:
+            raise ValidationError(str(e), param="reasoning_config") from None
     return ServerSetup(names, aliases, keys, allow_lora_updating)
 
 
@@ -650,7 +739,8 @@ def app_from_args(ns: argparse.Namespace, engine: AsyncLLM, metrics: ServerMetri
                      model_aliases=setup.aliases, prompt_tokens_details=ns.enable_prompt_tokens_details,
                      return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
                      trust_request_chat_template=ns.trust_request_chat_template,
-                     deploy=deploy_options(ns))
+                     deploy=deploy_options(ns), force_include_usage=ns.enable_force_include_usage,
+                     reasoning_config=ns.reasoning_config)
 
 
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:

@@ -2,6 +2,7 @@
 ``vllm:`` prefix (see vllm_metrics.py): one set of figures, updated once per step, two names in the scrape."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,6 +25,22 @@ PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 """vLLM's finish reasons (we never finish by 'repetition': it stays 0)."""
 PROMPT_SOURCES = ("local_compute", "local_cache_hit")
+
+
+ORCA_FORMATS = ("text", "json")
+"""The ``endpoint-load-metrics-format`` values that get a load report (any case; vLLM's two)."""
+
+
+def orca_header(metrics_format: str, figures: list[tuple[str, float]]) -> str | None:
+    """The ``endpoint-load-metrics`` response header (ORCA's load report, as vLLM writes it) for a request's
+    ``endpoint-load-metrics-format``: ``TEXT named_metrics.<name>=<value>, ...`` or ``JSON {"named_metrics":
+    {...}}``; None for any other format (ORCA's binary one, say), which gets no header, as in vLLM."""
+    kind = metrics_format.strip().lower()
+    if kind == "text":
+        return "TEXT " + ", ".join(f"named_metrics.{name}={value}" for name, value in figures)
+    if kind == "json":
+        return "JSON " + json.dumps({"named_metrics": dict(figures)})
+    return None
 
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
@@ -218,6 +235,14 @@ class ServerMetrics:
             tokens["request_params_max_tokens"][e].observe(finished.max_tokens)
         if finished.request_max_generation_tokens is not None:
             tokens["request_max_num_generation_tokens"][e].observe(finished.request_max_generation_tokens)
+
+    def load_figures(self) -> list[tuple[str, float]]:
+        """The engine's load as of its last step, for ORCA's load report (orca_header): vLLM's two named metrics,
+        ``kv_cache_usage_perc`` (the replicas' mean) and ``num_requests_waiting`` (their sum), the figures the
+        ``vllm:`` gauges of the same names show."""
+        usage = sum(stats.kv_cache_usage for stats in self._last) / len(self._last)
+        return [("kv_cache_usage_perc", float(usage)),
+                ("num_requests_waiting", float(sum(stats.num_waiting for stats in self._last)))]
 
     def on_refused(self, reason: str) -> None:
         """A request shed by the server ("overloaded" or "timeout"; the event loop calls it)."""

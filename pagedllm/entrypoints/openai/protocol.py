@@ -113,6 +113,12 @@ class CompletionRequest(SamplingFields):
     return_token_ids: StrictBool | None = None
     """vLLM's extra: each choice carries its prompt's token ids and the ids it generated (prompt_token_ids,
     token_ids; streamed: the prompt's in a choice's first chunk, each chunk's new ids)."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's extra: each prompt keeps at most this many of its tokens (-1: max_model_len - 1, a token left for the
+    reply); a shorter prompt is kept whole. 1 to max_model_len, or -1 (a 400 naming it otherwise)."""
+    truncation_side: Literal["left", "right"] | None = None
+    """vLLM's extra: which end truncate_prompt_tokens cuts: "left" (the default, as vLLM's for generating models)
+    keeps the prompt's last tokens, "right" its first."""
 
     @model_validator(mode="after")
     def _a_prompt(self) -> "CompletionRequest":
@@ -155,7 +161,7 @@ class ChatMessage(BaseModel):
     """An assistant message's reasoning (our replies' field with --reasoning-parser): passed to the chat template
     (as reasoning_content and reasoning), which shows it or drops it as the model was trained to."""
     reasoning: str | None = None
-    """vLLM's newer name of reasoning_content (the same)."""
+    """vLLM 0.34's name of reasoning_content (the same; a message with both: this one, as vLLM)."""
     refusal: str | None = None
     """OpenAI's replies: the assistant's refusal, its words when content is empty."""
     function_call: MessageFunctionCall | None = None

@@ -18,7 +18,7 @@ from pagedllm.errors import QUOTE_CHARS, ValidationError, quoted
 from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, check_constraint,
                                                check_sampling_limits)
 from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptLogprob, PromptTokensDetails,
-                                                  SamplingFields, UsageInfo)
+                                                  SamplingFields, StreamOptions, UsageInfo)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob, RequestOutput
@@ -120,6 +120,15 @@ class OpenAIServing:
         """--enable-prompt-tokens-details: usage blocks carry prompt_tokens_details.cached_tokens."""
         self.return_tokens_as_token_ids = False
         """--return-tokens-as-token-ids: logprobs name tokens "token_id:<id>" unless a request says otherwise."""
+        self.force_include_usage = False
+        """--enable-force-include-usage: every streamed reply carries usage (see force_usage)."""
+
+    def force_usage(self, req: SamplingFields) -> None:
+        """--enable-force-include-usage (vLLM's flag): a streamed request's stream_options become include_usage
+        and continuous_usage_stats, whatever it sent: each chunk carries the usage so far, and a last chunk the
+        whole. A request without stream is left as it is (its reply always has usage)."""
+        if self.force_include_usage and req.stream:
+            req.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
     def as_token_ids(self, req: SamplingFields) -> bool:
         """Whether this request's logprobs name tokens by id (its return_tokens_as_token_ids, else the server's)."""

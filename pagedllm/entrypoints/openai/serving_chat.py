@@ -15,7 +15,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequ
                                                   TopLogprob, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.chat_options import (TemplateOptions, check_reasoning_effort, echoed_text,
                                                      template_options)
-from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
+from pagedllm.entrypoints.openai.reasoning import ReasoningConfig, ReasoningParser, ReasoningSplit, ReasoningStream
 from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constrained_calls, constraint,
                                                     tool_functions)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -46,12 +46,12 @@ class OpenAIServingChat(OpenAIServing):
         """Finds the model's own tool calls for tool_choice="auto" (--tool-call-parser)."""
         self.trust_request_chat_template = False
         """--trust-request-chat-template: a request's own chat_template is run (else refused)."""
-        self._reasoning_markers: tuple[list[int], list[int]] | None = None
-
-    def _split(self, text: str) -> ReasoningSplit:
-        return ReasoningSplit(None, text) if self.reasoning_parser is None else self.reasoning_parser.split(text)
+        self._reasoning_markers: tuple[list[int], list[int], list[int]] | None = None
+        self.reasoning_config = ReasoningConfig()
+        """--reasoning-config: the strings thinking_token_budget opens, forces and closes the reasoning with."""
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.force_usage(req)  # (the chat endpoint's own requests: not the Responses or Messages API's)
         run = await self.start(req, raw)
         if run is None:
             return Response(status_code=499)  # the client went away while its request was prepared
@@ -107,6 +107,9 @@ class OpenAIServingChat(OpenAIServing):
                       list(prompt_ids) if req.return_token_ids else None, as_ids=self.as_token_ids(req),
                       prompt_logprobs=req.prompt_logprobs is not None)
         run.hide_reasoning = not req.include_reasoning and self.reasoning_parser is not None
+        if self.reasoning_parser is not None:
+            run.reasoning = self.reasoning_parser.for_request(options.kwargs, text,
+                                                              constrained=params.structured_outputs is not None)
         run.echo = echoed_text(req.messages, req.add_generation_prompt, self._content) if req.echo else ""
         return run
 
@@ -119,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
         out = outputs[0]
         choices = []
         for c in out.outputs:
-            message, finish = self._message(c.text, c.finish_reason, run.tools)
+            message, finish = self._message(c.text, c.finish_reason, run.tools, run.reasoning)
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=self._logprobs(c, run.logprobs, run.as_ids),
                                       finish_reason=finish, stop_reason=c.stop_reason,
@@ -130,7 +133,7 @@ class OpenAIServingChat(OpenAIServing):
                 choice.message.content = run.echo + (choice.message.content or "")
         completion = sum(len(c.token_ids) for c in out.outputs)
         usage = self.usage(run.prompt_tokens, completion, max(out.num_cached_tokens, 0))
-        self._count_reasoning(usage, out.prompt_token_ids, [c.token_ids for c in out.outputs])
+        self._count_reasoning(run, usage, out.prompt_token_ids, [c.token_ids for c in out.outputs])
         return ChatCompletionResponse(id=run.request_id, model=run.model, choices=choices, usage=usage,
                                       prompt_logprobs=prompt_logprobs_json(getattr(out, "prompt_logprobs", None))
                                       if run.prompt_logprobs else None,
@@ -147,12 +150,13 @@ class OpenAIServingChat(OpenAIServing):
         choice.logprobs, choice.token_ids = None, None
         return bool(message.content or message.tool_calls or choice.finish_reason)
 
-    def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode"
-                 ) -> tuple[ChatResponseMessage, str | None]:
+    def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode",
+                 reasoning: ReasoningParser | None = None) -> tuple[ChatResponseMessage, str | None]:
         """One finished choice: (its message, its finish_reason: "tool_calls" when it called tools, except a call
         forced by name, which ends with "stop" as OpenAI and vLLM report it; "length", as vLLM, when max_tokens
-        ended it, with the calls if the forced call's JSON was complete by then, else none)."""
-        split = self._split(text)
+        ended it, with the calls if the forced call's JSON was complete by then, else none). ``reasoning``: the
+        request's reasoning parser (None: all content)."""
+        split = ReasoningSplit(None, text) if reasoning is None else reasoning.split(text)
         calls = []
         content = split.content
         if tools.constraint is not None and finish_reason in ("stop", "length"):
@@ -197,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
                 entry["tool_calls"] = calls
             if m.tool_call_id is not None:
                 entry["tool_call_id"] = m.tool_call_id
-            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content  # (vLLM's: reasoning wins)
             if reasoning is not None:  # templates read either name (Qwen3's reasoning_content, newer ones reasoning)
                 entry["reasoning_content"] = entry["reasoning"] = reasoning
             conversation.append(entry)
@@ -214,22 +218,26 @@ class OpenAIServingChat(OpenAIServing):
             raise ValidationError(f"the chat template failed with this request's {param}: {type(e).__name__}: "
                                   f"{str(e)[:300]}", param=param) from e
 
-    def _marker_ids(self) -> tuple[list[int], list[int]]:
-        """The reasoning parser's start and end markers as token ids (tokenized once)."""
-        assert self.reasoning_parser is not None
+    def _marker_ids(self) -> tuple[list[int], list[int], list[int]] | None:
+        """(start, forced end, natural end) of the reasoning as token ids (tokenized once), from --reasoning-config
+        and the reasoning parser's markers; None where neither names both ends."""
+        markers = self.reasoning_config.markers(self.reasoning_parser)
+        if markers is None:
+            return None
         if self._reasoning_markers is None:
             encode = self.tokenizer.encode
-            self._reasoning_markers = (encode(self.reasoning_parser.start, add_special_tokens=False),
-                                       encode(self.reasoning_parser.end, add_special_tokens=False))
+            self._reasoning_markers = tuple(encode(m, add_special_tokens=False) for m in markers)  # type: ignore
         return self._reasoning_markers
 
-    def _count_reasoning(self, usage: UsageInfo, prompt: list[int], outputs: list[list[int]]) -> None:
+    def _count_reasoning(self, run: "ChatRun", usage: UsageInfo, prompt: list[int], outputs: list[list[int]]) -> None:
         """With a reasoning parser, as vLLM: usage.completion_tokens_details.reasoning_tokens, the generated tokens
-        inside reasoning sections (counted on the token ids once the reply is done)."""
+        inside reasoning sections (counted on the token ids once the reply is done; a reply the request's parser
+        reads as starting in its reasoning counts from its first token)."""
         if self.reasoning_parser is None:
             return
-        start, end = self._marker_ids()
-        count = sum(reasoning_token_count(prompt, list(ids), start, end) for ids in outputs)
+        start, _, end = self._marker_ids() or ([], [], [])
+        inside = run.reasoning is not None and run.reasoning.thinking and run.reasoning.starts_inside
+        count = sum(reasoning_token_count(prompt, list(ids), start, end, inside) for ids in outputs)
         usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=count)
 
     def _thinking_budget(self, req: ChatCompletionRequest, params: SamplingParams) -> None:
@@ -240,12 +248,15 @@ class OpenAIServingChat(OpenAIServing):
             return
         if budget < 0:
             raise ValidationError.bad_value("thinking_token_budget", budget, "an integer >= 0, or -1 for no cap")
-        if self.reasoning_parser is None:
-            raise ValidationError("thinking_token_budget needs the server started with --reasoning-parser (it "
-                                  "knows where the reasoning starts and ends)", param="thinking_token_budget",
+        markers = self._marker_ids()
+        if markers is None:
+            raise ValidationError("thinking_token_budget needs the server started with --reasoning-parser or a "
+                                  "--reasoning-config naming reasoning_start_str and reasoning_end_str (they say "
+                                  "where the reasoning starts and ends)", param="thinking_token_budget",
                                   value=budget)
-        start, end = self._marker_ids()
+        start, forced, end = markers
         params.reasoning_start_token_ids, params.reasoning_end_token_ids = list(start), list(end)
+        params.reasoning_forced_end_token_ids = list(forced) if forced != end else None
         params.thinking_token_budget = budget
 
     @staticmethod
@@ -331,7 +342,7 @@ class OpenAIServingChat(OpenAIServing):
                     held.setdefault(c.index, []).extend(c.token_ids)
                     if c.finish_reason is None:
                         continue
-                    message, finish = self._message(texts[c.index], c.finish_reason, tools)
+                    message, finish = self._message(texts[c.index], c.finish_reason, tools, run.reasoning)
                     calls = [ToolCall(index=i, **call.model_dump(exclude={"index"})) for i, call in
                              enumerate(message.tool_calls)]
                     choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(
@@ -340,10 +351,10 @@ class OpenAIServingChat(OpenAIServing):
                     if self._shown(run, choice):
                         yield chunk(choice)
                     continue
-                if self.reasoning_parser is None:
+                if run.reasoning is None:
                     delta = DeltaMessage(content=c.text)
                 else:
-                    piece = parsers.setdefault(c.index, self.reasoning_parser.stream()).delta(
+                    piece = parsers.setdefault(c.index, run.reasoning.stream()).delta(
                         c.text, c.finish_reason is not None)
                     delta = DeltaMessage(content=piece.content, reasoning_content=piece.reasoning)
                 choice = ChatStreamChoice(index=c.index, delta=delta,
@@ -353,7 +364,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
             usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)
-            self._count_reasoning(usage, prompt_ids, list(generated_ids.values()))
+            self._count_reasoning(run, usage, prompt_ids, list(generated_ids.values()))
             yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
 
 
@@ -382,6 +393,8 @@ class ChatRun:
     """return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"."""
     hide_reasoning: bool = False
     """include_reasoning false (with a reasoning parser): no reasoning, logprobs or token ids in the reply."""
+    reasoning: ReasoningParser | None = None
+    """The server's reasoning parser as it reads this request's replies (its template variables and prompt)."""
     echo: str = ""
     """echo: the text the reply's content starts with."""
     prompt_logprobs: bool = False

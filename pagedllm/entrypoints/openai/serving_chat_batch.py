@@ -16,8 +16,8 @@ from starlette.types import Message
 
 from pagedllm.entrypoints.openai.http_guard import UnicodeCheckedRoute
 from pagedllm.entrypoints.openai.limits import check_count
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, PromptTokensDetails,
-                                                  UsageInfo, random_id)
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                  CompletionTokensDetails, PromptTokensDetails, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_pooling import check_generates
 from pagedllm.errors import ValidationError
@@ -91,7 +91,8 @@ def _in_conversation(error: ValidationError, index: int) -> ValidationError:
 
 
 def merged(runs: list[ChatRun], replies: list[ChatCompletionResponse], details: bool) -> ChatCompletionResponse:
-    """One chat.completion: choice i is conversation i's, usage the sum (cached tokens too, where reported)."""
+    """One chat.completion: choice i is conversation i's, usage the sum (cached and reasoning tokens too, where
+    reported)."""
     choices = []
     for index, reply in enumerate(replies):
         choice = reply.choices[0]
@@ -100,9 +101,12 @@ def merged(runs: list[ChatRun], replies: list[ChatCompletionResponse], details: 
     prompt = sum(r.usage.prompt_tokens for r in replies)
     completion = sum(r.usage.completion_tokens for r in replies)
     cached = sum(r.usage.cached_tokens for r in replies)
+    reasoning = [r.usage.completion_tokens_details for r in replies if r.usage.completion_tokens_details]
     usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                       cached_tokens=cached,
-                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if details else None)
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if details else None,
+                      completion_tokens_details=CompletionTokensDetails(
+                          reasoning_tokens=sum(d.reasoning_tokens for d in reasoning)) if reasoning else None)
     return ChatCompletionResponse(id=random_id("chatcmpl"), model=runs[0].model, choices=choices, usage=usage)
 
 

@@ -21,6 +21,7 @@ from pagedllm.sampling_params import BeamSearchParams
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        self.force_usage(req)
         model, lora = self.check_model(req.model)
         self.check_limits(req)
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
@@ -30,6 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of != req.n:
             raise ValidationError("best_of other than n is not supported", param="best_of", value=req.best_of)
         self.check_prompt_size(req.prompt, "prompt")
+        keep = self._kept_tokens(req.truncate_prompt_tokens)
         prompts = self._prompts(req.prompt)
         check_samples(len(prompts), max(req.n or 1, req.best_of or 1), self.limits)
         # echo with logprobs scores the prompt too (lm-eval's log-likelihoods): its tokens' log-probabilities lead
@@ -41,6 +43,8 @@ class OpenAIServingCompletion(OpenAIServing):
         echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
         self._check_waiting(prompts)  # (a full queue sheds it before it is tokenized)
         prompts = await self.tokenized(prompts)
+        if keep is not None:
+            echoes = self._truncate(prompts, keep, req.truncation_side or "left", echoes if req.echo else None)
         lengths = [len(p["prompt_token_ids"]) for p in prompts]
         check_request_tokens(self.limits, self.max_model_len, [self.filled(params.max_tokens, n) for n in lengths],
                              req.n, req.stream,
@@ -84,6 +88,36 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                 length_penalty=req.length_penalty)
+
+    def _kept_tokens(self, tokens: int | None) -> int | None:
+        """truncate_prompt_tokens as the count each prompt keeps (None: no truncation): 1 to max_model_len, or -1
+        for max_model_len - 1 (as vLLM: a token of the context is left for the reply)."""
+        if tokens is None:
+            return None
+        if tokens > self.max_model_len:
+            raise ValidationError(f"truncate_prompt_tokens={tokens} cannot be greater than max_model_len "
+                                  f"({self.max_model_len}): ask for a smaller truncation size",
+                                  param="truncate_prompt_tokens", value=tokens)
+        if tokens == -1:
+            return max(self.max_model_len - 1, 1)
+        if tokens < 1:
+            raise ValidationError.bad_value("truncate_prompt_tokens", tokens,
+                                            "a positive integer, or -1 for max_model_len - 1")
+        return tokens
+
+    def _truncate(self, prompts: list[dict], keep: int, side: str, echoes: list[str] | None) -> list[str]:
+        """Cut each tokenized prompt to its ``keep`` last ("left") or first ("right") tokens, in place; the echoed
+        texts (``echoes``, None without echo) of the cut ones become their kept tokens' text."""
+        shown = list(echoes) if echoes is not None else [""] * len(prompts)
+        for i, p in enumerate(prompts):
+            ids = p["prompt_token_ids"]
+            if len(ids) <= keep:
+                continue
+            p["prompt_token_ids"] = ids[-keep:] if side == "left" else ids[:keep]
+            p["prompt"] = None  # (the text was the whole prompt's)
+            if echoes is not None:
+                shown[i] = self.tokenizer.decode(p["prompt_token_ids"])
+        return shown
 
     @staticmethod
     def _prompts(prompt: str | list) -> list[PromptType]:

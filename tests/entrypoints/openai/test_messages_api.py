@@ -75,7 +75,11 @@ def test_stream_events_and_helper(client: anthropic.Anthropic) -> None:
                      "content_block_stop", "message_delta", "message_stop"] and deltas
     assert "".join(deltas) == whole.content[0].text
     prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens  # (cache reads: once the prompt ran)
-    assert events[0].message.usage.input_tokens == prompt  # before scheduling: the whole prompt, no reads known
+    start = events[0].message.usage  # (sent with the engine's first output: the split is known, as vLLM's test asks)
+    assert start.input_tokens + start.cache_read_input_tokens == prompt and start.output_tokens == 0
+    assert (start.input_tokens, start.cache_read_input_tokens, start.cache_creation_input_tokens) == \
+        (events[-2].usage.input_tokens, events[-2].usage.cache_read_input_tokens,
+         events[-2].usage.cache_creation_input_tokens)
     assert events[-2].delta.stop_reason == whole.stop_reason
     assert events[-2].usage.output_tokens == whole.usage.output_tokens
     assert events[-2].usage.input_tokens + events[-2].usage.cache_read_input_tokens == prompt  # the split, cumulative
@@ -86,6 +90,15 @@ def test_stream_events_and_helper(client: anthropic.Anthropic) -> None:
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt
     assert final.stop_reason == whole.stop_reason
+
+
+def test_a_stream_opens_with_a_ping(server) -> None:
+    """The raw stream's first event is Anthropic's ping (its SDKs skip it), sent at once: message_start waits for
+    the engine's first output (its usage splits the prompt), a queued request is not silent meanwhile."""
+    body = {"model": MODEL, "max_tokens": 2, "stream": True, "messages": [ASK], **NOISELESS}
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=30) as r:
+        kinds = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds[:2] == ["ping", "message_start"] and kinds[-2:] == ["message_delta", "message_stop"], kinds
 
 
 def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) -> None:
@@ -144,6 +157,10 @@ def test_count_tokens_and_cache_reads(client: anthropic.Anthropic) -> None:
         streamed = stream.get_final_message().usage
     assert streamed.cache_read_input_tokens > 0
     assert streamed.input_tokens + streamed.cache_read_input_tokens == counted.input_tokens
+    events = list(client.messages.create(max_tokens=1, stream=True, **kwargs))  # message_start: the same split
+    assert events[0].type == "message_start" and events[-2].type == "message_delta"
+    assert events[0].message.usage.cache_read_input_tokens == events[-2].usage.cache_read_input_tokens > 0
+    assert events[0].message.usage.input_tokens == events[-2].usage.input_tokens == again.input_tokens
 
 
 @pytest.mark.parametrize("fields, fragment", [

@@ -326,3 +326,77 @@ def test_return_token_ids(client: openai.OpenAI) -> None:
     assert plain.prompt_token_ids is None and plain.choices[0].token_ids is None
     plain = client.completions.create(prompt="x", model=MODEL, max_tokens=2)
     assert plain.choices[0].prompt_token_ids is None and plain.choices[0].token_ids is None
+
+
+TOOLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if tools %}Tools: {% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A chat template that shows the request's tools (the tiny model's own does not)."""
+
+
+@pytest.fixture(scope="module")
+def forced_usage_app(tiny_llm_dir: Path) -> Any:
+    """An in-process app as `pagedllm serve --enable-force-include-usage --chat-template <TOOLS_TEMPLATE>`."""
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+    from tests.utils import thread_engine
+
+    app = build_app(thread_engine(tiny_llm_dir), ServerMetrics(MODEL), [MODEL], [], chat_template=TOOLS_TEMPLATE,
+                    force_include_usage=True)
+    with TestClient(app) as http:
+        yield http
+
+
+def _chunks(text: str) -> list[dict]:
+    """A stream's chunks (its data events before [DONE])."""
+    import json
+
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_force_include_usage_puts_usage_in_every_chunk(forced_usage_app: Any) -> None:
+    """vLLM's --enable-force-include-usage (its test_enable_force_include_usage.py): every chunk of a streamed chat
+    or completions reply carries the usage so far, growing, and a last chunk without choices the whole, whatever
+    the request's stream_options say; a whole reply is as before."""
+    import argparse
+
+    from pagedllm.entrypoints.openai.api_server import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(["--enable-force-include-usage"]).enable_force_include_usage
+    assert not parser.parse_args([]).enable_force_include_usage
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_completion_tokens": 5, "min_tokens": 5, "temperature": 0, "stream": True}
+    for path, body in (("/v1/chat/completions", chat),
+                       ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "ignore_eos": True,
+                                            "stream": True, "stream_options": {"include_usage": False}})):
+        chunks = _chunks(forced_usage_app.post(path, json=body).text)
+        usage = [c["usage"] for c in chunks]
+        assert all(u is not None and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+                   for u in usage), path
+        counts = [u["completion_tokens"] for u in usage]
+        assert counts == sorted(counts) and counts[-1] == 5 and not chunks[-1]["choices"], path
+    whole = forced_usage_app.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).json()
+    assert whole["usage"]["completion_tokens"] == 2
+
+
+def test_tokenize_tools_go_through_the_chat_template(forced_usage_app: Any, tokenizer: Any) -> None:
+    """vLLM's /tokenize with tools: the chat template shows them, as /v1/chat/completions renders them (the same
+    ids); return_token_strs names each token."""
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+           "return_token_strs": True}
+    with_tools = forced_usage_app.post("/tokenize", json=ask).json()
+    without = forced_usage_app.post("/tokenize", json={**ask, "tools": None}).json()
+    assert "get_time" in tokenizer.decode(with_tools["tokens"])
+    assert "get_time" not in tokenizer.decode(without["tokens"])
+    assert with_tools["token_strs"] == tokenizer.convert_ids_to_tokens(with_tools["tokens"])
+    reply = forced_usage_app.post("/v1/chat/completions", json={
+        **{k: v for k, v in ask.items() if k != "return_token_strs"}, "max_tokens": 1, "return_token_ids": True,
+        "tool_choice": "none"}).json()
+    assert with_tools["tokens"] == reply["prompt_token_ids"] and with_tools["count"] == len(with_tools["tokens"])

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedllm.engine.messages import EngineStats
 from pagedllm.engine.output_processor import FinishedRequestStats, IterationStats
 from pagedllm.entrypoints.openai.metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS,
-                                                 ServerMetrics)
+                                                 ServerMetrics, orca_header)
 
 MODEL = "tiny"
 DASHBOARD = Path(__file__).resolve().parents[3] / "docs" / "grafana_dashboard.json"
@@ -163,3 +163,61 @@ def test_dashboard_asks_only_for_exported_names(server) -> None:
     assert not missing, f"the dashboard asks for metrics the server does not export: {missing}"
     assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
             "vllm:request_success_total"} <= names
+
+
+LOAD_FORMAT = "endpoint-load-metrics-format"
+TEXT_REPORT = re.compile(r"TEXT named_metrics\.kv_cache_usage_perc=(\S+), named_metrics\.num_requests_waiting=(\S+)")
+
+
+def _report(headers: httpx.Headers) -> dict[str, float]:
+    """The named metrics of a JSON ORCA load report."""
+    kind, body = headers["endpoint-load-metrics"].split(" ", 1)
+    assert kind == "JSON"
+    return json.loads(body)["named_metrics"]
+
+
+def test_orca_load_report_figures_are_the_engines() -> None:
+    """ORCA's load report reads the last step's figures: KV usage (the replicas' mean) and requests waiting
+    (their sum), in vLLM's TEXT and JSON forms; another format gets none."""
+    metrics = ServerMetrics(MODEL, data_parallel_size=2)
+    assert metrics.load_figures() == [("kv_cache_usage_perc", 0.0), ("num_requests_waiting", 0.0)]
+    metrics.on_step(EngineStats(num_steps=1, num_waiting=3, kv_cache_usage=0.5), IterationStats(), 0)
+    metrics.on_step(EngineStats(num_steps=1, num_waiting=1, kv_cache_usage=0.25), IterationStats(), 1)
+    figures = metrics.load_figures()
+    assert figures == [("kv_cache_usage_perc", 0.375), ("num_requests_waiting", 4.0)]
+    assert orca_header("TEXT", figures) == \
+        "TEXT named_metrics.kv_cache_usage_perc=0.375, named_metrics.num_requests_waiting=4.0"
+    assert orca_header("json", figures) == \
+        'JSON {"named_metrics": {"kv_cache_usage_perc": 0.375, "num_requests_waiting": 4.0}}'
+    assert orca_header("BIN", figures) is None
+
+
+def test_orca_load_report_header(server, client: openai.OpenAI) -> None:
+    """vLLM's test_orca_metrics.py: chat and completions with endpoint-load-metrics-format get the engine's load
+    in endpoint-load-metrics (the SDK's raw response, as there); none unasked or in an unknown format; while a
+    long stream holds KV blocks, the report shows them (the figures are live, not constants)."""
+    chat = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "what is 1+1?"}], max_tokens=2,
+        extra_headers={LOAD_FORMAT: "TEXT"})
+    assert TEXT_REPORT.fullmatch(chat.http_response.headers["endpoint-load-metrics"])
+    assert chat.parse().choices[0].message is not None
+    completion = client.completions.with_raw_response.create(model=MODEL, prompt="Hello, my name is", max_tokens=2,
+                                                             extra_headers={LOAD_FORMAT: "json"})
+    figures = _report(completion.http_response.headers)
+    assert set(figures) == {"kv_cache_usage_perc", "num_requests_waiting"}
+    assert all(isinstance(v, float) and v >= 0 for v in figures.values())
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert "endpoint-load-metrics" not in httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).headers
+    unknown = httpx.post(f"{server.url}/v1/completions", json=body, headers={LOAD_FORMAT: "BIN"}, timeout=30)
+    assert unknown.status_code == 200 and "endpoint-load-metrics" not in unknown.headers
+    server.wait_idle()
+    long = {"model": MODEL, "prompt": "Count with me:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers={LOAD_FORMAT: "json"},
+                      timeout=60) as stream:
+        assert _report(stream.headers)["kv_cache_usage_perc"] >= 0  # (streams get one too: the load as they start)
+        lines = stream.iter_lines()  # (kept: a dropped iterator closes the stream, and the server aborts it)
+        next(lines)  # its first chunk: the long request holds KV blocks
+        during = httpx.post(f"{server.url}/v1/completions", json=body, headers={LOAD_FORMAT: "json"}, timeout=30)
+        assert _report(during.headers)["kv_cache_usage_perc"] > 0
+        assert _report(during.headers)["kv_cache_usage_perc"] <= 1
+    server.wait_idle()  # (the long stream, closed, is aborted)

@@ -109,3 +109,37 @@ def test_logprob_token_ids_list_exactly_those_tokens(client: openai.OpenAI) -> N
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=body)
         assert e.value.body["param"] == "logprob_token_ids" and word in e.value.body["message"], e.value.body
+
+
+def test_completion_truncate_prompt_tokens(client: openai.OpenAI, tokenizer: Any) -> None:
+    """As vLLM's test_completion_truncation_side_controls_prompt_truncation: truncate_prompt_tokens keeps that many
+    of the prompt's tokens, its last ("left", the default) or its first ("right"); a shorter prompt stays whole;
+    a text prompt is cut after tokenizing, echo shows the kept part; -1 is max_model_len - 1; 0, below -1 and
+    above max_model_len are 400s naming it; truncation_side other than left / right too."""
+    ids = list(range(10, 18))
+    args = dict(model=MODEL, max_tokens=1, temperature=0)
+
+    def kept(**extra: Any) -> list[int]:
+        choice = client.completions.create(prompt=ids, extra_body={"return_token_ids": True, **extra}, **args)
+        return choice.choices[0].prompt_token_ids
+
+    assert kept(truncate_prompt_tokens=4, truncation_side="right") == ids[:4]
+    assert kept(truncate_prompt_tokens=4, truncation_side="left") == ids[-4:]
+    assert kept(truncate_prompt_tokens=4) == ids[-4:]
+    assert kept(truncate_prompt_tokens=20) == ids
+    assert kept(truncate_prompt_tokens=-1) == ids
+    text = "one two three four five six seven eight nine ten"
+    whole = tokenizer.encode(text)
+    reply = client.completions.create(prompt=text, echo=True, extra_body={"truncate_prompt_tokens": 3}, **args)
+    assert reply.usage.prompt_tokens == 3
+    assert reply.choices[0].text.startswith(tokenizer.decode(whole[-3:]))
+    chunks = list(client.completions.create(prompt=[ids, ids[:2]], stream=True, extra_body={
+        "truncate_prompt_tokens": 3, "truncation_side": "right", "return_token_ids": True}, **args))
+    assert sorted(c.choices[0].prompt_token_ids for c in chunks if c.choices and c.choices[0].prompt_token_ids) \
+        == [ids[:2], ids[:3]]
+    max_model_len = client.models.list().data[0].model_extra["max_model_len"]
+    for bad in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2},
+                {"truncate_prompt_tokens": max_model_len + 1}, {"truncate_prompt_tokens": 2, "truncation_side": "up"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(prompt=ids, extra_body=bad, **args)
+        assert e.value.body["param"] == next(k for k in reversed(bad)), bad
