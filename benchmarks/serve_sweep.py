@@ -30,9 +30,10 @@ its knee: going up from the lowest rate, the last rate before the first whose no
 --knee-factor (default 2) times the engine's normalized latency at the lowest rate, or which fails a request; with
 no such rate the highest rate, a lower bound (">="). Then ours / vLLM's; and the same with one bound for every
 engine, vLLM's knee (--knee-factor times vLLM's latency at the lowest rate): the issue's "rate sustained below vLLM's
-knee". --kv-cache-dtype int8 / --vllm-kv-cache-dtype fp8 run both pools at one byte a value. On 2 cores batching is not free as on
-the paper's GPU: at the 1.7B shape (batch-1 decode 10.6 tok/s, 110 tok/s at 32 prompts) about 10 rows double a
-step's time, so a factor of 2 can mark the batch size reached; a larger one, the queueing knee of the paper.
+knee". --kv-cache-dtype int8 / --vllm-kv-cache-dtype fp8 run both pools at one byte a value. On 2 cores batching
+is not free as on the paper's GPU: at the 1.7B shape (batch-1 decode 10.6 tok/s, 110 tok/s at 32 prompts) about
+10 rows double a step's time, so a factor of 2 can mark the batch size reached; a larger one, the queueing knee of
+the paper.
 
 Servers: pagedllm (`pagedllm serve`, tcmalloc preloaded when installed, as `make serve` runs it;
 its engine core in its own process), pagedllm-thread (the same with PAGEDLLM_ENABLE_MULTIPROCESSING=0:

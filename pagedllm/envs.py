@@ -116,7 +116,7 @@ DENSE_COPY: EnvVar[str] = EnvVar(
     name="PAGEDLLM_DENSE_COPY", default="auto", parse=_choice("auto", "1", "0"),
     doc="Weights kept in GGUF formats also get a copy in the model's dtype for steps of more rows than the "
         "quantized kernels win at (prompts, large batches). auto: at the amx level for bf16 GGUF models whose "
-        "copy takes at most 1 GiB; 1: always; 0: never.")
+        "copy takes at most 1 GiB or half the memory the weights and KV pool leave; 1: always; 0: never.")
 CPU_STACK: EnvVar[bool] = EnvVar(
     name="PAGEDLLM_CPU_STACK", default="1", parse=_switch,
     doc="0: the decoder layers run one by one from Python instead of in one compiled call (A/B runs).")

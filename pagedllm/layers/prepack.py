@@ -196,15 +196,16 @@ _DENSE_SLICE_ROWS = 4096
 """Rows dequantized at a time by ``add_dense_copies`` (bounds its temporaries)."""
 
 
-def add_dense_copies(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None) -> None:
+def add_dense_copies(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None, room: int = 0) -> int:
     """After the weights are processed: beside every weight kept quantized, a dense copy where ``wants_dense`` says
-    so (in oneDNN's packed layout for bf16 where oneDNN runs, else plain), decoded by the kernels' own decoder (the
-    values the quantized kernels read)."""
+    so (``room``: the bytes free once the weights and KV pool are in), in oneDNN's packed layout for bf16 where
+    oneDNN runs, else plain, decoded by the kernels' own decoder (the values the quantized kernels read). Returns
+    the bytes of the copies (0: none made)."""
     weights = kept_weights(model)
     nbytes = sum(q.rows * q.cols for q in weights) * dtype.itemsize
     if not weights or not wants_dense(any(q.kernels is not None and q.kernels.amx for q in weights), dtype,
-                                      quantization, nbytes):
-        return
+                                      quantization, nbytes, room):
+        return 0
     for quant in weights:
         kernels = quant.kernels
         assert kernels is not None
@@ -215,6 +216,7 @@ def add_dense_copies(model: torch.nn.Module, dtype: torch.dtype, quantization: s
                 dense[offset + start:offset + start + len(ids)] = kernels.qrows(piece, ids, dtype)
         packed = dtype == torch.bfloat16 and _onednn_available()  # 1.2-1.6x F.linear at 48-128 rows (plain)
         quant.dense = torch.ops.mkldnn._reorder_linear_weight(dense) if packed else dense
+    return nbytes
 
 
 def _ours(gemm: Callable[..., torch.Tensor], data: torch.Tensor, out_features: int, x: torch.Tensor,

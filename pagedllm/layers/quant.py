@@ -207,19 +207,26 @@ DENSE_ROWS = 48
 benchmarks/quant_kernels.py --dense) the quantized kernels win up to 32 rows (they read 6x fewer bytes), level at
 48, and lose from 64 (1.4-2x slower: their int8 dot products are compute, the tiles' products 16 rows at once)."""
 DENSE_AUTO_BYTES = 1 << 30
-"""PAGEDLLM_DENSE_COPY=auto makes dense copies only while they take at most this (small models: the copy costs
-little KV cache)."""
+"""PAGEDLLM_DENSE_COPY=auto makes dense copies while they take at most this (small models: the copy costs little),
+or more where the machine has room for them (DENSE_AUTO_SHARE)."""
+DENSE_AUTO_SHARE = 0.5
+"""... or while they take at most this share of the memory left once the weights and the KV pool are in (``room``):
+a 1.7B-shaped Q4_K_M model on an AMX Xeon prefilled a 4,096-token prompt in 11.0 s on its 3.4 GB bf16 copy against
+35.7 s on the int8 dot products, and made 160 against 126 tok/s at 32 prompts (docs/BENCHMARKS.md, fifth run); an
+8B model's 16 GB copy does not fit beside its KV pool on a 24 GB machine and is not made there."""
 
 
-def wants_dense(amx: bool, dtype: torch.dtype, quantization: str | None, nbytes: int) -> bool:
+def wants_dense(amx: bool, dtype: torch.dtype, quantization: str | None, nbytes: int, room: int = 0) -> bool:
     """Whether weights kept quantized get dense copies (``nbytes`` in all) under PAGEDLLM_DENSE_COPY: "1" always,
     "0" never, "auto" where the kernels run AMX tiles (``amx``: the amx level) for a bf16 GGUF model whose copies
-    take at most DENSE_AUTO_BYTES (there AMX tiles beat the int8 dot products once a step has more than DENSE_ROWS
-    rows; without them, the quantized kernels win every step: docs/BENCHMARKS.md)."""
+    take at most DENSE_AUTO_BYTES or DENSE_AUTO_SHARE of ``room`` (the bytes free once the weights and KV pool are
+    in: dense_copy_room) (there AMX tiles beat the int8 dot products once a step has more than DENSE_ROWS rows;
+    without them, the quantized kernels win every step: docs/BENCHMARKS.md)."""
     mode = platform.switches().dense_copy
     if mode != "auto":
         return mode == "1"
-    return amx and dtype == torch.bfloat16 and quantization == "gguf" and nbytes <= DENSE_AUTO_BYTES
+    return amx and dtype == torch.bfloat16 and quantization == "gguf" and (
+        nbytes <= DENSE_AUTO_BYTES or nbytes <= room * DENSE_AUTO_SHARE)
 
 
 def kept_weights(model: torch.nn.Module) -> list[QuantWeight]:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import kv_quant
-from pagedllm.config import EngineConfig, available_memory_bytes, cgroup_available_bytes
+from pagedllm.config import DEFAULT_KV_CAP, EngineConfig, available_memory_bytes, cgroup_available_bytes
 from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.layers import cpu_ops
@@ -66,7 +66,8 @@ def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> 
     loading = sum(t.numel() * t.element_size() for t in _unique_tensors(model))
     loading += kept_bytes - kept_elements * dtype.itemsize
     final = loading
-    if kept_elements and wants_dense(kernels.amx, dtype, quantization, kept_elements * dtype.itemsize):
+    room = dense_copy_room(config, config.parallel.tensor_parallel_size) - loading  # (the weights are not in yet)
+    if kept_elements and wants_dense(kernels.amx, dtype, quantization, kept_elements * dtype.itemsize, room):
         final += kept_elements * dtype.itemsize  # their dense copies (layers/quant.py add_dense_copies)
     if quantization == "int8" and kernels is not None:
         for weight in _unique_tensors(model):
@@ -91,6 +92,14 @@ def _unique_tensors(model: nn.Module) -> list[torch.Tensor]:
 def _becomes_int8(weight: nn.Parameter) -> bool:
     """quantization="int8" turns this float weight into rows (layers/quant.py ``will_quantize``, shapes only)."""
     return getattr(weight, "takes_quantized", False) and weight.dim() == 2 and weight.shape[1] % 32 == 0
+
+
+def dense_copy_room(config: EngineConfig, ranks: int) -> int:
+    """The bytes one of ``ranks`` ranks on this machine has for dense copies of weights kept quantized (layers/quant.py
+    ``wants_dense`` takes a share of it): what the OS can still give, less every rank's KV pool (kv_cache_memory,
+    else the default pool's cap, DEFAULT_KV_CAP), shared between the ranks."""
+    kv = config.cache.kv_cache_memory if config.cache.kv_cache_memory is not None else DEFAULT_KV_CAP
+    return max(0, (available_memory_bytes() - kv * ranks) // max(1, ranks))
 
 
 def requested_kv_bytes(config: EngineConfig, arch: ArchConfig, draft: ArchConfig | None) -> tuple[int, str]:

@@ -19,7 +19,7 @@ from pagedllm.layers.custom_op import bind_ops
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.pooler import Pooler
 from pagedllm.layers.prepack import add_dense_copies
-from pagedllm.layers.quant import describe_quantized, int8_on_load
+from pagedllm.layers.quant import DENSE_ROWS, describe_quantized, int8_on_load
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora_request import LoRARequest
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -31,7 +31,7 @@ from pagedllm.platform import heap
 from pagedllm.platform.cpu import rank_cores
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.speculator import Speculator, make_speculator
-from pagedllm.worker.memory_fit import LoadMeter, kv_block_bytes, weight_bytes
+from pagedllm.worker.memory_fit import LoadMeter, dense_copy_room, kv_block_bytes, weight_bytes
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.structured_output import compiler_for
 
@@ -92,14 +92,16 @@ class Worker:
         model = self._load_model(config.model.model, arch, "Loading weights")
         # LoRA layers first: packing leaves gate_up unfused where one is attached
         lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
-        _process_weights(model, self.dtype, config.model.quantization)
+        room = dense_copy_room(config, info.local_world_size)
+        _process_weights(model, self.dtype, config.model.quantization, room)
         spec = config.speculative
         self.draft_arch = None if spec is None or not spec.uses_draft_model else load_arch_config(spec.model)
         speculator = make_speculator(spec)
         loaded = weight_bytes(model)
         if self.draft_arch is not None:  # its weights kept as the target's are (a GGUF draft stays quantized)
             draft = self._load_model(spec.model, self.draft_arch, "Loading draft weights")
-            _process_weights(draft, self.dtype, config.model.quantization)
+            _process_weights(draft, self.dtype, config.model.quantization,
+                             dense_copy_room(config, info.local_world_size))  # (what the target's copies left)
             loaded += weight_bytes(draft)
             speculator = Speculator(spec, DraftModelProposer(draft, backend, config.cache.block_size, self.device))
         self.load_report = meter.report(loaded)
@@ -241,15 +243,20 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
 
-def _process_weights(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None) -> None:
+def _process_weights(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None, room: int) -> None:
     """Once the checkpoint is in: e.g. weights packed for the CPU GEMM, quantized to int8, or kept quantized with a
-    dense copy beside them for steps of many rows (layers/quant.py ``add_dense_copies``)."""
+    dense copy beside them for steps of many rows (layers/prepack.py ``add_dense_copies``; ``room``: memory_fit.py
+    ``dense_copy_room``)."""
     with int8_on_load(quantization == "int8"):
         for module in model.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
                 heap.trim()  # a packed or quantized weight's transients: not kept resident (platform/heap.py)
-    add_dense_copies(model, dtype, quantization)
+    copied = add_dense_copies(model, dtype, quantization, room)
+    if copied:
+        logger.info("Dense %s copies beside the weights kept quantized: %.2f GiB (PAGEDLLM_DENSE_COPY=%s; steps of "
+                    "more than %d rows run on them; 0 turns them off)", str(dtype).removeprefix("torch."),
+                    copied / 2**30, platform.switches().dense_copy, DENSE_ROWS)
     model.eval()
 
 

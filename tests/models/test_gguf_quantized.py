@@ -228,18 +228,33 @@ def test_dense_copies_run_the_steps_of_many_rows(kernels, dense_copies, quantize
     assert served and max(served) <= quant.DENSE_ROWS, served  # the decodes in the stack, the 60-row step not
 
 
-def test_dense_copies_by_default_only_for_small_bf16_gguf_models_on_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dense_copies_by_default_only_for_bf16_gguf_models_on_amx_with_room(monkeypatch: pytest.MonkeyPatch) -> None:
     """PAGEDLLM_DENSE_COPY=auto (the default): copies at the amx level for a bf16 GGUF model whose copies take at
-    most 1 GiB, nowhere else; "0" never, "1" always."""
+    most 1 GiB or half the room the weights and KV pool leave, nowhere else; "0" never, "1" always. The room: what
+    the OS can still give less every rank's KV pool (kv_cache_memory, else the default's 4 GiB cap), per rank."""
     from pagedllm import platform
-    from pagedllm.layers.quant import DENSE_AUTO_BYTES, wants_dense
+    from types import SimpleNamespace
 
-    bf16, gguf = torch.bfloat16, "gguf"
+    from pagedllm.layers.quant import DENSE_AUTO_BYTES, wants_dense
+    from pagedllm.worker import memory_fit
+
+    bf16, gguf, big = torch.bfloat16, "gguf", DENSE_AUTO_BYTES + 1
     try:
         monkeypatch.delenv("PAGEDLLM_DENSE_COPY", raising=False)
         platform.switches.cache_clear()
         assert wants_dense(True, bf16, gguf, DENSE_AUTO_BYTES)
-        assert not wants_dense(True, bf16, gguf, DENSE_AUTO_BYTES + 1)
+        assert not wants_dense(True, bf16, gguf, big)
+        assert not wants_dense(True, bf16, gguf, big, room=2 * big - 2)  # more than half the room
+        assert wants_dense(True, bf16, gguf, big, room=2 * big)  # a 1.7B Q4_K_M's 3.4 GB copy on a 24 GB machine
+        assert not wants_dense(False, bf16, gguf, big, room=1 << 50)
+        monkeypatch.setattr(memory_fit, "available_memory_bytes", lambda: 20 << 30)
+        config = SimpleNamespace(cache=SimpleNamespace(kv_cache_memory=2 << 30))  # (only its KV pool is read)
+        assert memory_fit.dense_copy_room(config, 1) == 18 << 30
+        assert memory_fit.dense_copy_room(config, 2) == 8 << 30  # two ranks: two pools, the rest shared
+        default = SimpleNamespace(cache=SimpleNamespace(kv_cache_memory=None))
+        assert memory_fit.dense_copy_room(default, 1) == 16 << 30  # the default pool's cap
+        monkeypatch.setattr(memory_fit, "available_memory_bytes", lambda: 1 << 30)
+        assert memory_fit.dense_copy_room(config, 1) == 0
         assert not wants_dense(False, bf16, gguf, 1 << 20)  # no AMX tiles
         assert not wants_dense(True, torch.float32, gguf, 1 << 20)
         assert not wants_dense(True, bf16, "int8", 1 << 20)
