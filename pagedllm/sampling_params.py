@@ -162,6 +162,15 @@ class SamplingParams:
     """What a spent thinking_token_budget forces instead, when it is not reasoning_end_token_ids (vLLM's
     --reasoning-config reasoning_end_str: a phrase that leads up to the end marker); the section is closed once
     these or reasoning_end_token_ids are written. None: reasoning_end_token_ids."""
+    grammar_after_reasoning: bool = False
+    """The reply starts inside a reasoning section, and structured_outputs holds only after it ends (as vLLM's
+    structured outputs with a reasoning parser): until the output holds reasoning_end_token_ids (or
+    reasoning_forced_end_token_ids), or one of reasoning_implicit_end_token_ids, the grammar neither masks nor reads
+    a token; it then reads the tokens after the end marker (from the implicit end token on). The server sets it
+    with --reasoning-parser where the request's thinking is on."""
+    reasoning_implicit_end_token_ids: list[int] | None = None
+    """Tokens that end the reasoning and are the content's first (qwen3's ``<tool_call>``), for
+    grammar_after_reasoning: one the grammar cannot start with is never sampled while the reasoning lasts, as vLLM."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -213,6 +222,10 @@ class SamplingParams:
             self.thinking_token_budget = None  # vLLM's "unlimited"
         if self.thinking_token_budget is not None:
             self._verify_thinking_budget()
+        if not isinstance(self.grammar_after_reasoning, bool):
+            raise bad("grammar_after_reasoning", self.grammar_after_reasoning, "true or false")
+        if self.grammar_after_reasoning and self.structured_outputs is not None:
+            self._verify_grammar_after_reasoning()
         if self.logprob_token_ids is not None:
             ids = self.logprob_token_ids
             if (not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS
@@ -242,6 +255,17 @@ class SamplingParams:
         if forced is not None and (not isinstance(forced, (list, tuple)) or not forced or any(
                 isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in forced)):
             raise ValidationError.bad_value("reasoning_forced_end_token_ids", forced, "a non-empty list of token ids")
+
+    def _verify_grammar_after_reasoning(self) -> None:
+        for name in ("reasoning_end_token_ids", "reasoning_forced_end_token_ids", "reasoning_implicit_end_token_ids"):
+            ids = getattr(self, name)
+            if ids is None and name != "reasoning_end_token_ids":
+                continue
+            if not isinstance(ids, (list, tuple)) or not ids or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise ValidationError(f"grammar_after_reasoning needs {name} as a non-empty list of token ids (the "
+                                      "tokens that end the reasoning; a server started with --reasoning-parser "
+                                      "knows them)", param=name, value=ids)
 
     def _verify_ranges(self) -> None:
         bad = ValidationError.bad_value

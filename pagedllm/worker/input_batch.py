@@ -29,7 +29,8 @@ class CachedRequestState:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     matcher: Any = None
-    """The structured-output grammar matcher (xgrammar), fed every token this request sampled."""
+    """The structured-output grammar matcher (xgrammar), fed every token this request sampled (with
+    grammar_after_reasoning: those after its reasoning's end; asleep until then)."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter it runs with."""
     pooling_params: PoolingParams | None = None

@@ -255,7 +255,8 @@ class ModelRunner:
         allowed = [len(d) for d in drafts]
         constrained = [i for i, s in enumerate(samplers) if s.matcher is not None]
         if constrained:  # each row masked as the grammar stands after the drafts before it
-            logits, fed = apply_draft_masks(logits, [(first[i], samplers[i].matcher, drafts[i]) for i in constrained])
+            logits, fed = apply_draft_masks(logits, [(first[i], samplers[i].matcher, drafts[i],
+                                                      samplers[i].output_token_ids) for i in constrained])
             for i, n in zip(constrained, fed):
                 allowed[i] = n
         # a seeded sampling request draws one number per row; it must end up having drawn one per output token
@@ -281,16 +282,16 @@ class ModelRunner:
         return tokens, logprobs
 
     def _advance_grammar(self, state: CachedRequestState, tokens: list[int]) -> None:
-        """Feed the request's new tokens to its grammar; a failure fails this request alone."""
-        for token in tokens:
-            if state.matcher.is_terminated():
-                return
-            try:
+        """Feed the request's new tokens to its grammar (those after its reasoning, with grammar_after_reasoning);
+        a failure fails this request alone."""
+        try:
+            for token in state.matcher.readable(state.output_token_ids, len(tokens)):
+                if state.matcher.is_terminated():
+                    return
                 state.matcher.accept_token(token)
-            except Exception as e:  # this request's grammar: it fails alone
-                state.matcher = None
-                self._fail(state.req_id, "advancing the request's grammar", e)
-                return
+        except Exception as e:  # this request's grammar: it fails alone
+            state.matcher = None
+            self._fail(state.req_id, "advancing the request's grammar", e)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], starts: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
@@ -357,11 +358,16 @@ class ModelRunner:
         self._failed[req_id] = f"{stage} failed: {type(error).__name__}: {error}"
 
     def _matcher(self, params: SamplingParams, accepted: list[int]) -> Any:
-        """A constrained request's grammar matcher, fed its output so far (a resumed request's)."""
+        """A constrained request's grammar matcher, fed its output so far (a resumed request's: with
+        grammar_after_reasoning, only what follows the reasoning's end in it, or asleep if it has not ended)."""
         if params.structured_outputs is None:
             return None
         assert self.grammars is not None, "the worker gives the runner its grammar compiler"
-        return self.grammars().matcher(params.structured_outputs, accepted)
+        ends = None
+        if params.grammar_after_reasoning:
+            ends = [params.reasoning_end_token_ids or [], params.reasoning_forced_end_token_ids or []]
+        return self.grammars().matcher(params.structured_outputs, accepted, ends,
+                                       params.reasoning_implicit_end_token_ids or ())
 
 
 def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -10,6 +10,11 @@ grammar measurably holds (``grammar_cache_memory``), least recently used out; on
 ``max_grammar_memory`` is refused. The worker keeps one
 matcher per request, fed every accepted token, so every rank masks the same tokens. A request
 resumed after a recompute preemption gets a new matcher fed its output so far.
+
+A reply that starts inside a reasoning section (``grammar_after_reasoning``, vLLM's structured outputs with a
+reasoning parser) keeps its matcher asleep until the reasoning's end marker is in its output: no mask, no token
+read, only the implicit end tokens the grammar cannot start with banned; from the token after the marker (from
+an implicit end token on) the grammar masks and reads as it does from the first token otherwise.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import functools
 import hashlib
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -166,21 +171,58 @@ class GrammarCompiler:
         """Bytes the cache holds now, as measured (at most ``cache_bytes``)."""
         return self.cache.bytes
 
-    def matcher(self, spec: StructuredOutputsParams, accepted: list[int]) -> "Matcher":
-        """A matcher at the start of ``spec``'s grammar, fed ``accepted`` (a resumed request's output)."""
+    def matcher(self, spec: StructuredOutputsParams, accepted: list[int], reasoning_ends: list[list[int]] | None = None,
+                implicit_ends: Collection[int] = ()) -> "Matcher":
+        """A matcher at the start of ``spec``'s grammar, fed ``accepted`` (a resumed request's output).
+        ``reasoning_ends``: the reply starts inside its reasoning, which any of these markers ends (or a token of
+        ``implicit_ends``, the grammar's first): the matcher sleeps until then (see ``Matcher.readable``)."""
         matcher = Matcher(_xgrammar().GrammarMatcher(self.compile(spec)),
-                          self.control_token_ids if spec.kind in ("json", "json_object") else None)
-        for token in accepted:
+                          self.control_token_ids if spec.kind in ("json", "json_object") else None,
+                          reasoning_ends, implicit_ends)
+        for token in matcher.readable(accepted, len(accepted)):
             matcher.accept_token(token)
         return matcher
 
 
 class Matcher:
-    """xgrammar's matcher of one request, plus tokens banned on top of its grammar."""
+    """xgrammar's matcher of one request, plus tokens banned on top of its grammar, and whether it still sleeps
+    through the reply's reasoning."""
 
-    def __init__(self, matcher: Any, banned: torch.Tensor | None) -> None:
+    def __init__(self, matcher: Any, banned: torch.Tensor | None, reasoning_ends: list[list[int]] | None = None,
+                 implicit_ends: Collection[int] = ()) -> None:
         self.matcher = matcher
         self.banned = banned
+        self.reasoning_ends = [list(end) for end in reasoning_ends or () if end]
+        """The markers that end the reply's reasoning (the grammar reads what follows)."""
+        self.implicit_ends = frozenset(implicit_ends) if self.reasoning_ends else frozenset()
+        """Tokens that end the reasoning and are the grammar's first."""
+        self.reasoning = bool(self.reasoning_ends)
+        """Asleep: the reply is still in its reasoning (no mask, no token read)."""
+        refused = [t for t in sorted(self.implicit_ends) if not self._allows(t)]
+        self.reasoning_banned = torch.tensor(refused, dtype=torch.long) if refused else None
+        """While the reasoning lasts: the implicit ends the grammar cannot start with (as vLLM masks them)."""
+
+    def _allows(self, token: int) -> bool:
+        """Whether the grammar, as it stands, accepts ``token`` next (tried, then undone)."""
+        try:
+            if not self.matcher.accept_token(token):
+                return False
+        except Exception:  # (an id outside the vocabulary: never sampled anyway)
+            return False
+        self.matcher.rollback(1)
+        return True
+
+    def readable(self, output: list[int], new: int) -> list[int]:
+        """Of ``output``'s last ``new`` tokens, those the grammar reads: all once the reasoning has ended; while it
+        lasts, the ones after its end (from an implicit end token on) if it ends among them, which wakes the
+        matcher, else none."""
+        if not self.reasoning:
+            return output[len(output) - new:]
+        end = reasoning_end(output, self.reasoning_ends, self.implicit_ends, len(output) - new)
+        if end is None:
+            return []
+        self.reasoning = False
+        return output[end[0]:]
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
@@ -195,6 +237,21 @@ class Matcher:
         """Undo the last ``num_tokens`` accepted tokens (draft tokens checked ahead of verification)."""
         if num_tokens:
             self.matcher.rollback(num_tokens)
+
+
+def reasoning_end(tokens: list[int], ends: list[list[int]], implicit: Collection[int] = (),
+                  since: int = 0) -> tuple[int, int] | None:
+    """Where the reasoning a reply's output ``tokens`` starts in ends, looking only at tokens[since:] (a marker
+    may begin before ``since``): (the index of the first token the grammar reads, of the first token it masks).
+    The first of: a marker of ``ends`` wholly in ``tokens`` (both are the token after it), or a token of
+    ``implicit`` (the grammar reads it, and masks from the next). None: the reasoning has not ended."""
+    for i in range(max(since, 0), len(tokens)):
+        if tokens[i] in implicit:
+            return i, i + 1
+        for end in ends:
+            if len(end) <= i + 1 and tokens[i + 1 - len(end):i + 1] == end:
+                return i + 1, i + 1
+    return None
 
 
 def grammar_bytes(grammar: Any) -> int:
@@ -226,30 +283,42 @@ def compiler_for(model_path: str, vocab_size: int, stop_token_ids: tuple[int, ..
     return GrammarCompiler(load_tokenizer(model_path), vocab_size, stop_token_ids, config)
 
 
-def apply_draft_masks(logits: torch.Tensor, groups: list[tuple[int, Any, list[int]]]) -> tuple[torch.Tensor, list[int]]:
-    """Speculative decoding: each group (first row, matcher, drafts) owns rows first .. first + len(drafts),
-    row j scoring the token after drafts[:j]. Each row is masked as the grammar stands after those drafts
-    (fed ahead, then rolled back). Returns float32 logits and, per group, how many drafts the grammar allows
-    (the rows past the first draft it refuses are never used: that draft is rejected)."""
+def apply_draft_masks(logits: torch.Tensor, groups: list[tuple[int, Any, list[int], list[int]]]
+                      ) -> tuple[torch.Tensor, list[int]]:
+    """Speculative decoding: each group (first row, matcher, drafts, output so far) owns rows first .. first +
+    len(drafts), row j scoring the token after drafts[:j]. Each row is masked as the grammar stands after those
+    drafts (fed ahead, then rolled back). Returns float32 logits and, per group, how many drafts the grammar allows
+    (the rows past the first draft it refuses are never used: that draft is rejected). A matcher asleep in the
+    reply's reasoning leaves the rows before the reasoning's end unmasked (but for its banned implicit ends) and
+    reads only the drafts after it (``reasoning_end`` over the output and the drafts: a row whose drafts cross
+    the end marker is masked exactly as the step after it will be)."""
     xgr = _xgrammar()
     logits = logits.float() if logits.dtype != torch.float32 else logits
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # (rows, ceil(vocab / 32)) int32
     bitmask.fill_(-1)  # all allowed: rows without a live grammar stay as they are
     banned: list[tuple[int, torch.Tensor]] = []
     allowed_drafts = []
-    for first, matcher, drafts in groups:
+    for first, matcher, drafts, output in groups:
+        read_from, mask_from = 0, 0
+        if getattr(matcher, "reasoning", False):
+            end = reasoning_end(output + drafts, matcher.reasoning_ends, matcher.implicit_ends, len(output))
+            read_from, mask_from = (len(drafts) + 1,) * 2 if end is None else \
+                (end[0] - len(output), end[1] - len(output))
+            if matcher.reasoning_banned is not None:
+                banned += [(first + j, matcher.reasoning_banned) for j in range(min(mask_from, len(drafts) + 1))]
         fed = 0
-        for j in range(len(drafts) + 1):
+        for j in range(read_from, len(drafts) + 1):
             if matcher.is_terminated():
                 break
-            matcher.fill_next_token_bitmask(bitmask, first + j)
-            if matcher.banned is not None:
-                banned.append((first + j, matcher.banned))
+            if j >= mask_from:
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                if matcher.banned is not None:
+                    banned.append((first + j, matcher.banned))
             if j == len(drafts) or not matcher.accept_token(drafts[j]):
                 break
             fed += 1
         matcher.rollback(fed)
-        allowed_drafts.append(fed)
+        allowed_drafts.append(min(read_from + fed, len(drafts)))
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
     for row, tokens in banned:
         logits[row, tokens.to(logits.device)] = float("-inf")
@@ -259,7 +328,11 @@ def apply_draft_masks(logits: torch.Tensor, groups: list[tuple[int, Any, list[in
 def apply_masks(logits: torch.Tensor, matchers: dict[int, Any]) -> torch.Tensor:
     """Mask (-inf) in ``logits`` (rows, vocab) every token the matcher of each constrained row
     forbids; rows without a matcher, and finished grammars, are left alone. Returns float32 logits."""
-    live = {row: m for row, m in matchers.items() if not m.is_terminated()}
+    asleep = [(row, m.reasoning_banned) for row, m in matchers.items() if getattr(m, "reasoning", False)]
+    for row, tokens in asleep:  # in the reply's reasoning: only the implicit ends the grammar refuses are banned
+        if tokens is not None:
+            logits[row, tokens.to(logits.device)] = float("-inf")
+    live = {row: m for row, m in matchers.items() if not getattr(m, "reasoning", False) and not m.is_terminated()}
     if not live:
         return logits
     xgr = _xgrammar()

@@ -95,3 +95,81 @@ def test_the_processor_and_an_in_process_worker_share_one_grammar_cache(llm: LLM
     assert compiler.cache_bytes == engine.config.structured_outputs.grammar_cache_bytes
     llm.generate("Pick:", _params(StructuredOutputsParams(choice=["a fresh choice", "another one"])), use_tqdm=False)
     assert compiler.cached_bytes() > 0
+
+
+# grammar_after_reasoning (vLLM's structured outputs with a reasoning parser): the reply starts inside its
+# reasoning; the grammar sleeps until the end marker, then holds what follows. "<think>" / "</think>" in the
+# default tokenizer, as tests/engine/test_sampling_fields.py's thinking budget uses them.
+THINK, END_THINK = [44, 17400, 46], [9617, 17400, 46]
+THINKING_PROMPT = {"prompt_token_ids": [1, 520, 9531, 198, *THINK, 198]}
+
+
+def _after_reasoning(spec: StructuredOutputsParams, budget: int = 4, **kw) -> SamplingParams:
+    """A grammar after a reasoning the thinking budget ends (the tiny model never writes the end marker itself)."""
+    return _params(spec, grammar_after_reasoning=True, thinking_token_budget=budget, reasoning_start_token_ids=THINK,
+                   reasoning_end_token_ids=END_THINK, **kw)
+
+
+def _content(tokenizer, token_ids: list[int]) -> str:
+    """The text of the output's tokens after its first end marker (the test fails without one)."""
+    at = next(i for i in range(len(token_ids)) if list(token_ids[i:i + len(END_THINK)]) == END_THINK)
+    return tokenizer.decode(list(token_ids[at + len(END_THINK):]), skip_special_tokens=True)
+
+
+def test_grammar_sleeps_through_the_reasoning_then_holds(llm: LLM, tokenizer) -> None:
+    """The reasoning's tokens are those of the unconstrained model (no mask while it lasts), the forced end marker
+    follows, and after it the grammar holds (the whole rest parses); without grammar_after_reasoning the grammar
+    holds from the first token, so the reply can never reach the end marker."""
+    choices = ["yes", "no", "maybe"]
+    spec = StructuredOutputsParams(choice=choices)
+    free = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    reasoning = llm.generate([THINKING_PROMPT], free, use_tqdm=False)[0].outputs[0].token_ids
+    out = llm.generate([THINKING_PROMPT], _after_reasoning(spec, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids[:3]) == list(reasoning) and list(out.token_ids[3:6]) == END_THINK, out.token_ids
+    assert _content(tokenizer, out.token_ids) in choices and out.finish_reason == "stop"
+    held = llm.generate([THINKING_PROMPT], _params(spec, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert held.text in choices
+    for out in llm.generate([THINKING_PROMPT], _after_reasoning(StructuredOutputsParams(json=PERSON), seed=4, n=3),
+                            use_tqdm=False)[0].outputs:
+        jsonschema.validate(json.loads(_content(tokenizer, out.token_ids)), PERSON)
+
+
+def test_grammar_after_reasoning_survives_preemption(make_llm, tokenizer) -> None:
+    """Recompute preemption rebuilds each matcher from the output so far: asleep before the end marker, fed only
+    what follows it after; every reply's content still validates."""
+    small = make_llm(num_kv_blocks=12, max_num_seqs=6)
+    outs = small.generate([THINKING_PROMPT] * 6, _after_reasoning(StructuredOutputsParams(json=PERSON), budget=6,
+                                                                  seed=9), use_tqdm=False)
+    assert small.get_stats().num_preemptions > 0
+    for out in outs:
+        jsonschema.validate(json.loads(_content(tokenizer, out.outputs[0].token_ids)), PERSON)
+
+
+def test_a_matcher_rebuilt_from_the_output_reads_what_follows_the_reasoning(llm: LLM, tokenizer) -> None:
+    """reasoning_end and Matcher.readable: a resumed request's matcher is fed only the tokens after the end marker
+    (asleep if there is none yet); the implicit ends the grammar cannot start with are banned while it sleeps; and
+    speculative rows that cross the marker are masked from the token after it, no earlier."""
+    import torch
+
+    from pagedllm.worker.structured_output import apply_draft_masks, reasoning_end
+
+    assert reasoning_end([5, *END_THINK, 7], [END_THINK]) == (4, 4)
+    assert reasoning_end([5, *END_THINK, 7], [END_THINK], since=4) is None  # the marker ended before ``since``
+    assert reasoning_end([5, END_THINK[0], END_THINK[1]], [END_THINK], since=2) is None  # not whole yet
+    assert reasoning_end([5, 8, *END_THINK], [END_THINK], implicit={8}) == (1, 2)  # the first end wins
+    compiler = llm.llm_engine.engine_core.core.processor.grammars()
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    yes, other = tokenizer.encode("yes", add_special_tokens=False), tokenizer.encode("{", add_special_tokens=False)
+    thinking = [5, 6, 7]
+    asleep = compiler.matcher(spec, thinking, [END_THINK], implicit_ends=[yes[0], other[0]])
+    assert asleep.reasoning and asleep.reasoning_banned.tolist() == [other[0]]  # "yes" may start the content
+    awake = compiler.matcher(spec, thinking + END_THINK + yes, [END_THINK])
+    assert not awake.reasoning and not awake.accept_token(other[0])  # it read "yes": only the end may follow
+    vocab = len(tokenizer)
+    drafts = [8, *END_THINK, *yes]  # row j scores the token after drafts[:j]: rows 0-3 reason, 4 on are the grammar's
+    logits, allowed = apply_draft_masks(torch.zeros(len(drafts) + 1, vocab), [(0, asleep, drafts, thinking)])
+    masked = torch.isinf(logits).sum(-1).tolist()
+    assert masked[:4] == [1, 1, 1, 1] and all(m > vocab // 2 for m in masked[4:]), masked
+    assert logits[4, yes[0]] == 0 and allowed == [len(drafts)]
+    assert asleep.reasoning and asleep.readable(thinking, 3) == []  # (masking drafts leaves it as it was)
+    assert asleep.readable(thinking + [8, *END_THINK, yes[0]], 5) == [yes[0]] and not asleep.reasoning

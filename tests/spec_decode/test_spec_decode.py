@@ -167,6 +167,30 @@ def test_structured_outputs_and_stop_strings(make_llm: Callable[..., LLM], refer
     assert _spec(llm)[2] > 0
 
 
+def test_drafts_that_cross_the_reasoning_end(make_llm: Callable[..., LLM], reference: LLM, tokenizer: Any) -> None:
+    """grammar_after_reasoning: the prompt shows the end marker followed by a reply, so once the thinking budget
+    forces the marker's first token the n-gram drafts run through the marker into the content; the rows after it
+    are masked by the grammar, those before it not, and the tokens are those of decoding without drafts."""
+    think, end = [44, 17400, 46], [9617, 17400, 46]  # "<think>", "</think>" in the default tokenizer
+    shown = [*end, *tokenizer.encode('yes {"a": 1}', add_special_tokens=False), 198]
+    prompt = {"prompt_token_ids": [1, 520, 9531, 198, *shown, *shown, *think, 198]}
+    params = [SamplingParams(temperature=0.0, max_tokens=40, grammar_after_reasoning=True, thinking_token_budget=3,
+                             reasoning_start_token_ids=think, reasoning_end_token_ids=end, structured_outputs=spec)
+              for spec in (StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(json={
+                  "type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}))]
+    ref = reference.generate([prompt] * 2, params, use_tqdm=False)
+    llm = make_llm(speculative_config=NGRAM)
+    got = llm.generate([prompt] * 2, params, use_tqdm=False)
+    _assert_pool_clean(llm)
+    for a, b in zip(ref, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        ids = list(b.outputs[0].token_ids)
+        assert ids[2:5] == end, ids
+        content = tokenizer.decode(ids[5:], skip_special_tokens=True)
+        assert content in ("yes", "no") or json.loads(content)["a"] in (1, 2), content
+    assert _spec(llm)[2] > 0
+
+
 def test_first_tokens_keep_the_distribution(tiny_model: Callable[[str], Path], noisy_draft_dir: Path) -> None:
     """Unseeded sampling: the joint distribution of the first three tokens, with drafts verified for the second
     and third (a draft model that agrees in part), matches decoding without speculation."""

@@ -9,8 +9,11 @@
   ``<tool_call>`` (a call out of the reasoning ends it; the call is content); a reply that
   closes neither is all reasoning. With thinking off (``chat_template_kwargs``'
   ``enable_thinking`` false) the whole reply is content; a prompt whose last turn already closed
-  the reasoning (``</think>`` after its last ``<|im_start|>``/``<|im_end|>``), or a reply held to
-  a grammar from its first token (``response_format``, a forced tool call), starts in content.
+  the reasoning (``</think>`` after its last ``<|im_start|>``/``<|im_end|>``) starts it in content.
+
+A grammar (``response_format``, ``structured_outputs``, a forced tool call) on a reply that starts inside the
+reasoning holds only what follows it, as vLLM's: the engine applies it from the token after ``</think>``
+(SamplingParams.grammar_after_reasoning); a reply that starts in content is held from its first token.
 
 Streaming: each delta is split the same way, holding back a possible partial tag at the end of
 the text seen so far until the next delta shows what it is.
@@ -45,11 +48,15 @@ class ReasoningParser:
     ends_at: tuple[str, ...] = ()
     """Markers besides ``end`` that end the reasoning and begin the content, which keeps them."""
 
-    def for_request(self, template_kwargs: dict[str, Any], prompt: str, constrained: bool) -> "ReasoningParser":
-        """This parser for one request: its chat template variables, its rendered prompt, and whether a grammar
-        holds its reply from the first token (then nothing of it is reasoning). The server's parser is shared:
-        one that changes returns a copy."""
+    def for_request(self, template_kwargs: dict[str, Any], prompt: str) -> "ReasoningParser":
+        """This parser for one request: its chat template variables and its rendered prompt. The server's parser is
+        shared: one that changes returns a copy."""
         return self
+
+    @property
+    def reasons_first(self) -> bool:
+        """The reply starts inside the reasoning (a grammar then holds only what follows its end)."""
+        return self.thinking and self.starts_inside
 
     def split(self, text: str, finished: bool = True) -> ReasoningSplit:
         """Reasoning and content of ``text``. Not ``finished``: a tag still being written is left out."""
@@ -83,14 +90,15 @@ class Qwen3ReasoningParser(ReasoningParser):
     starts_inside = True
     ends_at = (TOOL_CALL,)
 
-    def for_request(self, template_kwargs: dict[str, Any], prompt: str, constrained: bool) -> ReasoningParser:
+    def for_request(self, template_kwargs: dict[str, Any], prompt: str) -> ReasoningParser:
         """As vLLM 0.34's qwen3 parser: ``enable_thinking`` false (any false value) makes the reply all content; a
-        prompt whose last turn closed the reasoning, or a grammar from the first token, starts it in content."""
+        prompt whose last turn closed the reasoning starts it in content (a grammar does not: as vLLM, it holds
+        the reply after its reasoning)."""
         thinking = bool(template_kwargs.get("enable_thinking", True))
         turn = prompt[max(prompt.rfind(m) for m in TURN_MARKERS):] if any(m in prompt for m in TURN_MARKERS) \
             else prompt
         closed = turn.rfind(END) > turn.rfind(START)
-        if thinking and not closed and not constrained:
+        if thinking and not closed:
             return self
         parser = copy.copy(self)
         parser.thinking, parser.starts_inside = thinking, False

@@ -47,6 +47,8 @@ class OpenAIServingChat(OpenAIServing):
         self.trust_request_chat_template = False
         """--trust-request-chat-template: a request's own chat_template is run (else refused)."""
         self._reasoning_markers: tuple[list[int], list[int], list[int]] | None = None
+        self._implicit_ends: list[int] | None = None
+        """The reasoning parser's implicit ends (ReasoningParser.ends_at) that are one token each (tokenized once)."""
         self.reasoning_config = ReasoningConfig()
         """--reasoning-config: the strings thinking_token_budget opens, forces and closes the reasoning with."""
 
@@ -93,11 +95,9 @@ class OpenAIServingChat(OpenAIServing):
                                       param="structured_outputs")
             check_constraint(tools.constraint, self.limits, "tools", count_bytes=False)  # the tools' own byte cap
             params.structured_outputs = tools.constraint
-        if params.thinking_token_budget is not None and params.structured_outputs is not None:
-            raise ValidationError("thinking_token_budget cannot be combined with response_format, structured_outputs "
-                                  "or a forced tool call here (the constraint holds from the reply's first token, "
-                                  "so it could forbid the forced end of the reasoning)", param="thinking_token_budget",
-                                  value=params.thinking_token_budget)
+        reasoning = None if self.reasoning_parser is None else self.reasoning_parser.for_request(options.kwargs, text)
+        if reasoning is not None and reasoning.reasons_first and params.structured_outputs is not None:
+            self._grammar_after_reasoning(params, reasoning)  # (a thinking budget's forced end, then the grammar)
         request_id = random_id("chatcmpl")
         streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params, lora,
                                      raw)
@@ -107,9 +107,7 @@ class OpenAIServingChat(OpenAIServing):
                       list(prompt_ids) if req.return_token_ids else None, as_ids=self.as_token_ids(req),
                       prompt_logprobs=req.prompt_logprobs is not None)
         run.hide_reasoning = not req.include_reasoning and self.reasoning_parser is not None
-        if self.reasoning_parser is not None:
-            run.reasoning = self.reasoning_parser.for_request(options.kwargs, text,
-                                                              constrained=params.structured_outputs is not None)
+        run.reasoning = reasoning
         run.echo = echoed_text(req.messages, req.add_generation_prompt, self._content) if req.echo else ""
         return run
 
@@ -162,8 +160,9 @@ class OpenAIServingChat(OpenAIServing):
         if tools.constraint is not None and finish_reason in ("stop", "length"):
             try:
                 calls, content = constrained_calls(split.content or "", tools.named), None
-            except ValueError:  # cut by max_tokens before the JSON ended (the grammar makes a whole reply parse):
-                assert finish_reason == "length", "a forced tool call that finished must parse"
+            except ValueError:  # cut by max_tokens before the JSON ended (the grammar makes a whole reply parse), or
+                # ended inside the reasoning, before the grammar began (it holds what follows the reasoning)
+                assert finish_reason == "length" or not split.content, "a forced tool call that finished must parse"
                 content = None  # as vLLM's test: no call (its arguments would not parse), no content
         elif tools.parser is not None:
             content, calls = tools.parser.parse(split.content or "")
@@ -239,6 +238,20 @@ class OpenAIServingChat(OpenAIServing):
         inside = run.reasoning is not None and run.reasoning.thinking and run.reasoning.starts_inside
         count = sum(reasoning_token_count(prompt, list(ids), start, end, inside) for ids in outputs)
         usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=count)
+
+    def _grammar_after_reasoning(self, params: SamplingParams, reasoning: ReasoningParser) -> None:
+        """As vLLM with a reasoning parser: the reply starts inside the reasoning, so its grammar holds only after
+        the reasoning's end marker (or from an implicit end that is a single token, qwen3's ``<tool_call>``)."""
+        markers = self._marker_ids()
+        if markers is None:  # (a parser always names both markers)
+            return
+        params.grammar_after_reasoning = True
+        params.reasoning_end_token_ids = list(markers[2])
+        if reasoning.ends_at:
+            if self._implicit_ends is None:
+                encoded = (self.tokenizer.encode(m, add_special_tokens=False) for m in reasoning.ends_at)
+                self._implicit_ends = [ids[0] for ids in encoded if len(ids) == 1]
+            params.reasoning_implicit_end_token_ids = list(self._implicit_ends) or None
 
     def _thinking_budget(self, req: ChatCompletionRequest, params: SamplingParams) -> None:
         """thinking_token_budget into ``params``, with the reasoning parser's markers as token ids (400 without a

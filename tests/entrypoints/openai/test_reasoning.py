@@ -77,21 +77,23 @@ def test_server_puts_an_unclosed_reply_in_reasoning_content(tiny_llm_dir) -> Non
     assert not "".join(d.get("content") or "" for d in deltas)
 
 
-@pytest.mark.parametrize("kwargs, prompt, constrained, reply, want", [
-    ({"enable_thinking": False}, "<|im_start|>assistant\n", False, "<think>a</think>b", (None, "<think>a</think>b")),
-    ({"enable_thinking": 0}, "<|im_start|>assistant\n", False, "plain", (None, "plain")),
-    ({}, "<|im_start|>assistant\n<think>\n\n</think>\n\n", False, "plain", (None, "plain")),  # closed this turn
-    ({}, "<think>old</think><|im_end|>\n<|im_start|>assistant\n", False, "new", ("new", None)),  # an earlier turn's
-    ({}, "<|im_start|>assistant\n", True, '{"a": 1}', (None, '{"a": 1}')),  # a grammar from the first token
-    ({"enable_thinking": True}, "<|im_start|>assistant\n", False, "plain", ("plain", None)),
+@pytest.mark.parametrize("kwargs, prompt, reply, want", [
+    ({"enable_thinking": False}, "<|im_start|>assistant\n", "<think>a</think>b", (None, "<think>a</think>b")),
+    ({"enable_thinking": 0}, "<|im_start|>assistant\n", "plain", (None, "plain")),
+    ({}, "<|im_start|>assistant\n<think>\n\n</think>\n\n", "plain", (None, "plain")),  # closed this turn
+    ({}, "<think>old</think><|im_end|>\n<|im_start|>assistant\n", "new", ("new", None)),  # an earlier turn's
+    ({"enable_thinking": True}, "<|im_start|>assistant\n", "plain", ("plain", None)),
+    ({}, "<|im_start|>assistant\n", 'why</think>\n{"a": 1}', ("why", '{"a": 1}')),  # a grammar's, after it
 ])
-def test_qwen3_per_request(kwargs: dict, prompt: str, constrained: bool, reply: str, want: tuple) -> None:
+def test_qwen3_per_request(kwargs: dict, prompt: str, reply: str, want: tuple) -> None:
     """As vLLM 0.34's qwen3 parser: thinking off (chat_template_kwargs) is all content; so is a reply whose
-    prompt closed the reasoning in its own turn, or whose grammar holds from the first token. The server's parser
-    is left as it was."""
+    prompt closed the reasoning in its own turn. A grammar changes nothing here (it holds what follows the
+    reasoning). The server's parser is left as it was."""
     shared = get_reasoning_parser("qwen3")
-    split = shared.for_request(kwargs, prompt, constrained).split(reply)
+    per_request = shared.for_request(kwargs, prompt)
+    split = per_request.split(reply)
     assert (split.reasoning, split.content) == want
+    assert per_request.reasons_first == (want[0] is not None)
     assert shared.split("plain").reasoning == "plain"
 
 
@@ -156,8 +158,9 @@ def _deltas(client, body: dict) -> list[dict]:
 def test_qwen3_server_reasoning_as_vllm(qwen3_app) -> None:
     """vLLM 0.34's qwen3 on a model that writes no think tags (SmolLM2 stands in for Qwen3 in vLLM's tests): the
     whole reply is reasoning, under both names (vLLM 0.34's ``reasoning``), streamed or not, and every token is a
-    reasoning token in usage (the batch route's too); include_reasoning false leaves it out; thinking off or a
-    response_format makes it content, with no reasoning tokens."""
+    reasoning token in usage (the batch route's too); include_reasoning false leaves it out; thinking off makes it
+    content, with no reasoning tokens. A response_format holds only what follows the reasoning (as vLLM): with no
+    </think> the reply stays reasoning; with thinking off the grammar holds it from the first token."""
     reply = qwen3_app.post("/v1/chat/completions", json=BODY).json()
     message, usage = reply["choices"][0]["message"], reply["usage"]
     assert message["reasoning"] == message["reasoning_content"] and message["reasoning"] and message["content"] is None
@@ -179,10 +182,15 @@ def test_qwen3_server_reasoning_as_vllm(qwen3_app) -> None:
     assert off.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
     off_deltas = _deltas(qwen3_app, {**BODY, "chat_template_kwargs": {"enable_thinking": False}})
     assert not any(c["choices"][0]["delta"].get("reasoning") for c in off_deltas if c["choices"])
-    json_reply = qwen3_app.post("/v1/chat/completions", json={**BODY, "max_tokens": 12,
-                                                              "response_format": {"type": "json_object"}}).json()
-    assert json_reply["choices"][0]["message"].get("reasoning") is None
-    assert json_reply["choices"][0]["message"]["content"]
+    json_body = {**BODY, "max_tokens": 12, "response_format": {"type": "json_object"}}
+    json_reply = qwen3_app.post("/v1/chat/completions", json=json_body).json()
+    json_message = json_reply["choices"][0]["message"]
+    assert json_message["reasoning"].startswith(message["reasoning"])  # unmasked: the tokens of the free reply
+    assert json_message["content"] is None
+    assert json_reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 12
+    off_json = qwen3_app.post("/v1/chat/completions", json={**json_body, "chat_template_kwargs": {
+        "enable_thinking": False}}).json()["choices"][0]["message"]
+    assert off_json.get("reasoning") is None and off_json["content"].startswith("{")
 
 
 def test_incoming_reasoning_reaches_the_template(qwen3_app) -> None:

@@ -8,13 +8,15 @@ way, unless enable_thinking is false): its replies start inside the reasoning, a
 </think> is the only way out of it."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.utils import RemoteServer
 
@@ -26,6 +28,13 @@ THINKING_TEMPLATE = (
     "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}")
 QUESTION = [{"role": "user", "content": "What is two plus two?"}]
 PREFILL = "The answer, in one word, is"
+
+
+class Answer(BaseModel):
+    """response_format's schema as the SDK's parse() sends it (strict: every field required, no others)."""
+
+    answer: Literal["four", "five"]
+    sure: bool
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +152,59 @@ def test_thinking_token_budget_ends_the_reasoning(think_client: openai.OpenAI, t
     assert _thinking_span(prompt, start, end) == 1  # the template's newline: a budget of 0 is spent before the reply
     assert _thinking_span(prompt + ids, start, end) == max(budget, 1)
     assert ids[max(budget - 1, 0):][:len(end)] == end
-    _refused(lambda: think_client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=4, response_format={"type": "json_object"},
-        extra_body={"thinking_token_budget": budget}), "thinking_token_budget")
     unlimited = think_client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
         extra_body={"thinking_token_budget": -1, "ignore_eos": True, "return_token_ids": True})
     assert end not in [unlimited.choices[0].token_ids[i:i + len(end)] for i in range(12)]  # never closed by itself
+
+
+ANSWER = {"type": "object", "additionalProperties": False, "required": ["answer", "sure"],
+          "properties": {"answer": {"enum": ["four", "five"]}, "sure": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_holds_the_content_after_the_reasoning(think_client: openai.OpenAI, stream: bool) -> None:
+    """As vLLM with a reasoning parser: response_format holds only what follows the reasoning. The reply starts
+    inside it (the template opened <think>), a thinking budget ends it (this model never writes </think>), the
+    reasoning comes back and the content parses as the schema; without a budget the grammar never begins: the
+    reply is all reasoning."""
+    args = dict(model=MODEL, messages=QUESTION, max_tokens=60, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}},
+                extra_body={"thinking_token_budget": 4})
+    if stream:
+        deltas = [c.choices[0].delta for c in think_client.chat.completions.create(**args, stream=True) if c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        message = think_client.chat.completions.create(**args).choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+    assert reasoning
+    assert set(json.loads(content)) == {"answer", "sure"}, content
+    parsed = think_client.chat.completions.parse(**{**args, "response_format": Answer})
+    assert parsed.choices[0].message.parsed.answer in ("four", "five")
+    assert parsed.choices[0].message.reasoning_content
+    unended = think_client.chat.completions.create(**{**args, "max_tokens": 8, "extra_body": {"ignore_eos": True}})
+    assert unended.choices[0].message.reasoning_content and unended.choices[0].message.content is None
+    assert unended.usage.completion_tokens_details.reasoning_tokens == 8
+
+
+def test_a_forced_tool_call_after_the_reasoning(think_client: openai.OpenAI) -> None:
+    """tool_choice named or "required" with a reasoning parser: the call is the content after the reasoning (a
+    thinking budget ends it here); a reply that never leaves its reasoning makes no call."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}]
+    for choice in ({"type": "function", "function": {"name": "weather"}}, "required"):
+        reply = think_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=120, temperature=0,
+                                                     tools=tools, tool_choice=choice, parallel_tool_calls=False,
+                                                     extra_body={"thinking_token_budget": 3})
+        message = reply.choices[0].message
+        assert message.reasoning_content and message.tool_calls, choice
+        assert json.loads(message.tool_calls[0].function.arguments)["city"] in ("Paris", "Rome")
+        cut = think_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0,
+                                                   tools=tools, tool_choice=choice, extra_body={"ignore_eos": True})
+        assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+        assert cut.choices[0].message.reasoning_content
 
 
 def test_thinking_token_budget_is_refused_without_a_parser(client: openai.OpenAI) -> None:
