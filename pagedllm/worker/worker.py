@@ -243,7 +243,7 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
 
-def _process_weights(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None, room: int) -> None:
+def _process_weights(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None, room: int = 0) -> None:
     """Once the checkpoint is in: e.g. weights packed for the CPU GEMM, quantized to int8, or kept quantized with a
     dense copy beside them for steps of many rows (layers/prepack.py ``add_dense_copies``; ``room``: memory_fit.py
     ``dense_copy_room``)."""
