@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     knees = table(rows, args)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"settings": vars(args), "idle_cpu_cores": idle, "rows": rows,
+            settings = {k: v for k, v in vars(args).items() if k != "log_dir"}  # (a path of this machine)
+            json.dump({"settings": settings, "idle_cpu_cores": idle, "rows": rows,
                        "sustained_rate": knees}, f, indent=1)
     if args.plot:
         plot(rows, args)

@@ -32,9 +32,8 @@ from pagedllm.entrypoints.openai.protocol_decisions import (ChoiceAnswer, Choice
                                                             StructuredDecisionRequest, StructuredDecisionResponse,
                                                             StructuredDecisionUsage)
 from pagedllm.entrypoints.openai.serving import OpenAIServing
-from pagedllm.entrypoints.openai.serving_generative_scoring import (CACHE_SALT_FORBIDDEN, GONE, MAX_CACHE_SALT_CHARS,
-                                                                     MAX_REQUEST_ID_CHARS,
-                                                                     OpenAIServingGenerativeScoring,
+from pagedllm.entrypoints.openai.serving_generative_scoring import (GONE, OpenAIServingGenerativeScoring,
+                                                                     check_cache_salt, check_request_fields,
                                                                      label_probabilities)
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
@@ -245,7 +244,7 @@ class OpenAIServingDecisions(OpenAIServing):
         if req.joint:
             raise ValidationError("joint: this model answers every question by its own read; joint reads are for "
                                   "vLLM's diffusion models", param="joint", value=True)
-        self._check_salt(req.cache_salt)
+        check_cache_salt(req.cache_salt)
         reads = await self._read(questions, input_text(req.input), "input", None, {}, None, req.cache_salt, lora, raw)
         if reads is None:
             return Response(status_code=GONE)
@@ -291,12 +290,7 @@ class OpenAIServingDecisions(OpenAIServing):
         if req.joint:
             raise ValidationError("joint: this model answers every question by its own read; joint reads are for "
                                   "vLLM's diffusion models", param="joint", value=True)
-        if req.priority != 0:
-            raise ValidationError.bad_value("priority", req.priority, "0 (this server does not schedule by priority)")
-        if req.request_id is not None and not 0 < len(req.request_id) <= MAX_REQUEST_ID_CHARS:
-            raise ValidationError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters", param="request_id",
-                                  value=req.request_id)
-        self._check_salt(req.cache_salt)
+        check_request_fields(req.priority, req.cache_salt, req.request_id)
         kwargs = dict(req.chat_template_kwargs or {})
         template = kwargs.pop("chat_template", None)
         if template is not None:
@@ -339,13 +333,6 @@ class OpenAIServingDecisions(OpenAIServing):
                 "probabilities": {str(i): p for i, p in enumerate(read.probs)}}
 
     # ------------------------------------------------------------------ the read
-    @staticmethod
-    def _check_salt(salt: str | None) -> None:
-        if salt is not None and (not salt or len(salt) > MAX_CACHE_SALT_CHARS
-                                 or any(c in salt for c in CACHE_SALT_FORBIDDEN)):
-            raise ValidationError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
-                                  "characters without '@', '/', '\\' or NUL", param="cache_salt", value=salt)
-
     async def _read(self, questions: list[Question], state: str, state_param: str, system: str | None,
                     kwargs: dict[str, Any], template: str | None, cache_salt: str | None, lora: LoRARequest | None,
                     raw: Request) -> list[Read] | None:

@@ -74,6 +74,25 @@ class GenerativeScoringResponse(BaseModel):
     usage: UsageInfo
 
 
+def check_cache_salt(cache_salt: str | None) -> None:
+    """A cache_salt by vLLM's rule: non-empty, at most MAX_CACHE_SALT_CHARS, none of CACHE_SALT_FORBIDDEN (400)."""
+    if cache_salt is not None and (not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS
+                                   or any(c in cache_salt for c in CACHE_SALT_FORBIDDEN)):
+        raise ValidationError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                              "characters without '@', '/', '\\' or NUL", param="cache_salt", value=cache_salt)
+
+
+def check_request_fields(priority: int, cache_salt: str | None, request_id: str | None) -> None:
+    """The fields vLLM's scoring and decisions requests share (400 naming the field): priority 0 only, cache_salt
+    (vLLM's rule) and request_id within their bounds."""
+    if priority != 0:
+        raise ValidationError.bad_value("priority", priority, "0 (this server does not schedule by priority)")
+    check_cache_salt(cache_salt)
+    if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise ValidationError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters", param="request_id",
+                              value=request_id)
+
+
 def label_probabilities(logprobs: list[float], apply_softmax: bool) -> list[float]:
     """The labels' probabilities from their log-probabilities: a softmax over them alone (``apply_softmax``;
     computed from the largest, so that very small log-probabilities do not underflow to 0/0), else each one's
@@ -137,16 +156,7 @@ class OpenAIServingGenerativeScoring(OpenAIServing):
         if not req.items:
             raise ValidationError("items must contain at least one item", param="items", value=req.items)
         check_count(req.items, self.limits.max_prompts, "items", "--max-prompts")
-        if req.priority != 0:
-            raise ValidationError.bad_value("priority", req.priority, "0 (this server does not schedule by priority)")
-        salt = req.cache_salt
-        if salt is not None and (not salt or len(salt) > MAX_CACHE_SALT_CHARS
-                                 or any(c in salt for c in CACHE_SALT_FORBIDDEN)):
-            raise ValidationError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
-                                  "characters without '@', '/', '\\' or NUL", param="cache_salt", value=salt)
-        if req.request_id is not None and not 0 < len(req.request_id) <= MAX_REQUEST_ID_CHARS:
-            raise ValidationError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters", param="request_id",
-                                  value=req.request_id)
+        check_request_fields(req.priority, req.cache_salt, req.request_id)
         self._check_ids(req.query, "query")
         if isinstance(req.query, str):
             self.check_prompt_size(req.query, "query")
