@@ -109,7 +109,10 @@ def run_tests(root: Path, out: Path, paths: list[str], keyword: str | None, time
     raw = out / "raw.json"
     env = dict(os.environ)
     env.update({
-        "PYTHONPATH": os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        # vllm_shim/launch: a `python -m vllm.entrypoints.openai.api_server` a test starts itself runs pagedllm
+        # serve (in the test process the stand-in vllm of fake_vllm.py comes first)
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE / "vllm_shim" / "launch"),
+                                       env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "VLLM_SHIM_ROOT": str(root), "VLLM_SHIM_OUT": str(raw), "VLLM_SHIM_LOGS": str(out / "servers"),
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
     })

@@ -234,6 +234,10 @@ class ModelConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     """Most log-probabilities a request may ask for per token (logprobs, prompt_logprobs; EngineArgs.max_logprobs
     with -1 resolved to the vocabulary size)."""
+    enable_sleep_mode: bool = False
+    """Sleep levels 1 and 2 allowed (the KV pool, and at level 2 the weights, released until wake_up)."""
+    enable_prompt_embeds: bool = False
+    """Prompts may be given as embeddings (EngineArgs.enable_prompt_embeds)."""
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -369,8 +373,14 @@ class ParallelConfig:
     "least-loaded" or "round-robin"."""
     data_parallel_restart: bool = False
     """Start a replica again when it dies (the others serve meanwhile)."""
+    worker_extension_cls: str = ""
+    """"package.module.Class" mixed into every worker (worker/extension.py); "" for none."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.worker_extension_cls, str) or (self.worker_extension_cls
+                                                              and "." not in self.worker_extension_cls):
+            raise ValidationError.bad_value("worker_extension_cls", self.worker_extension_cls,
+                                            "a class's full name, package.module.Class")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValidationError.bad_value("tensor_parallel_size", tp, "a positive integer")
@@ -399,7 +409,8 @@ class ParallelConfig:
         return cls(tensor_parallel_size=args.tensor_parallel_size,
                    distributed_executor_backend=args.distributed_executor_backend,
                    data_parallel_size=args.data_parallel_size, data_parallel_backend=args.data_parallel_backend,
-                   data_parallel_routing=args.data_parallel_routing, data_parallel_restart=args.data_parallel_restart)
+                   data_parallel_routing=args.data_parallel_routing, data_parallel_restart=args.data_parallel_restart,
+                   worker_extension_cls=args.worker_extension_cls)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -612,6 +623,72 @@ class StructuredOutputsConfig:
                                             f"at most grammar_cache_memory ({self.grammar_cache_bytes} bytes)")
 
 
+WATERMARK_SCOPES = ("none", "single_turn", "all")
+"""watermark_config deduplicate_contexts: where a repeated context is searched for (vLLM's values)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatermarkConfig:
+    """Text watermarking (vLLM's ``watermark_config`` keys): sampled tokens are chosen by keyed Gumbel-max
+    sampling (pagedllm/worker/watermark.py)."""
+
+    key: int
+    """The secret key, 0 <= key < 2**64."""
+    algorithm: str = "gumbel"
+    """"gumbel" (vLLM's "dual_key_gumbel", for speculative decoding, is refused)."""
+    context_width: int = 4
+    """How many of the last generated tokens key each draw."""
+    deduplicate_contexts: str = "single_turn"
+    """A context already seen in the reply ("single_turn"), or in the prompt and reply ("all", which also leaves
+    the first context_width tokens unwatermarked), is sampled without the watermark; "none": never."""
+    deduplicate_contexts_max_history: int | None = 8192
+    """How many of the most recent positions that search covers (None: all)."""
+    prf: str = "philox"
+    """The keyed pseudo-random function: Philox4x32-10."""
+    enforce: bool = False
+    """Requests' ``watermarking: false`` is overridden (every sampled row is watermarked)."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm != "gumbel":
+            expected = "'gumbel' ('dual_key_gumbel' is not supported by this server)" \
+                if self.algorithm == "dual_key_gumbel" else "'gumbel'"
+            raise ValidationError.bad_value("watermark_config.algorithm", self.algorithm, expected)
+        if isinstance(self.key, bool) or not isinstance(self.key, int) or not 0 <= self.key < 2 ** 64:
+            raise ValidationError.bad_value("watermark_config.key", self.key, "an integer in [0, 2**64)")
+        if isinstance(self.context_width, bool) or not isinstance(self.context_width, int) or \
+                not 1 <= self.context_width <= 64:
+            raise ValidationError.bad_value("watermark_config.context_width", self.context_width,
+                                            "an integer in [1, 64]")
+        if self.deduplicate_contexts not in WATERMARK_SCOPES:
+            raise ValidationError.bad_value("watermark_config.deduplicate_contexts", self.deduplicate_contexts,
+                                            " or ".join(repr(s) for s in WATERMARK_SCOPES))
+        history = self.deduplicate_contexts_max_history
+        if history is not None and (isinstance(history, bool) or not isinstance(history, int) or history < 1):
+            raise ValidationError.bad_value("watermark_config.deduplicate_contexts_max_history", history,
+                                            "a positive integer or null")
+        if self.prf != "philox":
+            raise ValidationError.bad_value("watermark_config.prf", self.prf, "'philox'")
+        if not isinstance(self.enforce, bool):
+            raise ValidationError.bad_value("watermark_config.enforce", self.enforce, "true or false")
+
+    @classmethod
+    def from_user(cls, value: str | dict | None) -> "WatermarkConfig | None":
+        """The config from ``watermark_config`` as given: a dict, its JSON text (the CLI flag), or None (off); an
+        unknown key (vLLM's alpha and allow_target_only_watermarking, which are for dual_key_gumbel and
+        speculative decoding, included) is refused naming it."""
+        if value is None:
+            return None
+        value = json_object(value, "watermark_config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValidationError(f"watermark_config key {unknown[0]!r} is not supported by this server; known keys: "
+                                  f"{sorted(known)}", param=f"watermark_config.{unknown[0]}", value=value[unknown[0]])
+        if "key" not in value:
+            raise ValidationError("watermark_config needs a key (the secret key)", param="watermark_config.key")
+        return cls(**value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """All subsystem configs of one engine."""
@@ -632,6 +709,8 @@ class EngineConfig:
     """The grammar compiler's cache."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (None: off)."""
+    watermark: WatermarkConfig | None = None
+    """Text watermarking (None: off)."""
 
 
 @dataclass(kw_only=True)
@@ -755,6 +834,11 @@ class EngineArgs:
     above it are refused with 400 naming the field (vLLM's --max-logprobs). -1: the vocabulary size (a request's
     own -1, "every token", is then allowed). The server's default --max-request-tokens grows with it: one reply may
     hold a whole context of tokens with this many alternatives each."""
+    enable_prompt_embeds: bool = False
+    """Accept prompts given as embeddings, (num_tokens, hidden_size) float tensors in the model's embedding space:
+    LLM.generate({"prompt_embeds": tensor}) and /v1/completions' prompt_embeds (base64 of a torch.save'd tensor), as
+    vLLM's --enable-prompt-embeds. Llama-family models (pagedllm models); not with speculative decoding or a pooling
+    runner. Such prompts share cached prefixes only with prompts of the same embeddings."""
     hf_overrides: str | dict | None = None
     """Entries merged into the model's config.json before anything reads it (a dict, or its JSON on the command
     line), e.g. {"max_position_embeddings": 4096} or {"rope_scaling": {"factor": 2.0}}: a nested object merges
@@ -765,6 +849,18 @@ class EngineArgs:
     """Speculative decoding, as vLLM's (a dict, or its JSON on the command line), e.g. {"method": "ngram",
     "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, {"method": "suffix"} or
     {"model": DRAFT_PATH, "num_speculative_tokens": 4}; keys: pagedllm.config.SpeculativeConfig. None: off."""
+    watermark_config: str | dict | None = None
+    """Watermark every sampled reply, as vLLM's (a dict, or its JSON on the command line), e.g. {"algorithm":
+    "gumbel", "key": 42}: tokens are chosen by Gumbel-max sampling keyed on the secret key and the last
+    context_width generated tokens (greedy rows and requests with watermarking false are not); keys:
+    pagedllm.config.WatermarkConfig. Not with speculative decoding or a pooling runner. None: off."""
+    enable_sleep_mode: bool = False
+    """Allow LLM.sleep(level) / POST /sleep levels 1 and 2 (vLLM's --enable-sleep-mode): level 1 frees the KV pool
+    and the prefix cache (the weights stay, in host memory already), level 2 also drops the weights, which
+    wake_up reads again from the model files. Level 0 (pause scheduling) needs no flag."""
+    worker_extension_cls: str = ""
+    """A class "package.module.Class" mixed into every worker (vLLM's --worker-extension-cls): its methods are
+    callable with LLM.collective_rpc / POST /collective_rpc; an attribute the worker has already is refused."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":

@@ -1,5 +1,5 @@
-"""Every ``PAGEDLLM_*`` environment variable (and the one SageMaker's we read) in one place: its type, default and
-meaning.
+"""Every ``PAGEDLLM_*`` environment variable (and the ones of SageMaker's and vLLM's we read) in one place: its
+type, default and meaning.
 
 Only this module reads them (``tests/test_envs.py`` checks that no other module names one, and that the
 README's table lists each of them). Each user reads a variable's value where it starts (the process, a
@@ -150,9 +150,16 @@ SAGEMAKER_STATEFUL_SESSIONS: EnvVar[bool] = EnvVar(
     name="SAGEMAKER_ENABLE_STATEFUL_SESSIONS", default="false", parse=_true_or_false,
     doc="SageMaker's own variable, 1 or true: /invocations opens and closes stateful sessions (as "
         "--enable-sagemaker-sessions).")
+SERVER_DEV_MODE: EnvVar[bool] = EnvVar(
+    name="PAGEDLLM_SERVER_DEV_MODE", default="0", parse=_true_or_false,
+    doc="1 or true: `pagedllm serve` adds vLLM's development routes: /sleep, /wake_up, /is_sleeping, /pause, "
+        "/resume, /is_paused and /collective_rpc (which runs any worker method: trusted networks only).")
+VLLM_SERVER_DEV_MODE: EnvVar[bool] = EnvVar(
+    name="VLLM_SERVER_DEV_MODE", default="0", parse=_true_or_false,
+    doc="vLLM's own variable, 1 or true: as PAGEDLLM_SERVER_DEV_MODE.")
 
 VARIABLES: tuple[EnvVar[Any], ...] = (
     ISA, CACHE_DIR, FUSED_OPS, GEMM, DENSE_COPY, CPU_STACK, CPU_OMP_THREADS_BIND, CPU_SHM_ALLREDUCE,
     EXECUTE_MODEL_TIMEOUT_SECONDS, RAY_PLACEMENT_STRATEGY, TRITON_DECODE_SPLITS, ENABLE_MULTIPROCESSING, API_KEY,
-    ALLOW_RUNTIME_LORA_UPDATING, SAGEMAKER_STATEFUL_SESSIONS)
+    ALLOW_RUNTIME_LORA_UPDATING, SAGEMAKER_STATEFUL_SESSIONS, SERVER_DEV_MODE, VLLM_SERVER_DEV_MODE)
 """Every variable, in the README table's order."""

@@ -8,6 +8,7 @@ import time
 
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.prompt_embeds import PromptEmbeds
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -59,6 +60,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         token_type_ids: list[int] | None = None,
+        prompt_embeds: PromptEmbeds | None = None,
     ) -> None:
         """A pooling request (``pooling_params`` set) carries a neutral ``sampling_params`` and max_tokens 0: it
         is computed whole in one step and ends with its vector, never sampling."""
@@ -97,11 +99,13 @@ class Request:
         """Set for a pooling request (embedding, classification, score): its output is one vector."""
         self.token_type_ids = token_type_ids
         """Per prompt token, its segment (BERT-style pair inputs of cross-encoders); None: all 0."""
+        self.prompt_embeds = prompt_embeds
+        """The prompt given as embeddings (its token ids are placeholders): the workers feed these rows instead."""
 
     @property
     def block_hash_salt(self) -> str | None:
         """What the first block's hash mixes in: the cache salt and the adapter (K/V differ per adapter)."""
-        return block_hash_salt(self.cache_salt, self.lora_request)
+        return block_hash_salt(self.cache_salt, self.lora_request, self.prompt_embeds)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -131,8 +135,12 @@ class Request:
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
 
 
-def block_hash_salt(cache_salt: str | None, lora_request: LoRARequest | None) -> str | None:
-    """What a request's first block hash mixes in: its cache salt and its adapter's id (K/V differ per adapter)."""
-    if lora_request is None:
-        return cache_salt
-    return f"{cache_salt or ''}\x00lora:{lora_request.lora_int_id}"
+def block_hash_salt(cache_salt: str | None, lora_request: LoRARequest | None,
+                    prompt_embeds: PromptEmbeds | None = None) -> str | None:
+    """What a request's first block hash mixes in: its cache salt, its adapter's id (K/V differ per adapter) and the
+    digest of a prompt given as embeddings (its placeholder ids say nothing: its blocks are shared only with prompts
+    of the same embeddings)."""
+    salt = cache_salt if lora_request is None else f"{cache_salt or ''}\x00lora:{lora_request.lora_int_id}"
+    if prompt_embeds is None:
+        return salt
+    return f"{salt or ''}\x00embeds:{prompt_embeds.digest}"

@@ -151,6 +151,9 @@ class SamplingParams:
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
     speculate: bool = True
     """With an engine's speculative_config: False opts this request out (it decodes one token per step)."""
+    watermarking: bool = True
+    """With an engine's watermark_config: False opts this request out (its tokens are sampled as usual), unless
+    the config enforces the watermark."""
     thinking_token_budget: int | None = None
     """Most tokens generated inside a reasoning section (after the last reasoning_start_token_ids not yet
     closed); once spent, reasoning_end_token_ids are forced, one per step (vLLM's name; None or -1: no cap)."""
@@ -198,7 +201,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise bad(name, value, "an integer or None")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculate"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculate", "watermarking"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "true or false")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -12,7 +12,7 @@ from tests.import_graph import imports_of, package_modules
 #: Top-level module or sub-package of pagedllm -> layer (docs/STRUCTURE.md: L0 ... L8).
 LAYERS = {
     "config": 0, "envs": 0, "platform": 0, "sampling_params": 0, "request": 0, "outputs": 0, "errors": 0,
-    "lora_request": 0, "pooling_params": 0,
+    "lora_request": 0, "pooling_params": 0, "prompt_embeds": 0,
     "core": 1, "distributed": 2, "layers": 3, "attention": 3, "lora": 3, "models": 4, "worker": 5, "spec_decode": 5,
     "executor": 6, "engine": 7, "entrypoints": 8,
 }

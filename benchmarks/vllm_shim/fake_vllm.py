@@ -204,8 +204,34 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """Nothing to run."""
 
 
+def _patch_auto_tokenizer() -> None:
+    """``transformers.AutoTokenizer.from_pretrained(<a vLLM test model's hub name>)`` gives the stand-in model's
+    tokenizer, as ``vllm.tokenizers.get_tokenizer`` does: the tests compare the server's token ids with it. Local
+    paths and names without a stand-in go to transformers as before (nothing is fetched: offline)."""
+    import transformers
+
+    from .translate import Refused, local_model
+
+    original = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def from_pretrained(cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.path.exists(str(name)):
+            return original(cls, name, *args, **kwargs)
+        try:
+            path, _ = local_model(str(name))
+        except Refused:
+            return original(cls, name, *args, **kwargs)
+        from pagedllm.models.loader import load_tokenizer
+
+        return load_tokenizer(path)
+
+    transformers.AutoTokenizer.from_pretrained = classmethod(from_pretrained)
+
+
 def install() -> None:
-    """Put the stand-in ``vllm`` ahead of any other on the import path."""
+    """Put the stand-in ``vllm`` ahead of any other on the import path (and the stand-in's tokenizer behind
+    AutoTokenizer's hub names)."""
     for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
         del sys.modules[name]
     sys.meta_path.insert(0, _Finder())
+    _patch_auto_tokenizer()

@@ -37,8 +37,8 @@ def _install() -> None:
 
 
 def _note(url: Any) -> None:
-    port = urlsplit(str(url)).port
-    if port in remote.LIVE_PORTS:
+    parts = urlsplit(str(url))
+    if parts.port in remote.LIVE_PORTS or (parts.port is None and parts.hostname in remote.LIVE_UDS_HOSTS):
         _reached[0] = True
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -25,8 +26,13 @@ VLLM_PATH = Path(os.environ.get("VLLM_SHIM_ROOT", "."))
 ROCM_EXTRA_ARGS: list[str] = []
 #: Where each server's output goes (one file per start): set by plugin.py.
 LOG_DIR = Path(os.environ.get("VLLM_SHIM_LOGS", "."))
+SERVER_SITE = Path(__file__).resolve().parent / "server_site"
+"""Its sitecustomize.py: in a server, ``tests.utils`` is this module (a test module named by --worker-extension-cls
+imports it)."""
 #: Ports of the servers started and alive: plugin.py counts a request to one of them as reaching the server.
 LIVE_PORTS: set[int] = set()
+#: The same for servers on a Unix socket (--uds): the socket file's name, their URLs' host.
+LIVE_UDS_HOSTS: set[str] = set()
 #: Every start: (test file, model, our argv, seconds to start or None when it failed).
 STARTS: list[dict[str, Any]] = []
 #: The test file being run (set by plugin.py).
@@ -51,7 +57,8 @@ class RemoteOpenAIServer:
             command = translate(model, args, env_dict)
         except Refused as e:
             pytest.skip(e.reason)
-        self.uds = None
+        # --uds passes through: the server then listens on that socket alone (its --host/--port unused)
+        self.uds = command.args[command.args.index("--uds") + 1] if "--uds" in command.args else None
         self.host = "127.0.0.1"
         self.port = get_open_port()
         self.show_hidden_metrics = False
@@ -63,6 +70,9 @@ class RemoteOpenAIServer:
                   "log": self.log_path.name, "start_s": None}
         STARTS.append(record)
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_SHIM")}
+        env.update(command.env)
+        # the shim's stand-in for vLLM's tests/utils.py, should the server import a test module (server_site/)
+        env["PYTHONPATH"] = os.pathsep.join([str(SERVER_SITE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         with open(self.log_path, "w") as log:
             log.write(" ".join(argv) + "\n")
             log.flush()
@@ -75,18 +85,30 @@ class RemoteOpenAIServer:
             if code is not None:
                 tail = self.log_path.read_text().strip().splitlines()[-3:]
                 pytest.skip(f"{TAG_START} pagedllm serve exited with {code}: {' | '.join(tail)[-300:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
+            if self._healthy():
+                break
             if time.monotonic() > deadline:
                 self._shutdown()
                 raise RuntimeError(f"pagedllm serve did not become healthy in time (log {self.log_path})")
             time.sleep(0.3)
         record["start_s"] = round(time.monotonic() - start, 1)
         LIVE_PORTS.add(self.port)
+        if self.uds is not None:
+            LIVE_UDS_HOSTS.add(self.uds.split("/")[-1].lower())
+
+    def _healthy(self) -> bool:
+        """Whether /health answers 200 (over the Unix socket with --uds)."""
+        if self.uds is not None:
+            try:
+                with httpx.Client(transport=httpx.HTTPTransport(uds=self.uds), timeout=2) as client:
+                    return client.get(self.url_for("health")).status_code == 200
+            except httpx.HTTPError:
+                return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def __enter__(self) -> RemoteOpenAIServer:
         return self
@@ -97,6 +119,8 @@ class RemoteOpenAIServer:
     def _shutdown(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after 15 s."""
         LIVE_PORTS.discard(self.port)
+        if self.uds is not None:
+            LIVE_UDS_HOSTS.discard(self.uds.split("/")[-1].lower())
         if self.proc.poll() is not None:
             return
         try:
@@ -110,7 +134,9 @@ class RemoteOpenAIServer:
 
     @property
     def url_root(self) -> str:
-        """http://127.0.0.1:PORT"""
+        """http://127.0.0.1:PORT (with --uds, as vLLM's: http://<the socket file's name>)"""
+        if self.uds is not None:
+            return f"http://{self.uds.split('/')[-1]}"
         return f"http://{self.host}:{self.port}"
 
     def url_for(self, *parts: str) -> str:

@@ -49,9 +49,13 @@ DROPPED = {
 }
 #: VLLM_* environment variables that change nothing the tests see here.
 HARMLESS_ENV = {"VLLM_LOGGING_LEVEL", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_V1", "VLLM_ENABLE_V1_MULTIPROCESSING",
-                "VLLM_CPU_KVCACHE_SPACE", "VLLM_SERVER_DEV_MODE", "VLLM_LOG_STATS_INTERVAL",
+                "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOG_STATS_INTERVAL",
                 # pagedllm's Responses API stores responses (store: true) without being asked
-                "VLLM_ENABLE_RESPONSES_API_STORE"}
+                "VLLM_ENABLE_RESPONSES_API_STORE",
+                # pagedllm serves /cohere/v2/chat without being asked (its render route: --enable-scale-out)
+                "VLLM_ENABLE_COHERE_API"}
+#: vLLM's variables `pagedllm serve` reads itself: passed on to the server's environment.
+PASSED_ENV = {"VLLM_SERVER_DEV_MODE"}
 #: Environment variables (vLLM's, and SageMaker's one vLLM's container reads) with a pagedllm flag.
 ENV_FLAGS = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "--allow-runtime-lora-updating",
              "SAGEMAKER_ENABLE_STATEFUL_SESSIONS": "--enable-sagemaker-sessions"}
@@ -72,6 +76,8 @@ class Command:
     model: str
     args: list[str]
     dropped: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables for the server's environment (PASSED_ENV)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,6 +143,7 @@ def translate(model: str, vllm_args: list[str], env: dict[str, str] | None = Non
     ours: list[str] = []
     dropped: list[str] = []
     unknown: list[str] = []
+    passed: dict[str, str] = {}
     named = False
     for flag, values in pairs:
         if flag in ("--model", "--port", "--host", "-p"):
@@ -162,7 +169,9 @@ def translate(model: str, vllm_args: list[str], env: dict[str, str] | None = Non
         if (key not in ENV_FLAGS and (not key.startswith("VLLM_") or key in HARMLESS_ENV)) or \
                 os.environ.get(key) == value:
             continue
-        if key in ENV_FLAGS and value.lower() in ("1", "true"):
+        if key in PASSED_ENV:
+            passed[key] = value
+        elif key in ENV_FLAGS and value.lower() in ("1", "true"):
             ours.append(ENV_FLAGS[key])
         elif key == "VLLM_API_KEY":
             ours += ["--api-key", value]
@@ -173,4 +182,4 @@ def translate(model: str, vllm_args: list[str], env: dict[str, str] | None = Non
         raise Refused(f"{tag} pagedllm serve has no {', '.join(unknown)}")
     if not named:
         ours += ["--served-model-name", model]
-    return Command(model=path, args=ours, dropped=dropped)
+    return Command(model=path, args=ours, dropped=dropped, env=passed)

@@ -47,6 +47,10 @@ class FreeBlockQueue:
         """Free block ids in eviction order."""
         return list(self._queue)
 
+    def blocks(self) -> list[KVCacheBlock]:
+        """Free blocks in eviction order."""
+        return list(self._queue.values())
+
 
 class BlockPool:
     """All KV blocks. Block 0 is the null block: never handed out, used to pad block tables."""
@@ -132,6 +136,13 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached tokens of every free block (blocks requests hold keep theirs); how many were cached."""
+        cached = [b for b in self.free_queue.blocks() if b.block_hash is not None]
+        for block in cached:
+            self._evict(block)
+        return len(cached)
 
     def usage(self) -> float:
         """Fraction of usable blocks currently held by requests (0.0 - 1.0)."""

@@ -250,6 +250,27 @@ class Scheduler:
         """Requests waiting, running or about to fork: another step has work."""
         return bool(self.requests)
 
+    def drop_kv(self) -> None:
+        """Forget every K/V (the pool's memory is about to be released): running requests go back to the queue's
+        front to recompute, swapped ones forget their host copies, the prefix cache empties, and the workers'
+        states of every request are dropped (each is sent whole again when it is next scheduled)."""
+        manager = self.kv_cache_manager
+        for request in reversed(self.running):  # (their order kept at the queue's front)
+            manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_preemptions += 1
+            self.waiting.appendleft(request)
+        self.running.clear()
+        for request in self.waiting:
+            manager.free_host(request)
+            request.num_computed_tokens = 0
+            request.spec_token_ids = []
+        manager.block_pool.reset_prefix_cache()
+        manager.take_copies()  # (copy-on-write work on blocks now freed)
+        self._finished_since_last_step |= self._seen_by_workers
+        self._seen_by_workers.clear()
+        self._refresh_gauges()
+
     # ------------------------------------------------------------------------- schedule
     def step_features(self, out: SchedulerOutput) -> list[float]:
         """[1, tokens, sequences, attended positions / 1000] of a step just scheduled (what its time grows with:
@@ -527,7 +548,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens, output_token_ids=request.output_token_ids,
             lora_request=request.lora_request, pooling_params=request.pooling_params,
-            token_type_ids=request.token_type_ids)
+            token_type_ids=request.token_type_ids, prompt_embeds=request.prompt_embeds)
 
     def _cached_request_data(self, request: Request, new_blocks: list[KVCacheBlock]) -> CachedRequestData:
         """A known request's new blocks, or its whole table when the table changed in place."""

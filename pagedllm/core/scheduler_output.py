@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.prompt_embeds import PromptEmbeds
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -28,6 +29,8 @@ class NewRequestData:
     """A pooling request's parameters (it is pooled, not sampled)."""
     token_type_ids: list[int] | None = None
     """Per prompt token, its segment (cross-encoder pairs); None: all 0."""
+    prompt_embeds: PromptEmbeds | None = None
+    """The prompt given as embeddings (``prompt_token_ids`` are its placeholders): the model takes these rows."""
 
 
 @dataclass(kw_only=True)

@@ -22,6 +22,7 @@ from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.core_client import CORE_EXIT_TIMEOUT_S, AsyncCoreClient, EngineDeadError, make_async_client
 from pagedllm.engine.messages import (Abort, Accepted, AddRequest, Call, CoreMessage, FrontMessage, Reply, StepOutputs,
                                       Stop)
+from pagedllm.engine.lifecycle import EnginePausedError
 from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.serial import decode_error
@@ -32,6 +33,8 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+PAUSE_SETTLE_S = 0.05
+"""After a pause answers: time for the streams it finished to send their last chunk first."""
 
 #: Called on the event loop after every step (and after aborts) with fresh statistics: the stepping replica's
 #: (its index the third argument; 0 without data parallelism) and the front's timings.
@@ -52,7 +55,9 @@ class AsyncLLM:
         self.tokenizer = client.tokenizer
         self.num_kv_blocks: int = ready.num_kv_blocks
         self.processor = Processor(self.tokenizer, self.config.model.max_model_len, ready.vocab_size,
-                                   tuple(ready.eos_token_ids), max_logprobs=self.config.model.max_logprobs)
+                                   tuple(ready.eos_token_ids), max_logprobs=self.config.model.max_logprobs,
+                                   embeds_hidden_size=(ready.hidden_size if self.config.model.enable_prompt_embeds
+                                                       else None))
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.dead_error: BaseException | None = None
         self._closing = False
@@ -216,6 +221,48 @@ class AsyncLLM:
         assert not self._started, "after start(): await add_lora"
         return self.client.call_now("add_lora", [lora])
 
+    # ------------------------------------------------------------------ RL controls (engine/lifecycle.py)
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause generation (vLLM's): returns once the pause completed ("wait": the running requests finished)."""
+        await self._call("pause", mode, clear_cache)
+        await self._after_pause(mode)
+
+    async def resume_generation(self) -> None:
+        await self._call("resume")
+
+    async def is_paused(self) -> bool:
+        return await self._call("is_paused")
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Pause, then release the KV pool (level 1) and the weights (level 2); new requests wait for wake_up."""
+        await self._call("sleep", level, mode)
+        await self._after_pause(mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back what sleep released (None: all); True once the engine is fully awake (and serving)."""
+        return await self._call("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call("is_sleeping")
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``method(*args, **kwargs)`` on every worker, results in rank order (TimeoutError after ``timeout``
+        seconds; the call itself runs to its end)."""
+        call = self._call("collective_rpc", method, list(args), kwargs)
+        return await (call if timeout is None else asyncio.wait_for(call, timeout))
+
+    async def _after_pause(self, mode: str) -> None:
+        """The beam searches an "abort" ended fail (they have no finish of their own); a moment for the streams
+        the abort finished to send their last chunk before the caller hears the pause is done (as vLLM)."""
+        if mode == "abort":
+            for request_id in list(self._beams):
+                self._beams.discard(request_id)
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put_nowait(EnginePausedError("the beam search was aborted by a pause"))
+        await asyncio.sleep(PAUSE_SETTLE_S)
+
     async def kv_state(self) -> dict[str, Any]:
         """The KV pool now (each block's holder, the accounting) and its recent history, from the core."""
         return await self._call("kv_state")
@@ -315,6 +362,8 @@ class RequestStream:
         try:
             while not self.finished:
                 item = await self.queue.get()
+                if isinstance(item, EnginePausedError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError("the engine loop stopped") from item
                 self.finished = item.finished

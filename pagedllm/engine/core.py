@@ -18,13 +18,14 @@ from typing import Any
 from pagedllm import platform
 from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
                              ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
-                             json_object, parse_cuda_graph_sizes, parse_memory)
+                             WatermarkConfig, json_object, parse_cuda_graph_sizes, parse_memory)
 from pagedllm.core.kv_cache_manager import ROUTING_KEY_MASK
 from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step_time import cost_weights
 from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.engine.beam_search import BeamSearchManager
+from pagedllm.engine.lifecycle import Lifecycle, check_mode
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, CoreReady, EngineStats,
                                       StepOutputs)
 from pagedllm.engine.processor import Processor
@@ -32,13 +33,16 @@ from pagedllm.errors import ValidationError
 from pagedllm.executor.factory import get_executor_class
 from pagedllm.layers import cpu_ops
 from pagedllm.lora_request import LoRARequest
+from pagedllm.outputs import EngineCoreOutput
 from pagedllm.models.config import ArchConfig
+from pagedllm.models.registry import get_model_class
 from pagedllm.models.loader import (load_arch_config, load_eos_token_ids, load_tokenizer, matryoshka_dimensions,
                                     quantized_formats, resolve_model_path)
 from pagedllm.models.loader.sentence_transformers import read_sentence_transformers_config, read_task_prompts
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.extension import worker_class
 from pagedllm.worker.memory_fit import check_fits
 from pagedllm.worker.structured_output import compiler_for
 
@@ -76,16 +80,25 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
     if isinstance(args.seed, bool) or not isinstance(args.seed, int):
         raise ValidationError.bad_value("seed", args.seed, "an integer")
     parallel = ParallelConfig.from_engine_args(args)
+    if parallel.worker_extension_cls:  # refused here, before any worker starts, if it cannot be mixed in
+        worker_class(parallel.worker_extension_cls)
     for rank in range(parallel.tensor_parallel_size):  # refuse a split the model cannot take before any worker starts
         shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
     kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     lora = _lora_config(args, parallel)
     speculative = _speculative_config(args, parallel, arch)
+    watermark = WatermarkConfig.from_user(args.watermark_config)
+    if watermark is not None and speculative is not None:  # (vLLM's dual_key_gumbel: not here)
+        raise ValidationError("watermark_config cannot be combined with speculative_config (drafts would be "
+                              "accepted unwatermarked)", param="watermark_config", value=args.watermark_config)
     if pooling.runner == "pooling":
-        for name, value, off in (("speculative_config", speculative, None), ("enable_lora", lora, None)):
+        for name, value, off in (("speculative_config", speculative, None), ("enable_lora", lora, None),
+                                 ("watermark_config", watermark, None)):
             if value is not off:
                 raise ValidationError(f"{name} is for generating models: a pooling model ({pooling.convert}) "
                                       "does not take it", param=name, value=getattr(args, name))
+    if args.enable_prompt_embeds:
+        _check_prompt_embeds(arch, pooling.runner, speculative)
     # a pooled input is never chunked (every token's hidden state is needed at once): a step holds the longest
     max_batched = max(args.max_num_batched_tokens, max_model_len) if pooling.runner == "pooling" \
         else args.max_num_batched_tokens
@@ -94,7 +107,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
                           load_format=args.load_format, quantization=quantization, runner=pooling.runner,
                           convert=pooling.convert, pooler=pooling.pooler, encoder_only=arch.is_encoder_only,
                           labels=_labels(arch) if pooling.convert == "classify" else (),
-                          max_logprobs=arch.vocab_size if max_logprobs == -1 else max_logprobs),
+                          max_logprobs=arch.vocab_size if max_logprobs == -1 else max_logprobs,
+                          enable_prompt_embeds=bool(args.enable_prompt_embeds),
+                          enable_sleep_mode=_sleep_mode(args)),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=kv_memory, num_kv_blocks=args.num_kv_blocks,
                           # pooled inputs want every token's hidden state: a cached prefix would skip some
                           enable_prefix_caching=args.enable_prefix_caching and pooling.runner != "pooling",
@@ -114,8 +129,30 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
         lora=lora,
         structured_outputs=_structured_outputs_config(args),
         speculative=speculative,
+        watermark=watermark,
     )
     return config, arch
+
+
+def _check_prompt_embeds(arch: ArchConfig, runner: str, speculative: SpeculativeConfig | None) -> None:
+    """enable_prompt_embeds' refusals: a model whose forward cannot take embeddings, a pooling runner, speculation
+    (its proposers read the prompt's token ids, which such a prompt does not have)."""
+    if runner == "pooling":
+        raise ValidationError("enable_prompt_embeds is for generating models: a pooling model does not take it",
+                              param="enable_prompt_embeds", value=True)
+    if speculative is not None:
+        raise ValidationError("enable_prompt_embeds cannot be combined with speculative_config (proposers read the "
+                              "prompt's token ids)", param="enable_prompt_embeds", value=True)
+    if not getattr(get_model_class(arch), "supports_prompt_embeds", False):
+        raise ValidationError(f"enable_prompt_embeds: {arch.architecture} does not take prompt embeddings (the "
+                              "Llama-family models do: pagedllm models)", param="enable_prompt_embeds", value=True)
+
+
+def _sleep_mode(args: EngineArgs) -> bool:
+    """enable_sleep_mode checked: a boolean."""
+    if not isinstance(args.enable_sleep_mode, bool):
+        raise ValidationError.bad_value("enable_sleep_mode", args.enable_sleep_mode, "true or false")
+    return args.enable_sleep_mode
 
 
 def _is_zero(value: object) -> bool:
@@ -272,7 +309,8 @@ class EngineCore:
         grammars = functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(eos),
                                      config.structured_outputs)
         self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars,
-                                   max_logprobs=config.model.max_logprobs)
+                                   max_logprobs=config.model.max_logprobs,
+                                   embeds_hidden_size=arch.hidden_size if config.model.enable_prompt_embeds else None)
         """Checks requests against the model (and prepares their grammars); prompts come tokenized."""
         check_fits(config, arch)  # weights + KV cache against the memory here, before anything is allocated
         self.executor = get_executor_class(config)(config, arch, eos)
@@ -294,6 +332,8 @@ class EngineCore:
         self._beam_seq_ids = itertools.count()
         self.loras: dict[int, LoRARequest] = {}
         """LoRA adapters added (checked by the workers), by lora_int_id."""
+        self.lifecycle = Lifecycle(self, config.model.enable_sleep_mode)
+        """Pause, sleep and wake-up (engine/lifecycle.py)."""
         # what start-up left (the model, torch's and transformers' modules: ~220k objects) is out of the cyclic
         # GC's reach from now on, as vLLM's core does: a full collection walked it all, ~90 ms a time, during
         # steps (all-MiniLM, 3,000 sentences: 2.16 s -> 2.06 s). Shutdown gives it back.
@@ -314,11 +354,13 @@ class EngineCore:
         if not isinstance(request.params, SamplingParams):
             raise ValidationError.bad_value("sampling_params", request.params, "a SamplingParams")
         self._check_generates("a text generation request")
+        self.lifecycle.check_admits()
         try:
             if request.lora_request is not None:
                 self.add_lora(request.lora_request)
             samples = self.processor.make_requests(request.seq_ids, request.prompt_ids, request.params,
-                                                   request.arrival_time, request.cache_salt, request.lora_request)
+                                                   request.arrival_time, request.cache_salt, request.lora_request,
+                                                   request.prompt_embeds)
             # the n samples of a prompt fork from the first once its prompt is computed (shared blocks)
             self.scheduler.add_request(samples[0], samples[1:])
         except BaseException:
@@ -358,6 +400,7 @@ class EngineCore:
             raise ValidationError(f"request id {request.request_id!r} is already in use", param="request_id",
                                   value=request.request_id)
         self._check_generates("beam search")
+        self.lifecycle.check_admits()
         most = self.processor.max_logprobs  # each step ranks 2 x beam_width candidates per beam, as vLLM
         if 2 * params.beam_width > most:
             raise ValidationError.bad_value("beam_width", params.beam_width,
@@ -382,8 +425,43 @@ class EngineCore:
         self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests still to run: step() has work."""
-        return self.scheduler.has_unfinished_requests()
+        """Requests still to run: step() has work (none while paused with "keep" or asleep)."""
+        return not self.lifecycle.frozen and self.scheduler.has_unfinished_requests()
+
+    def abort_all(self) -> list[EngineCoreOutput]:
+        """End every request now (a pause's "abort"): the samples' finishes ("abort") for their callers; beam
+        searches end without one (their front fails them)."""
+        seq_ids = [s for s in self.scheduler.requests if not self.beam_search.owns(s)]
+        self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        for request_id in list(self.beam_search.groups):
+            self.beam_search.abort(request_id)
+        return [EngineCoreOutput(request_id=s, new_token_ids=[], finish_reason="abort") for s in seq_ids]
+
+    # ----------------------------------------------------------------------- pause, sleep (engine/lifecycle.py)
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> list[EngineCoreOutput]:
+        """Pause generation (vLLM's pause_generation); the finishes of the requests "abort" ended."""
+        return self.lifecycle.pause(mode, clear_cache, reject=check_mode(mode) != "keep")
+
+    def resume(self) -> None:
+        self.lifecycle.resume()
+
+    def is_paused(self) -> bool:
+        return self.lifecycle.paused
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> list[EngineCoreOutput]:
+        """Pause, then release the KV pool (level 1) and the weights (level 2); the finishes "abort" made."""
+        return self.lifecycle.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back what sleep released (``tags``: "weights", "kv_cache"; None: all); True once fully awake."""
+        return self.lifecycle.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.lifecycle.is_sleeping()
+
+    def collective_rpc(self, method: str | bytes, args: Any = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """A user's call of a worker method on every rank (engine/lifecycle.py); results in rank order."""
+        return self.lifecycle.collective_rpc(method, args, kwargs)
 
     def step(self) -> StepOutputs:
         """Schedule one batch and run it: the samples' new tokens, the beam searches that ended, the counters.
@@ -460,7 +538,7 @@ class EngineCore:
         """What a front needs to know of this core once it is loaded."""
         return CoreReady(version=PROTOCOL_VERSION, config=self.config, vocab_size=self.processor.vocab_size,
                          eos_token_ids=list(self.processor.eos_token_ids), num_kv_blocks=self.num_kv_blocks,
-                         stats=self.get_stats())
+                         stats=self.get_stats(), hidden_size=self.hidden_size)
 
     def shutdown(self) -> None:
         """Stop the executor's workers (processes, Ray actors); idempotent. What start-up froze goes back to the

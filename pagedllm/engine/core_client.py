@@ -28,7 +28,7 @@ import zmq
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.core_loop import CALLS, EngineCoreLoop, QueueChannel
+from pagedllm.engine.core_loop import CALLS, PAUSING_CALLS, EngineCoreLoop, QueueChannel
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, Call, CoreDead, CoreMessage,
                                       CoreReady, FrontMessage, Reply, Shutdown, StartCore, StartupError, StepOutputs)
 from pagedllm.engine.replica_launch import CoreProcess, Launcher, LocalLauncher
@@ -135,7 +135,10 @@ class InprocClient:
         """One of the core's CALLS (the same set the other clients reach)."""
         if method not in CALLS or method == "kv_state":
             raise ValueError(f"the engine core has no call {method!r} here")
-        return getattr(self.core, method)(*args)
+        result = getattr(self.core, method)(*args)
+        if method in PAUSING_CALLS:  # nothing waits here (lifecycle.py refuses "wait" with requests in flight)
+            assert self.core.lifecycle.try_finish()
+        return result
 
     def shutdown(self) -> None:
         self.core.shutdown()

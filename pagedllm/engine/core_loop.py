@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.messages import (Abort, Accepted, AddBeamSearch, AddRequest, Call, CoreDead, CoreMessage,
-                                      FrontMessage, Reply, Shutdown, StepOutputs, Stop)
+from pagedllm.engine.messages import (Abort, Accepted, AddBeamSearch, AddRequest, Call, CoreDead, CoreError,
+                                      CoreMessage, FrontMessage, Reply, Shutdown, StepOutputs, Stop)
 from pagedllm.engine.processor import Processor
-from pagedllm.engine.serial import encode_error
+from pagedllm.engine.serial import encode, encode_error
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -28,8 +28,12 @@ IDLE_POLL_S = 1.0
 """An idle core wakes at least this often: to sample the KV pool and notice a dead parent."""
 PREPARE_POLL_S = 0.005
 """While a request is being prepared and nothing runs, the loop looks for its end this often."""
-CALLS = ("add_lora", "remove_lora", "list_loras", "kv_state", "rank_memory_usage", "get_stats")
+CALLS = ("add_lora", "remove_lora", "list_loras", "kv_state", "rank_memory_usage", "get_stats", "pause", "resume",
+         "is_paused", "sleep", "wake_up", "is_sleeping", "collective_rpc")
 """What a front may call between steps (by name: nothing else can be run)."""
+PAUSING_CALLS = ("pause", "sleep")
+"""Calls answered once the pause they start completes (engine/lifecycle.py: "wait" drains the running requests
+first)."""
 KV_SAMPLE_INTERVAL_S = 1.0
 KV_HISTORY_SAMPLES = 600
 """Ten minutes of the KV pool's accounting at one sample a second."""
@@ -88,6 +92,11 @@ class EngineCoreLoop:
         """Requests whose preparation runs in ``_prepare_pool`` (by request id, in arrival order)."""
         # one thread: a heavy request's grammar compile takes one core, never the step's share of the rest
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-prepare")
+        self._held: list[AddRequest | AddBeamSearch] = []
+        """Requests that arrived while the core was paused or asleep (not refused): queued when it resumes."""
+        self._pausing: list[int] = []
+        """Calls (ids) of a pause that waits for the running requests: answered when it completes."""
+        core.lifecycle.serving = True
         core.executor.register_failure_callback(self._on_worker_failure)
 
     def _on_worker_failure(self, error: BaseException) -> None:  # any thread: the loop raises it
@@ -113,6 +122,7 @@ class EngineCoreLoop:
                 self._apply_messages()
                 if not self.stop and self.core.has_unfinished_requests():
                     self._step()
+                self._finish_pause()
             return 0
         except BaseException as e:  # the front answers 503 and fails its requests
             logger.exception("engine core died")
@@ -146,6 +156,7 @@ class EngineCoreLoop:
                 self._add(message)
             elif isinstance(message, Abort):
                 self._cancel_preparing(message.request_id)
+                self._cancel_held(message.request_id)
                 self.core.abort(message)
                 aborted = True
             elif isinstance(message, Stop):
@@ -171,6 +182,9 @@ class EngineCoreLoop:
         self._queue(request)
 
     def _queue(self, request: AddRequest | AddBeamSearch) -> None:
+        if self.core.lifecycle.admission() == "hold":  # accepted once the core resumes (the caller waits)
+            self._held.append(request)
+            return
         try:
             if isinstance(request, AddRequest):
                 self.core.add_request(request)
@@ -203,13 +217,50 @@ class EngineCoreLoop:
             error = ValidationError("the request was aborted while it was being prepared")
             self.channel.send(Accepted(request_id=request_id, error=encode_error(error)))
 
+    def _cancel_held(self, request_id: str) -> None:
+        """An abort of a request held while paused: it is never queued (its front is told, for the count)."""
+        for request in [r for r in self._held if r.request_id == request_id]:
+            self._held.remove(request)
+            error = ValidationError("the request was aborted while generation was paused")
+            self.channel.send(Accepted(request_id=request_id, error=encode_error(error)))
+
     def _call(self, call: Call) -> None:
         try:
             result = self.call(call.method, call.args)
+            if call.method in PAUSING_CALLS:
+                if result:  # the finishes of the requests "abort" ended reach their callers before the answer
+                    self.channel.send(StepOutputs(outputs=result, beam_outputs=[], stats=self.core.get_stats()))
+                result = None
+                if not self.core.lifecycle.try_finish():
+                    self._pausing.append(call.call_id)
+                    return
         except Exception as e:  # the caller gets it (a monitoring call must not stop the loop)
             self.channel.send(Reply(call_id=call.call_id, error=encode_error(e)))
             return
         self.channel.send(Reply(call_id=call.call_id, result=result))
+        self._release_held()
+
+    def _finish_pause(self) -> None:
+        """Answer the waiting pause calls once their pause completed (or was resumed meanwhile)."""
+        if not self._pausing:
+            return
+        try:
+            if not self.core.lifecycle.try_finish():
+                return
+        except Exception as e:  # e.g. a worker could not sleep: the callers hear it
+            error: CoreError | None = encode_error(e)
+        else:
+            error = None
+        calls, self._pausing = self._pausing, []
+        for call_id in calls:
+            self.channel.send(Reply(call_id=call_id, error=error))
+
+    def _release_held(self) -> None:
+        """After a call that resumed the core: the requests held meanwhile are queued, in arrival order."""
+        if self._held and self.core.lifecycle.admission() != "hold":
+            held, self._held = self._held, []
+            for request in held:
+                self._add(request)
 
     def call(self, method: str, args: list[Any]) -> Any:
         """One of CALLS on the core (sets come back as lists: what msgpack carries)."""
@@ -218,7 +269,18 @@ class EngineCoreLoop:
         if method == "kv_state":  # the /kv page's data: each block now and the accounting's recent history
             return {**self.core.kv_map(), "history": self.kv_history.points()}
         result = getattr(self.core, method)(*args)
+        if method == "collective_rpc":  # what the front can be sent: anything else as its text (as vLLM's route)
+            return [value if _sendable(value) else str(value) for value in result]
         return list(result) if isinstance(result, set) else result
+
+
+def _sendable(value: Any) -> bool:
+    """Whether msgpack carries ``value`` (plain data) to the front."""
+    try:
+        encode(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True
 
 
 class QueueChannel:

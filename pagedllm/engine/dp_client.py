@@ -216,7 +216,8 @@ class DPClient(AsyncCoreClient):
 
     # ------------------------------------------------------------------ routing
     def _route(self, message: AddRequest | AddBeamSearch, routed: _Routed | None = None) -> None:
-        salt = block_hash_salt(getattr(message, "cache_salt", None), message.lora_request)
+        salt = block_hash_salt(getattr(message, "cache_salt", None), message.lora_request,
+                               getattr(message, "prompt_embeds", None))
         try:
             replica, _ = self.router.choose(message.prompt_ids, salt)
         except LookupError:
@@ -464,8 +465,12 @@ class DPClient(AsyncCoreClient):
         ordered = [fan.results[i] for i in sorted(fan.results)]
         if fan.method == "kv_state":
             result: Any = {"replicas": [{"index": i, **fan.results[i]} for i in sorted(fan.results)]}
-        elif fan.method == "rank_memory_usage":
+        elif fan.method in ("rank_memory_usage", "collective_rpc"):  # every replica's ranks, in order
             result = [row for rows in ordered for row in rows]
+        elif fan.method == "wake_up":  # fully awake: every replica
+            result = all(ordered)
+        elif fan.method in ("pause", "resume", "sleep"):
+            result = None
         elif fan.method == "list_loras":
             result = sorted(set.intersection(*(set(r) for r in ordered)))
         elif fan.method == "get_stats":

@@ -40,7 +40,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.num_kv_blocks = ready.num_kv_blocks
         self.processor = Processor(tokenizer, self.config.model.max_model_len, ready.vocab_size,
-                                   tuple(ready.eos_token_ids), max_logprobs=self.config.model.max_logprobs)
+                                   tuple(ready.eos_token_ids), max_logprobs=self.config.model.max_logprobs,
+                                   embeds_hidden_size=(ready.hidden_size if self.config.model.enable_prompt_embeds
+                                                       else None))
         self.output_processor = OutputProcessor(tokenizer, log_stats)
         self._seq_counter = itertools.count()
         self._beams: set[str] = set()
@@ -138,6 +140,38 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         """Counters (steps, preemptions, chunked prefills, max running) and KV usage now and at peak."""
         return self.engine_core.call("get_stats")
+
+    # ----------------------------------------------------------------------- pause, sleep, workers (lifecycle.py)
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> list[RequestOutput]:
+        """Pause generation (vLLM's pause_generation; "wait" with requests in flight is refused here); the final
+        outputs of the requests "abort" ended."""
+        return self._ended(self.engine_core.call("pause", mode, clear_cache), mode)
+
+    def resume(self) -> None:
+        self.engine_core.call("resume")
+
+    def is_paused(self) -> bool:
+        return self.engine_core.call("is_paused")
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> list[RequestOutput]:
+        """Pause, then release the KV pool (level 1) and the weights (level 2) until wake_up."""
+        return self._ended(self.engine_core.call("sleep", level, mode), mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return self.engine_core.call("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.call("is_sleeping")
+
+    def collective_rpc(self, method: str | bytes, args: tuple = (), kwargs: dict[str, Any] | None = None
+                       ) -> list[Any]:
+        return self.engine_core.call("collective_rpc", method, args, kwargs)
+
+    def _ended(self, outputs: list[Any], mode: str) -> list[RequestOutput]:
+        """The RequestOutputs of core outputs a pause made (its aborted requests' finishes)."""
+        if mode == "abort":  # (beam searches ended too, without an output)
+            self._beams.clear()
+        return self.output_processor.process(outputs)[0]
 
     def take_iteration_stats(self) -> IterationStats:
         """Timing facts since the last call: times to first token, inter-token latencies, finished requests."""

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pagedllm.lora_request import LoRARequest
     from pagedllm.outputs import EngineCoreOutput, RequestOutput
     from pagedllm.pooling_params import PoolingParams
+    from pagedllm.prompt_embeds import PromptEmbeds
     from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -89,6 +90,8 @@ class AddRequest:
     lora_request: LoRARequest | None = None
     token_type_ids: list[int] | None = None
     """A pooling request's segment ids (cross-encoder pairs)."""
+    prompt_embeds: PromptEmbeds | None = None
+    """A prompt given as embeddings (enable_prompt_embeds): ``prompt_ids`` are then its placeholders, one per row."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -153,6 +156,8 @@ class CoreReady:
     eos_token_ids: list[int]
     num_kv_blocks: int
     stats: EngineStats
+    hidden_size: int = 0
+    """The model's embedding width (what a prompt given as embeddings must have per row)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import DEFAULT_MAX_LOGPROBS
 from pagedllm.engine.messages import AddBeamSearch, AddRequest
+from pagedllm.engine.prompt_embeds import prompt_embeds_from_tensor
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.prompt_embeds import PromptEmbeds
 from pagedllm.request import Request
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, check_refs
 
@@ -81,8 +83,12 @@ class Processor:
     """Tokenizes and validates; everything it refuses raises ValidationError naming the parameter."""
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 grammars: Callable[[], GrammarCompiler] | None = None, max_logprobs: int = MAX_LOGPROBS) -> None:
+                 grammars: Callable[[], GrammarCompiler] | None = None, max_logprobs: int = MAX_LOGPROBS,
+                 embeds_hidden_size: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.embeds_hidden_size = embeds_hidden_size
+        """The model's embedding width when prompts may be given as embeddings (enable_prompt_embeds); None: they
+        are refused."""
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
@@ -133,6 +139,8 @@ class Processor:
         """A front end's request as its engine core takes it: (prompt text, the tokenized request); a beam
         search with BeamSearchParams, else ``params.n`` samples, each id "n:request_id" with n from ``seq_counter``
         (front-made: users' ids can never collide with them)."""
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            return None, self._embeds_request(request_id, prompt, params, arrival_time, lora_request, seq_counter)
         if isinstance(params, PoolingParams):
             text, prompt_ids = self.tokenize_prompt(prompt, params.truncate_prompt_tokens)
             types = self.token_type_ids(prompt, len(prompt_ids))
@@ -151,6 +159,43 @@ class Processor:
         return text, AddRequest(request_id=request_id, seq_ids=seq_ids,
                                 prompt_ids=prompt_ids, params=params, arrival_time=arrival_time,
                                 cache_salt=cache_salt, lora_request=lora_request)
+
+    def prompt_embeds(self, value: Any) -> PromptEmbeds:
+        """A prompt's embeddings (a tensor, or PromptEmbeds already checked) checked against this model: enabled,
+        1 .. max_model_len rows of its embedding width, a float dtype (ValidationError naming prompt_embeds)."""
+        if self.embeds_hidden_size is None:
+            raise ValidationError("prompt_embeds needs the engine started with enable_prompt_embeds "
+                                  "(--enable-prompt-embeds)", param="prompt_embeds")
+        embeds = value if isinstance(value, PromptEmbeds) else \
+            prompt_embeds_from_tensor(value, self.max_model_len, self.embeds_hidden_size)
+        if embeds.hidden_size != self.embeds_hidden_size:
+            raise ValidationError(f"prompt_embeds has hidden size {embeds.hidden_size}, but this model's is "
+                                  f"{self.embeds_hidden_size}", param="prompt_embeds", value=embeds.hidden_size)
+        return embeds
+
+    def _embeds_request(self, request_id: str, prompt: dict[str, Any], params: Any, arrival_time: float,
+                        lora_request: LoRARequest | None, seq_counter: Iterator[int]) -> AddRequest:
+        """core_request of {"prompt_embeds": tensor}: the rows stand for the prompt's tokens (placeholder ids)."""
+        extra = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
+        if extra:
+            raise ValidationError(f"a prompt given as prompt_embeds takes no {extra[0]} (give one or the other)",
+                                  param=extra[0])
+        if isinstance(params, (PoolingParams, BeamSearchParams)):
+            raise ValidationError("prompt_embeds is for sampled generation, not "
+                                  f"{'pooling' if isinstance(params, PoolingParams) else 'beam search'}",
+                                  param="prompt_embeds")
+        if not isinstance(params, SamplingParams):
+            raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
+        if params.prompt_logprobs is not None:
+            raise ValidationError("prompt_logprobs is not compatible with prompt_embeds (the prompt has no token ids "
+                                  "to score)", param="prompt_logprobs", value=params.prompt_logprobs)
+        embeds = self.prompt_embeds(prompt["prompt_embeds"])
+        params = self.resolve_logprobs(params)
+        cache_salt = prompt.get("cache_salt")
+        seq_ids = [f"{next(seq_counter)}:{request_id}" for _ in range(params.n)]
+        return AddRequest(request_id=request_id, seq_ids=seq_ids, prompt_ids=embeds.placeholder_ids, params=params,
+                          arrival_time=arrival_time, cache_salt=cache_salt, lora_request=lora_request,
+                          prompt_embeds=embeds)
 
     @staticmethod
     def token_type_ids(prompt: PromptType, num_tokens: int) -> list[int] | None:
@@ -264,15 +309,24 @@ class Processor:
 
     def make_requests(self, seq_ids: list[str], prompt_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, cache_salt: str | None = None,
-                      lora_request: LoRARequest | None = None) -> list[Request]:
-        """One Request per sample (``params.n`` of them, one per id in ``seq_ids``)."""
+                      lora_request: LoRARequest | None = None,
+                      prompt_embeds: PromptEmbeds | None = None) -> list[Request]:
+        """One Request per sample (``params.n`` of them, one per id in ``seq_ids``); ``prompt_embeds``: the prompt
+        as embeddings (``prompt_ids`` its placeholders)."""
         if isinstance(params, SamplingParams):
             params = self.resolve_logprobs(params)
         self.check_params(params)
+        if prompt_embeds is not None:
+            prompt_embeds = self.prompt_embeds(prompt_embeds)
+            assert len(prompt_ids) == prompt_embeds.num_tokens, "one placeholder id per embedded row"
+            if params.prompt_logprobs is not None:
+                raise ValidationError("prompt_logprobs is not compatible with prompt_embeds", param="prompt_logprobs",
+                                      value=params.prompt_logprobs)
         max_tokens = self.check_length(len(prompt_ids), params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValidationError.bad_value("cache_salt", cache_salt, "a string")
         assert len(seq_ids) == params.n
         each = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
-        return [Request(seq_id, prompt_ids, p, self.eos_token_ids, max_tokens, arrival_time, cache_salt, lora_request)
+        return [Request(seq_id, prompt_ids, p, self.eos_token_ids, max_tokens, arrival_time, cache_salt, lora_request,
+                        prompt_embeds=prompt_embeds)
                 for seq_id, p in zip(seq_ids, each)]

@@ -15,10 +15,12 @@ import msgpack
 
 from pagedllm import config, outputs
 from pagedllm.engine import messages
+from pagedllm.engine.lifecycle import CollectiveRPCError, EnginePausedError
 from pagedllm.engine.messages import EngineStats
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.prompt_embeds import PromptEmbeds
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _DATACLASS = 1
@@ -26,9 +28,10 @@ _ENUM = 2
 
 _DATACLASSES: dict[str, type] = {cls.__name__: cls for cls in (
     SamplingParams, StructuredOutputsParams, BeamSearchParams, LoRARequest, EngineStats, config.EngineArgs,
-    PoolingParams, config.PoolerConfig,
+    PoolingParams, config.PoolerConfig, PromptEmbeds,
     config.EngineConfig, config.ModelConfig, config.CacheConfig, config.SchedulerConfig, config.ParallelConfig,
     config.DeviceConfig, config.LoRAConfig, config.StructuredOutputsConfig, config.SpeculativeConfig,
+    config.WatermarkConfig,
     outputs.EngineCoreOutput,
     outputs.TokenLogprobs, outputs.RequestOutput, outputs.CompletionOutput, outputs.RequestMetrics, outputs.Logprob,
     *messages.MESSAGE_TYPES)}
@@ -85,8 +88,13 @@ def encode_error(error: BaseException) -> messages.CoreError:
     return messages.CoreError(type=type(error).__name__, message=str(error) or type(error).__name__)
 
 
+_PASSED_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (EnginePausedError, CollectiveRPCError)}
+
+
 def decode_error(error: messages.CoreError) -> Exception:
     """A ValidationError as it was raised; anything else as a RuntimeError naming the original type."""
     if error.type == "ValidationError":
         return ValidationError(error.message, error.param, error.value)
+    if error.type in _PASSED_ERRORS:  # errors the front answers in their own way (503, 500 naming the cause)
+        return _PASSED_ERRORS[error.type](error.message)
     return RuntimeError(f"{error.type} in the engine core: {error.message}")

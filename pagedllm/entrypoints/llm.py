@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+import pickle
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -55,7 +56,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (strings or {"prompt_token_ids": [...]}); outputs in input order.
+        """Generate for every prompt (strings, {"prompt_token_ids": [...]}, or with enable_prompt_embeds
+        {"prompt_embeds": (num_tokens, hidden_size) tensor}: the model's input embeddings in place of tokens); outputs
+        in input order.
         ``lora_request``: one adapter for all prompts, or one (or None) per prompt (needs enable_lora)."""
         if not isinstance(prompts, (str, dict, list, tuple)):
             raise ValidationError.bad_value("prompts", prompts, "a prompt or a list of prompts")
@@ -246,6 +249,39 @@ class LLM:
     def list_loras(self) -> set[int]:
         return self.llm_engine.list_loras()
 
+    # ----------------------------------------------------------------------- RL controls (engine/lifecycle.py)
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Put the engine to sleep (vLLM's LLM.sleep): level 0 pauses scheduling, 1 also frees the KV cache and
+        prefix cache (the weights stay), 2 also drops the weights (wake_up reads them again from the model files).
+        Levels 1 and 2 need ``enable_sleep_mode=True``. ``mode``: "abort" or "keep" for requests in flight (this
+        engine runs none between calls; "wait" needs a server). Requests are refused until ``wake_up()``."""
+        self.llm_engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back what sleep released: ``tags`` among "weights", "kv_cache" ("scheduling" only resumes), None
+        for all. True once nothing sleeps (the engine serves again)."""
+        return self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Asleep at any level (or paused)."""
+        return self.llm_engine.is_sleeping()
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call ``method`` on every worker (rank order): the name of a worker method (one of a
+        ``worker_extension_cls`` class, say), or a function called with the worker first. ``timeout`` as vLLM's
+        in-process executor: accepted, and the call runs to its end (None or a positive number). A method that
+        raises fails this call alone (ValidationError for an unknown method)."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout <= 0):
+            raise ValidationError.bad_value("timeout", timeout, "None or a positive number of seconds")
+        if callable(method):
+            try:
+                method = pickle.dumps(method)  # by reference: a module-level function (as a worker process needs)
+            except (pickle.PicklingError, AttributeError, TypeError) as e:
+                raise ValidationError(f"method cannot be sent to the workers: {e}", param="method") from None
+        return self.llm_engine.collective_rpc(method, tuple(args), kwargs)
+
     def _drain(self, ids: list[str], use_tqdm: bool, desc: str) -> dict[str, RequestOutput]:
         """Step the engine until it is idle; the finished outputs by request id."""
         engine = self.llm_engine
@@ -275,6 +311,9 @@ class LLM:
 def _prompt_size(prompt: PromptType) -> int:
     """A prompt's length for ordering: its token ids, else its characters (0 for what the engine will refuse)."""
     if isinstance(prompt, dict):
+        embeds = prompt.get("prompt_embeds")
+        if embeds is not None:
+            return len(embeds) if hasattr(embeds, "__len__") else 0
         ids = prompt.get("prompt_token_ids")
         return len(ids) if isinstance(ids, (list, tuple)) else _prompt_size(prompt.get("prompt"))
     return len(prompt) if isinstance(prompt, str) else 0

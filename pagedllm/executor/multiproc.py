@@ -201,9 +201,9 @@ def _worker_main(config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[in
     _die_with_parent(parent.pid if parent is not None else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine decides
     setup_worker_logging(info.rank, log_level)
-    from pagedllm.worker.worker import Worker
+    from pagedllm.worker.extension import make_worker
     try:
-        worker = Worker(config, arch, eos_token_ids, info)
+        worker = make_worker(config, arch, eos_token_ids, info)
     except BaseException:
         results.send(("error", traceback.format_exc()))
         return

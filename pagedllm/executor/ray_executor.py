@@ -68,10 +68,10 @@ class RayWorker:
 
     def init_worker(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...], info: Any) -> None:
         from pagedllm.executor.multiproc import setup_worker_logging
-        from pagedllm.worker.worker import Worker
+        from pagedllm.worker.extension import make_worker
         setup_worker_logging(info.rank, self.log_level)
         self.rank = info.rank
-        self.worker = Worker(config, arch, eos_token_ids, info)
+        self.worker = make_worker(config, arch, eos_token_ids, info)
 
     def execute_method(self, method: str, reply: bool, args: bytes) -> Any:
         """Run ``Worker.<method>(*pickle.loads(args))``; rank 0 (or every rank with ``reply``) answers."""

@@ -56,6 +56,9 @@ class SamplingMetadata:
     wants_logprobs: list[bool] = field(default_factory=list)
     logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
     """Row -> the tokens whose log-probabilities it reports instead of its top-N (logprob_token_ids)."""
+    watermark_noise: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Row -> (vocab,) float32 Gumbel noise (watermark_config): the row takes the argmax of its processed logits
+    plus the noise instead of a random draw (worker/watermark.py)."""
 
 
 @dataclass(kw_only=True)
@@ -207,7 +210,7 @@ class Sampler(nn.Module):
     def _random_sample(logits: torch.Tensor, md: SamplingMetadata, kernels: CpuKernels | None) -> torch.Tensor:
         """One draw per row; overwrites ``logits`` (the caller is done with them)."""
         ops = kernels if logits.dim() == 2 and logits.stride(-1) == 1 else None
-        if ops is not None and md.min_p is None and md.top_k is None and md.top_p is None:
+        if ops is not None and md.min_p is None and md.top_k is None and md.top_p is None and not md.watermark_noise:
             # temperature, softmax weights and the draw in one pass per row (no (rows, vocab) temporaries)
             return ops.sample(logits, md.temperature if md.any_temperature else None, _uniforms(logits.shape[0], md))
         logits = logits.float()  # bf16 logits: a float32 copy; float32 ones: the caller's tensor itself
@@ -216,8 +219,13 @@ class Sampler(nn.Module):
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        # watermarked rows: Gumbel-max over the processed logits (before the weights below overwrite them)
+        marked = {row: (logits[row] + noise).argmax() for row, noise in md.watermark_noise.items()}
         weights = logits.sub_(logits.max(dim=-1, keepdim=True).values).exp_()  # unnormalised probabilities
-        return inverse_cdf_sample(weights, _uniforms(weights.shape[0], md))
+        sampled = inverse_cdf_sample(weights, _uniforms(weights.shape[0], md))
+        for row, token in marked.items():
+            sampled[row] = token
+        return sampled
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, md: SamplingMetadata) -> list[TokenLogprobs | None]:

@@ -46,8 +46,13 @@ class Gemma2Model(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.normalizer
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(tokens,) ids -> (tokens, hidden), scaled as the first layer takes them."""
+        return self.embed_tokens(input_ids) * self.normalizer
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)

@@ -135,10 +135,15 @@ class LlamaModel(nn.Module):
         """Layer ``index``'s feed-forward block; None: the dense gated MLP (mixture-of-experts models override)."""
         return None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(tokens,) ids -> (tokens, hidden): what the first layer takes (a prompt's own embeddings replace rows)."""
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if self._stack is False:
             self._stack = CpuDecoderStack.build(self)
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         if self._stack is not None and self._stack.usable(hidden, positions):
             return self._stack.run(hidden, positions)  # every layer in one compiled call
         residual = None
@@ -161,9 +166,19 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(tokens,) ids and positions -> (tokens, hidden)."""
-        return self.model(input_ids, positions)
+    supports_prompt_embeds = True
+    """forward takes ``inputs_embeds`` (a prompt given as embeddings, enable_prompt_embeds)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """(tokens,) ids and positions -> (tokens, hidden); ``inputs_embeds`` (tokens, hidden): the first layer's
+        input instead of the ids' embeddings (``embed_input_ids``)."""
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(tokens,) ids -> (tokens, hidden), the embeddings forward would start from (scaled where the model
+        scales them): a prompt's own embeddings are given in this space."""
+        return self.model.embed_input_ids(input_ids)
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     """Packed layer -> the checkpoint modules in it, in row order (LoRA adapters name the latter)."""

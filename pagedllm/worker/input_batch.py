@@ -13,6 +13,7 @@ from pagedllm.attention.base import StepInputs
 from pagedllm.layers.sampler import SamplingMetadata
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.prompt_embeds import PromptEmbeds
 from pagedllm.sampling_params import SamplingParams, thinking_budget_forced_token
 
 
@@ -37,6 +38,8 @@ class CachedRequestState:
     """A pooling request's parameters (its hidden states are pooled, not sampled)."""
     token_type_ids: list[int] | None = None
     """Per prompt token, its segment (cross-encoder pairs); None: all 0."""
+    prompt_embeds: torch.Tensor | None = None
+    """(num_prompt_tokens, hidden) CPU: a prompt given as embeddings, fed instead of its placeholder ids' rows."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -78,6 +81,32 @@ def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int]
         sample_rows=sample_rows,
         logits_indices=torch.from_numpy(query_start_loc[1:][sample_rows] - 1),
     )
+
+
+def embeds_tensor(embeds: PromptEmbeds) -> torch.Tensor:
+    """A prompt's embeddings as a (num_tokens, hidden) CPU tensor of their own dtype (a copy of the bytes)."""
+    flat = torch.frombuffer(bytearray(embeds.data), dtype=getattr(torch, embeds.dtype))
+    return flat.view(embeds.num_tokens, embeds.hidden_size)  # (num_tokens, hidden)
+
+
+def gather_prompt_embeds(states: list[CachedRequestState], num_scheduled: list[int],
+                         query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(flat rows, their embeddings (rows, hidden)) of the step's positions that are a prompt given as embeddings
+    (``states`` in batch order, ``num_scheduled`` their tokens this step); None when the step has none."""
+    if all(s.prompt_embeds is None for s in states):  # (the common step: no list made of query_start_loc)
+        return None
+    starts = query_start_loc.tolist()
+    rows, values = [], []
+    for i, (s, q) in enumerate(zip(states, num_scheduled)):
+        if s.prompt_embeds is None:
+            continue
+        first, last = s.num_computed_tokens, min(s.num_computed_tokens + q, s.num_prompt_tokens)
+        if first < last:
+            rows.append(torch.arange(starts[i], starts[i] + last - first))
+            values.append(s.prompt_embeds[first:last])  # (last - first, hidden)
+    if not rows:
+        return None
+    return torch.cat(rows), torch.cat(values)
 
 
 def build_sampling_metadata(states: list[CachedRequestState], default_generator: torch.Generator,

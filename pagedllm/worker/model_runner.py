@@ -30,9 +30,11 @@ from pagedllm.lora.manager import LoRAManager
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import DecodeGraphs, Graph
-from pagedllm.worker.input_batch import CachedRequestState, build_sampling_metadata, build_step_inputs
+from pagedllm.worker.input_batch import (CachedRequestState, build_sampling_metadata, build_step_inputs,
+                                         embeds_tensor, gather_prompt_embeds)
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.worker.structured_output import GrammarCompiler, apply_draft_masks, apply_masks
+from pagedllm.worker.watermark import GumbelWatermark
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +59,11 @@ class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, seed: int,
                  eos_token_ids: tuple[int, ...], device: torch.device | None = None,
                  grammars: Callable[[], GrammarCompiler] | None = None, lora: LoRAManager | None = None,
-                 speculator: Speculator | None = None, pooler: Pooler | None = None) -> None:
+                 speculator: Speculator | None = None, pooler: Pooler | None = None,
+                 watermark: GumbelWatermark | None = None) -> None:
         self.model = model
+        self.watermark = watermark
+        """With watermark_config: the rows it marks take keyed Gumbel-max tokens (worker/watermark.py)."""
         self.pooler = pooler
         """A pooling model's pooler: every request's hidden states become its vector (nothing is sampled)."""
         self.speculator = speculator
@@ -154,14 +159,23 @@ class ModelRunner:
         # the rows of each LoRA adapter (graphs are captured without adapters: such steps run eagerly)
         adapters = self.lora is not None and self.lora.prepare([s.lora_request for s in states],
                                                                inputs.query_start_loc.tolist())
-        graph_size = self.graphs.size_for(inputs) if self.graphs is not None and not adapters else None
+        counts = [out.num_scheduled_tokens[r] for r in order]
+        embeds = gather_prompt_embeds(states, counts, inputs.query_start_loc)
+        graph_size = self.graphs.size_for(inputs) if self.graphs is not None and not adapters and embeds is None \
+            else None
         if graph_size is not None:  # a decode step within the ladder: one graph replay
             hidden = self.graphs.run(inputs, graph_size)
         else:
+            input_ids = inputs.input_ids.to(self.device, non_blocking=True)
+            inputs_embeds = None
+            if embeds is not None:  # the ids' embeddings, with a prompt's own rows in place of its placeholders'
+                inputs_embeds = self.model.embed_input_ids(input_ids)  # (tokens, hidden)
+                rows, values = embeds
+                inputs_embeds[rows.to(self.device)] = values.to(self.device, inputs_embeds.dtype)
             with forward_context(self.backend, self.builder.build(inputs)):
-                hidden = self.model(inputs.input_ids.to(self.device, non_blocking=True),
-                                    inputs.positions.to(self.device, non_blocking=True))
-        counts = [out.num_scheduled_tokens[r] for r in order]
+                positions = inputs.positions.to(self.device, non_blocking=True)
+                hidden = self.model(input_ids, positions) if inputs_embeds is None else \
+                    self.model(input_ids, positions, inputs_embeds=inputs_embeds)
         prompt_logprobs = {} if all(s.sampling_params.prompt_logprobs is None for s in states) else \
             self._prompt_logprobs(states, counts, inputs.query_start_loc, hidden)
         for state, n in zip(states, counts):
@@ -235,6 +249,8 @@ class ModelRunner:
         if matchers:  # only the constrained rows pay: one bitmask for them all
             logits = apply_masks(logits, matchers)
         md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids, self.device, self._fail)
+        if self.watermark is not None and not md.all_greedy:
+            md.watermark_noise = self.watermark.noise(samplers, md.greedy.tolist(), logits.shape[-1], logits.device)
         result = self.sampler(logits, md)
         sampled = result.sampled_token_ids.tolist()  # the step's one wait for the device
         return [[t] for t in sampled], [None if lp is None else [lp] for lp in result.logprobs]
@@ -325,7 +341,8 @@ class ModelRunner:
                 req_id=new.req_id, token_ids=prompt + list(new.output_token_ids), num_prompt_tokens=len(prompt),
                 sampling_params=new.sampling_params, generator=generator, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens, matcher=matcher, lora_request=new.lora_request,
-                pooling_params=new.pooling_params, token_type_ids=new.token_type_ids)
+                pooling_params=new.pooling_params, token_type_ids=new.token_type_ids,
+                prompt_embeds=None if new.prompt_embeds is None else embeds_tensor(new.prompt_embeds))
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replace_table:
@@ -341,7 +358,8 @@ class ModelRunner:
             self.requests[fork.req_id] = CachedRequestState(
                 req_id=fork.req_id, token_ids=list(parent.token_ids), num_prompt_tokens=parent.num_prompt_tokens,
                 sampling_params=fork.sampling_params, generator=generator, block_ids=list(fork.block_ids),
-                num_computed_tokens=fork.num_computed_tokens, matcher=matcher, lora_request=parent.lora_request)
+                num_computed_tokens=fork.num_computed_tokens, matcher=matcher, lora_request=parent.lora_request,
+                prompt_embeds=parent.prompt_embeds)
 
     def _sampling_state(self, req_id: str, params: SamplingParams, accepted: list[int]) -> tuple[Any, Any]:
         """(generator, grammar matcher) of a request joining the batch; if making them fails, the request is

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import logging
 import os
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -31,9 +32,12 @@ from pagedllm.platform import heap
 from pagedllm.platform.cpu import rank_cores
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.speculator import Speculator, make_speculator
+from pagedllm.worker.user_calls import destroy_extension, user_call
+from pagedllm.worker.sleep import sleep_worker, wake_worker
 from pagedllm.worker.memory_fit import LoadMeter, dense_copy_room, kv_block_bytes, weight_bytes
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.structured_output import compiler_for
+from pagedllm.worker.watermark import GumbelWatermark
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,17 @@ class Worker:
                                   f"{where}", param="kv_cache_dtype", value=config.cache.cache_dtype)
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
+        self._eos_token_ids = eos_token_ids
+        self._kv_blocks = (0, 0)
+        """(device blocks, host blocks) of the KV pool, to allocate it again at wake_up."""
+        self.asleep: set[str] = set()
+        """What sleep released and wake_up has not brought back: "weights", "kv_cache" (worker/sleep.py)."""
+        self.backend = backend
+        self.model_runner = self._build_runner(backend)
+
+    def _build_runner(self, backend: Any) -> ModelRunner:
+        """Load the weights (and a draft model's), process them, and make the model runner around them."""
+        config, arch, info, eos_token_ids = self.config, self.arch, self.rank_info, self._eos_token_ids
         meter = LoadMeter()
         meter.start()
         model = self._load_model(config.model.model, arch, "Loading weights")
@@ -113,10 +128,10 @@ class Worker:
             (logger.warning if described.startswith("no weight") else logger.info)(
                 "quantization=%s: %s", config.model.quantization, described)
         pooler = None if config.model.pooler is None else Pooler(model, config.model.pooler, self.arch.problem_type)
-        self.model_runner = ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids,
-                                        self.device, functools.partial(
-                                            compiler_for, config.model.model, arch.vocab_size, tuple(eos_token_ids),
-                                            config.structured_outputs), lora, speculator, pooler)
+        return ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids, self.device,
+                           functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(eos_token_ids),
+                                             config.structured_outputs), lora, speculator, pooler,
+                           watermark=None if config.watermark is None else GumbelWatermark(config.watermark))
 
     def _load_model(self, path: str, arch: ArchConfig, desc: str) -> torch.nn.Module:
         """The model at ``path`` on this worker's device with its kernels bound (weights not yet processed)."""
@@ -186,6 +201,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """Allocate the KV pools, then (on a GPU) capture the decode CUDA graphs, which hold their addresses."""
+        self._kv_blocks = (num_blocks, num_host_blocks)
         self.model_runner.initialize_kv_cache(num_blocks, self.kv_dtype, num_host_blocks)
         tp = self.config.parallel.tensor_parallel_size
         where = "" if tp == 1 else f"rank {self.rank_info.rank}/{tp} (pid {os.getpid()}): "
@@ -214,10 +230,12 @@ class Worker:
     def memory_usage(self) -> dict[str, float]:
         """Bytes this rank holds: weights (packed copies included), its KV pools, and its process's RSS; and how
         its load went (seconds, the peak RSS while loading)."""
-        kv = sum(t.nbytes for t in self.model_runner.kv_caches + self.model_runner.host_kv_caches)
+        runner = self.model_runner  # (None while a level-2 sleep dropped it)
+        kv = 0 if runner is None else sum(t.nbytes for t in runner.kv_caches + runner.host_kv_caches)
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return {"weights_bytes": weight_bytes(self.model_runner.model), "kv_cache_bytes": kv, "rss_bytes": rss,
+        return {"weights_bytes": 0 if runner is None else weight_bytes(runner.model), "kv_cache_bytes": kv,
+                "rss_bytes": rss,
                 "load_seconds": self.load_report.seconds, "load_peak_rss_bytes": self.load_report.peak_rss_bytes}
 
     def request_token_ids(self) -> dict[str, list[int]]:
@@ -235,8 +253,21 @@ class Worker:
         """Forget an adapter; False if it was not added."""
         return self.model_runner.lora is not None and self.model_runner.lora.remove(lora_int_id)
 
+    def sleep(self, level: int) -> None:
+        """Release the KV pool (level 1) and the weights too (level 2) until wake_up (worker/sleep.py)."""
+        sleep_worker(self, level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Bring back what sleep released: "weights" (read again from the model files) and/or "kv_cache"."""
+        wake_worker(self, tags)
+
+    def user_rpc(self, method: str | bytes, args: tuple, kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        """A user's collective_rpc on this worker: (True, result) or (False, its error as data)."""
+        return user_call(self, method, args, kwargs)
+
     def shutdown(self) -> None:
-        """Leave the process group."""
+        """Leave the process group (an extension's destroy hook first)."""
+        destroy_extension(self)
         destroy_distributed()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -8,6 +8,7 @@ import hmac
 import logging
 import os
 import signal
+import stat
 import threading
 import time
 import types
@@ -29,12 +30,15 @@ from pagedllm import envs
 from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.engine.lifecycle import CollectiveRPCError, EnginePausedError
 from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.anthropic.protocol import anthropic_error
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
-from pagedllm.entrypoints.openai.http_guard import (ANTHROPIC_PATHS, GuardedServer, UnicodeCheckedRoute,
-                                                    add_http_args, raise_open_file_limit, serve_config)
+from pagedllm.entrypoints.openai.http_guard import (ANTHROPIC_PATHS, COHERE_PATHS, GuardedServer,
+                                                    UnicodeCheckedRoute, add_http_args, raise_open_file_limit,
+                                                    serve_config)
 from pagedllm.entrypoints.openai.http_guard import positive as _positive
+from pagedllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
 from pagedllm.entrypoints.openai.deploy import (DeployOptions, add_deploy_args, attach_deploy, deploy_options,
                                                 sagemaker_lora_router)
 from pagedllm.entrypoints.openai.metrics import ORCA_FORMATS, ServerMetrics, orca_header
@@ -61,6 +65,8 @@ from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, check_generates
 from pagedllm.entrypoints.openai.protocol_cohere import CohereEmbedRequest
 from pagedllm.entrypoints.openai.serving_cohere import CohereServingEmbed
+from pagedllm.entrypoints.openai.serving_cohere_chat import CohereChatOptions, CohereChatRequest, CohereServingChat
+from pagedllm.entrypoints.openai.serving_tokens import ServingTokens, attach_tokens
 from pagedllm.entrypoints.openai.serving_generative_scoring import (GenerativeScoringRequest,
                                                                      OpenAIServingGenerativeScoring)
 from pagedllm.entrypoints.openai.protocol_decisions import DecisionRequest, StructuredDecisionRequest
@@ -98,6 +104,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     message, param = _cut(message, MAX_ERROR_CHARS), None if param is None else _cut(param, MAX_ERROR_CHARS // 8)
     if path.startswith(ANTHROPIC_PATHS):
         return JSONResponse(anthropic_error(status, message), status_code=status)
+    if path.startswith(COHERE_PATHS):  # Cohere's {"message", "id"}: the message names the field (param is ours)
+        return JSONResponse({"message": message}, status_code=status)
     if type_ == "invalid_request_error" and path.startswith(POOLING_PATHS):
         type_ = POOLING_ERROR_TYPES.get(status, type_)
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
@@ -119,12 +127,14 @@ def _error(request: Request, status: int, message: str, param: str | None = None
 
 
 PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2",
-             "/generative_scoring",
+             "/cohere",
+             "/generative_scoring", "/inference",
              "/invocations", "/tokenizer_info", "/adapters")
 """Paths an API key guards (the KV map's data names the requests it shows; the page itself holds no data and
 sends the key given in its address's fragment: /kv#key=KEY; /tokenize and /detokenize run the tokenizer; vLLM's
 pooling endpoints and SageMaker's /invocations run the model (vLLM leaves /invocations open); /tokenizer_info shows
-the chat template; SageMaker's /adapters loads adapters as /v1/load_lora_adapter does). Matched on the path under
+the chat template; SageMaker's /adapters loads adapters as /v1/load_lora_adapter does; /inference is vLLM's
+token-in/token-out API, whose legacy /abort_requests stays open as in vLLM). Matched on the path under
 --root-path: /PREFIX/v1/... is guarded as /v1/... is."""
 
 
@@ -407,6 +417,24 @@ async def cohere_embed(req: CohereEmbedRequest, raw: Request) -> Response:
     return await raw.app.state.cohere_embed.embed(req, raw)
 
 
+@router.post("/cohere/v2/chat")
+async def cohere_chat(req: CohereChatRequest, raw: Request) -> Response:
+    """Cohere's Chat v2 API (vLLM's /cohere/v2/chat), mapped onto chat completions."""
+    _generates(raw)
+    return await raw.app.state.cohere_chat.create(req, raw)
+
+
+cohere_render_router = APIRouter(route_class=UnicodeCheckedRoute)
+"""POST /cohere/v2/chat/render, served with --enable-scale-out or --tokens-only (as vLLM's)."""
+
+
+@cohere_render_router.post("/cohere/v2/chat/render")
+async def cohere_chat_render(req: CohereChatRequest, raw: Request) -> dict:
+    """A Cohere v2 chat request rendered, not run: its prompt's token ids and sampling params."""
+    _generates(raw)
+    return await raw.app.state.cohere_chat.render(req, raw)
+
+
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, raw: Request) -> dict:
     completion, chat = _completion(raw), _chat(raw)
@@ -494,6 +522,16 @@ async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse
     return _error(request, exc.status_code, str(exc.detail), code=str(exc.status_code))
 
 
+async def on_engine_paused(request: Request, exc: EnginePausedError) -> JSONResponse:
+    """A request while generation is paused (POST /pause): vLLM's retryable 503."""
+    return JSONResponse({"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None,
+                                   "code": 503}}, status_code=503, headers={"Retry-After": "1"})
+
+
+async def on_collective_rpc(request: Request, exc: CollectiveRPCError) -> JSONResponse:
+    return _error(request, 500, f"a worker method failed: {exc}", type_="server_error", code="collective_rpc_failed")
+
+
 async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
     """Anything else: a 500 in OpenAI's shape, never uvicorn's plain text (starlette then re-raises it: the
     HTTPGuard, or uvicorn, logs the traceback)."""
@@ -505,7 +543,8 @@ EXCEPTION_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[JSO
     RequestValidationError: on_request_validation, ValidationError: on_validation,
     ModelNotFoundError: on_model_not_found, ResponseNotFoundError: on_response_not_found,
     OverloadedError: on_overloaded, RequestTimeoutError: on_timeout, RequestFailedError: on_request_failed,
-    EngineDeadError: on_engine_dead, StarletteHTTPException: on_http, Exception: on_internal_error}
+    EngineDeadError: on_engine_dead, StarletteHTTPException: on_http, EnginePausedError: on_engine_paused,
+    CollectiveRPCError: on_collective_rpc, Exception: on_internal_error}
 """Each error the endpoints raise -> its status and body (in the shape of the request's API: see _error)."""
 
 
@@ -525,14 +564,18 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
               allow_runtime_lora_updating: bool = False, model_aliases: list[str] | None = None,
               prompt_tokens_details: bool = False, return_tokens_as_token_ids: bool = False,
               trust_request_chat_template: bool = False, deploy: DeployOptions | None = None,
-              force_include_usage: bool = False, reasoning_config: ReasoningConfig | None = None) -> FastAPI:
+              force_include_usage: bool = False, reasoning_config: ReasoningConfig | None = None,
+              per_request_metrics: bool = False, cohere: CohereChatOptions | None = None,
+              enable_scale_out: bool = False, tokens_only: bool = False) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
     here (ValidationError if one does not fit). ``prompt_tokens_details``: chat and completions usage report the
     prompt's prefix-cache hits (--enable-prompt-tokens-details); ``return_tokens_as_token_ids``: their logprobs
     name tokens "token_id:<id>" by default (--return-tokens-as-token-ids); ``deploy``: --root-path and vLLM's
     deployment routes' flags (deploy.py); ``force_include_usage``: streamed chat and completions replies carry
     usage in every chunk whatever their stream_options (--enable-force-include-usage); ``reasoning_config``:
-    --reasoning-config's strings for thinking_token_budget."""
+    --reasoning-config's strings for thinking_token_budget; ``per_request_metrics``: chat and completions replies of
+    one choice carry vLLM's timing ``metrics`` (--enable-per-request-metrics); ``cohere``: /cohere/v2/chat's flags;
+    ``enable_scale_out`` / ``tokens_only``: vLLM's token-in/token-out routes (serving_tokens.py)."""
     models = OpenAIServingModels(engine, served_model_names, model_aliases)
     models.add_static(lora_modules or [])
     completion = OpenAIServingCompletion(engine, models)
@@ -548,11 +591,13 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     admission = Admission()  # one waiting count for every endpoint
     # the engine's --max-logprobs sizes the reply bound (limits.py): the limits carry it, resolved
     limits = dataclasses.replace(limits or ServingLimits(), max_logprobs=engine.config.model.max_logprobs)
-    for serving in (completion, chat, pooling, scoring, decisions):
+    tokens = ServingTokens(engine, models)  # vLLM's /inference/v1/generate (serving_tokens.py)
+    for serving in (completion, chat, pooling, scoring, decisions, tokens):
         serving.limits = limits
         serving.prompt_tokens_details = prompt_tokens_details
         serving.return_tokens_as_token_ids = return_tokens_as_token_ids
         serving.force_include_usage = force_include_usage
+        serving.per_request_metrics = per_request_metrics
         serving.on_refused = metrics.on_refused
         serving.admission = admission
     store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes, max(1, len(api_keys)))
@@ -571,7 +616,11 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     app.state.decisions = decisions
     app.state.responses = OpenAIServingResponses(chat, store)
     app.state.messages = AnthropicServingMessages(chat)
+    app.state.cohere_chat = CohereServingChat(chat, cohere)
     app.include_router(router)
+    if cohere is not None and cohere.render:
+        app.include_router(cohere_render_router)
+    attach_tokens(app, tokens, enable_scale_out, tokens_only)  # (403 without either flag, as vLLM)
     if allow_runtime_lora_updating:
         logger.warning("run-time LoRA updating is on: any client that can reach /v1/load_lora_adapter may load an "
                        "adapter from any folder this server can read (use --api-key, and only on a trusted "
@@ -583,6 +632,8 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     app.state.endpoints = types.SimpleNamespace(  # what /invocations routes to (deploy.py)
         chat_completions=chat_completions, completions=completions, embeddings=embeddings, classify=classify,
         score=score, rerank=rerank, pooling=pooling)
+    if dev_mode():  # vLLM's development routes (sleep, pause, collective_rpc): dev_routes.py
+        attach_dev_routes(app)
     attach_deploy(app, deploy)  # (after the key check is added: its middleware wraps it)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
@@ -593,6 +644,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uds", default=None, metavar="PATH",
+                        help="serve on this Unix domain socket instead of --host/--port (as vLLM's flag; a stale "
+                             "socket file there is replaced, and the file is removed when the server exits)")
+    parser.add_argument("--api-server-count", type=_positive(int), default=1, metavar="N",
+                        help="API server processes in front of the one engine core (vLLM's flag): only 1 is "
+                             "supported, a larger N is refused at start-up")
     parser.add_argument("--api-key", action="append", default=None,
                         help="accepted API key (repeatable); also read from PAGEDLLM_API_KEY")
     parser.add_argument("--served-model-name", action="append", default=None,
@@ -631,6 +688,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="include usage on every request: each chunk of a streamed chat or completions reply "
                              "carries the usage so far and a last chunk the whole, as if its stream_options asked "
                              "for include_usage and continuous_usage_stats, as vLLM's flag")
+    parser.add_argument("--enable-per-request-metrics", action="store_true",
+                        help="a chat or completions reply of one choice carries vLLM's per-request timing as "
+                             "\"metrics\" "
+                             "(time_to_first_token_ms, generation_time_ms, queue_time_ms, mean_itl_ms, "
+                             "tokens_per_second); a streamed one on its last (usage) chunk, as vLLM's flag")
+    parser.add_argument("--cohere-is-reasoning-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="/cohere/v2/chat: the model's reasoning is a thinking content block (default); with "
+                             "--no-cohere-is-reasoning-model it is the reply's tool_plan (a tool-plan-delta when "
+                             "streamed), as older Command models plan before tool calls, as vLLM's flag")
+    parser.add_argument("--enable-scale-out", action="store_true",
+                        help="serve vLLM's scale-out render route for Cohere chat, POST /cohere/v2/chat/render "
+                             "(the prompt's token ids and sampling params, without generating), and vLLM's "
+                             "token-in/token-out POST /inference/v1/generate and /inference/v1/abort_requests (403 "
+                             "without the flag); vLLM's /render and /derender routes are not served")
+    parser.add_argument("--tokens-only", action="store_true",
+                        help="as vLLM's flag: serve /inference/v1/generate and /inference/v1/abort_requests (and the "
+                             "unauthenticated legacy POST /abort_requests) with detokenization off: output_mode "
+                             "'text' and stop strings are refused (400)")
     parser.add_argument("--chat-template", type=read_chat_template, default=None, metavar="FILE",
                         help="a Jinja chat template (a file, or the template itself) used instead of the model's own")
     parser.add_argument("--trust-request-chat-template", action="store_true",
@@ -681,6 +756,13 @@ class _Server(GuardedServer):
                 signal.signal(sig, handler)
 
 
+def remove_socket_file(path: str | None) -> None:
+    """Remove the Unix socket file of --uds that the server listened on (nothing else: a regular file there is the
+    operator's, and uvicorn refused to bind over it)."""
+    if path is not None and os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
+        os.unlink(path)
+
+
 def engine_core_process() -> bool:
     """Whether `pagedllm serve` runs the engine core in its own process: yes unless
     PAGEDLLM_ENABLE_MULTIPROCESSING=0 (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING), which keeps it a thread."""
@@ -721,6 +803,11 @@ def server_setup(ns: argparse.Namespace, engine_args: EngineArgs) -> ServerSetup
     if allow_lora_updating and not engine_args.enable_lora:
         raise ValidationError(f"--allow-runtime-lora-updating ({RUNTIME_LORA_ENV}) needs --enable-lora",
                               param="allow_runtime_lora_updating", value=True)
+    if ns.api_server_count != 1:
+        raise ValidationError(f"--api-server-count {ns.api_server_count}: pagedllm serve runs one API server process "
+                              "in front of its engine core (the core takes one client); use --api-server-count 1, "
+                              "or --data-parallel-size for more engine throughput", param="api_server_count",
+                              value=ns.api_server_count)
     keys = ns.api_key or ([envs.API_KEY.read()] if envs.API_KEY.read() else [])
     deploy_options(ns)  # (a bad --root-path is refused before the engine loads)
     if ns.reasoning_config is not None:
@@ -740,7 +827,10 @@ def app_from_args(ns: argparse.Namespace, engine: AsyncLLM, metrics: ServerMetri
                      return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
                      trust_request_chat_template=ns.trust_request_chat_template,
                      deploy=deploy_options(ns), force_include_usage=ns.enable_force_include_usage,
-                     reasoning_config=ns.reasoning_config)
+                     reasoning_config=ns.reasoning_config, per_request_metrics=ns.enable_per_request_metrics,
+                     cohere=CohereChatOptions(ns.cohere_is_reasoning_model,
+                                              ns.enable_scale_out or ns.tokens_only),
+                     enable_scale_out=ns.enable_scale_out, tokens_only=ns.tokens_only)
 
 
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
@@ -771,4 +861,5 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         server.run()
     finally:
         engine.close()  # also when uvicorn could not start (port in use): no worker left behind
+        remove_socket_file(ns.uds)
     return 1 if engine.dead_error is not None else 0

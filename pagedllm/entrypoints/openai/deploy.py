@@ -31,7 +31,8 @@ from pagedllm.errors import ValidationError, quoted
 
 LOADED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings",
                 "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
-                "/invocations", "/generative_scoring", "/v1/decisions", "/v1/systemone")
+                "/invocations", "/generative_scoring", "/v1/decisions", "/v1/systemone",
+                "/inference/v1/generate")
 """The routes /load counts while they run (vLLM's list, with its batch and SageMaker routes: prefixes)."""
 
 PATH_FIELDS = ("name_or_path", "vocab_file", "merges_file", "tokenizer_file", "special_tokens_map_file")

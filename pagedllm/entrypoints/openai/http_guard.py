@@ -172,6 +172,8 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
 
 ANTHROPIC_PATHS = ("/v1/messages",)
 """Paths whose errors take Anthropic's shape."""
+COHERE_PATHS = ("/cohere/",)
+"""Paths whose errors take Cohere's shape ({"message": ...}) and whose streams end in Cohere's message-end."""
 RESPONSES_PATHS = ("/v1/responses",)
 """Paths whose streams end in the Responses API's error event."""
 _SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
@@ -184,6 +186,8 @@ def error_json(message: str, type_: str, code: str | None, param: str | None = N
     {"type", "message"}}, its type from ``status``), OpenAI's elsewhere (the Responses API's too)."""
     if path.startswith(ANTHROPIC_PATHS):
         return json.dumps(anthropic_error(status, message)).encode()
+    if path.startswith(COHERE_PATHS):
+        return json.dumps({"message": message}).encode()
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
@@ -193,6 +197,9 @@ def stream_error(status: int, message: str, type_: str, code: str | None, path: 
     event, numbered after ``last_sequence``; elsewhere OpenAI's error chunk and [DONE]."""
     if path.startswith(ANTHROPIC_PATHS):
         return b"event: error\ndata: " + error_json(message, type_, code, None, status, path) + b"\n\n"
+    if path.startswith(COHERE_PATHS):
+        event = {"type": "message-end", "delta": {"error": message, "finish_reason": "ERROR"}}
+        return b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
     if path.startswith(RESPONSES_PATHS):
         event = {"type": "error", "sequence_number": last_sequence + 1, "code": code, "message": message,
                  "param": None}
@@ -492,7 +499,8 @@ def serve_config(app: ASGIApp, ns: argparse.Namespace) -> tuple[uvicorn.Config, 
     guard = HTTPGuard(app, ns.body_timeout, ns.max_body_bytes)
     # loop="asyncio", whatever else is installed: uvicorn's "auto" takes uvloop when present, which reports a
     # failed accept (EMFILE) without asyncio's exception handler, so quiet_accept_errors would never see it
-    config = uvicorn.Config(guard, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, loop="asyncio",
+    config = uvicorn.Config(guard, host=ns.host, port=ns.port, uds=ns.uds,  # --uds: host and port unused
+                            log_level=ns.uvicorn_log_level, loop="asyncio",
                             http=guarded_protocol(ns.header_timeout, connection_cap(ns.limit_concurrency),
                                                   ns.max_connections_per_client),
                             timeout_graceful_shutdown=ns.shutdown_timeout + SHUTDOWN_BACKSTOP_S)

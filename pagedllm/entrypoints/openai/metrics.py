@@ -54,6 +54,10 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
         scale *= 10
 
 
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+"""vllm:engine_sleep_state's states: awake, asleep at level 1 (vLLM offloads the weights), at level 2."""
+
+
 class ServerMetrics:
     """Updated by the front end (on the event loop) after every step; scraped at ``GET /metrics``. Each figure
     has vLLM's ``engine`` label: the data-parallel replica it comes from ("0" without data parallelism).
@@ -120,6 +124,13 @@ class ServerMetrics:
                                     "Draft tokens accepted, by position in the draft.", self._labels + ["position"],
                                     registry=self.registry)
         self._mirrored.append(self.spec_per_pos)
+        sleep_state = Gauge("pagedllm:engine_sleep_state", "Sleep state (one of three is 1): awake; "
+                            "weights_offloaded (level 1); discard_all (level 2).", self._labels + ["sleep_state"],
+                            registry=self.registry)
+        self._mirrored.append(sleep_state)
+        self.sleep_state = [{state: sleep_state.labels(model_name, e, state) for state in SLEEP_STATES}
+                            for e in self._engines]
+        self.record_sleep_state(False)
         self._last = [EngineStats() for _ in self._engines]
         self.registry.register(VllmNames(self._mirrored, prompt_tokens_by_source=by_source,
                                          prefix_cache_hits=self._by_name["prefix_cache_hits"], refused=refused))
@@ -243,6 +254,13 @@ class ServerMetrics:
         usage = sum(stats.kv_cache_usage for stats in self._last) / len(self._last)
         return [("kv_cache_usage_perc", float(usage)),
                 ("num_requests_waiting", float(sum(stats.num_waiting for stats in self._last)))]
+
+    def record_sleep_state(self, sleeping: bool, level: int = 0) -> None:
+        """The engine's sleep state (vLLM's gauge): awake, or asleep at ``level`` (level 0: every state 0)."""
+        state = "awake" if not sleeping else {1: "weights_offloaded", 2: "discard_all"}.get(level)
+        for gauges in self.sleep_state:
+            for name, gauge in gauges.items():
+                gauge.set(1 if name == state else 0)
 
     def on_refused(self, reason: str) -> None:
         """A request shed by the server ("overloaded" or "timeout"; the event loop calls it)."""

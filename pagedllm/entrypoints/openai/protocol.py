@@ -92,14 +92,17 @@ class SamplingFields(OpenAIModel):
     # ours
     speculate: StrictBool = True
     """With a server started with --speculative-config: false opts this request out of speculation."""
+    watermarking: StrictBool | None = None
+    """vLLM's extra: with a server started with --watermark-config, false opts this request out of the watermark
+    (unless the config enforces it); true on a server without one is refused."""
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | TokenIds | list[str] | list[TokenIds] | None = None
     """Required and not "" (checked with prompt_embeds, as vLLM: a 400 naming prompt)."""
     prompt_embeds: str | list[str] | None = None
-    """vLLM's extra (with its --enable-prompt-embeds, which pagedllm serve lacks): only absent or empty ([] as vLLM
-    reads it: none given); any embedding is refused."""
+    """vLLM's extra (needs --enable-prompt-embeds): prompts given as embeddings, each the base64 of a torch.save'd
+    (num_tokens, hidden_size) float tensor; their choices come first, then prompt's. [] is none given."""
     max_tokens: int | None = 16
     echo: StrictBool = False
     suffix: str | None = None
@@ -122,13 +125,10 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _a_prompt(self) -> "CompletionRequest":
-        """A prompt (vLLM's words: its clients match them); prompt_embeds refused."""
-        if self.prompt_embeds:
-            raise ValidationError("prompt_embeds is not supported by this server (vLLM's --enable-prompt-embeds): "
-                                  "give prompt", param="prompt_embeds")
-        if self.prompt is None or self.prompt == "":
-            raise ValidationError("Either prompt or prompt_embeds must be provided and non-empty (this server "
-                                  "takes prompt only)", param="prompt", value=self.prompt)
+        """A prompt or prompt_embeds (vLLM's words: its clients match them)."""
+        if (self.prompt is None or self.prompt == "") and not self.prompt_embeds:
+            raise ValidationError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt",
+                                  value=self.prompt)
         return self
 
 
@@ -296,6 +296,16 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    metrics: PerRequestMetrics | None = None
+    """--enable-per-request-metrics (one prompt, n = 1): the request's timing (streamed: on the usage chunk); no key
+    without it."""
+
+    @model_serializer(mode="wrap")
+    def _metrics_if_any(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        if data.get("metrics") is None:
+            data.pop("metrics", None)
+        return data
 
 
 class TopLogprob(BaseModel):
@@ -359,6 +369,26 @@ class ChatChoice(BaseModel):
     """With return_token_ids: the token ids generated."""
 
 
+class PerRequestMetrics(BaseModel):
+    """vLLM's per-request timing (--enable-per-request-metrics), in milliseconds; a figure whose timestamps are
+    missing (mean_itl_ms of a one-token reply) is left out of the JSON."""
+
+    time_to_first_token_ms: float | None = None
+    """First scheduled -> first token."""
+    generation_time_ms: float | None = None
+    """First token -> last token (the decode alone)."""
+    queue_time_ms: float | None = None
+    """Arrival -> first scheduled."""
+    mean_itl_ms: float | None = None
+    """generation_time_ms over the tokens after the first (two tokens or more)."""
+    tokens_per_second: float | None = None
+    """Generated tokens over first scheduled -> last token (the prefill counted)."""
+
+    @model_serializer(mode="wrap")
+    def _known_only(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -371,6 +401,15 @@ class ChatCompletionResponse(BaseModel):
     log-probability, as completions' choices carry them."""
     prompt_token_ids: list[int] | None = None
     """With return_token_ids: the rendered conversation's token ids."""
+    metrics: PerRequestMetrics | None = None
+    """--enable-per-request-metrics (n = 1): the request's timing; no key without it."""
+
+    @model_serializer(mode="wrap")
+    def _metrics_if_any(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        if data.get("metrics") is None:
+            data.pop("metrics", None)
+        return data
 
 
 class DeltaMessage(BaseModel):
@@ -405,12 +444,15 @@ class ChatCompletionStreamResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
     """With return_token_ids: the rendered conversation's token ids, in the first chunk (no key in the others,
     as vLLM's)."""
+    metrics: PerRequestMetrics | None = None
+    """--enable-per-request-metrics (n = 1): the request's timing, on the last (usage) chunk only."""
 
     @model_serializer(mode="wrap")
     def _prompt_ids_once(self, handler: SerializerFunctionWrapHandler) -> dict:
         data = handler(self)
-        if data.get("prompt_token_ids") is None:
-            data.pop("prompt_token_ids", None)
+        for key in ("prompt_token_ids", "metrics"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

@@ -17,11 +17,11 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.errors import QUOTE_CHARS, ValidationError, quoted
 from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, check_constraint,
                                                check_sampling_limits)
-from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptLogprob, PromptTokensDetails,
-                                                  SamplingFields, StreamOptions, UsageInfo)
+from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PerRequestMetrics, PromptLogprob,
+                                                  PromptTokensDetails, SamplingFields, StreamOptions, UsageInfo)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
@@ -122,6 +122,17 @@ class OpenAIServing:
         """--return-tokens-as-token-ids: logprobs name tokens "token_id:<id>" unless a request says otherwise."""
         self.force_include_usage = False
         """--enable-force-include-usage: every streamed reply carries usage (see force_usage)."""
+        self.per_request_metrics = False
+        """--enable-per-request-metrics: a chat or completions reply of one choice carries its timing
+        (request_metrics)."""
+
+    def request_metrics(self, out: RequestOutput | None, n: int, generated: int) -> PerRequestMetrics | None:
+        """vLLM's per-request timing of a finished request that generated ``generated`` tokens; None unless the
+        server was started with --enable-per-request-metrics, and for n > 1 (one request's timing is not each
+        choice's)."""
+        if not self.per_request_metrics or n != 1 or out is None:
+            return None
+        return timing_metrics(out.metrics, generated)
 
     def force_usage(self, req: SamplingFields) -> None:
         """--enable-force-include-usage (vLLM's flag): a streamed request's stream_options become include_usage
@@ -225,6 +236,9 @@ class OpenAIServing:
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams from the request's fields (SamplingParams names any out-of-range field)."""
+        if req.watermarking and self.engine.config.watermark is None:
+            raise ValidationError("watermarking: this server watermarks nothing (start it with --watermark-config)",
+                                  param="watermarking", value=True)
         return SamplingParams(
             n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -237,6 +251,7 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, logprob_token_ids=req.logprob_token_ids,
             structured_outputs=self.constraint(req), speculate=req.speculate,
+            watermarking=req.watermarking is not False,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
     async def add_all(self, request_id: str, prompts: list[PromptType], params: SamplingParams | BeamSearchParams,
@@ -392,6 +407,25 @@ async def unless_disconnected(work: Awaitable[T], raw: Request) -> T | None:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return None
+
+
+def timing_metrics(metrics: RequestMetrics | None, generated: int) -> PerRequestMetrics:
+    """vLLM's PerRequestMetrics of a request's timestamps (a figure whose timestamps are missing stays None)."""
+    if metrics is None:
+        return PerRequestMetrics()
+    scheduled, first, last = metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time
+    out = PerRequestMetrics()
+    if scheduled is not None:
+        out.queue_time_ms = max(scheduled - metrics.arrival_time, 0.0) * 1000
+    if scheduled is not None and first is not None:
+        out.time_to_first_token_ms = max(first - scheduled, 0.0) * 1000
+    if first is not None and last is not None:
+        out.generation_time_ms = (last - first) * 1000
+        if generated > 1:
+            out.mean_itl_ms = (last - first) / (generated - 1) * 1000
+    if scheduled is not None and last is not None and last > scheduled:
+        out.tokens_per_second = generated / (last - scheduled)
+    return out
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:

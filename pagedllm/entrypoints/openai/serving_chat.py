@@ -135,7 +135,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=run.request_id, model=run.model, choices=choices, usage=usage,
                                       prompt_logprobs=prompt_logprobs_json(getattr(out, "prompt_logprobs", None))
                                       if run.prompt_logprobs else None,
-                                      prompt_token_ids=run.prompt_ids)
+                                      prompt_token_ids=run.prompt_ids,
+                                      metrics=self.request_metrics(out, len(out.outputs), completion))
 
     @staticmethod
     def _shown(run: "ChatRun", choice: ChatChoice | ChatStreamChoice) -> bool:
@@ -342,7 +343,9 @@ class OpenAIServingChat(OpenAIServing):
         held: dict[int, list[int]] = {}  # per choice, its token ids so far (tool calling sends them whole)
         generated_ids: dict[int, list[int]] = {}  # per choice, its token ids (a reasoning parser counts them)
         prompt_ids: list[int] = []
+        last = None  # the request's last output (its timing: --enable-per-request-metrics)
         async for _, out in merge_streams(streams):
+            last = out
             prompt_tokens, prompt_ids = len(out.prompt_token_ids), out.prompt_token_ids
             cached_tokens = max(cached_tokens, out.num_cached_tokens)
             for c in out.outputs:
@@ -378,7 +381,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream_options and req.stream_options.include_usage:
             usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)
             self._count_reasoning(run, usage, prompt_ids, list(generated_ids.values()))
-            yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
+            yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage,
+                                               metrics=self.request_metrics(last, req.n, completion_tokens))
 
 
 async def _then_done(events: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.processor import PromptType
+from pagedllm.engine.prompt_embeds import decode_prompt_embeds
 from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.limits import check_count, check_request_tokens, check_samples
@@ -32,20 +33,24 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ValidationError("best_of other than n is not supported", param="best_of", value=req.best_of)
         self.check_prompt_size(req.prompt, "prompt")
         keep = self._kept_tokens(req.truncate_prompt_tokens)
-        prompts = self._prompts(req.prompt)
-        check_samples(len(prompts), max(req.n or 1, req.best_of or 1), self.limits)
+        embedded = self._check_embeds(req)
+        prompts = [] if req.prompt is None or req.prompt == "" else self._prompts(req.prompt)
+        check_samples(len(embedded) + len(prompts), max(req.n or 1, req.best_of or 1), self.limits)
         # echo with logprobs scores the prompt too (lm-eval's log-likelihoods): its tokens' log-probabilities lead
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
         # echo with max_tokens 0: the prompt alone (scored); as vLLM, one token is generated and left out
         only_echo = req.echo and req.max_tokens == 0 and not req.use_beam_search
         params = self._beam_params(req) if req.use_beam_search else \
             self.sampling_params(req, 1 if only_echo else req.max_tokens, req.logprobs, req.stream, prompt_logprobs)
-        echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
-        self._check_waiting(prompts)  # (a full queue sheds it before it is tokenized)
+        echoes = [""] * len(embedded) + [self._prompt_text(p) if req.echo else "" for p in prompts]
+        self._check_waiting(embedded + prompts)  # (a full queue sheds it before it is tokenized)
         prompts = await self.tokenized(prompts)
         if keep is not None:
             echoes = self._truncate(prompts, keep, req.truncation_side or "left", echoes if req.echo else None)
-        lengths = [len(p["prompt_token_ids"]) for p in prompts]
+        # prompts given as embeddings first (their choices lead, as vLLM's), then the text and token-id ones
+        prompts = await self._decoded_embeds(embedded) + prompts
+        lengths = [p["prompt_embeds"].num_tokens if "prompt_embeds" in p else len(p["prompt_token_ids"])
+                   for p in prompts]
         check_request_tokens(self.limits, self.max_model_len, [self.filled(params.max_tokens, n) for n in lengths],
                              req.n, req.stream,
                              None if req.use_beam_search else counted_logprobs(req, req.logprobs), lengths,
@@ -69,7 +74,43 @@ class OpenAIServingCompletion(OpenAIServing):
                                 out.prompt_token_ids if req.return_token_ids else None, as_ids)
                    for i, out in enumerate(outputs) for c in out.outputs]
         usage = self._usage(outputs)
-        return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump())
+        metrics = None if req.use_beam_search or len(outputs) != 1 else \
+            self.request_metrics(outputs[0], req.n, usage.completion_tokens)
+        return JSONResponse(CompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
+                                               metrics=metrics).model_dump())
+
+    def _check_embeds(self, req: CompletionRequest) -> list[str]:
+        """The request's prompt_embeds as a list (none: []), refused (400 naming the field) when the server was not
+        started with --enable-prompt-embeds or a field that needs the prompt's tokens or text comes with them."""
+        given = req.prompt_embeds
+        embedded = [given] if isinstance(given, str) else list(given or [])
+        if not embedded:
+            return []
+        if self.engine.processor.embeds_hidden_size is None:
+            raise ValidationError("prompt_embeds needs a server started with --enable-prompt-embeds",
+                                  param="prompt_embeds")
+        check_count(embedded, self.limits.max_prompts, "prompt_embeds", "--max-prompts")
+        for name, value, unset in (("prompt_logprobs", req.prompt_logprobs, None), ("echo", req.echo, False),
+                                   ("use_beam_search", req.use_beam_search, False),
+                                   ("truncate_prompt_tokens", req.truncate_prompt_tokens, None)):
+            if value != unset:
+                raise ValidationError(f"{name} is not compatible with prompt_embeds (the prompt has no tokens or "
+                                      "text of its own)", param=name, value=value)
+        return embedded
+
+    async def _decoded_embeds(self, embedded: list[str]) -> list[dict]:
+        """Each base64 prompt_embeds entry decoded and checked against the model (in the tokenizer thread: a
+        payload can be megabytes), as {"prompt_embeds": PromptEmbeds}."""
+        if not embedded:
+            return []
+        processor = self.engine.processor
+
+        def decode() -> list[dict]:
+            return [{"prompt_embeds": processor.prompt_embeds(decode_prompt_embeds(e, self.max_model_len,
+                                                                                   processor.embeds_hidden_size))}
+                    for e in embedded]
+
+        return await self.engine.in_tokenizer_thread(decode)
 
     def _beam_params(self, req: CompletionRequest) -> BeamSearchParams:
         """Beam search: n beams, greedy, no streaming (the best beams are known only at the end)."""
@@ -207,7 +248,9 @@ class OpenAIServingCompletion(OpenAIServing):
         every_chunk = req.stream_options is not None and req.stream_options.every_chunk
         prompt_lps: dict[int, CompletionLogprobs | None] = {}  # per prompt: its echoed tokens' logprobs
         as_ids = self.as_token_ids(req)
+        last = None  # the last output (its timing: --enable-per-request-metrics, one prompt)
         async for i, out in merge_streams(streams):
+            last = out
             prompt_tokens[i] = len(out.prompt_token_ids)
             cached_tokens[i] = max(cached_tokens.get(i, 0), out.num_cached_tokens)
             if req.echo and i not in prompt_lps:  # (they come with a prompt's first output)
@@ -235,7 +278,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage))
         if req.stream_options and req.stream_options.include_usage:
             usage = self.usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
-            yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
+            metrics = None if req.use_beam_search or len(streams) != 1 else \
+                self.request_metrics(last, req.n, completion_tokens)
+            yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage, metrics=metrics))
         yield SSE_DONE
 
 

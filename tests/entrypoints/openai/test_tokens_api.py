@@ -1,0 +1,196 @@
+"""vLLM's token-in/token-out API (POST /inference/v1/generate, /inference/v1/abort_requests; issue 45) on the tiny
+model: the same greedy tokens and text as /v1/completions, vLLM's reply and chunk shapes, logprobs by token id, an
+abort that ends a stream with finish_reason "abort" and frees its blocks, every bad field a 400 naming it, 403
+without --enable-scale-out, and --tokens-only's refusals."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.utils import RemoteServer
+
+GENERATE, ABORT = "/inference/v1/generate", "/inference/v1/abort_requests"
+PROMPT = [1, 422, 1233, 314, 2764, 282]
+
+
+@pytest.fixture(scope="module")
+def scale_out(tiny_llm_dir: Path) -> Iterator[RemoteServer]:
+    s = RemoteServer(tiny_llm_dir, "--served-model-name", "tiny", "--max-model-len", "256", "--enable-scale-out")
+    yield s
+    s.stop()
+
+
+def _body(**sampling: Any) -> dict:
+    return {"model": "tiny", "token_ids": PROMPT, "sampling_params": {"temperature": 0.0, "max_tokens": 8,
+                                                                      **sampling}}
+
+
+def _chunks(url: str, body: dict, on_chunk: Any = None) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+                if on_chunk is not None:
+                    on_chunk(chunks[-1])
+    return chunks
+
+
+def test_generate_matches_completions(scale_out: RemoteServer) -> None:
+    """Greedy token ids (and text in output_mode "text") are /v1/completions' for the same prompt ids; vLLM's reply
+    shape: generate-tokens-<id>, usage, prompt_token_ids with return_token_ids, no text in tokens mode."""
+    url = scale_out.url
+    ref = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8,
+                                                     "temperature": 0.0, "return_token_ids": True}, timeout=60).json()
+    ref_choice = ref["choices"][0]
+    r = httpx.post(url + GENERATE, json={**_body(), "request_id": "abc", "return_token_ids": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["request_id"] == "generate-tokens-abc" and body["output_mode"] == "tokens"
+    assert body["model"] == "tiny" and body["prompt_token_ids"] == PROMPT
+    assert body["usage"]["prompt_tokens"] == len(PROMPT) and body["usage"]["completion_tokens"] == 8
+    choice = body["choices"][0]
+    assert choice["token_ids"] == ref_choice["token_ids"] and "text" not in choice
+    assert choice["finish_reason"] == ref_choice["finish_reason"] and choice["logprobs"] is None
+    text = httpx.post(url + GENERATE, json={**_body(), "output_mode": "text"}, timeout=60).json()
+    assert text["output_mode"] == "text" and text["choices"][0]["text"] == ref_choice["text"]
+    # derender (a server without a tool or reasoning parser): the text as an assistant message; streamed, deltas
+    derender = httpx.post(url + GENERATE, json={**_body(), "output_mode": "derender"}, timeout=60).json()
+    message = derender["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"] == ref_choice["text"]
+    chunks = _chunks(url + GENERATE, {**_body(), "output_mode": "derender", "stream": True})
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and "".join(d.get("content") or "" for d in deltas) == ref_choice["text"]
+    # an omitted max_tokens is the rest of the context (not vLLM's dataclass default of 16)
+    body = _body(ignore_eos=True)
+    del body["sampling_params"]["max_tokens"]
+    long = httpx.post(url + GENERATE, json=body, timeout=120).json()
+    assert len(long["choices"][0]["token_ids"]) == 256 - len(PROMPT)
+
+
+def test_stream_and_logprobs(scale_out: RemoteServer) -> None:
+    """A stream's token ids and text add up to the whole reply's; the prompt ids come in the first chunk only; the
+    last choice chunk has the finish reason, then a usage chunk; logprobs name tokens by id, sampled first."""
+    url = scale_out.url + GENERATE
+    whole = httpx.post(url, json={**_body(logprobs=2), "output_mode": "text"}, timeout=60).json()["choices"][0]
+    chunks = _chunks(url, {**_body(logprobs=2), "output_mode": "text", "stream": True, "return_token_ids": True,
+                           "stream_options": {"include_usage": True}})
+    assert chunks[0]["prompt_token_ids"] == PROMPT and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    choices = [c["choices"][0] for c in chunks[:-1]]
+    assert [t for c in choices for t in c["token_ids"]] == whole["token_ids"]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    assert choices[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in choices[:-1])
+    lp = httpx.post(url, json=_body(logprobs=2), timeout=60).json()["choices"][0]
+    assert lp["token_ids"] == whole["token_ids"] and len(lp["logprobs"]["content"]) == 8
+    for token_id, entry in zip(lp["token_ids"], lp["logprobs"]["content"]):
+        assert entry["token_id"] == token_id and entry["top_logprobs"][0]["token_id"] == token_id
+        assert len(entry["top_logprobs"]) == 2 and entry["logprob"] == entry["top_logprobs"][0]["logprob"]
+    text_lp = whole["logprobs"]["content"][0]  # text mode: chat's shape
+    assert isinstance(text_lp["token"], str) and isinstance(text_lp["bytes"], list)
+
+
+def test_abort_ends_the_stream_and_frees_its_blocks(scale_out: RemoteServer) -> None:
+    """abort_requests names a running stream by its request_id: its last chunk says "abort", it stops early and no
+    block stays used; an unknown id is fine (200), a bad body a 400; the legacy /abort_requests needs
+    --tokens-only."""
+    url = scale_out.url
+    aborted: list[str] = []
+
+    def abort_once(chunk: dict) -> None:
+        if not aborted and chunk["choices"] and chunk["choices"][0]["token_ids"]:
+            r = httpx.post(url + ABORT, json={"request_ids": [chunk["request_id"]]}, timeout=10)
+            assert r.status_code == 200
+            aborted.append(chunk["request_id"])
+
+    body = {**_body(ignore_eos=True, max_tokens=240), "stream": True, "request_id": "to-abort"}
+    chunks = _chunks(url + GENERATE, body, abort_once)
+    assert aborted == ["generate-tokens-to-abort"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) < 240
+    # a whole (unstreamed) reply ends too, with the tokens it had; a client that leaves frees its request as well
+    result: list[httpx.Response] = []
+    body = {**_body(ignore_eos=True, max_tokens=240), "request_id": "whole", "sampling_params": {
+        **_body(ignore_eos=True, max_tokens=240)["sampling_params"], "n": 2, "temperature": 1.0}}
+    thread = threading.Thread(target=lambda: result.append(httpx.post(url + GENERATE, json=body, timeout=60)))
+    thread.start()
+    while thread.is_alive():
+        httpx.post(url + ABORT, json={"request_ids": "generate-tokens-whole"}, timeout=10)
+        thread.join(0.05)
+    choices = result[0].json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["abort", "abort"]
+    assert all(len(c["token_ids"]) < 240 for c in choices)
+    # a streaming client that leaves after its first chunk (its request freed whether or not it had finished)
+    with httpx.stream("POST", url + GENERATE, json={**_body(ignore_eos=True, max_tokens=240), "stream": True},
+                      timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith("data:"))
+    deadline = time.monotonic() + 10
+    while (state := httpx.get(f"{url}/kv/state", timeout=10).json())["accounting"]["used_blocks"]:
+        assert time.monotonic() < deadline, state["accounting"]
+        time.sleep(0.1)
+    assert httpx.post(url + ABORT, json={"request_ids": "generate-tokens-unknown"}, timeout=10).status_code == 200
+    assert httpx.post(url + ABORT, json={}, timeout=10).status_code == 400
+    assert httpx.post(f"{url}/abort_requests", json={"request_ids": ["x"]}, timeout=10).status_code == 404
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+    ({"sampling_params": {"prompt_logprob_token_ids": [[1]]}}, "sampling_params.prompt_logprob_token_ids"),
+    ({"sampling_params": {"extra_args": {"a": 1}}}, "sampling_params.extra_args"),
+    ({"sampling_params": {"max_tokens": None, "min_tokens": 2**31}}, "sampling_params.min_tokens"),
+    ({"sampling_params": {"stop": ["x"], "detokenize": False}}, "sampling_params.stop"),
+    ({"sampling_params": {"detokenize": False}, "output_mode": "text"}, "sampling_params.detokenize"),
+    ({"sampling_params": {"n": 10**6}}, "sampling_params.n"),
+    ({"sampling_params": {"temperature": -1.0}}, "sampling_params.temperature"),
+    ({"output_mode": "bogus"}, "output_mode"),
+    ({"features": {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]}}},
+     "features"),
+    ({"content_parts": [{"type": "image_url", "url": "http://x"}]}, "content_parts"),
+    ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
+    ({"priority": 1}, "priority"),
+    ({"token_ids": []}, "token_ids"),
+    ({"token_ids": [1, -2]}, "token_ids"),
+    ({"token_ids": [1, 10**9]}, "token_ids"),
+    ({"token_ids": [1] * 300}, "token_ids"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"unknown_field": 1}, "unknown_field"),
+])
+def test_bad_fields_are_400s_naming_them(scale_out: RemoteServer, change: dict, param: str) -> None:
+    body = _body()
+    sampling = {**body["sampling_params"], **change.pop("sampling_params", {})}
+    r = httpx.post(scale_out.url + GENERATE, json={**body, "sampling_params": sampling, **change}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert param.split(".")[-1] in error["message"], error
+
+
+def test_routes_are_403_without_the_flag(server: RemoteServer) -> None:
+    r = httpx.post(server.url + GENERATE, json=_body(), timeout=10)
+    assert r.status_code == 403 and "--enable-scale-out" in r.json()["error"]["message"]
+    assert httpx.post(server.url + ABORT, json={"request_ids": ["x"]}, timeout=10).status_code == 403
+
+
+def test_tokens_only(tiny_llm_dir: Path) -> None:
+    """--tokens-only serves the routes without --enable-scale-out, refuses text and stop strings (nothing would
+    check them), and serves the legacy /abort_requests."""
+    s = RemoteServer(tiny_llm_dir, "--served-model-name", "tiny", "--max-model-len", "256", "--tokens-only")
+    try:
+        url = s.url + GENERATE
+        r = httpx.post(url, json={**_body(), "output_mode": "text"}, timeout=60)
+        assert r.status_code == 400 and "requires a tokenizer" in r.json()["error"]["message"]
+        r = httpx.post(url, json=_body(stop=["never"]), timeout=60)
+        assert r.status_code == 400 and "stop strings" in r.json()["error"]["message"]
+        r = httpx.post(url, json=_body(detokenize=False), timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 8
+        assert httpx.post(f"{s.url}/abort_requests", json={"request_ids": ["x"]}, timeout=10).status_code == 200
+    finally:
+        s.stop()
