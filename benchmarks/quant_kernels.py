@@ -6,13 +6,13 @@ level packs the format).
     .venv/bin/python benchmarks/quant_kernels.py --formats Q4_K Q6_K --rows 1 8 --threads 1 --levels avx512_bf16
 
 Weights are random blocks (scale fields sane). ``--cold`` rotates through copies of the weight that together
-exceed the last-level cache, so each call reads it from memory; otherwise one copy is read again and again
-(from the cache where it fits). Times are the fastest and the median of ``--reps`` calls after warm-up (GB/s
-from the fastest: other work on the machine's cores shows in the median). ``--dense`` also times the same weight
-dequantized to bf16 through the matmul a bf16 model runs (layers/prepack.py: on AMX tiles for up to 32 rows at
-the "amx" level, oneDNN for more), with bf16 rows of x for both: where the quantized kernels lose to it, the
-row count above which a dense copy pays (layers/quant.py ``DENSE_ROWS``; ``bf16-dnnp``: oneDNN's packed layout,
-the one the copies take).
+exceed the last-level cache (twice its size as sysfs reports it), so each call reads it from memory; otherwise one
+copy is read again and again (from the cache where it fits). Times are the fastest and the median of ``--reps``
+calls after warm-up (GB/s from the fastest: other work on the machine's cores shows in the median). ``--dense``
+also times the same weight dequantized to bf16 through the matmul a bf16 model runs (layers/prepack.py: on AMX
+tiles for up to 32 rows at the "amx" level, oneDNN for more), with bf16 rows of x for both: where the quantized
+kernels lose to it, the row count above which a dense copy pays (layers/quant.py ``DENSE_ROWS``; ``bf16-dnnp``:
+oneDNN's packed layout, the one the copies take).
 
     .venv/bin/python benchmarks/quant_kernels.py --levels amx --formats Q4_1 --shapes 960x576 3072x576 576x1536 \
         --rows 32 48 64 96 128 256 --threads 2 --dense --cold
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,6 +44,18 @@ def random_quant(name: str, rows: int, cols: int, seed: int = 0) -> QuantTensor:
         scales = rng.uniform(0.5, 1.5, size=data.shape[:2]) / 64
         data[:, :, offset:offset + 2] = scales.astype(np.float16).view(np.uint8).reshape(*data.shape[:2], 2)
     return QuantTensor(qtype, rows, cols, torch.from_numpy(data.reshape(rows, -1)))  # (rows, row bytes)
+
+
+def cold_bytes() -> int:
+    """Bytes of weight copies that together exceed the last-level cache: twice its size as sysfs reports it (300
+    MiB on the AMX Xeon we run on, where a fixed 96 MiB rotation read from L3 at twice the memory's rate), at least
+    96 MiB."""
+    size = 0
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()  # e.g. "300M", "2048K"
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size = max(size, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(96 << 20, 2 * size)
 
 
 def time_call(kernels: cpu_ops.CpuKernels, x: torch.Tensor, weights: list[QuantTensor],
@@ -109,7 +122,7 @@ def main() -> None:
                         variants.append(("-rows", raw))
                     for tag, w in variants:
                         nbytes = w.data.numel()
-                        copies = max(1, (96 << 20) // nbytes) if args.cold else 1
+                        copies = max(1, cold_bytes() // nbytes) if args.cold else 1
                         weights = [w] + [QuantTensor(w.qtype, w.rows, w.cols, w.data.clone(), w.packed, w.level)
                                          for _ in range(copies - 1)]
                         label = name + ("p" if w.packed else "") + tag
@@ -133,7 +146,7 @@ def time_dense(weight: torch.Tensor, args: argparse.Namespace, level: str) -> No
 
     n, k = weight.shape
     nbytes = weight.numel() * 2
-    copies = max(1, (96 << 20) // nbytes) if args.cold else 1
+    copies = max(1, cold_bytes() // nbytes) if args.cold else 1
     packs = [prepack.prepack(weight.clone()) for _ in range(copies)]
     label = "bf16" + ("-amx" if packs[0].amx else "-ours" if packs[0].kernels is not None else "-onednn")
     _time_matmuls([prepack.matmul_for(p, None) for p in packs], label, weight.shape, nbytes, args, level)
