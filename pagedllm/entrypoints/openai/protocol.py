@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler,
                       StrictBool, StrictInt, model_serializer, model_validator)
@@ -289,7 +289,21 @@ class CompletionChoice(BaseModel):
     """With return_token_ids: the token ids generated (streamed: this chunk's)."""
 
 
-class CompletionResponse(BaseModel):
+class _OmitsNoneKeys(BaseModel):
+    """A reply whose keys in ``_omitted_if_none`` are left out of the JSON while None (vLLM sends no such key)."""
+
+    _omitted_if_none: ClassVar[tuple[str, ...]] = ("metrics",)
+
+    @model_serializer(mode="wrap")
+    def _omit_none_keys(self, handler: SerializerFunctionWrapHandler) -> dict:
+        data = handler(self)
+        for key in self._omitted_if_none:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class CompletionResponse(_OmitsNoneKeys):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -299,13 +313,6 @@ class CompletionResponse(BaseModel):
     metrics: PerRequestMetrics | None = None
     """--enable-per-request-metrics (one prompt, n = 1): the request's timing (streamed: on the usage chunk); no key
     without it."""
-
-    @model_serializer(mode="wrap")
-    def _metrics_if_any(self, handler: SerializerFunctionWrapHandler) -> dict:
-        data = handler(self)
-        if data.get("metrics") is None:
-            data.pop("metrics", None)
-        return data
 
 
 class TopLogprob(BaseModel):
@@ -389,7 +396,7 @@ class PerRequestMetrics(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitsNoneKeys):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -403,13 +410,6 @@ class ChatCompletionResponse(BaseModel):
     """With return_token_ids: the rendered conversation's token ids."""
     metrics: PerRequestMetrics | None = None
     """--enable-per-request-metrics (n = 1): the request's timing; no key without it."""
-
-    @model_serializer(mode="wrap")
-    def _metrics_if_any(self, handler: SerializerFunctionWrapHandler) -> dict:
-        data = handler(self)
-        if data.get("metrics") is None:
-            data.pop("metrics", None)
-        return data
 
 
 class DeltaMessage(BaseModel):
@@ -434,7 +434,7 @@ class ChatStreamChoice(BaseModel):
     """With return_token_ids: the token ids this chunk adds."""
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_OmitsNoneKeys):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -446,14 +446,7 @@ class ChatCompletionStreamResponse(BaseModel):
     as vLLM's)."""
     metrics: PerRequestMetrics | None = None
     """--enable-per-request-metrics (n = 1): the request's timing, on the last (usage) chunk only."""
-
-    @model_serializer(mode="wrap")
-    def _prompt_ids_once(self, handler: SerializerFunctionWrapHandler) -> dict:
-        data = handler(self)
-        for key in ("prompt_token_ids", "metrics"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
+    _omitted_if_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "metrics")
 
 
 class ModelCard(BaseModel):
