@@ -40,6 +40,8 @@ class CachedRequestState:
     """Per prompt token, its segment (cross-encoder pairs); None: all 0."""
     prompt_embeds: torch.Tensor | None = None
     """(num_prompt_tokens, hidden) CPU: a prompt given as embeddings, fed instead of its placeholder ids' rows."""
+    watermark_seen: Any = None
+    """With a watermark that skips repeated contexts: the contexts its history holds (worker/watermark.py)."""
 
     @property
     def output_token_ids(self) -> list[int]:

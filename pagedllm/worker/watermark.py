@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,6 +78,45 @@ def gumbel_noise(key: int, context: list[int], vocab_size: int, device: torch.de
     return -torch.log(-torch.log(u))
 
 
+class _SeenContexts:
+    """The contexts that preceded each position of one request's searched history (its tokens from ``base`` on),
+    counted over the window of positions [evicted, added): position i's context is the ``width`` tokens before
+    it, -1 before the history's start."""
+
+    def __init__(self, width: int, base: int) -> None:
+        self.width, self.base = width, base
+        self.counts: Counter[tuple[int, ...]] = Counter()
+        self.added = self.evicted = 0
+        self.last: int | None = None
+        """The history's token at position added - 1 when it was counted: a history rewritten under it (shorter,
+        or another token there) is counted again from scratch."""
+
+    def extends(self, tokens: list[int], base: int) -> bool:
+        """Whether ``tokens`` (from ``base``) still begins with the history counted so far."""
+        n = len(tokens) - base
+        return base == self.base and self.added <= n and (self.added == 0 or tokens[base + self.added - 1] == self.last)
+
+    def _context(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        start = self.base + i - self.width
+        pad = max(0, -(i - self.width))
+        return (-1,) * pad + tuple(tokens[start + pad:self.base + i])
+
+    def advance(self, tokens: list[int], max_history: int | None) -> None:
+        """Count the positions added since the last call, and drop those past the last ``max_history``."""
+        n = len(tokens) - self.base
+        first = 0 if max_history is None else max(0, n - max_history)
+        for i in range(self.evicted, min(first, self.added)):
+            key = self._context(tokens, i)
+            self.counts[key] -= 1
+            if not self.counts[key]:
+                del self.counts[key]
+        self.evicted = max(self.evicted, first)
+        for i in range(max(self.added, first), n):
+            self.counts[self._context(tokens, i)] += 1
+        self.added = n
+        self.last = tokens[self.base + n - 1] if n else None
+
+
 class GumbelWatermark:
     """The watermark of one engine: which rows of a step are watermarked, and their noise."""
 
@@ -95,17 +135,20 @@ class GumbelWatermark:
     def repeated(self, state: CachedRequestState, context: list[int]) -> bool:
         """Whether this context already preceded a token of the searched history (deduplicate_contexts): such a
         row is sampled without the watermark. "all" also searches the prompt and leaves the first context_width
-        generated tokens unwatermarked; the search covers the max_history most recent positions."""
+        generated tokens unwatermarked; the search covers the max_history most recent positions. The contexts
+        seen are counted on the request's state as it grows (``_SeenContexts``): a step costs the tokens it
+        added, not the whole history again."""
         if self.scope == "none":
             return False
         generated = len(state.token_ids) - state.num_prompt_tokens
         if self.scope == "all" and generated < self.width:
             return True
-        history = state.token_ids if self.scope == "all" else state.output_token_ids
-        padded = [-1] * self.width + list(history)
-        first = 0 if self.max_history is None else max(0, len(history) - self.max_history)
-        target = tuple(context)
-        return any(tuple(padded[i:i + self.width]) == target for i in range(first, len(history)))
+        base = 0 if self.scope == "all" else state.num_prompt_tokens
+        seen = state.watermark_seen
+        if seen is None or not seen.extends(state.token_ids, base):
+            seen = state.watermark_seen = _SeenContexts(self.width, base)
+        seen.advance(state.token_ids, self.max_history)
+        return seen.counts.get(tuple(context), 0) > 0
 
     def noise(self, states: list[CachedRequestState], greedy: list[bool], vocab_size: int,
               device: torch.device) -> dict[int, torch.Tensor]:

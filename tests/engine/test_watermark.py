@@ -4,6 +4,7 @@ each one exactly the algorithm's; greedy rows and opted-out requests sample as u
 name."""
 from __future__ import annotations
 
+import random
 import types
 from collections.abc import Callable
 
@@ -71,7 +72,7 @@ def test_repeated_context_is_not_watermarked() -> None:
 
     def state(prompt: list[int], generated: list[int], watermarking: bool = True) -> types.SimpleNamespace:
         return types.SimpleNamespace(token_ids=prompt + generated, num_prompt_tokens=len(prompt),
-                                     output_token_ids=generated,
+                                     output_token_ids=generated, watermark_seen=None,
                                      sampling_params=types.SimpleNamespace(watermarking=watermarking))
     fresh, looped = state([7, 8], [1, 2, 3]), state([7, 8], [1, 2, 5, 1, 2])
     assert mark.context(fresh) == [2, 3] and not mark.repeated(fresh, [2, 3])
@@ -82,6 +83,35 @@ def test_repeated_context_is_not_watermarked() -> None:
     every = GumbelWatermark(WatermarkConfig(key=KEY, context_width=2, deduplicate_contexts="all"))
     assert every.repeated(state([1, 2, 9], [1, 2]), [1, 2])  # found in the prompt
     assert every.repeated(state([5], [6]), [-1, 6])  # the first context_width tokens: unwatermarked
+
+
+@pytest.mark.parametrize("scope", ["single_turn", "all"])
+@pytest.mark.parametrize("max_history", [None, 5])
+def test_counted_contexts_agree_with_a_search_of_the_whole_history(scope: str, max_history: int | None) -> None:
+    """The incremental count (a step's tokens only) answers as searching the whole history every step would,
+    also when the history is rewritten under it (a shorter one, another token)."""
+    width = 2
+    mark = GumbelWatermark(WatermarkConfig(key=KEY, context_width=width, deduplicate_contexts=scope,
+                                           deduplicate_contexts_max_history=max_history))
+    rng = random.Random(0)
+    prompt = [rng.randrange(4) for _ in range(6)]
+    state = types.SimpleNamespace(token_ids=list(prompt), num_prompt_tokens=len(prompt), watermark_seen=None)
+    checked = 0
+    for step in range(200):
+        if step in (80, 140):  # rewritten: cut back, then another token where the last one was
+            del state.token_ids[-7:]
+            state.token_ids[-1] = (state.token_ids[-1] + 1) % 4
+        history = state.token_ids if scope == "all" else state.token_ids[len(prompt):]
+        padded = [-1] * width + history
+        context = padded[-width:]
+        first = 0 if max_history is None else max(0, len(history) - max_history)
+        searched = any(padded[i:i + width] == context for i in range(first, len(history)))
+        generated = len(state.token_ids) - len(prompt)
+        expected = True if scope == "all" and generated < width else searched
+        assert mark.repeated(state, context) == expected, step
+        checked += expected
+        state.token_ids.append(rng.randrange(4))
+    assert 0 < checked < 200  # both answers were seen
 
 
 @pytest.mark.parametrize("config, param", [
