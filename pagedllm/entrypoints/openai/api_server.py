@@ -67,6 +67,7 @@ from pagedllm.entrypoints.openai.protocol_cohere import CohereEmbedRequest
 from pagedllm.entrypoints.openai.serving_cohere import CohereServingEmbed
 from pagedllm.entrypoints.openai.serving_cohere_chat import CohereChatOptions, CohereChatRequest, CohereServingChat
 from pagedllm.entrypoints.openai.serving_tokens import ServingTokens, attach_tokens
+from pagedllm.entrypoints.openai.serving_render import render_chat, render_completion
 from pagedllm.entrypoints.openai.serving_generative_scoring import (GenerativeScoringRequest,
                                                                      OpenAIServingGenerativeScoring)
 from pagedllm.entrypoints.openai.protocol_decisions import DecisionRequest, StructuredDecisionRequest
@@ -424,15 +425,30 @@ async def cohere_chat(req: CohereChatRequest, raw: Request) -> Response:
     return await raw.app.state.cohere_chat.create(req, raw)
 
 
-cohere_render_router = APIRouter(route_class=UnicodeCheckedRoute)
-"""POST /cohere/v2/chat/render, served with --enable-scale-out or --tokens-only (as vLLM's)."""
+render_router = APIRouter(route_class=UnicodeCheckedRoute)
+"""vLLM's scale-out render routes, served with --enable-scale-out or --tokens-only (as vLLM's): a request checked
+and rendered, not run, as the /inference/v1/generate request(s) that run it (serving_render.py)."""
 
 
-@cohere_render_router.post("/cohere/v2/chat/render")
+@render_router.post("/cohere/v2/chat/render")
 async def cohere_chat_render(req: CohereChatRequest, raw: Request) -> dict:
     """A Cohere v2 chat request rendered, not run: its prompt's token ids and sampling params."""
     _generates(raw)
     return await raw.app.state.cohere_chat.render(req, raw)
+
+
+@render_router.post("/v1/chat/completions/render")
+async def chat_render(req: ChatCompletionRequest, raw: Request) -> dict:
+    """A chat completion request rendered, not run (vLLM's GenerateRequest)."""
+    _generates(raw)
+    return await render_chat(_chat(raw), req)
+
+
+@render_router.post("/v1/completions/render")
+async def completion_render(req: CompletionRequest, raw: Request) -> list[dict]:
+    """A completion request rendered, not run: one generate request per prompt."""
+    _generates(raw)
+    return await render_completion(_completion(raw), req)
 
 
 @router.post("/tokenize")
@@ -618,8 +634,8 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     app.state.messages = AnthropicServingMessages(chat)
     app.state.cohere_chat = CohereServingChat(chat, cohere)
     app.include_router(router)
-    if cohere is not None and cohere.render:
-        app.include_router(cohere_render_router)
+    if enable_scale_out or tokens_only:  # (vLLM's render routes: 404 without either flag, as vLLM's)
+        app.include_router(render_router)
     attach_tokens(app, tokens, enable_scale_out, tokens_only)  # (403 without either flag, as vLLM)
     if allow_runtime_lora_updating:
         logger.warning("run-time LoRA updating is on: any client that can reach /v1/load_lora_adapter may load an "
@@ -698,10 +714,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "--no-cohere-is-reasoning-model it is the reply's tool_plan (a tool-plan-delta when "
                              "streamed), as older Command models plan before tool calls, as vLLM's flag")
     parser.add_argument("--enable-scale-out", action="store_true",
-                        help="serve vLLM's scale-out render route for Cohere chat, POST /cohere/v2/chat/render "
-                             "(the prompt's token ids and sampling params, without generating), and vLLM's "
+                        help="serve vLLM's scale-out render routes, POST /v1/chat/completions/render, "
+                             "/v1/completions/render and /cohere/v2/chat/render (a request checked and rendered, "
+                             "not run: the /inference/v1/generate request that runs it), and vLLM's "
                              "token-in/token-out POST /inference/v1/generate and /inference/v1/abort_requests (403 "
-                             "without the flag); vLLM's /render and /derender routes are not served")
+                             "without the flag); vLLM's /derender routes are not served")
     parser.add_argument("--tokens-only", action="store_true",
                         help="as vLLM's flag: serve /inference/v1/generate and /inference/v1/abort_requests (and the "
                              "unauthenticated legacy POST /abort_requests) with detokenization off: output_mode "
@@ -828,8 +845,7 @@ def app_from_args(ns: argparse.Namespace, engine: AsyncLLM, metrics: ServerMetri
                      trust_request_chat_template=ns.trust_request_chat_template,
                      deploy=deploy_options(ns), force_include_usage=ns.enable_force_include_usage,
                      reasoning_config=ns.reasoning_config, per_request_metrics=ns.enable_per_request_metrics,
-                     cohere=CohereChatOptions(ns.cohere_is_reasoning_model,
-                                              ns.enable_scale_out or ns.tokens_only),
+                     cohere=CohereChatOptions(ns.cohere_is_reasoning_model),
                      enable_scale_out=ns.enable_scale_out, tokens_only=ns.tokens_only)
 
 

@@ -68,6 +68,23 @@ class OpenAIServingChat(OpenAIServing):
     async def start(self, req: ChatCompletionRequest, raw: Request) -> "ChatRun | None":
         """Check the request, render its prompt and queue it (None: the client went away meanwhile). The one
         request path of chat completions, and of the Responses and Messages APIs mapped onto it."""
+        prep = await self.prepare(req)
+        request_id = random_id("chatcmpl")
+        streams = await self.add_all(request_id, [{"prompt_token_ids": prep.prompt_ids, "prompt": prep.text}],
+                                     prep.params, prep.lora, raw)
+        if streams is None:
+            return None
+        run = ChatRun(request_id, prep.model, streams, prep.tools, len(prep.prompt_ids),
+                      shown_logprobs(req, prep.logprobs), list(prep.prompt_ids) if req.return_token_ids else None,
+                      as_ids=self.as_token_ids(req), prompt_logprobs=req.prompt_logprobs is not None)
+        run.hide_reasoning = not req.include_reasoning and self.reasoning_parser is not None
+        run.reasoning = prep.reasoning
+        run.echo = echoed_text(req.messages, req.add_generation_prompt, self._content) if req.echo else ""
+        return run
+
+    async def prepare(self, req: ChatCompletionRequest) -> "ChatPrepared":
+        """Everything a chat request is checked and turned into before it is queued: its model, its rendered
+        prompt and its sampling params (400 naming what is wrong). Shared by ``start`` and the render routes."""
         model, lora = self.check_model(req.model)
         self.check_limits(req)
         check_tools(req.tools, self.limits)
@@ -98,18 +115,7 @@ class OpenAIServingChat(OpenAIServing):
         reasoning = None if self.reasoning_parser is None else self.reasoning_parser.for_request(options.kwargs, text)
         if reasoning is not None and reasoning.reasons_first and params.structured_outputs is not None:
             self._grammar_after_reasoning(params, reasoning)  # (a thinking budget's forced end, then the grammar)
-        request_id = random_id("chatcmpl")
-        streams = await self.add_all(request_id, [{"prompt_token_ids": prompt_ids, "prompt": text}], params, lora,
-                                     raw)
-        if streams is None:
-            return None
-        run = ChatRun(request_id, model, streams, tools, len(prompt_ids), shown_logprobs(req, logprobs),
-                      list(prompt_ids) if req.return_token_ids else None, as_ids=self.as_token_ids(req),
-                      prompt_logprobs=req.prompt_logprobs is not None)
-        run.hide_reasoning = not req.include_reasoning and self.reasoning_parser is not None
-        run.reasoning = reasoning
-        run.echo = echoed_text(req.messages, req.add_generation_prompt, self._content) if req.echo else ""
-        return run
+        return ChatPrepared(model, lora, tools, params, text, list(prompt_ids), reasoning, logprobs)
 
     async def response(self, run: "ChatRun", raw: Request | None) -> ChatCompletionResponse | None:
         """The finished reply of a queued request (None: the client disconnected first; ``raw`` None: no client
@@ -416,6 +422,22 @@ class ChatRun:
     """echo: the text the reply's content starts with."""
     prompt_logprobs: bool = False
     """prompt_logprobs was asked for: the reply carries the prompt's."""
+
+
+@dataclass
+class ChatPrepared:
+    """A chat request checked and rendered, not yet queued (OpenAIServingChat.prepare)."""
+
+    model: str
+    lora: Any
+    tools: "_ToolMode"
+    params: SamplingParams
+    text: str
+    """The rendered prompt."""
+    prompt_ids: list[int]
+    reasoning: ReasoningParser | None
+    logprobs: int | None
+    """Top alternatives per token (None: no logprobs)."""
 
 
 @dataclass

@@ -15,7 +15,6 @@ and the sampling params the chat endpoint would queue.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,10 +24,10 @@ from pydantic import Field, StrictBool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.chat_options import template_options
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatLogprobs, ErrorInfo, OpenAIModel,
                                                   UsageInfo, random_id)
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, _ToolMode
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_render import render_chat
 from pagedllm.entrypoints.openai.translate import chat_request, check_keys, renamed, string_field
 from pagedllm.errors import ValidationError, quoted
 
@@ -48,8 +47,6 @@ class CohereChatOptions:
 
     is_reasoning_model: bool = True
     """--cohere-is-reasoning-model: reasoning is a thinking content block; False: the reply's tool_plan."""
-    render: bool = False
-    """--enable-scale-out (or --tokens-only): POST /cohere/v2/chat/render is served."""
 
 
 class CohereChatRequest(OpenAIModel):
@@ -131,25 +128,12 @@ class CohereServingChat:
         return JSONResponse(body)
 
     async def render(self, req: CohereChatRequest, raw: Request) -> dict[str, Any]:
-        """vLLM's GenerateRequest of the chat request ``req`` becomes: its rendered prompt's token ids and its
-        sampling params, nothing generated."""
-        chat, chat_req = self.chat, self.chat_request(req)
+        """vLLM's GenerateRequest of the chat request ``req`` becomes: what /v1/chat/completions/render answers
+        for it (serving_render.py), nothing generated."""
         try:
-            model, _ = chat.check_model(chat_req.model)
-            chat.check_limits(chat_req)
-            tools = _ToolMode.of(chat_req, chat.tool_parser)
-            chat.check_prompt_size(chat_req.messages, "messages")
-            params = chat.sampling_params(chat_req, chat_req.max_completion_tokens,
-                                          0 if chat_req.logprobs else None, False)
-            if tools.constraint is not None:
-                params.structured_outputs = tools.constraint
-            options = template_options(chat_req, chat.trust_request_chat_template)
-            _, ids = await chat.render(chat_req.messages, chat_req.add_generation_prompt, chat_req.tools, options)
+            return await render_chat(self.chat, self.chat_request(req))
         except ValidationError as e:
             raise renamed(e, PARAM_NAMES) from None
-        sampling = {k: v for k, v in dataclasses.asdict(params).items() if _plain_json(v)}
-        return {"request_id": random_id("chatcmpl"), "token_ids": list(ids), "sampling_params": sampling,
-                "model": model, "stream": False}
 
     def chat_request(self, req: CohereChatRequest) -> ChatCompletionRequest:
         """The chat completion request a v2 request maps onto (400 naming what cannot be)."""
@@ -270,15 +254,6 @@ def _logprobs(logprobs: ChatLogprobs | None, token_ids: list[int] | None) -> lis
 def _tool_call(call_id: str | None, name: str | None, arguments: str | None) -> dict[str, Any]:
     return {"id": call_id or random_id("call"), "type": "function",
             "function": {"name": name or "", "arguments": arguments or "{}"}}
-
-
-def _plain_json(value: Any) -> bool:
-    """Whether a sampling param is plain data (numbers, strings, lists of them, None): what the render shows."""
-    if isinstance(value, (list, tuple)):
-        return all(_plain_json(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain_json(v) for k, v in value.items())
-    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _documents(documents: list[str | dict[str, Any]]) -> list[dict[str, Any]]:

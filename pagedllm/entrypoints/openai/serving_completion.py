@@ -34,7 +34,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_prompt_size(req.prompt, "prompt")
         keep = self._kept_tokens(req.truncate_prompt_tokens)
         embedded = self._check_embeds(req)
-        prompts = [] if req.prompt is None or req.prompt == "" else self._prompts(req.prompt)
+        prompts = [] if req.prompt is None or req.prompt == "" else self.prompts_of(req.prompt)
         check_samples(len(embedded) + len(prompts), max(req.n or 1, req.best_of or 1), self.limits)
         # echo with logprobs scores the prompt too (lm-eval's log-likelihoods): its tokens' log-probabilities lead
         prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None or not req.echo else req.logprobs
@@ -161,7 +161,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return shown
 
     @staticmethod
-    def _prompts(prompt: str | list) -> list[PromptType]:
+    def prompts_of(prompt: str | list) -> list[PromptType]:
+        """A request's prompt field as engine prompts: texts, or {"prompt_token_ids": ids}."""
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:

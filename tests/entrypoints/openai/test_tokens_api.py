@@ -1,7 +1,8 @@
 """vLLM's token-in/token-out API (POST /inference/v1/generate, /inference/v1/abort_requests; issue 45) on the tiny
 model: the same greedy tokens and text as /v1/completions, vLLM's reply and chunk shapes, logprobs by token id, an
 abort that ends a stream with finish_reason "abort" and frees its blocks, every bad field a 400 naming it, 403
-without --enable-scale-out, and --tokens-only's refusals."""
+without --enable-scale-out, and --tokens-only's refusals; vLLM's render routes (/v1/chat/completions/render,
+/v1/completions/render), whose answers posted to generate as they are give the replies' tokens."""
 from __future__ import annotations
 
 import json
@@ -177,6 +178,75 @@ def test_routes_are_403_without_the_flag(server: RemoteServer) -> None:
     r = httpx.post(server.url + GENERATE, json=_body(), timeout=10)
     assert r.status_code == 403 and "--enable-scale-out" in r.json()["error"]["message"]
     assert httpx.post(server.url + ABORT, json={"request_ids": ["x"]}, timeout=10).status_code == 403
+    for path in ("/v1/chat/completions/render", "/v1/completions/render"):  # (404 without the flags, as vLLM)
+        assert httpx.post(server.url + path, json={"model": "tiny", "prompt": "x"}, timeout=10).status_code == 404
+
+
+CHAT = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+        "type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}}, "required": ["colour"]}}}},
+    {"logit_bias": {"42": 5.0}, "stop": ["zz"], "seed": 3, "top_k": 4},
+])
+def test_chat_render_then_generate_is_the_chat_reply(scale_out: RemoteServer, extra: dict) -> None:
+    """The render's token ids are /tokenize's for the messages; posted to generate as it is, its tokens are
+    /v1/chat/completions' (greedy), structured outputs and logit_bias included."""
+    url = scale_out.url
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 8, "temperature": 0.0, **extra}
+    r = httpx.post(url + "/v1/chat/completions/render", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    rendered = r.json()
+    ids = httpx.post(url + "/tokenize", json={"model": "tiny", "messages": CHAT}, timeout=60).json()["tokens"]
+    assert rendered["token_ids"] == ids and rendered["request_id"].startswith("chatcmpl-")
+    assert rendered["sampling_params"]["max_tokens"] == 8 and rendered["reasoning_ended"] is None
+    if "response_format" in extra:
+        assert "json" in rendered["sampling_params"]["structured_outputs"]
+    chat = httpx.post(url + "/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=60).json()
+    generated = httpx.post(url + GENERATE, json=rendered, timeout=60)
+    assert generated.status_code == 200, generated.text
+    assert generated.json()["choices"][0]["token_ids"] == chat["choices"][0]["token_ids"]
+
+
+def test_completion_render_is_one_generate_request_per_prompt(scale_out: RemoteServer) -> None:
+    url = scale_out.url
+    for prompt in (["Hello there", "Good morning"], PROMPT):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0.0}
+        r = httpx.post(url + "/v1/completions/render", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        rendered = r.json()
+        ref = httpx.post(url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=60).json()
+        assert len(rendered) == len(ref["choices"])
+        if len(rendered) > 1:
+            assert [g["request_id"][-2:] for g in rendered] == ["-0", "-1"]
+        else:
+            assert rendered[0]["token_ids"] == PROMPT and rendered[0]["request_id"].startswith("cmpl-")
+        for g, choice in zip(rendered, ref["choices"]):
+            assert g["token_ids"] == choice["prompt_token_ids"]
+            out = httpx.post(url + GENERATE, json=g, timeout=60)
+            assert out.status_code == 200, out.text
+            assert out.json()["choices"][0]["token_ids"] == choice["token_ids"]
+
+
+@pytest.mark.parametrize("path, change, param", [
+    ("/v1/completions/render", {"echo": True}, "echo"),
+    ("/v1/completions/render", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions/render", {"prompt": ""}, "prompt"),
+    ("/v1/completions/render", {"max_tokens": 10 ** 6}, "max_tokens"),
+    ("/v1/chat/completions/render", {"messages": []}, "messages"),
+    ("/v1/chat/completions/render", {"model": "nope"}, "model"),
+    ("/v1/chat/completions/render", {"top_logprobs": 2}, "top_logprobs"),
+])
+def test_render_refusals_name_the_field(scale_out: RemoteServer, path: str, change: dict, param: str) -> None:
+    body = {"model": "tiny", "prompt": "Hi", "messages": CHAT, "max_tokens": 4}
+    body = {k: v for k, v in {**body, **change}.items() if not (k == "prompt" and "chat" in path)
+            and not (k == "messages" and "chat" not in path)}
+    r = httpx.post(scale_out.url + path, json=body, timeout=60)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param, r.text
+    scale_out.wait_idle()
 
 
 def test_tokens_only(tiny_llm_dir: Path) -> None:
