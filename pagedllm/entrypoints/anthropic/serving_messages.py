@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, anthropic_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ErrorInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_render import render_chat
 from pagedllm.entrypoints.openai.limits import check_tools
 from pagedllm.entrypoints.openai.translate import chat_request, check_keys, format_field, renamed, string_field
 from pagedllm.errors import ValidationError, quoted
@@ -75,6 +76,15 @@ class AnthropicServingMessages:
             raise ValidationError(f"messages: {e.errors()[0].get('msg')}", param="messages") from None
         _, ids = self.chat.apply_chat_template(chat_messages, True, tools)
         return {"input_tokens": len(ids)}
+
+    async def render(self, req: MessagesRequest) -> dict[str, Any]:
+        """vLLM's /v1/messages/render: the /inference/v1/generate request of the chat request ``req`` maps onto
+        (serving_render.py), nothing generated."""
+        chat_req = self._chat_request(req)
+        try:
+            return await render_chat(self.chat, chat_req)
+        except ValidationError as e:
+            raise renamed(e, PARAM_NAMES) from None
 
     def _chat_request(self, req: MessagesRequest) -> ChatCompletionRequest:
         """The chat completion request this Messages request maps onto (400 naming what cannot be)."""

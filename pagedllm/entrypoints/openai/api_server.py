@@ -444,6 +444,13 @@ async def chat_render(req: ChatCompletionRequest, raw: Request) -> dict:
     return await render_chat(_chat(raw), req)
 
 
+@render_router.post("/v1/messages/render")
+async def messages_render(req: MessagesRequest, raw: Request) -> dict:
+    """An Anthropic Messages request rendered, not run: the generate request of the chat request it maps onto."""
+    _generates(raw)
+    return await raw.app.state.messages.render(req)
+
+
 @render_router.post("/v1/completions/render")
 async def completion_render(req: CompletionRequest, raw: Request) -> list[dict]:
     """A completion request rendered, not run: one generate request per prompt."""
@@ -715,7 +722,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "streamed), as older Command models plan before tool calls, as vLLM's flag")
     parser.add_argument("--enable-scale-out", action="store_true",
                         help="serve vLLM's scale-out render routes, POST /v1/chat/completions/render, "
-                             "/v1/completions/render and /cohere/v2/chat/render (a request checked and rendered, "
+                             "/v1/completions/render, /v1/messages/render and /cohere/v2/chat/render (a request "
+                             "checked and rendered, "
                              "not run: the /inference/v1/generate request that runs it), and vLLM's "
                              "token-in/token-out POST /inference/v1/generate and /inference/v1/abort_requests (403 "
                              "without the flag); vLLM's /derender routes are not served")

@@ -210,6 +210,20 @@ def test_chat_render_then_generate_is_the_chat_reply(scale_out: RemoteServer, ex
     assert generated.json()["choices"][0]["token_ids"] == chat["choices"][0]["token_ids"]
 
 
+def test_messages_render_is_the_chat_render_of_the_same_conversation(scale_out: RemoteServer) -> None:
+    """/v1/messages/render (Anthropic's request) renders the chat request it maps onto: the same generate request."""
+    url = scale_out.url
+    r = httpx.post(url + "/v1/messages/render", json={"model": "tiny", "max_tokens": 5, "messages": CHAT,
+                                                       "stop_sequences": ["zz"], "temperature": 0.0}, timeout=60)
+    assert r.status_code == 200, r.text
+    chat = httpx.post(url + "/v1/chat/completions/render", json={"model": "tiny", "max_tokens": 5, "messages": CHAT,
+                                                                 "stop": ["zz"], "temperature": 0.0}, timeout=60)
+    assert r.json()["token_ids"] == chat.json()["token_ids"]
+    assert r.json()["sampling_params"] == chat.json()["sampling_params"]
+    bad = httpx.post(url + "/v1/messages/render", json={"model": "tiny", "messages": CHAT}, timeout=60)
+    assert bad.status_code == 400 and "max_tokens" in bad.text  # (Anthropic's required field, its error shape)
+
+
 def test_completion_render_is_one_generate_request_per_prompt(scale_out: RemoteServer) -> None:
     url = scale_out.url
     for prompt in (["Hello there", "Good morning"], PROMPT):
