@@ -67,6 +67,8 @@ from pagedllm.entrypoints.openai.protocol_cohere import CohereEmbedRequest
 from pagedllm.entrypoints.openai.serving_cohere import CohereServingEmbed
 from pagedllm.entrypoints.openai.serving_cohere_chat import CohereChatOptions, CohereChatRequest, CohereServingChat
 from pagedllm.entrypoints.openai.serving_tokens import ServingTokens, attach_tokens
+from pagedllm.entrypoints.openai.serving_derender import (DerenderChatRequest, DerenderCompletionRequest,
+                                                          derender_chat, derender_completion)
 from pagedllm.entrypoints.openai.serving_render import render_chat, render_completion
 from pagedllm.entrypoints.openai.serving_generative_scoring import (GenerativeScoringRequest,
                                                                      OpenAIServingGenerativeScoring)
@@ -444,6 +446,18 @@ async def chat_render(req: ChatCompletionRequest, raw: Request) -> dict:
     return await render_chat(_chat(raw), req)
 
 
+@render_router.post("/v1/chat/completions/derender")
+async def chat_derender(req: DerenderChatRequest, raw: Request) -> dict:
+    """A generate reply's tokens as the chat completion the coupled route would answer (serving_derender.py)."""
+    return await derender_chat(_chat(raw), req)
+
+
+@render_router.post("/v1/completions/derender")
+async def completion_derender(req: DerenderCompletionRequest, raw: Request) -> dict:
+    """Generate replies' tokens (one per prompt) as the completions reply the coupled route would answer."""
+    return await derender_completion(_completion(raw), req)
+
+
 @render_router.post("/v1/messages/render")
 async def messages_render(req: MessagesRequest, raw: Request) -> dict:
     """An Anthropic Messages request rendered, not run: the generate request of the chat request it maps onto."""
@@ -724,9 +738,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="serve vLLM's scale-out render routes, POST /v1/chat/completions/render, "
                              "/v1/completions/render, /v1/messages/render and /cohere/v2/chat/render (a request "
                              "checked and rendered, "
-                             "not run: the /inference/v1/generate request that runs it), and vLLM's "
+                             "not run: the /inference/v1/generate request that runs it) and the derender routes "
+                             "POST /v1/chat/completions/derender and /v1/completions/derender (a generate reply's "
+                             "tokens as the route's reply), and vLLM's "
                              "token-in/token-out POST /inference/v1/generate and /inference/v1/abort_requests (403 "
-                             "without the flag); vLLM's /derender routes are not served")
+                             "without the flag)")
     parser.add_argument("--tokens-only", action="store_true",
                         help="as vLLM's flag: serve /inference/v1/generate and /inference/v1/abort_requests (and the "
                              "unauthenticated legacy POST /abort_requests) with detokenization off: output_mode "

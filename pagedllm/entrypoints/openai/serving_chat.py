@@ -126,7 +126,7 @@ class OpenAIServingChat(OpenAIServing):
         out = outputs[0]
         choices = []
         for c in out.outputs:
-            message, finish = self._message(c.text, c.finish_reason, run.tools, run.reasoning)
+            message, finish = self.message_of(c.text, c.finish_reason, run.tools, run.reasoning)
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=self._logprobs(c, run.logprobs, run.as_ids),
                                       finish_reason=finish, stop_reason=c.stop_reason,
@@ -155,7 +155,7 @@ class OpenAIServingChat(OpenAIServing):
         choice.logprobs, choice.token_ids = None, None
         return bool(message.content or message.tool_calls or choice.finish_reason)
 
-    def _message(self, text: str, finish_reason: str | None, tools: "_ToolMode",
+    def message_of(self, text: str, finish_reason: str | None, tools: "_ToolMode",
                  reasoning: ReasoningParser | None = None) -> tuple[ChatResponseMessage, str | None]:
         """One finished choice: (its message, its finish_reason: "tool_calls" when it called tools, except a call
         forced by name, which ends with "stop" as OpenAI and vLLM report it; "length", as vLLM, when max_tokens
@@ -364,7 +364,7 @@ class OpenAIServingChat(OpenAIServing):
                     held.setdefault(c.index, []).extend(c.token_ids)
                     if c.finish_reason is None:
                         continue
-                    message, finish = self._message(texts[c.index], c.finish_reason, tools, run.reasoning)
+                    message, finish = self.message_of(texts[c.index], c.finish_reason, tools, run.reasoning)
                     calls = [ToolCall(index=i, **call.model_dump(exclude={"index"})) for i, call in
                              enumerate(message.tool_calls)]
                     choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(

@@ -2,7 +2,8 @@
 model: the same greedy tokens and text as /v1/completions, vLLM's reply and chunk shapes, logprobs by token id, an
 abort that ends a stream with finish_reason "abort" and frees its blocks, every bad field a 400 naming it, 403
 without --enable-scale-out, and --tokens-only's refusals; vLLM's render routes (/v1/chat/completions/render,
-/v1/completions/render), whose answers posted to generate as they are give the replies' tokens."""
+/v1/completions/render), whose answers posted to generate as they are give the replies' tokens, and the derender
+routes, which turn generate's tokens back into the coupled route's reply."""
 from __future__ import annotations
 
 import json
@@ -278,3 +279,63 @@ def test_tokens_only(tiny_llm_dir: Path) -> None:
         assert httpx.post(f"{s.url}/abort_requests", json={"request_ids": ["x"]}, timeout=10).status_code == 200
     finally:
         s.stop()
+
+
+def _chat_reply(url: str, body: dict) -> dict:
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_chat_derender_of_generates_tokens_is_the_coupled_reply(scale_out: RemoteServer) -> None:
+    """render -> generate -> derender answers what /v1/chat/completions answers: content, finish_reason, token ids
+    and usage; also when a stop string ended the reply (the derendered text is cut where the coupled one was)."""
+    url = scale_out.url
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 12, "temperature": 0.0}
+    words = _chat_reply(url, body)["choices"][0]["message"]["content"].split()
+    assert len(words) > 2  # (a stop string that occurs inside the reply)
+    for extra in ({}, {"stop": [words[2]]}, {"stop": [words[2]], "include_stop_str_in_output": True}):
+        request = {**body, **extra}
+        coupled = _chat_reply(url, request)
+        rendered = httpx.post(url + "/v1/chat/completions/render", json=request, timeout=60).json()
+        generated = httpx.post(url + GENERATE, json=rendered, timeout=60).json()
+        r = httpx.post(url + "/v1/chat/completions/derender", json={
+            "model": "tiny", "generate_response": generated, "prompt_tokens": len(rendered["token_ids"]),
+            "chat_request": {**request, "return_token_ids": True}}, timeout=60)
+        assert r.status_code == 200, r.text
+        got, want = r.json()["choices"][0], coupled["choices"][0]
+        assert got["message"]["content"] == want["message"]["content"], extra
+        assert (got["finish_reason"], got["token_ids"]) == (want["finish_reason"], want["token_ids"])
+        assert r.json()["usage"]["prompt_tokens"] == coupled["usage"]["prompt_tokens"]
+        assert r.json()["usage"]["completion_tokens"] == coupled["usage"]["completion_tokens"]
+    assert "stop" in {c["finish_reason"] for c in [got]}  # (the last case ended on its stop string)
+
+
+def test_completion_derender_is_the_coupled_reply(scale_out: RemoteServer) -> None:
+    url = scale_out.url
+    body = {"model": "tiny", "prompt": ["Hello there", "Good morning"], "max_tokens": 6, "temperature": 0.0}
+    coupled = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    rendered = httpx.post(url + "/v1/completions/render", json=body, timeout=60).json()
+    generated = [httpx.post(url + GENERATE, json={**g, "return_token_ids": True}, timeout=60).json()
+                 for g in rendered]
+    r = httpx.post(url + "/v1/completions/derender", json={"model": "tiny", "generate_responses": generated,
+                                                            "completion_request": body}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [c["text"] for c in coupled["choices"]]
+    assert r.json()["usage"] == coupled["usage"]
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"stream": True}, "stream"),
+    ({"generate_response": {"choices": [{"token_ids": [5], "logprobs": {"content": []}}]}},
+     "generate_response.choices[0].logprobs"),
+    ({"generate_response": {"choices": [{"token_ids": [5]}], "output_mode": "text"}}, "generate_response.output_mode"),
+    ({"chat_request": {"model": "tiny", "messages": []}}, "chat_request.messages"),
+    ({"chat_request": {"model": "tiny", "messages": CHAT, "top_k": -5}}, "chat_request.top_k"),
+])
+def test_derender_refusals_name_the_field(scale_out: RemoteServer, change: dict, param: str) -> None:
+    body = {"model": "tiny", "generate_response": {"choices": [{"token_ids": [5], "finish_reason": "length"}]},
+            "chat_request": {"model": "tiny", "messages": CHAT}, **change}
+    r = httpx.post(scale_out.url + "/v1/chat/completions/derender", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
