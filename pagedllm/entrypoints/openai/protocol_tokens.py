@@ -18,7 +18,8 @@ from pagedllm.errors import ValidationError
 
 OutputMode = Literal["tokens", "text", "derender"]
 """vLLM's response levels: token ids only; also the detokenized text; a chat message (streamed: a delta) whose
-content is that text (only on a server without a tool or reasoning parser: parsing needs vLLM's /render)."""
+content is that text (on a server with a tool or reasoning parser: parsed as chat parses it, with the request's
+parse_context, and not streamed)."""
 
 MAX_REQUEST_ID_CHARS = 1024
 """Longest request_id (and X-Request-Id) taken: it is kept while the request runs and echoed in every chunk."""
@@ -122,8 +123,9 @@ class GenerateRequest(OpenAIModel):
     """The prompt's token ids in the reply (streamed: in the first chunk)."""
     output_mode: OutputMode = "tokens"
     parse_context: dict | None = None
-    """vLLM's /render context for parsing with output_mode "derender": read by nothing here (a server with a tool or
-    reasoning parser refuses derender; without one vLLM reads nothing of it either)."""
+    """vLLM's /render context (tools, tool_choice, parallel_tool_calls, include_reasoning, chat_template_kwargs):
+    with output_mode "derender" on a server with a tool or reasoning parser, the reply is parsed with it as the chat
+    route parses (required there; read by nothing otherwise)."""
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)

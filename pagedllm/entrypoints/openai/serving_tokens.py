@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI
 from pydantic import ValidationError as PydanticValidationError
@@ -33,6 +35,9 @@ from pagedllm.entrypoints.openai.serving_pooling import check_generates
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
@@ -76,13 +81,33 @@ class _Choice:
         self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
 
 
+PARSE_CONTEXT_KEYS = {"tools", "tool_choice", "parallel_tool_calls", "include_reasoning", "return_tokens_as_token_ids",
+                      "chat_template_kwargs", "history_tool_call_cnt"}
+"""vLLM's ParseContext keys (what /v1/chat/completions/render answers): the last two are read by nothing here."""
+
+
+@dataclass
+class _Parsing:
+    """A derender request's parsing: the chat route's tool mode and reasoning parser for its parse_context."""
+
+    tools: Any
+    reasoning: Any
+    hide: bool
+    """include_reasoning false: no reasoning (nor logprobs) in the message."""
+
+
 class ServingTokens(OpenAIServing):
     """The generate and abort endpoints (state: the replies still running, by their request_id)."""
 
     tokens_only = False
     """--tokens-only: detokenize is forced off (text mode and stop strings refused)."""
-    has_parser = False
-    """The server parses chat replies (--reasoning-parser, --tool-call-parser): output_mode "derender" refused."""
+    chat: "OpenAIServingChat | None" = None
+    """The chat route, whose parsers (--reasoning-parser, --tool-call-parser) output_mode "derender" replies use
+    with the request's parse_context (from /v1/chat/completions/render)."""
+
+    @property
+    def has_parser(self) -> bool:
+        return self.chat is not None and (self.chat.reasoning_parser is not None or self.chat.tool_parser is not None)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -94,6 +119,7 @@ class ServingTokens(OpenAIServing):
         model, lora = self.check_model(req.model)
         sp = req.sampling_params
         self._check(req)
+        parsing = self._parsing(req)
         prompt_len = len(req.token_ids)
         params = self._params(sp, prompt_len)
         shown = None if sp.logprobs is None else (len(sp.logprob_token_ids) if sp.logprob_token_ids else sp.logprobs)
@@ -138,7 +164,7 @@ class ServingTokens(OpenAIServing):
             prompt_logprobs=prompt_logprobs_json(prompt_logprobs) if sp.prompt_logprobs is not None else None,
             prompt_token_ids=list(req.token_ids) if req.return_token_ids else None,
             choices=[self._choice(req, c.index, c.token_ids, c.logprobs, c.text, c.finish_reason or "stop",
-                                  c.stop_reason) for c in choices])
+                                  c.stop_reason, parsing) for c in choices])
         return JSONResponse(body.model_dump(exclude={"choices": {"__all__": self._left_out(req)}}))
 
     def abort(self, request_ids: str | list[str]) -> None:
@@ -161,12 +187,40 @@ class ServingTokens(OpenAIServing):
         if self.tokens_only and req.output_mode != "tokens":
             raise ValidationError(f"output_mode={req.output_mode!r} requires a tokenizer, but this server does not "
                                   "detokenize (--tokens-only); use output_mode='tokens'", param="output_mode")
-        if req.output_mode == "derender" and self.has_parser:
-            raise ValidationError("output_mode='derender' on a server with a tool or reasoning parser is not supported "
-                                  "(parsing needs vLLM's /render parse_context): use 'text' or 'tokens'",
-                                  param="output_mode")
+        if req.output_mode == "derender" and self.has_parser and req.stream:
+            raise ValidationError("a streamed output_mode='derender' on a server with a tool or reasoning parser is "
+                                  "not supported: use stream=false, or 'text' / 'tokens'", param="output_mode")
+        if req.output_mode == "derender" and self.has_parser and req.parse_context is None:
+            raise ValidationError("output_mode='derender' on a server with a tool or reasoning parser needs "
+                                  "parse_context (as /v1/chat/completions/render answers it)", param="parse_context")
         with _named():
             check_sampling_limits(sp, self.limits, self.engine.config.scheduler.max_num_seqs)
+
+    def _parsing(self, req: GenerateRequest) -> _Parsing | None:
+        """How derender replies are parsed on a server with parsers: parse_context's tools, tool_choice and
+        template variables, as the chat route reads them (400 naming parse_context.<field>)."""
+        if req.output_mode != "derender" or not self.has_parser or self.chat is None:
+            return None
+        from pagedllm.entrypoints.openai.serving_chat import _ToolMode
+        from pagedllm.entrypoints.openai.translate import chat_request
+
+        context = dict(req.parse_context or {})
+        unknown = sorted(set(context) - PARSE_CONTEXT_KEYS)
+        if unknown:
+            raise ValidationError(f"parse_context.{unknown[0]} is not supported", param=f"parse_context.{unknown[0]}")
+        fields = {k: context[k] for k in ("tools", "tool_choice", "parallel_tool_calls", "include_reasoning",
+                                          "chat_template_kwargs") if context.get(k) is not None}
+        try:
+            chat_req = chat_request({"messages": [{"role": "user", "content": ""}], **fields}, {})
+            tools = _ToolMode.of(chat_req, self.chat.tool_parser)
+        except ValidationError as e:
+            raise ValidationError(f"parse_context: {e.message}", param=f"parse_context.{e.param or ''}".rstrip("."),
+                                  value=e.value) from None
+        reasoning = None
+        if self.chat.reasoning_parser is not None:
+            prompt = self.chat.tokenizer.decode(req.token_ids)
+            reasoning = self.chat.reasoning_parser.for_request(dict(chat_req.chat_template_kwargs or {}), prompt)
+        return _Parsing(tools, reasoning, hide=not chat_req.include_reasoning and reasoning is not None)
 
     def _params(self, sp: TokensSamplingParams, prompt_len: int) -> SamplingParams:
         """Our SamplingParams (always DELTA: the reply is gathered here); an omitted max_tokens filled to the rest
@@ -297,7 +351,8 @@ class ServingTokens(OpenAIServing):
         return {"text", "message", "delta"} - kept[req.output_mode]
 
     def _choice(self, req: GenerateRequest, index: int, token_ids: list[int], logprobs: list, text: str,
-                finish_reason: str | None, stop_reason: int | str | None) -> GenerateChoice:
+                finish_reason: str | None, stop_reason: int | str | None,
+                parsing: _Parsing | None = None) -> GenerateChoice:
         sp = req.sampling_params
         lp: GenerateLogProbs | ChatLogprobs | None = None
         if sp.logprobs is not None:
@@ -308,10 +363,15 @@ class ServingTokens(OpenAIServing):
             lp = (self._token_logprobs(token_ids, logprobs, top_n) if req.output_mode == "tokens" else
                   self._text_logprobs(token_ids, logprobs, top_n, cut))
         derender = req.output_mode == "derender"
+        message = ChatResponseMessage(content=text) if derender and not req.stream else None
+        if message is not None and parsing is not None and self.chat is not None:  # (the chat route's parsing)
+            message, finish_reason = self.chat.message_of(text, finish_reason, parsing.tools, parsing.reasoning)
+            if parsing.hide:
+                message.reasoning_content, lp = None, None
         return GenerateChoice(index=index, finish_reason=finish_reason, stop_reason=stop_reason,
                               token_ids=list(token_ids), logprobs=lp,
                               text=text if req.output_mode == "text" else None,
-                              message=ChatResponseMessage(content=text) if derender and not req.stream else None,
+                              message=message,
                               delta=DeltaMessage(content=text or None) if derender and req.stream else None)
 
     def _candidates(self, token_id: int, entry: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
@@ -405,7 +465,7 @@ def attach_tokens(app: FastAPI, serving: ServingTokens, enable_scale_out: bool, 
     naming the flag, as vLLM does; --tokens-only also serves the unauthenticated legacy /abort_requests."""
     app.state.tokens = serving
     serving.tokens_only = tokens_only
-    serving.has_parser = app.state.chat.reasoning_parser is not None or app.state.chat.tool_parser is not None
+    serving.chat = app.state.chat  # (derender's parsing)
     if not (enable_scale_out or tokens_only):
         for path in (GENERATE_PATH, ABORT_PATH):
             app.add_api_route(path, _disabled, methods=["POST"], include_in_schema=False)

@@ -226,3 +226,41 @@ def test_pydantic_tools_with_defs(server, client: openai.OpenAI) -> None:
     calls = [item for item in r.json()["output"] if item["type"] == "function_call"]
     assert len(calls) == 1 and calls[0]["name"] == "Trip", r.json()["output"]
     Trip.model_validate_json(calls[0]["arguments"])
+
+
+def test_derender_with_a_parser_reads_the_renders_parse_context(tiny_llm_dir) -> None:
+    """On a server with --tool-call-parser and --enable-scale-out: generate's output_mode "derender" parses the reply
+    with the render's parse_context as chat parses it (a forced call comes back as the coupled reply's call); it
+    is a 400 without parse_context or with a tool_choice its tools lack; /v1/chat/completions/derender of the
+    generate reply's tokens gives the same call."""
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+
+    generate = "/inference/v1/generate"
+    engine = thread_engine(tiny_llm_dir)
+    app = build_app(engine, ServerMetrics("t"), ["t"], [], tool_call_parser="hermes", enable_scale_out=True)
+    with TestClient(app) as http:
+        named = {"type": "function", "function": {"name": "get_time"}}
+        body = {"model": "t", "messages": ASK, "tools": TOOLS, "tool_choice": named, "max_tokens": 60,
+                "temperature": 0.0}
+        coupled = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        call = coupled["message"]["tool_calls"][0]["function"]
+        rendered = http.post("/v1/chat/completions/render", json=body).json()
+        assert rendered["parse_context"]["tool_choice"] == named
+        r = http.post(generate, json={**rendered, "output_mode": "derender"})
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]
+        assert got["message"]["tool_calls"][0]["function"] == call and got["message"]["content"] is None
+        assert got["finish_reason"] == coupled["finish_reason"]
+        missing = {k: v for k, v in rendered.items() if k != "parse_context"}
+        r = http.post(generate, json={**missing, "output_mode": "derender"})
+        assert r.status_code == 400 and "parse_context" in r.json()["error"]["message"]
+        nope = {**rendered["parse_context"], "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+        r = http.post(generate, json={**rendered, "output_mode": "derender", "parse_context": nope})
+        assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
+        tokens = http.post(generate, json=rendered).json()
+        r = http.post("/v1/chat/completions/derender", json={"generate_response": tokens, "chat_request": body})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"] == call
