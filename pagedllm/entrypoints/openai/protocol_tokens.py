@@ -116,7 +116,8 @@ class GenerateRequest(OpenAIModel):
     sampling_params: TokensSamplingParams
     model: str | None = None
     reasoning_ended: StrictBool | None = None
-    """Only matters with structured outputs, which here always constrain from the first token: true or null then."""
+    """Only matters with structured outputs: false (the reply starts inside the reasoning, as /render says) holds the
+    grammar until the reasoning ends, as the chat route does (needs --reasoning-parser, else a 400)."""
     reasoning_parser_kwargs: dict | None = None
     """Only matters with structured outputs (vLLM's engine-side reasoning parser): refused with them."""
     return_token_ids: StrictBool | None = None
@@ -155,11 +156,9 @@ class GenerateRequest(OpenAIModel):
             raise ValidationError(f"output_mode={self.output_mode!r} requires sampling_params.detokenize to be "
                                   "true", param="sampling_params.detokenize")
         constrained = self.sampling_params.structured_outputs is not None
-        if constrained and self.reasoning_ended is False:
-            raise ValidationError("reasoning_ended=false with structured outputs is not supported: the constraint "
-                                  "applies from the first generated token here", param="reasoning_ended")
         if constrained and self.reasoning_parser_kwargs:
-            raise ValidationError("reasoning_parser_kwargs are not supported (no engine-side reasoning parser)",
+            raise ValidationError("reasoning_parser_kwargs are not supported (the template variables the reasoning "
+                                  "parser reads come in parse_context.chat_template_kwargs, as /render answers them)",
                                   param="reasoning_parser_kwargs")
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ValidationError("stream_options can only be given with stream=true", param="stream_options")

@@ -114,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = tools.constraint
         reasoning = None if self.reasoning_parser is None else self.reasoning_parser.for_request(options.kwargs, text)
         if reasoning is not None and reasoning.reasons_first and params.structured_outputs is not None:
-            self._grammar_after_reasoning(params, reasoning)  # (a thinking budget's forced end, then the grammar)
+            self.grammar_after_reasoning(params, reasoning)  # (a thinking budget's forced end, then the grammar)
         return ChatPrepared(model, lora, tools, params, text, list(prompt_ids), reasoning, logprobs)
 
     async def response(self, run: "ChatRun", raw: Request | None) -> ChatCompletionResponse | None:
@@ -246,7 +246,7 @@ class OpenAIServingChat(OpenAIServing):
         count = sum(reasoning_token_count(prompt, list(ids), start, end, inside) for ids in outputs)
         usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=count)
 
-    def _grammar_after_reasoning(self, params: SamplingParams, reasoning: ReasoningParser) -> None:
+    def grammar_after_reasoning(self, params: SamplingParams, reasoning: ReasoningParser) -> None:
         """As vLLM with a reasoning parser: the reply starts inside the reasoning, so its grammar holds only after
         the reasoning's end marker (or from an implicit end that is a single token, qwen3's ``<tool_call>``)."""
         markers = self._marker_ids()

@@ -12,6 +12,7 @@ a generate reply in another output_mode, and choices' ``logprobs`` (vLLM resolve
 not done here)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, StrictBool
@@ -74,7 +75,9 @@ class DerenderCompletionRequest(OpenAIModel):
     generate_responses: list[DerenderGenerateResponse] = Field(min_length=1, max_length=1024)
     prompt_tokens: list[int] | None = None
     prompt_token_ids: list[TokenIds | None] | None = None
-    completion_request: dict[str, Any]
+    completion_request: dict[str, Any] | None = None
+    """The original request (its stop strings, skip_special_tokens, n, return_token_ids); omitted: their
+    defaults, the model's name from ``model``."""
 
 
 def _check_common(req: DerenderChatRequest | DerenderCompletionRequest,
@@ -96,6 +99,10 @@ def _text(tokenizer: Any, eos_ids: tuple[int, ...], prompt_ids: list[int], param
           choice: DerenderChoice) -> str:
     """The text the coupled route gives for the choice's tokens: the same incremental detokenizer, fed them."""
     ids = list(choice.token_ids)
+    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    if isinstance(choice.stop_reason, str) and choice.stop_reason not in stops:
+        # (the stop string generate reports: cut there even where the request's own list is not sent)
+        params = dataclasses.replace(params, stop=[*stops, choice.stop_reason])
     stop_ids = set(eos_ids) | set(params.stop_token_ids or ())
     by_token = choice.finish_reason == "stop" and bool(ids) and ids[-1] in stop_ids and \
         not isinstance(choice.stop_reason, str)
@@ -155,7 +162,7 @@ async def derender_completion(completion: OpenAIServingCompletion, req: Derender
             raise ValidationError(f"{name} has {len(given)} entries for {len(responses)} generate_responses",
                                   param=name)
     try:
-        comp_req = CompletionRequest(**req.completion_request)
+        comp_req = CompletionRequest(**(req.completion_request or {"model": req.model, "prompt": "-"}))
         if comp_req.echo:
             raise ValidationError("echo cannot be derendered (the reply would start with the prompt)", param="echo")
         model, _ = completion.check_model(comp_req.model)

@@ -122,6 +122,7 @@ class ServingTokens(OpenAIServing):
         parsing = self._parsing(req)
         prompt_len = len(req.token_ids)
         params = self._params(sp, prompt_len)
+        self._after_reasoning(req, params)
         shown = None if sp.logprobs is None else (len(sp.logprob_token_ids) if sp.logprob_token_ids else sp.logprobs)
         with _named():
             check_request_tokens(self.limits, self.max_model_len, [params.max_tokens], sp.n, bool(req.stream), shown,
@@ -221,6 +222,21 @@ class ServingTokens(OpenAIServing):
             prompt = self.chat.tokenizer.decode(req.token_ids)
             reasoning = self.chat.reasoning_parser.for_request(dict(chat_req.chat_template_kwargs or {}), prompt)
         return _Parsing(tools, reasoning, hide=not chat_req.include_reasoning and reasoning is not None)
+
+    def _after_reasoning(self, req: GenerateRequest, params: SamplingParams) -> None:
+        """reasoning_ended false with structured outputs: the grammar holds only after the reasoning's end, as the
+        chat route sets it (with the server's reasoning parser, for parse_context's template variables)."""
+        if req.reasoning_ended is not False or params.structured_outputs is None:
+            return
+        parser = None if self.chat is None else self.chat.reasoning_parser
+        if parser is None:
+            raise ValidationError("reasoning_ended=false with structured outputs needs a server started with "
+                                  "--reasoning-parser (nothing here knows where the reasoning ends)",
+                                  param="reasoning_ended")
+        kwargs = dict((req.parse_context or {}).get("chat_template_kwargs") or {})
+        reasoning = parser.for_request(kwargs, self.chat.tokenizer.decode(req.token_ids))
+        if reasoning.reasons_first:
+            self.chat.grammar_after_reasoning(params, reasoning)
 
     def _params(self, sp: TokensSamplingParams, prompt_len: int) -> SamplingParams:
         """Our SamplingParams (always DELTA: the reply is gathered here); an omitted max_tokens filled to the rest
@@ -366,10 +382,10 @@ class ServingTokens(OpenAIServing):
         message = ChatResponseMessage(content=text) if derender and not req.stream else None
         if message is not None and parsing is not None and self.chat is not None:  # (the chat route's parsing)
             message, finish_reason = self.chat.message_of(text, finish_reason, parsing.tools, parsing.reasoning)
-            if parsing.hide:
-                message.reasoning_content, lp = None, None
+            if parsing.hide:  # (as the chat route: what would show the reasoning goes too)
+                message.reasoning_content, lp, token_ids = None, None, None
         return GenerateChoice(index=index, finish_reason=finish_reason, stop_reason=stop_reason,
-                              token_ids=list(token_ids), logprobs=lp,
+                              token_ids=None if token_ids is None else list(token_ids), logprobs=lp,
                               text=text if req.output_mode == "text" else None,
                               message=message,
                               delta=DeltaMessage(content=text or None) if derender and req.stream else None)

@@ -39,11 +39,12 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module")
 def thinking(tiny_llm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
-    """A server with a thinking-switch template, the deepseek_r1 parser and request templates allowed."""
+    """A server with a thinking-switch template, the deepseek_r1 parser and request templates allowed (and vLLM's
+    scale-out routes)."""
     template = tmp_path_factory.mktemp("thinking") / "template.jinja"
     template.write_text(THINKING_TEMPLATE)
     srv = RemoteServer(tiny_llm_dir, "--served-model-name", MODEL, "--chat-template", str(template),
-                       "--reasoning-parser", "deepseek_r1", "--trust-request-chat-template")
+                       "--reasoning-parser", "deepseek_r1", "--trust-request-chat-template", "--enable-scale-out")
     yield srv
     srv.stop()
 
@@ -186,6 +187,21 @@ def test_a_grammar_holds_the_content_after_the_reasoning(think_client: openai.Op
     unended = think_client.chat.completions.create(**{**args, "max_tokens": 8, "extra_body": {"ignore_eos": True}})
     assert unended.choices[0].message.reasoning_content and unended.choices[0].message.content is None
     assert unended.usage.completion_tokens_details.reasoning_tokens == 8
+
+
+def test_render_then_generate_holds_the_grammar_until_the_reasoning_ends(thinking: RemoteServer) -> None:
+    """As vLLM's render -> generate: a chat request whose reply starts inside the reasoning renders with
+    reasoning_ended false, and generate holds its grammar until the reasoning ends, as chat does: the same tokens
+    (here all reasoning: this model never closes it), where a grammar from the first token would force JSON."""
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}}
+    chat = httpx.post(f"{thinking.url}/v1/chat/completions", json={**body, "return_token_ids": True},
+                      timeout=60).json()["choices"][0]
+    rendered = httpx.post(f"{thinking.url}/v1/chat/completions/render", json=body, timeout=60).json()
+    assert rendered["reasoning_ended"] is False and "json" in rendered["sampling_params"]["structured_outputs"]
+    r = httpx.post(f"{thinking.url}/inference/v1/generate", json=rendered, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == chat["token_ids"]
 
 
 def test_a_forced_tool_call_after_the_reasoning(think_client: openai.OpenAI) -> None:

@@ -164,6 +164,8 @@ def test_abort_ends_the_stream_and_frees_its_blocks(scale_out: RemoteServer) -> 
     ({"token_ids": [1] * 300}, "token_ids"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"unknown_field": 1}, "unknown_field"),
+    ({"reasoning_ended": False, "sampling_params": {"structured_outputs": {"choice": ["a", "b"]}}},
+     "reasoning_ended"),  # (no --reasoning-parser here: nothing knows where the reasoning ends)
 ])
 def test_bad_fields_are_400s_naming_them(scale_out: RemoteServer, change: dict, param: str) -> None:
     body = _body()
@@ -339,3 +341,19 @@ def test_derender_refusals_name_the_field(scale_out: RemoteServer, change: dict,
     r = httpx.post(scale_out.url + "/v1/chat/completions/derender", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_completion_derender_cuts_generates_stop_reason_without_the_request(scale_out: RemoteServer) -> None:
+    """Without completion_request, a stop string generate reports (stop_reason) is still cut, as vLLM's derender
+    cuts it; the text then is /v1/completions' with that stop string."""
+    url = scale_out.url
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0}
+    words = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"].split()
+    assert len(words) > 2
+    coupled = httpx.post(url + "/v1/completions", json={**body, "stop": [words[2]]}, timeout=60).json()
+    tokens = httpx.post(url + GENERATE, json=_body(max_tokens=12, stop=[words[2]]), timeout=60).json()
+    assert tokens["choices"][0]["stop_reason"] == words[2]
+    r = httpx.post(url + "/v1/completions/derender", json={"model": "tiny", "generate_responses": [tokens],
+                                                            "prompt_token_ids": [PROMPT]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == coupled["choices"][0]["text"]
