@@ -21,6 +21,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionResponse, CompletionChoice,
                                                   CompletionRequest, CompletionResponse, OpenAIModel, TokenIds)
+from pagedllm.entrypoints.openai.limits import check_count
 from pagedllm.entrypoints.openai.translate import chat_request
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams
@@ -73,8 +74,9 @@ class DerenderCompletionRequest(OpenAIModel):
     stream_state: dict | None = None
     model: str | None = None
     generate_responses: list[DerenderGenerateResponse] = Field(min_length=1, max_length=1024)
-    prompt_tokens: list[int] | None = None
-    prompt_token_ids: list[TokenIds | None] | None = None
+    """(At most 1024: --max-prompts' default bound on a completion request's prompts.)"""
+    prompt_tokens: list[int] | None = Field(default=None, max_length=1024)
+    prompt_token_ids: list[TokenIds | None] | None = Field(default=None, max_length=1024)
     completion_request: dict[str, Any] | None = None
     """The original request (its stop strings, skip_special_tokens, n, return_token_ids); omitted: their
     defaults, the model's name from ``model``."""
@@ -93,6 +95,32 @@ def _check_common(req: DerenderChatRequest | DerenderCompletionRequest,
             if choice.logprobs is not None:
                 raise ValidationError("logprobs cannot be derendered by this server (send the reply without them)",
                                       param=f"{field}.choices[{j}].logprobs")
+
+
+def _check_sizes(responses: list[DerenderGenerateResponse], n: int, max_model_len: int, field: str) -> None:
+    """Every size the client sent bounded by what the original request could have generated, before any work: at
+    most ``n`` choices a reply, each at most max_model_len tokens (400 naming the field)."""
+    for i, response in enumerate(responses):
+        where = field if len(responses) == 1 else f"{field}[{i}]"
+        if len(response.choices) > n:
+            raise ValidationError(f"{where}.choices has {len(response.choices)} choices; the request asks for n={n}",
+                                  param=f"{where}.choices", value=len(response.choices))
+        for j, choice in enumerate(response.choices):
+            if len(choice.token_ids) > max_model_len:
+                raise ValidationError(f"{where}.choices[{j}].token_ids has {len(choice.token_ids)} tokens, more than "
+                                      f"max_model_len ({max_model_len})", param=f"{where}.choices[{j}].token_ids",
+                                      value=len(choice.token_ids))
+        if response.prompt_token_ids is not None and len(response.prompt_token_ids) > max_model_len:
+            raise ValidationError(f"{where}.prompt_token_ids is longer than max_model_len ({max_model_len})",
+                                  param=f"{where}.prompt_token_ids", value=len(response.prompt_token_ids))
+
+
+def _check_prompt_ids(given: list[list[int] | None], max_model_len: int, field: str) -> None:
+    for i, ids in enumerate(given):
+        if ids is not None and len(ids) > max_model_len:
+            where = field if len(given) == 1 else f"{field}[{i}]"
+            raise ValidationError(f"{where} is longer than max_model_len ({max_model_len})", param=where,
+                                  value=len(ids))
 
 
 def _text(tokenizer: Any, eos_ids: tuple[int, ...], prompt_ids: list[int], params: SamplingParams,
@@ -134,12 +162,15 @@ async def derender_chat(chat: OpenAIServingChat, req: DerenderChatRequest) -> di
         prep = await chat.prepare(chat_req)  # (checked as the route checks it; rendered: the parsers read the prompt)
     except ValidationError as e:
         raise _within("chat_request", e) from None
+    _check_sizes([response], chat_req.n or 1, chat.max_model_len, "generate_response")
+    _check_prompt_ids([req.prompt_token_ids], chat.max_model_len, "prompt_token_ids")
     prompt_ids = list(req.prompt_token_ids or response.prompt_token_ids or prep.prompt_ids)
-    processor = chat.engine.processor
+    eos = chat.engine.processor.eos_token_ids
+    texts = await chat.engine.in_tokenizer_thread(  # (never on the event loop: up to n x max_model_len tokens)
+        lambda: [_text(chat.tokenizer, eos, prompt_ids, prep.params, c) for c in response.choices])
     hide = not chat_req.include_reasoning and chat.reasoning_parser is not None
     choices = []
-    for choice in response.choices:
-        text = _text(chat.tokenizer, processor.eos_token_ids, prompt_ids, prep.params, choice)
+    for choice, text in zip(response.choices, texts):
         message, finish = chat.message_of(text, choice.finish_reason, prep.tools, prep.reasoning)
         shown_ids = None if hide or not chat_req.return_token_ids else list(choice.token_ids)
         if hide:
@@ -175,15 +206,20 @@ async def derender_completion(completion: OpenAIServingCompletion, req: Derender
                               param=f"completion_request.{where}") from None
     except ValidationError as e:
         raise _within("completion_request", e) from None
-    processor = completion.engine.processor
     n = comp_req.n or 1
+    check_count(responses, completion.limits.max_prompts, "generate_responses", "--max-prompts")
+    _check_sizes(responses, n, completion.max_model_len, "generate_responses")
+    _check_prompt_ids(req.prompt_token_ids or [], completion.max_model_len, "prompt_token_ids")
+    prompts = [list((None if req.prompt_token_ids is None else req.prompt_token_ids[i]) or
+                    response.prompt_token_ids or []) for i, response in enumerate(responses)]
+    eos = completion.engine.processor.eos_token_ids
+    texts = await completion.engine.in_tokenizer_thread(  # (never on the event loop)
+        lambda: [[_text(completion.tokenizer, eos, p, params, c) for c in r.choices]
+                 for p, r in zip(prompts, responses)])
     choices, prompt_total, generated = [], 0, 0
-    for i, response in enumerate(responses):
-        given_ids = None if req.prompt_token_ids is None else req.prompt_token_ids[i]
-        prompt_ids = list(given_ids or response.prompt_token_ids or [])
+    for i, (response, prompt_ids) in enumerate(zip(responses, prompts)):
         prompt_total += _prompt_tokens(None if req.prompt_tokens is None else req.prompt_tokens[i], response)
-        for choice in response.choices:
-            text = _text(completion.tokenizer, processor.eos_token_ids, prompt_ids, params, choice)
+        for choice, text in zip(response.choices, texts[i]):
             generated += len(choice.token_ids)
             ids = list(choice.token_ids) if comp_req.return_token_ids else None
             choices.append(CompletionChoice(index=i * n + choice.index, text=text, finish_reason=choice.finish_reason,

@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.http_guard import UnicodeCheckedRoute
-from pagedllm.entrypoints.openai.limits import check_constraint, check_request_tokens, check_sampling_limits
+from pagedllm.entrypoints.openai.limits import (check_constraint, check_request_tokens, check_sampling_limits,
+                                               check_tools)
 from pagedllm.entrypoints.openai.protocol import (ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, DeltaMessage,
                                                   ErrorInfo, ErrorResponse, TopLogprob, UsageInfo)
 from pagedllm.entrypoints.openai.protocol_tokens import (AbortRequestsRequest, GenerateChoice, GenerateLogProb,
@@ -119,10 +120,11 @@ class ServingTokens(OpenAIServing):
         model, lora = self.check_model(req.model)
         sp = req.sampling_params
         self._check(req)
-        parsing = self._parsing(req)
+        reasoning = await self._reasoning(req)
+        parsing = self._parsing(req, reasoning)
         prompt_len = len(req.token_ids)
         params = self._params(sp, prompt_len)
-        self._after_reasoning(req, params)
+        self._after_reasoning(req, params, reasoning)
         shown = None if sp.logprobs is None else (len(sp.logprob_token_ids) if sp.logprob_token_ids else sp.logprobs)
         with _named():
             check_request_tokens(self.limits, self.max_model_len, [params.max_tokens], sp.n, bool(req.stream), shown,
@@ -197,7 +199,22 @@ class ServingTokens(OpenAIServing):
         with _named():
             check_sampling_limits(sp, self.limits, self.engine.config.scheduler.max_num_seqs)
 
-    def _parsing(self, req: GenerateRequest) -> _Parsing | None:
+    async def _reasoning(self, req: GenerateRequest) -> Any:
+        """The server's reasoning parser for this request (parse_context's template variables, its prompt decoded in
+        the tokenizer thread), where derender parsing or reasoning_ended false needs it; None otherwise."""
+        parser = None if self.chat is None else self.chat.reasoning_parser
+        derender = req.output_mode == "derender" and self.has_parser
+        constrained_late = req.reasoning_ended is False and req.sampling_params.structured_outputs is not None
+        if parser is None or not (derender or constrained_late):
+            return None
+        kwargs = (req.parse_context or {}).get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ValidationError("parse_context.chat_template_kwargs must be an object",
+                                  param="parse_context.chat_template_kwargs")
+        prompt = await self.engine.in_tokenizer_thread(self.chat.tokenizer.decode, list(req.token_ids))
+        return parser.for_request(dict(kwargs), prompt)
+
+    def _parsing(self, req: GenerateRequest, reasoning: Any) -> _Parsing | None:
         """How derender replies are parsed on a server with parsers: parse_context's tools, tool_choice and
         template variables, as the chat route reads them (400 naming parse_context.<field>)."""
         if req.output_mode != "derender" or not self.has_parser or self.chat is None:
@@ -213,28 +230,22 @@ class ServingTokens(OpenAIServing):
                                           "chat_template_kwargs") if context.get(k) is not None}
         try:
             chat_req = chat_request({"messages": [{"role": "user", "content": ""}], **fields}, {})
+            check_tools(chat_req.tools, self.limits)  # (the chat route's bounds on tools)
             tools = _ToolMode.of(chat_req, self.chat.tool_parser)
         except ValidationError as e:
             raise ValidationError(f"parse_context: {e.message}", param=f"parse_context.{e.param or ''}".rstrip("."),
                                   value=e.value) from None
-        reasoning = None
-        if self.chat.reasoning_parser is not None:
-            prompt = self.chat.tokenizer.decode(req.token_ids)
-            reasoning = self.chat.reasoning_parser.for_request(dict(chat_req.chat_template_kwargs or {}), prompt)
         return _Parsing(tools, reasoning, hide=not chat_req.include_reasoning and reasoning is not None)
 
-    def _after_reasoning(self, req: GenerateRequest, params: SamplingParams) -> None:
+    def _after_reasoning(self, req: GenerateRequest, params: SamplingParams, reasoning: Any) -> None:
         """reasoning_ended false with structured outputs: the grammar holds only after the reasoning's end, as the
         chat route sets it (with the server's reasoning parser, for parse_context's template variables)."""
         if req.reasoning_ended is not False or params.structured_outputs is None:
             return
-        parser = None if self.chat is None else self.chat.reasoning_parser
-        if parser is None:
+        if reasoning is None:
             raise ValidationError("reasoning_ended=false with structured outputs needs a server started with "
                                   "--reasoning-parser (nothing here knows where the reasoning ends)",
                                   param="reasoning_ended")
-        kwargs = dict((req.parse_context or {}).get("chat_template_kwargs") or {})
-        reasoning = parser.for_request(kwargs, self.chat.tokenizer.decode(req.token_ids))
         if reasoning.reasons_first:
             self.chat.grammar_after_reasoning(params, reasoning)
 

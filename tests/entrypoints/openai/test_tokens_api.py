@@ -334,6 +334,10 @@ def test_completion_derender_is_the_coupled_reply(scale_out: RemoteServer) -> No
     ({"generate_response": {"choices": [{"token_ids": [5]}], "output_mode": "text"}}, "generate_response.output_mode"),
     ({"chat_request": {"model": "tiny", "messages": []}}, "chat_request.messages"),
     ({"chat_request": {"model": "tiny", "messages": CHAT, "top_k": -5}}, "chat_request.top_k"),
+    # sizes bounded by what the request could generate, before any work
+    ({"generate_response": {"choices": [{"token_ids": [5]}] * 2}}, "generate_response.choices"),
+    ({"generate_response": {"choices": [{"token_ids": [5] * 257}]}}, "generate_response.choices[0].token_ids"),
+    ({"prompt_token_ids": [5] * 257}, "prompt_token_ids"),
 ])
 def test_derender_refusals_name_the_field(scale_out: RemoteServer, change: dict, param: str) -> None:
     body = {"model": "tiny", "generate_response": {"choices": [{"token_ids": [5], "finish_reason": "length"}]},
