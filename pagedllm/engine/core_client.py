@@ -14,11 +14,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
-import re
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +28,9 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_loop import CALLS, PAUSING_CALLS, EngineCoreLoop, QueueChannel
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, Call, CoreDead, CoreMessage,
                                       CoreReady, FrontMessage, Reply, Shutdown, StartCore, StartupError, StepOutputs)
+from pagedllm.engine import local_core
+from pagedllm.engine.local_core import (NAMESPACE_FILE, SOCKET_DIR_PREFIX, make_socket_dir,  # noqa: F401
+                                       pid_namespace, sweep_socket_dirs)
 from pagedllm.engine.replica_launch import CoreProcess, Launcher, LocalLauncher
 from pagedllm.engine.serial import decode, decode_error, encode
 from pagedllm.errors import ValidationError
@@ -42,60 +42,6 @@ RECEIVE_POLL_MS = 200
 """How often the receiving thread checks that the core process is alive while it says nothing."""
 CORE_EXIT_TIMEOUT_S = 15.0
 """A core told to shut down gets this long (its workers stop too) before it is killed (a thread: abandoned)."""
-
-
-SOCKET_DIR_PREFIX = "pagedllm-core-"
-"""The temporary folder of a local core's ipc:// sockets: this prefix, the front's pid, a dash, a random part (short:
-a socket's whole path must fit 107 bytes); its file ``NAMESPACE_FILE`` names the pid namespace of that pid."""
-_SOCKET_DIR = re.compile(re.escape(SOCKET_DIR_PREFIX) + r"(\d+)-")
-NAMESPACE_FILE = "pidns"
-
-
-def pid_namespace() -> int:
-    """This process's pid namespace (the inode of /proc/self/ns/pid; 0 where there is none): a pid names a process
-    only inside its namespace, and containers sharing a temp folder each have their own."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def make_socket_dir() -> str:
-    """A new socket folder of this process (see SOCKET_DIR_PREFIX), its pid namespace written in it."""
-    folder = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
-    with open(os.path.join(folder, NAMESPACE_FILE), "w") as f:
-        f.write(str(pid_namespace()))
-    return folder
-
-
-def sweep_socket_dirs(root: str | None = None) -> list[str]:
-    """Remove the socket folders (in ``root``, default the temp folder) that fronts now dead left behind: a
-    front removes its own once the core has connected, or on close, but one SIGKILLed while its core loaded
-    could not (and its core dies with it). Only this user's folders, made in this pid namespace, of pids no longer
-    running."""
-    root = root or tempfile.gettempdir()
-    removed, namespace = [], str(pid_namespace())
-    try:
-        entries = list(os.scandir(root))
-    except OSError:  # no temp folder to read: nothing to sweep
-        return removed
-    for entry in entries:
-        match = _SOCKET_DIR.match(entry.name)
-        if match is None:
-            continue
-        try:
-            if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
-                continue
-            with open(os.path.join(entry.path, NAMESPACE_FILE)) as f:
-                if f.read(32) != namespace:  # another container's pids are not ours to judge
-                    continue
-            os.kill(int(match[1]), 0)  # signal 0: only asks whether the pid runs
-        except ProcessLookupError:
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
-        except (OSError, OverflowError):  # another user's pid (running), gone mid-scan or unmarked, out of range
-            continue
-    return removed
 
 
 class EngineDeadError(RuntimeError):
@@ -273,10 +219,14 @@ class MPClient(AsyncCoreClient):
         self._receiver: threading.Thread | None = None
         self._delivery: _Delivery | None = None
         self.proc: CoreProcess | None = None
+        # the core `pagedllm serve` started first (engine/local_core.py): the default launcher's one core
+        early = local_core.claim() if launcher is None else None
         launcher = launcher or LocalLauncher()
         # ipc:// for a core on this machine (a 0700 folder: only this user connects); tcp:// to a Ray node
         self._dir: str | None = None
-        if launcher.host is None:
+        if early is not None:
+            self._dir = early.folder
+        elif launcher.host is None:
             sweep_socket_dirs()  # what a SIGKILLed front left behind
             self._dir = make_socket_dir()
         self._ctx = zmq.Context()
@@ -284,12 +234,13 @@ class MPClient(AsyncCoreClient):
         self._from_core = self._ctx.socket(zmq.PULL)
         self._call_ids = itertools.count()
         try:
-            addresses = []
-            for sock, name in ((self._to_core, "commands"), (self._from_core, "results")):
+            addresses = local_core.socket_addresses(self._dir) if self._dir else []
+            for i, sock in enumerate((self._to_core, self._from_core)):
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.bind(f"ipc://{self._dir}/{name}" if self._dir else f"tcp://{launcher.host}:*")
-                addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-            self.proc = launcher.launch(index, addresses)
+                sock.bind(addresses[i] if self._dir else f"tcp://{launcher.host}:*")
+                if not self._dir:
+                    addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.proc = early.proc if early is not None else launcher.launch(index, addresses)
             self._send(encode(StartCore(version=PROTOCOL_VERSION, engine_args=args, step_log=step_log,
                                         report_cache=report_cache)))
             # while the core loads the model

@@ -47,6 +47,13 @@ class ZmqChannel:
         return os.getppid() == self._parent
 
 
+def _import_ahead() -> None:
+    """Import now what loading the engine imports on first use: `pagedllm serve` starts this process before its
+    own imports (engine/local_core.py), so this runs while the front still starts, not after StartCore. Every
+    model's config or tokenizer imports transformers.activations (~1.3 s: it pulls in transformers' kernels hub)."""
+    import transformers.activations  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
     """The process: connect, load the engine core StartCore describes, say CoreReady, loop."""
     parser = argparse.ArgumentParser(description="pagedllm's engine core process (started by `pagedllm serve`)")
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     for sock, address in ((commands, ns.commands), (results, ns.results)):
         sock.setsockopt(zmq.LINGER, 2000)  # the last messages (a CoreDead) still leave at exit
         sock.connect(address)
+    _import_ahead()
     try:
         try:
             start = decode(commands.recv())

@@ -14,15 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 from typing import Any, Protocol
 
+from pagedllm.engine.local_core import CORE_MODULE, core_command
 from pagedllm.errors import ValidationError
 from pagedllm.executor.ray_executor import FORWARDED_ENV_PREFIXES
 
 logger = logging.getLogger(__name__)
 
-CORE_MODULE = "pagedllm.engine.core_proc"
 PLACEMENT_TIMEOUT_S = 60.0
 """Seconds to wait for the Ray cluster to have room for every replica's bundle."""
 _FORWARDED_PREFIXES = (*FORWARDED_ENV_PREFIXES, "LD_PRELOAD", "OMP_")
@@ -86,7 +85,7 @@ class LocalLauncher:
 
     def launch(self, index: int, argv: list[str]) -> subprocess.Popen:
         extra = ["--cores", cores_spec(self.cores[index])] if self.cores else []
-        return subprocess.Popen([sys.executable, "-m", CORE_MODULE, *argv, "--parent-pid", str(os.getpid()), *extra])
+        return subprocess.Popen(core_command([*argv, *extra]))
 
     def describe(self, index: int) -> dict[str, Any]:
         return {"backend": "mp", "cores": self.cores[index] if self.cores else None}
@@ -108,7 +107,7 @@ class CoreHost:
 
     def start(self, argv: list[str]) -> int:
         """Start the core; its pid."""
-        self.proc = subprocess.Popen([sys.executable, "-m", CORE_MODULE, *argv, "--parent-pid", str(os.getpid())])
+        self.proc = subprocess.Popen(core_command(argv))
         return self.proc.pid
 
     def wait(self) -> int:

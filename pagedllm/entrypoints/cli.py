@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from pagedllm.engine import local_core
 from pagedllm.entrypoints import build_kernels
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
@@ -118,14 +119,34 @@ def _configure_logging() -> None:
         log.setLevel(logging.INFO)
 
 
+def _prestart_core(argv: list[str]) -> None:
+    """`pagedllm serve`: start the engine core process before this one imports the server (engine/local_core.py),
+    unless the core runs as a thread (PAGEDLLM_ENABLE_MULTIPROCESSING=0; a bad value is the server's error to
+    report) or only the help is asked for."""
+    if argv[:1] != ["serve"] or {"-h", "--help"} & set(argv):
+        return
+    from pagedllm import envs
+
+    try:
+        if not envs.ENABLE_MULTIPROCESSING.read():
+            return
+    except ValidationError:
+        return
+    local_core.prestart()
+
+
 def main(argv: list[str] | None = None) -> int:
     _configure_logging()
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _prestart_core(argv)
     try:
+        ns = build_parser().parse_args(argv)
         return ns.func(ns)
     except ValidationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        local_core.release()  # a core started first that the server did not take (an error, another mode)
 
 
 if __name__ == "__main__":

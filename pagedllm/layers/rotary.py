@@ -64,14 +64,19 @@ class RotaryEmbedding(CustomOp):
         super().__init__(dtype)  # the cos/sin cache below is in dtype: the kernels read it as it is
         self.head_dim = head_dim
         scale = 1.0
-        if (scaling or {}).get("rope_type", (scaling or {}).get("type")) == "longrope":
-            freqs, scale = _longrope_angles(head_dim, max_position, base, scaling)
-        else:
-            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), _inv_freq(head_dim, base, scaling))
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, head_dim)
+        device = torch.get_default_device()
+        # A shapes-only model (the meta device: worker/memory_fit.py) gets its table computed on the CPU and moved:
+        # arange on the meta device runs torch's Python reference, whose first call imports torch._dynamo (~1 s).
+        with torch.device("cpu" if device.type == "meta" else device):
+            if (scaling or {}).get("rope_type", (scaling or {}).get("type")) == "longrope":
+                freqs, scale = _longrope_angles(head_dim, max_position, base, scaling)
+            else:
+                freqs = torch.outer(torch.arange(max_position, dtype=torch.float32),
+                                    _inv_freq(head_dim, base, scaling))
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, head_dim)
         # Cached in the run dtype: transformers casts cos/sin to the activations' dtype too.
-        self.register_buffer("cos_cache", (emb.cos() * scale).to(dtype), persistent=False)
-        self.register_buffer("sin_cache", (emb.sin() * scale).to(dtype), persistent=False)
+        self.register_buffer("cos_cache", (emb.cos() * scale).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * scale).to(device=device, dtype=dtype), persistent=False)
         self._positions: torch.Tensor | None = None
         self._cos = self._sin = torch.empty(0)
 

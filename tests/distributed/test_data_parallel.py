@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.local_core import CORE_MODULE
 from pagedllm.errors import ValidationError
 from tests.distributed.test_faults import _assert_gone
 from tests.distributed.test_ray_cluster import two_node_cluster  # noqa: F401  (a fixture)
@@ -97,6 +98,8 @@ def test_a_conversation_returns_to_its_replica(tiny_llm_dir: Path) -> None:
     first turn (the only engine whose prompt counter moved) and finds its history there (prefix hits)."""
     srv = RemoteServer(tiny_llm_dir, "--data-parallel-size", "2", "--served-model-name", "tiny")
     try:
+        cores = [p for p in psutil.Process(srv.proc.pid).children() if CORE_MODULE in p.cmdline()]
+        assert len(cores) == 2, cores  # one per replica: the core `serve` started first was let go
         client = srv.get_client()
         conversations = {name: [{"role": "system", "content": "You answer briefly."},
                                 {"role": "user", "content": f"Conversation {name}: " + f"{name} story " * 40}]

@@ -29,13 +29,14 @@ import pagedllm
 from pagedllm import envs
 from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine import local_core
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.lifecycle import CollectiveRPCError, EnginePausedError
 from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.anthropic.protocol import anthropic_error
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.http_guard import (ANTHROPIC_PATHS, COHERE_PATHS, GuardedServer,
-                                                    UnicodeCheckedRoute, add_http_args, raise_open_file_limit,
+                                                    UnicodeCheckedRoute, add_http_args,
                                                     serve_config)
 from pagedllm.entrypoints.openai.http_guard import positive as _positive
 from pagedllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
@@ -877,7 +878,9 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; returns the exit status."""
     setup = server_setup(ns, engine_args)
     names = setup.names
-    raise_open_file_limit()  # each connection is a file; before the engine starts, so its processes inherit it
+    local_core.raise_open_file_limit()  # each connection is a file; before the engine starts: its processes inherit it
+    if not engine_core_process() or engine_args.data_parallel_size != 1:
+        local_core.release()  # the core the CLI started first is not how this engine runs
     metrics = ServerMetrics(names[0], engine_args.data_parallel_size)
     server: _Server | None = None
 

@@ -128,19 +128,6 @@ class EveryInterval:
         self.last, self.count = now, 0
 
 
-def raise_open_file_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard limit (as vLLM does: each connection is a file); the new soft
-    limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (OSError, ValueError) as e:  # a sandbox may forbid it: serve with what there is
-            logger.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, e)
-    return soft
-
-
 def connection_cap(limit: int | None) -> int:
     """``--limit-concurrency``, or its default under the current open-file limit."""
     if limit is not None:
