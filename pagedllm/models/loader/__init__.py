@@ -135,6 +135,7 @@ def load_tokenizer(path: str):  # -> transformers PreTrainedTokenizerBase
     from transformers import AutoTokenizer
 
     if is_gguf(path):
-        folder, name = os.path.split(path)
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        from pagedllm.models.loader.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)  # converted once, then read from the cache
     return AutoTokenizer.from_pretrained(path)
