@@ -3,11 +3,13 @@ halfway (SIGKILL) leaves nothing the next process waits on."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -65,52 +67,82 @@ def test_a_failed_build_is_one_warning_line_and_the_engine_falls_back(tmp_path: 
     assert "lots of context" not in proc.stderr and "DTYPE float32 None" in proc.stdout
 
 
-def test_a_build_killed_halfway_leaves_nothing_to_wait_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Also: the build that finishes is cached for its level (the next one runs no compiler)."""
-    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path)}
+CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli", "build-kernels"]
+
+
+@dataclass
+class KilledThenBuilt:
+    """An empty cache; `build-kernels --list --all` on it; a build SIGKILLed halfway; then `build-kernels`
+    (the one full compile both tests below look at: each costs ~25 s of two cores)."""
+
+    cache: Path
+    env: dict[str, str]
+    listed: subprocess.CompletedProcess
+    folder: Path
+    half_written: bool
+    scratch: set[Path]
+    """What the killed build left (its compilers' scratch, swept by a build an hour later)."""
+    built: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def killed_then_built(tmp_path_factory: pytest.TempPathFactory) -> KilledThenBuilt:
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(cache)}
+    env.pop("PAGEDLLM_ISA", None)
+    listed = subprocess.run([*CLI, "--list", "--all"], env=env, capture_output=True, text=True, timeout=120)
     code = f"from pagedllm.platform import build; build.build({LEVEL!r})"
     victim = subprocess.Popen([sys.executable, "-c", code], env=env)
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(f"kernels/{LEVEL}-*/tmp-build-*/")):  # the compilers are running
+    while not list(cache.glob(f"kernels/{LEVEL}-*/tmp-build-*/")):  # the compilers are running
         assert time.monotonic() < deadline and victim.poll() is None, "the build did not start"
         time.sleep(0.05)
     time.sleep(0.5)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    folder = next(tmp_path.glob(f"kernels/{LEVEL}-*"))
-    assert not (folder / build.LIBRARY_NAME).exists()  # nothing half-written in place
-    code = ("import logging, time; logging.basicConfig(level=logging.INFO, format='%(created)f %(message)s');"
-            f"from pagedllm.platform import build; print('START', time.time()); r = build.build({LEVEL!r});"
-            "print('OK' if r.path else r.error)")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.stdout.split()[-1] == "OK", proc.stdout + proc.stderr
-    started = float(proc.stdout.split()[1])
-    began = float(next(line for line in proc.stderr.splitlines() if "building the" in line).split()[0])
+    folder = next(cache.glob(f"kernels/{LEVEL}-*"))
+    half_written = (folder / build.LIBRARY_NAME).exists()
+    scratch = set(folder.glob("tmp-build-*"))
+    # the command, with the time it started (its imports done: the killed build's compilers may still run beside
+    # it) and time-stamped log lines (the build's start among them)
+    code = ("import logging, sys, time; logging.basicConfig(level=logging.INFO, format='%(created)f %(message)s');"
+            "from pagedllm.entrypoints import cli; cli.build_parser(); print('START', time.time(), flush=True);"
+            "sys.exit(cli.main(['build-kernels']))")
+    built = subprocess.run([sys.executable, "-c", code], env={**env, "PAGEDLLM_ISA": LEVEL}, capture_output=True,
+                           text=True, timeout=300)
+    return KilledThenBuilt(cache, env, listed, folder, half_written, scratch, built)
+
+
+def test_a_build_killed_halfway_leaves_nothing_to_wait_on(killed_then_built: KilledThenBuilt,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: the build that finishes is cached for its level (the next one runs no compiler)."""
+    done = killed_then_built
+    assert not done.half_written  # nothing half-written in place
+    assert done.built.returncode == 0, done.built.stdout + done.built.stderr
+    started = float(done.built.stdout.split()[1])
+    began = float(re.search(r"^([0-9.]+) building the", done.built.stderr, re.M)[1])  # (the root logger's line)
     assert began - started < 3  # the lock died with its holder: no waiting, the build starts at once
-    assert (folder / build.LIBRARY_NAME).exists()
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    assert (done.folder / build.LIBRARY_NAME).exists()
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(done.cache))
     again = build.build(LEVEL)
-    assert again.path == folder / build.LIBRARY_NAME and again.seconds == 0  # cached: no compiler run
-    assert folder.name.startswith(f"{LEVEL}-")
+    assert again.path == done.folder / build.LIBRARY_NAME and again.seconds == 0  # cached: no compiler run
+    assert done.folder.name.startswith(f"{LEVEL}-")
 
 
-def test_build_kernels_command_lists_levels_and_refuses_levels_above_the_cpu(tmp_path: Path) -> None:
+def test_build_kernels_command_lists_levels_and_refuses_levels_above_the_cpu(
+        killed_then_built: KilledThenBuilt) -> None:
     from pagedllm.platform.cpu import LEVELS, cpu_info
 
-    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path)}
-    env.pop("PAGEDLLM_ISA", None)
-    cli = [sys.executable, "-m", "pagedllm.entrypoints.cli", "build-kernels"]
-    listed = subprocess.run([*cli, "--list", "--all"], env=env, capture_output=True, text=True, timeout=120)
-    assert listed.returncode == 0 and listed.stdout.startswith("CPU: ")
-    assert f"  {LEVEL}: not built yet" in listed.stdout  # --list builds nothing
-    built = subprocess.run([*cli], env={**env, "PAGEDLLM_ISA": LEVEL}, capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0 and f"  {LEVEL}: built in" in built.stdout
-    again = subprocess.run([*cli], env={**env, "PAGEDLLM_ISA": LEVEL}, capture_output=True, text=True, timeout=120)
+    done, env = killed_then_built, killed_then_built.env
+    assert done.listed.returncode == 0 and done.listed.stdout.startswith("CPU: ")
+    assert f"  {LEVEL}: not built yet" in done.listed.stdout  # --list builds nothing
+    assert done.built.returncode == 0 and f"  {LEVEL}: built in" in done.built.stdout
+    again = subprocess.run([*CLI], env={**env, "PAGEDLLM_ISA": LEVEL}, capture_output=True, text=True, timeout=120)
     assert f"  {LEVEL}: cached: " in again.stdout
-    assert not list(tmp_path.glob(f"kernels/{LEVEL}-*/tmp-build-*"))  # a finished build leaves no scratch
+    assert set(done.cache.glob(f"kernels/{LEVEL}-*/tmp-build-*")) == done.scratch  # a finished build leaves none
     native = cpu_info().native_level()
     if native != LEVELS[-1]:
         above = LEVELS[LEVELS.index(native) + 1]
-        refused = subprocess.run([*cli], env={**env, "PAGEDLLM_ISA": above}, capture_output=True, text=True,
+        refused = subprocess.run([*CLI], env={**env, "PAGEDLLM_ISA": above}, capture_output=True, text=True,
                                  timeout=120)
         assert refused.returncode == 2 and f"PAGEDLLM_ISA={above} is above what this CPU runs" in refused.stderr
