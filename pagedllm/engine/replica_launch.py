@@ -85,7 +85,7 @@ class LocalLauncher:
 
     def launch(self, index: int, argv: list[str]) -> subprocess.Popen:
         extra = ["--cores", cores_spec(self.cores[index])] if self.cores else []
-        return subprocess.Popen(core_command([*argv, *extra]))
+        return subprocess.Popen([*core_command(argv), *extra])
 
     def describe(self, index: int) -> dict[str, Any]:
         return {"backend": "mp", "cores": self.cores[index] if self.cores else None}

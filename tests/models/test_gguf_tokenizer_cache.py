@@ -1,9 +1,11 @@
 """A GGUF file's tokenizer is converted by transformers once and read from the cache after
-(models/loader/gguf_tokenizer.py): the cached one is transformers' own conversion, token for token; a
-damaged cache entry is converted again, a conversion killed halfway leaves only scratch a later save sweeps,
-and a cache that cannot be written only costs the speed."""
+(models/loader/gguf_tokenizer.py): the cached one is transformers' own conversion, token for token (read back
+and checked before it is kept; tests/models/test_gguf_families.py's Gemma and Qwen2 files through it too); a
+damaged cache entry is converted again, a conversion killed halfway leaves only scratch a later save sweeps, as
+it sweeps the entries of files removed or changed since, and a cache that cannot be written only costs the speed."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -61,9 +63,21 @@ def reference(default_model: str) -> Any:
 def test_converted_once_then_read_from_the_cache(default_model: str, reference: Any, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    entries = tmp_path / "tokenizers"
+    here = tmp_path / "here.gguf"
+    here.write_bytes(b"GGUF")
+    for name, source in {"gone": tmp_path / "removed.gguf", "changed": here, "kept": here}.items():
+        (entries / name).mkdir(parents=True)
+        st = here.stat()
+        record = {"path": str(source), "size": st.st_size, "mtime_ns": st.st_mtime_ns + (name == "changed")}
+        (entries / name / gguf_tokenizer.SOURCE_FILE).write_text(json.dumps(record))
+    (entries / "unmarked").mkdir()  # no record: not ours to judge
     conversions = _Conversions(monkeypatch)
     first = load_tokenizer(default_model)
     assert conversions.count == 1 and gguf_tokenizer.cache_folder(default_model).is_dir()
+    # the conversion swept the entries of files removed or changed since: no load can reach them
+    assert sorted(p.name for p in entries.iterdir()) == sorted(["kept", "unmarked",
+                                                                gguf_tokenizer.cache_folder(default_model).name])
     again = load_tokenizer(default_model)
     assert conversions.count == 1  # read back, not converted
     _same(reference, first)
@@ -101,3 +115,20 @@ def test_damage_scratch_and_an_unwritable_cache(default_model: str, reference: A
         unsaved = load_tokenizer(default_model)
     assert "could not cache the GGUF tokenizer" in caplog.text and conversions.count == 2, caplog.text
     _same(reference, unsaved)
+
+
+def test_a_tokenizer_that_does_not_read_back_as_converted_is_not_cached(
+        default_model: str, reference: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The saved copy is read back and held to the conversion (PROBE_TEXTS, special tokens, template) before it
+    is kept: where it differs, this process keeps the conversion and nothing stays in the cache."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    assert gguf_tokenizer.same_tokenizer(reference, reference)
+    assert not gguf_tokenizer.same_tokenizer(reference, object())  # (raises inside: not the same)
+    monkeypatch.setattr(gguf_tokenizer, "same_tokenizer", lambda a, b: False)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        kept = load_tokenizer(default_model)
+    assert "does not read back as converted" in caplog.text, caplog.text
+    assert not gguf_tokenizer.cache_folder(default_model).exists()
+    assert [p.name for p in (tmp_path / "tokenizers").iterdir()] == []
+    _same(reference, kept)
