@@ -10,6 +10,7 @@ from pagedllm.engine import local_core
 from pagedllm.entrypoints import build_kernels
 from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
+from pagedllm.platform.process import exit_now
 
 
 SERVE_DEFAULTS: dict[str, object] = {"step_time_target": 0.8}
@@ -149,5 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         local_core.release()  # a core started first that the server did not take (an error, another mode)
 
 
+def entry() -> None:
+    """The `pagedllm` command (pyproject's [project.scripts]): main's status; a server, once it has shut down
+    (its engine core stopped, its socket file removed), exits without the interpreter's teardown (~1 s)."""
+    code = main()
+    if sys.argv[1:2] == ["serve"]:
+        exit_now(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
