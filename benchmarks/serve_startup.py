@@ -2,7 +2,7 @@
 /health answering 200, to a first completion's reply, and from SIGTERM to the process's exit.
 
 Each tree (a checkout: e.g. `git worktree add ../pagedllm-before <commit>`) runs from its own sources with this
-venv (PYTHONPATH); rounds alternate A B A B, each model in turn. Caches are as the machine has them (the kernels
+venv (PYTHONPATH, cwd); rounds alternate A B A B, each model in turn. Caches are as the machine has them (the kernels
 built, a GGUF tokenizer converted by an earlier start: pass ``--warm-up`` to start each tree once first).
 
     .venv/bin/python benchmarks/serve_startup.py --trees ../pagedllm-before . --models default /path/to/hf-folder
@@ -30,8 +30,8 @@ def start_once(tree: str, model: str) -> dict[str, float]:
     url = f"http://127.0.0.1:{PORT}"
     began = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args, "--port", str(PORT),
-                             "--uvicorn-log-level", "warning"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                             "--uvicorn-log-level", "warning"], env=env, cwd=os.path.abspath(tree),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # (cwd: `-m` puts it first)
     try:
         while True:
             if proc.poll() is not None:

@@ -81,7 +81,7 @@ class KilledThenBuilt:
     folder: Path
     half_written: bool
     scratch: set[Path]
-    """What the killed build left (its compilers' scratch, swept by a build an hour later)."""
+    """What the killed build left (its scratch folder, swept by a build an hour later)."""
     built: subprocess.CompletedProcess
 
 
@@ -92,19 +92,18 @@ def killed_then_built(tmp_path_factory: pytest.TempPathFactory) -> KilledThenBui
     env.pop("PAGEDLLM_ISA", None)
     listed = subprocess.run([*CLI, "--list", "--all"], env=env, capture_output=True, text=True, timeout=120)
     code = f"from pagedllm.platform import build; build.build({LEVEL!r})"
-    victim = subprocess.Popen([sys.executable, "-c", code], env=env)
+    victim = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
     deadline = time.monotonic() + 60
     while not list(cache.glob(f"kernels/{LEVEL}-*/tmp-build-*/")):  # the compilers are running
         assert time.monotonic() < deadline and victim.poll() is None, "the build did not start"
         time.sleep(0.05)
     time.sleep(0.5)
-    victim.send_signal(signal.SIGKILL)
+    os.killpg(victim.pid, signal.SIGKILL)  # it and its compilers (as a service manager stops a process group)
     victim.wait()
     folder = next(cache.glob(f"kernels/{LEVEL}-*"))
     half_written = (folder / build.LIBRARY_NAME).exists()
     scratch = set(folder.glob("tmp-build-*"))
-    # the command, with the time it started (its imports done: the killed build's compilers may still run beside
-    # it) and time-stamped log lines (the build's start among them)
+    # the command, with the time it started (its imports done) and time-stamped log lines (the build's start)
     code = ("import logging, sys, time; logging.basicConfig(level=logging.INFO, format='%(created)f %(message)s');"
             "from pagedllm.entrypoints import cli; cli.build_parser(); print('START', time.time(), flush=True);"
             "sys.exit(cli.main(['build-kernels']))")
