@@ -104,7 +104,8 @@ ISA: EnvVar[str] = EnvVar(
         "CPU's own; a level above the CPU's is refused. Also caps torch's own kernels when set before torch loads.")
 CACHE_DIR: EnvVar[str] = EnvVar(
     name="PAGEDLLM_CACHE_DIR", default="", parse=_text,
-    doc="Where compiled CPU kernels are cached (default $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm).")
+    doc="Where compiled CPU kernels and GGUF files' converted tokenizers are cached (default "
+        "$XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm).")
 FUSED_OPS: EnvVar[bool] = EnvVar(
     name="PAGEDLLM_FUSED_OPS", default="1", parse=_switch,
     doc="0: the compiled GEMM and fused ops off (torch's expressions serve; attention kernels stay), for A/B runs.")
