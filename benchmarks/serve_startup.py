@@ -19,6 +19,7 @@ import sys
 import time
 
 import httpx
+from serve_sweep import wait_healthy
 
 PORT = 8250
 
@@ -33,15 +34,7 @@ def start_once(tree: str, model: str) -> dict[str, float]:
                              "--uvicorn-log-level", "warning"], env=env, cwd=os.path.abspath(tree),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # (cwd: `-m` puts it first)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server from {tree} exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
+        wait_healthy(proc, PORT, 300, f"the server from {tree}", poll_s=0.02)
         healthy = time.monotonic() - began
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 1}, timeout=60)
         assert reply.status_code == 200, reply.text

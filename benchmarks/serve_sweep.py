@@ -148,9 +148,9 @@ def start_server(engine: str, args: argparse.Namespace, log_dir: str) -> subproc
     return proc
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, name: str) -> None:
-    """Wait until 127.0.0.1:``port``/health answers 200; the server stopped and SystemExit if it exits or
-    ``timeout`` s pass first."""
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, name: str, poll_s: float = 1.0) -> None:
+    """Wait until 127.0.0.1:``port``/health answers 200 (asked every ``poll_s`` s); the server stopped and
+    SystemExit if it exits or ``timeout`` s pass first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -160,7 +160,7 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, name: str) -
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(poll_s)
     stop_server(proc)
     raise SystemExit(f"{name} not healthy within {timeout} s")
 
