@@ -29,8 +29,7 @@ from pagedllm.engine.core_loop import CALLS, PAUSING_CALLS, EngineCoreLoop, Queu
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, Call, CoreDead, CoreMessage,
                                       CoreReady, FrontMessage, Reply, Shutdown, StartCore, StartupError, StepOutputs)
 from pagedllm.engine import local_core
-from pagedllm.engine.local_core import (NAMESPACE_FILE, SOCKET_DIR_PREFIX, make_socket_dir,  # noqa: F401
-                                       pid_namespace, sweep_socket_dirs)
+from pagedllm.engine.local_core import make_socket_dir, sweep_socket_dirs
 from pagedllm.engine.replica_launch import CoreProcess, Launcher, LocalLauncher
 from pagedllm.engine.serial import decode, decode_error, encode
 from pagedllm.errors import ValidationError

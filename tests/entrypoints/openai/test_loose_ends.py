@@ -76,7 +76,7 @@ def test_models_show_no_filesystem_path(tiny_llm_dir: Path) -> None:
 def test_the_sweep_takes_only_dead_pids_of_its_own_namespace(tmp_path: Path) -> None:
     """A folder is stale only when its pid, in the namespace that made it, no longer runs: another container's
     folders (same user, shared temp folder), unmarked ones and a running front's stay."""
-    from pagedllm.engine.core_client import NAMESPACE_FILE, SOCKET_DIR_PREFIX, pid_namespace, sweep_socket_dirs
+    from pagedllm.engine.local_core import NAMESPACE_FILE, SOCKET_DIR_PREFIX, pid_namespace, sweep_socket_dirs
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     ns = pid_namespace()
