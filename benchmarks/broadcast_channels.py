@@ -172,7 +172,7 @@ def bench_shm(payload: SchedulerOutput, iters: int) -> tuple[list[float], float]
 # ----------------------------------------------------------------------------- the executor
 def bench_executor(iters: int) -> dict[str, float]:
     """Empty steps through the real executors on a tiny random model (no forward pass)."""
-    from pagedllm.engine.llm_engine import EngineArgs, create_engine_config, get_tokenizer
+    from pagedllm.engine.llm_engine import EngineArgs, get_tokenizer
     from pagedllm.executor.factory import get_executor_class
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the test suite's tiny-model factory
@@ -182,8 +182,9 @@ def bench_executor(iters: int) -> dict[str, float]:
         path = save_tiny_model(Path(tmp) / "tiny", "llama-gqa-untied", vocab_size=len(get_tokenizer()),
                                tokenizer=get_tokenizer())
         for tp, backend in ((1, "uni"), (2, "mp"), (2, "ray")):
-            config, arch = create_engine_config(EngineArgs(model=str(path), dtype="float32", tensor_parallel_size=tp,
-                                                           distributed_executor_backend=backend, num_kv_blocks=64))
+            args = EngineArgs(model=str(path), dtype="float32", tensor_parallel_size=tp,
+                              distributed_executor_backend=backend, num_kv_blocks=64)
+            config, arch = args.create_engine_config()
             executor = get_executor_class(config)(config, arch, (2,))
             executor.initialize_cache(64, 0)
             times = []

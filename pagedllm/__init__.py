@@ -27,7 +27,7 @@ _PUBLIC = {
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
     "ValidationError": "pagedllm.errors",
-    "EngineArgs": "pagedllm.config",
+    "EngineArgs": "pagedllm.engine.arg_utils",
     "LLMEngine": "pagedllm.engine.llm_engine",
     "LoRARequest": "pagedllm.lora_request",
     "PoolingParams": "pagedllm.pooling_params",

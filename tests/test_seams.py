@@ -27,7 +27,8 @@ SEAMS: dict[str, list[str]] = {
     "pagedllm.layers.sampler": ["SamplingMetadata", "SamplerOutput"],
     "pagedllm.lora.layers": ["LoRAStep"],
     "pagedllm.config": ["ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "DeviceConfig",
-                        "LoRAConfig", "StructuredOutputsConfig", "EngineConfig", "EngineArgs"],
+                        "LoRAConfig", "StructuredOutputsConfig", "EngineConfig"],
+    "pagedllm.engine.arg_utils": ["EngineArgs"],
 }
 """Module -> its seam dataclasses."""
 

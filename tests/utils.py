@@ -99,7 +99,7 @@ class RemoteServer:
 def thread_engine(model_dir: Path, **kwargs: Any) -> AsyncLLM:
     """An AsyncLLM on the model in ``model_dir`` (float32, 64 KV blocks unless ``kwargs`` say otherwise) with its
     engine core in a thread of this process: for apps served in-process (TestClient, httpx's ASGITransport)."""
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
 
     args = EngineArgs(model=str(model_dir), **{"dtype": "float32", "num_kv_blocks": 64, **kwargs})

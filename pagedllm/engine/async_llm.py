@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from pagedllm import envs
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.messages import EngineStats
 from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.core_client import CORE_EXIT_TIMEOUT_S, AsyncCoreClient, EngineDeadError, make_async_client

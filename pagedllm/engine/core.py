@@ -9,21 +9,17 @@ import dataclasses
 import functools
 import gc
 import itertools
-import json
 import logging
 import os
 import time
 from typing import Any
 
-from pagedllm import platform
-from pagedllm.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig,
-                             ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
-                             WatermarkConfig, json_object, parse_cuda_graph_sizes, parse_memory)
+from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.core.kv_cache_manager import ROUTING_KEY_MASK
 from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step_time import cost_weights
-from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.lifecycle import Lifecycle, check_mode
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, CoreReady, EngineStats,
@@ -31,238 +27,17 @@ from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, Ad
 from pagedllm.engine.processor import Processor
 from pagedllm.errors import ValidationError
 from pagedllm.executor.factory import get_executor_class
-from pagedllm.layers import cpu_ops
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EngineCoreOutput
 from pagedllm.models.config import ArchConfig
-from pagedllm.models.registry import get_model_class
-from pagedllm.models.loader import (load_arch_config, load_eos_token_ids, load_tokenizer, matryoshka_dimensions,
-                                    quantized_formats, resolve_model_path)
-from pagedllm.models.loader.sentence_transformers import read_sentence_transformers_config, read_task_prompts
+from pagedllm.models.loader import (load_eos_token_ids, load_tokenizer)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
-from pagedllm.worker.extension import worker_class
 from pagedllm.worker.memory_fit import check_fits
 from pagedllm.worker.structured_output import compiler_for
 
 logger = logging.getLogger(__name__)
-
-
-def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ArchConfig]:
-    """Resolve the model path, dtype and max_model_len; build every subsystem's config."""
-    path = resolve_model_path(args.model)
-    overrides = None if args.hf_overrides is None else json_object(args.hf_overrides, "hf_overrides")
-    arch = load_arch_config(path, overrides)  # the one read of the target's config: the workers are given it
-    if overrides:
-        logger.info("config.json overridden by hf_overrides: %s", json.dumps(overrides, sort_keys=True))
-    max_logprobs = args.max_logprobs
-    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
-        raise ValidationError.bad_value("max_logprobs", max_logprobs, "an integer >= 0, or -1 for the vocabulary size")
-    device = platform.resolve_device(args.device)
-    quantization = args.quantization
-    if quantization == "auto":  # a GGUF file's quantized matrices stay so where the kernels run them
-        quantization = "gguf" if (device == "cpu" and args.load_format == "auto" and cpu_ops.active() is not None
-                                  and quantized_formats(path, arch)) else None
-    elif quantization is not None and device == "cuda":
-        raise ValidationError.bad_value("quantization", quantization,
-                                        "None on a GPU (the quantized kernels are the CPU's)")
-    dtype = args.dtype
-    if dtype == "auto":  # a GPU computes in bf16 natively; a CPU: what its kernels run fastest
-        dtype = "bfloat16" if device == "cuda" else platform.default_dtype()
-    pooling = _pooling_setup(args, path, arch, overrides)
-    limit = arch.max_position_embeddings - arch_position_offset(arch)
-    default_len = limit if pooling.max_seq_length is None else min(limit, pooling.max_seq_length)
-    max_model_len = default_len if args.max_model_len is None else args.max_model_len
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
-        raise ValidationError.bad_value("max_model_len", max_model_len,
-                                        f"an integer in [1, the model's context length {limit}]")
-    if isinstance(args.seed, bool) or not isinstance(args.seed, int):
-        raise ValidationError.bad_value("seed", args.seed, "an integer")
-    parallel = ParallelConfig.from_engine_args(args)
-    if parallel.worker_extension_cls:  # refused here, before any worker starts, if it cannot be mixed in
-        worker_class(parallel.worker_extension_cls)
-    for rank in range(parallel.tensor_parallel_size):  # refuse a split the model cannot take before any worker starts
-        shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
-    kv_memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
-    lora = _lora_config(args, parallel)
-    speculative = _speculative_config(args, parallel, arch)
-    watermark = WatermarkConfig.from_user(args.watermark_config)
-    if watermark is not None and speculative is not None:  # (vLLM's dual_key_gumbel: not here)
-        raise ValidationError("watermark_config cannot be combined with speculative_config (drafts would be "
-                              "accepted unwatermarked)", param="watermark_config", value=args.watermark_config)
-    if pooling.runner == "pooling":
-        for name, value, off in (("speculative_config", speculative, None), ("enable_lora", lora, None),
-                                 ("watermark_config", watermark, None)):
-            if value is not off:
-                raise ValidationError(f"{name} is for generating models: a pooling model ({pooling.convert}) "
-                                      "does not take it", param=name, value=getattr(args, name))
-    if args.enable_prompt_embeds:
-        _check_prompt_embeds(arch, pooling.runner, speculative)
-    # a pooled input is never chunked (every token's hidden state is needed at once): a step holds the longest
-    max_batched = max(args.max_num_batched_tokens, max_model_len) if pooling.runner == "pooling" \
-        else args.max_num_batched_tokens
-    config = EngineConfig(
-        model=ModelConfig(model=path, dtype=dtype, max_model_len=max_model_len, seed=args.seed,
-                          load_format=args.load_format, quantization=quantization, runner=pooling.runner,
-                          convert=pooling.convert, pooler=pooling.pooler, encoder_only=arch.is_encoder_only,
-                          labels=_labels(arch) if pooling.convert == "classify" else (),
-                          max_logprobs=arch.vocab_size if max_logprobs == -1 else max_logprobs,
-                          enable_prompt_embeds=bool(args.enable_prompt_embeds),
-                          enable_sleep_mode=_sleep_mode(args)),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=kv_memory, num_kv_blocks=args.num_kv_blocks,
-                          # pooled inputs want every token's hidden state: a cached prefix would skip some
-                          enable_prefix_caching=args.enable_prefix_caching and pooling.runner != "pooling",
-                          swap_space=args.swap_space,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          sliding_window=arch.sliding_window if arch.every_layer_slides else None,
-                          cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
-                                  max_model_len=max_model_len, preemption_mode=args.preemption_mode,
-                                  max_loras=lora.max_loras if lora else None,
-                                  max_num_batched_attention=args.max_num_batched_attention,
-                                  # 0 is off too: a command line cannot say None
-                                  step_time_target=None if _is_zero(args.step_time_target) else args.step_time_target),
-        parallel=parallel,
-        device=DeviceConfig(device=device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                            cuda_graph_sizes=parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs)),
-        lora=lora,
-        structured_outputs=_structured_outputs_config(args),
-        speculative=speculative,
-        watermark=watermark,
-    )
-    return config, arch
-
-
-def _check_prompt_embeds(arch: ArchConfig, runner: str, speculative: SpeculativeConfig | None) -> None:
-    """enable_prompt_embeds' refusals: a model whose forward cannot take embeddings, a pooling runner, speculation
-    (its proposers read the prompt's token ids, which such a prompt does not have)."""
-    if runner == "pooling":
-        raise ValidationError("enable_prompt_embeds is for generating models: a pooling model does not take it",
-                              param="enable_prompt_embeds", value=True)
-    if speculative is not None:
-        raise ValidationError("enable_prompt_embeds cannot be combined with speculative_config (proposers read the "
-                              "prompt's token ids)", param="enable_prompt_embeds", value=True)
-    if not getattr(get_model_class(arch), "supports_prompt_embeds", False):
-        raise ValidationError(f"enable_prompt_embeds: {arch.architecture} does not take prompt embeddings (the "
-                              "Llama-family models do: pagedllm models)", param="enable_prompt_embeds", value=True)
-
-
-def _sleep_mode(args: EngineArgs) -> bool:
-    """enable_sleep_mode checked: a boolean."""
-    if not isinstance(args.enable_sleep_mode, bool):
-        raise ValidationError.bad_value("enable_sleep_mode", args.enable_sleep_mode, "true or false")
-    return args.enable_sleep_mode
-
-
-def _is_zero(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
-
-
-def _structured_outputs_config(args: EngineArgs) -> StructuredOutputsConfig:
-    """The grammar cache and the per-request grammar budget, in bytes."""
-    cache = parse_memory(args.grammar_cache_memory, "grammar_cache_memory")
-    most = (cache // 4 if args.max_grammar_memory is None  # a quarter: several such grammars fit the cache
-            else parse_memory(args.max_grammar_memory, "max_grammar_memory"))
-    return StructuredOutputsConfig(grammar_cache_bytes=cache, max_grammar_bytes=most)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pooling:
-    runner: str
-    convert: str
-    pooler: PoolerConfig | None
-    max_seq_length: int | None
-
-
-def arch_position_offset(arch: ArchConfig) -> int:
-    """Position slots a model uses before a sequence's first token (RoBERTa: pad_token_id + 1)."""
-    return getattr(arch, "position_offset", 0)
-
-
-def _pooling_setup(args: EngineArgs, path: str, arch: ArchConfig, overrides: dict[str, Any] | None) -> _Pooling:
-    """runner and convert resolved as vLLM does ("auto": pooling for sentence-transformers folders, encoder-only
-    models and *ForSequenceClassification checkpoints), and the pooling from the folder's sentence-transformers
-    config (else CLS for encoders, LAST for decoders; normalized) with pooler_config over it."""
-    st = read_sentence_transformers_config(path)
-    encoder, classifier = arch.is_encoder_only, arch.architecture.endswith("ForSequenceClassification")
-    runner = args.runner
-    if runner not in ("auto", "generate", "pooling"):
-        raise ValidationError.bad_value("runner", runner, "'auto', 'generate' or 'pooling'")
-    if runner == "auto":
-        runner = "pooling" if st is not None or encoder or classifier else "generate"
-    convert = args.convert
-    if convert not in ("auto", "none", "embed", "classify"):
-        raise ValidationError.bad_value("convert", convert, "'auto', 'none', 'embed' or 'classify'")
-    if runner == "generate":
-        if encoder or classifier:
-            raise ValidationError(f"{arch.architecture} does not generate text: serve it with runner='pooling' "
-                                  "(--runner pooling) for embeddings, classes or scores", param="runner",
-                                  value=args.runner)
-        if convert not in ("auto", "none"):
-            raise ValidationError.bad_value("convert", convert, "'none' (or 'auto') with runner 'generate'")
-        if args.pooler_config is not None:
-            raise ValidationError.bad_value("pooler_config", args.pooler_config, "None with runner 'generate'")
-        return _Pooling("generate", "none", None, None)
-    if convert == "auto":
-        convert = "classify" if classifier else "embed"
-    if convert == "none":
-        raise ValidationError.bad_value("convert", convert, "'embed', 'classify' or 'auto' with runner 'pooling'")
-    if convert == "classify" and not classifier:
-        raise ValidationError(f"convert='classify' needs a classification head (*ForSequenceClassification); "
-                              f"{arch.architecture} has none: use convert='embed'", param="convert", value=convert)
-    if args.tensor_parallel_size != 1 and encoder:
-        raise ValidationError.bad_value("tensor_parallel_size", args.tensor_parallel_size,
-                                        f"1 for {arch.architecture} (encoders are not split across ranks)")
-    base = PoolerConfig(pooling_type=st.pooling_type if st else ("CLS" if encoder else "LAST"),
-                        normalize=st.normalize if st else True,
-                        matryoshka_dimensions=matryoshka_dimensions(path, overrides),
-                        task_prompts=read_task_prompts(path, overrides))
-    pooler = PoolerConfig.from_user(base, args.pooler_config)
-    if convert != "embed" and (pooler.enable_chunked_processing or pooler.max_embed_len is not None):
-        name = "enable_chunked_processing" if pooler.enable_chunked_processing else "max_embed_len"
-        raise ValidationError(f"pooler_config.{name} is for embedding models; this one classifies "
-                              f"(convert={convert!r})", param=f"pooler_config.{name}", value=getattr(pooler, name))
-    return _Pooling("pooling", convert, pooler, st.max_seq_length if st else None)
-
-
-def _labels(arch: ArchConfig) -> tuple[str, ...]:
-    """A classifier's label names in output order."""
-    names = tuple(arch.id2label)
-    return names if len(names) == arch.num_labels else tuple(f"LABEL_{i}" for i in range(arch.num_labels))
-
-
-def _speculative_config(args: EngineArgs, parallel: ParallelConfig, arch: ArchConfig) -> SpeculativeConfig | None:
-    """speculative_config parsed and checked against the rest of the engine; None when off."""
-    spec = SpeculativeConfig.from_user(args.speculative_config)
-    if spec is None or not spec.uses_draft_model:
-        return spec
-    if parallel.tensor_parallel_size > 1:
-        raise ValidationError("a draft model runs with tensor_parallel_size 1 only (the draft is not split "
-                              "across ranks yet); ngram and suffix speculation run at any size",
-                              param="speculative_config.model", value=spec.model)
-    if not isinstance(spec.model, str) or not spec.model:
-        raise ValidationError.bad_value("speculative_config.model", spec.model, "a model folder or .gguf file")
-    path = resolve_model_path(spec.model)
-    draft = load_arch_config(path)
-    if draft.vocab_size != arch.vocab_size:
-        raise ValidationError(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the model's "
-                              f"({arch.vocab_size}): a draft must share the target's tokenizer",
-                              param="speculative_config.model", value=spec.model)
-    return dataclasses.replace(spec, model=path)
-
-
-def _lora_config(args: EngineArgs, parallel: ParallelConfig) -> LoRAConfig | None:
-    """The LoRA config with enable_lora, else None."""
-    if not isinstance(args.enable_lora, bool):
-        raise ValidationError.bad_value("enable_lora", args.enable_lora, "true or false")
-    if not args.enable_lora:
-        return None
-    if parallel.distributed_executor_backend != "uni":
-        raise ValidationError("enable_lora runs in the in-process executor only (tensor_parallel_size 1, "
-                              "distributed_executor_backend 'uni'): LoRA layers are not split across ranks yet",
-                              param="enable_lora", value=True)
-    return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def resolve_pooling_params(params: PoolingParams, model: ModelConfig, hidden_size: int) -> PoolingParams:
@@ -343,7 +118,7 @@ class EngineCore:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "EngineCore":
         """Resolve the configuration, load the tokenizer and the model, size the KV pool."""
-        config, arch = create_engine_config(args)
+        config, arch = args.create_engine_config()
         return cls(config, arch, load_tokenizer(config.model.model))
 
     # ----------------------------------------------------------------------- requests

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_loop import CALLS, PAUSING_CALLS, EngineCoreLoop, QueueChannel
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, Call, CoreDead, CoreMessage,

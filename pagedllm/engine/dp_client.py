@@ -24,7 +24,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from pagedllm.config import EngineArgs, ParallelConfig
+from pagedllm.engine.arg_resolve import parallel_layout
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import CORE_EXIT_TIMEOUT_S, AsyncCoreClient, EngineDeadError, MPClient
 from pagedllm.engine.dp_router import Router
 from pagedllm.engine.messages import (Abort, Accepted, AddBeamSearch, AddRequest, Call, CoreError, CoreMessage,
@@ -77,7 +78,7 @@ class DPClient(AsyncCoreClient):
                  replica_factory: Callable[[int], MPClient] | None = None) -> None:
         """Start every replica and wait until all are loaded (they load at once); if one fails, stop the others
         and raise its error. ``replica_factory``: index -> a started, not yet ready client (tests' fakes)."""
-        self.parallel = ParallelConfig.from_engine_args(args)
+        self.parallel = parallel_layout(args)
         n = self.parallel.data_parallel_size
         self.replica_args = dataclasses.replace(args, data_parallel_size=1)
         self.step_log = step_log

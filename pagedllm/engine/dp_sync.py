@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Any
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.messages import (Abort, Accepted, AddBeamSearch, AddRequest, Call, CoreMessage, EngineStats,

@@ -6,8 +6,8 @@ import logging
 import time
 from typing import Any
 
-from pagedllm.config import EngineArgs
-from pagedllm.engine.core import EngineCore, create_engine_config
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_client import InprocClient
 from pagedllm.engine.dp_sync import SyncDPClient
 from pagedllm.engine.messages import Abort, AddRequest, EngineStats
@@ -55,7 +55,7 @@ class LLMEngine:
         if args.data_parallel_size != 1:
             replicas = SyncDPClient(args)
             return cls(replicas, replicas.tokenizer, log_stats)
-        config, arch = create_engine_config(args)
+        config, arch = args.create_engine_config()
         tokenizer = load_tokenizer(config.model.model)
         return cls(EngineCore(config, arch, tokenizer), tokenizer, log_stats)
 

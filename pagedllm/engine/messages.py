@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
-    from pagedllm.config import EngineArgs, EngineConfig
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.lora_request import LoRARequest
     from pagedllm.outputs import EngineCoreOutput, RequestOutput
     from pagedllm.pooling_params import PoolingParams

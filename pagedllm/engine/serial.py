@@ -15,6 +15,7 @@ import msgpack
 
 from pagedllm import config, outputs
 from pagedllm.engine import messages
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.lifecycle import CollectiveRPCError, EnginePausedError
 from pagedllm.engine.messages import EngineStats
 from pagedllm.errors import ValidationError
@@ -27,7 +28,7 @@ _DATACLASS = 1
 _ENUM = 2
 
 _DATACLASSES: dict[str, type] = {cls.__name__: cls for cls in (
-    SamplingParams, StructuredOutputsParams, BeamSearchParams, LoRARequest, EngineStats, config.EngineArgs,
+    SamplingParams, StructuredOutputsParams, BeamSearchParams, LoRARequest, EngineStats, EngineArgs,
     PoolingParams, config.PoolerConfig, PromptEmbeds,
     config.EngineConfig, config.ModelConfig, config.CacheConfig, config.SchedulerConfig, config.ParallelConfig,
     config.DeviceConfig, config.LoRAConfig, config.StructuredOutputsConfig, config.SpeculativeConfig,

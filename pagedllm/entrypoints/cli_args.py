@@ -1,5 +1,5 @@
 """Command-line flags generated from ``EngineArgs``: one flag per field, typed by the field's type
-and described by its docstring, so a new engine option is one field in config.py.
+and described by its docstring, so a new engine option is one field in engine/arg_utils.py.
 
 Booleans are ``--flag`` / ``--no-flag`` as in vLLM (``--flag false`` works too), numbers parse
 as their type, sizes and names stay strings for the config's own validation.
@@ -13,7 +13,7 @@ import typing
 from dataclasses import MISSING, Field, fields
 from typing import Any, Protocol
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -35,14 +35,16 @@ def parse_bool(text: str) -> bool:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (its first line)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    """The docstring under each field of a dataclass and of its dataclass bases (its text on one line)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):  # a subclass's docstring wins over its base's
+        if klass is object or "__dataclass_fields__" not in vars(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

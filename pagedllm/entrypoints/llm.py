@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.messages import EngineStats
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType, check_template_kwargs, render_chat

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import zmq
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.messages import PROTOCOL_VERSION, StartCore, StartupError
 from pagedllm.engine.serial import decode, encode

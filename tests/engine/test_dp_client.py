@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.core.kv_cache_manager import prompt_routing_keys
-from pagedllm.engine.core import create_engine_config
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, Accepted, AddRequest, Call, CoreError, CoreReady,
@@ -62,7 +61,7 @@ class FakeReplica:
 
 @pytest.fixture
 def ready(tiny_llm_dir: Path) -> CoreReady:
-    config, _ = create_engine_config(EngineArgs(model=str(tiny_llm_dir), dtype="float32", block_size=16))
+    config, _ = EngineArgs(model=str(tiny_llm_dir), dtype="float32", block_size=16).create_engine_config()
     return CoreReady(version=PROTOCOL_VERSION, config=config, vocab_size=100, eos_token_ids=[0], num_kv_blocks=10,
                      stats=EngineStats())
 

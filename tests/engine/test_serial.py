@@ -7,7 +7,7 @@ import pickle
 import msgpack
 import pytest
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.messages import EngineStats
 from pagedllm.engine.messages import AddRequest, Call, StepOutputs
 from pagedllm.engine.serial import decode, decode_error, encode, encode_error

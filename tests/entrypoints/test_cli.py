@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.cli_args import _flag_type, engine_args_from
 

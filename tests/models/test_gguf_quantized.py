@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.errors import ValidationError
 from pagedllm.layers.quant import QuantWeight, int8_rows
 from tests.utils import end_levels, save_tiny_model
@@ -183,7 +183,6 @@ def test_dense_copies_run_the_steps_of_many_rows(kernels, dense_copies, quantize
     than DENSE_ROWS rows run on the copies (the stack only the others), steps of fewer on the quantized kernels; the
     logits of both stay within 5% of the file dequantized; the weights' bytes count the copies, as the
     fits-in-memory estimate does."""
-    from pagedllm.engine.llm_engine import create_engine_config
     from pagedllm.layers import prepack, quant
     from pagedllm.models.cpu_stack import CpuDecoderStack
     from pagedllm.worker import memory_fit
@@ -213,8 +212,8 @@ def test_dense_copies_run_the_steps_of_many_rows(kernels, dense_copies, quantize
         on_copy = prepack.matmul_for(None, q)(x).float()
         assert (quant.quant_linear(x, q).float() - on_copy).abs().max() < 0.05 * on_copy.abs().max()
     held = llm.llm_engine.rank_memory_usage()[0]["weights_bytes"]
-    config, arch = create_engine_config(EngineArgs(model=str(path), quantization="gguf", dtype="bfloat16",
-                                                   num_kv_blocks=64))
+    config, arch = EngineArgs(model=str(path), quantization="gguf", dtype="bfloat16",
+                                                   num_kv_blocks=64).create_engine_config()
     assert memory_fit.estimate_weight_bytes(str(path), arch, config).final == held
     assert held > sum(q.dense.numel() * 2 for q in weights)
     if model.model._stack is False:  # built at the first step, unless warm-up ran one
@@ -311,13 +310,12 @@ def test_auto_keeps_a_gguf_files_formats_where_the_kernels_run(quantized: dict[s
     quantization=None / --dequantize."""
     import argparse
 
-    from pagedllm.config import EngineArgs
-    from pagedllm.engine.llm_engine import create_engine_config
+    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
     from pagedllm.layers import cpu_ops
 
     def resolved(model: Path, **options: Any) -> str | None:
-        return create_engine_config(EngineArgs(model=str(model), **options))[0].model.quantization
+        return EngineArgs(model=str(model), **options).create_engine_config()[0].model.quantization
 
     assert EngineArgs().quantization == "auto"
     assert resolved(quantized["Q4_1"]) == ("gguf" if cpu_ops.active() is not None else None)

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.config import EngineArgs
-from pagedllm.engine.core import create_engine_config
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.errors import ValidationError
 from pagedllm.worker import memory_fit
 
@@ -129,10 +128,9 @@ def load_in_subprocess(model: Path, **options: Any) -> dict[str, int]:
     """A worker of a fresh process loads ``model`` (bf16, 8 KV blocks): its LoadReport, read there."""
     script = (
         "import json, sys\n"
-        "from pagedllm.config import EngineArgs\n"
-        "from pagedllm.engine.core import create_engine_config\n"
+        "from pagedllm.engine.arg_utils import EngineArgs\n"
         "from pagedllm.worker.worker import Worker\n"
-        "config, arch = create_engine_config(EngineArgs(**json.loads(sys.argv[1])))\n"
+        "config, arch = EngineArgs(**json.loads(sys.argv[1])).create_engine_config()\n"
         "print(json.dumps(vars(Worker(config, arch, (2,)).load_report)))\n")
     args = {"model": str(model), "dtype": "bfloat16", "num_kv_blocks": 8, **options}
     done = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
@@ -143,7 +141,7 @@ def load_in_subprocess(model: Path, **options: Any) -> dict[str, int]:
 
 def estimate(model: Path, **options: Any) -> memory_fit.WeightBytes:
     """The fits-in-memory check's weight bytes for ``model`` loaded as ``load_in_subprocess`` loads it."""
-    config, arch = create_engine_config(EngineArgs(model=str(model), dtype="bfloat16", num_kv_blocks=8, **options))
+    config, arch = EngineArgs(model=str(model), dtype="bfloat16", num_kv_blocks=8, **options).create_engine_config()
     return memory_fit.estimate_weight_bytes(str(model), arch, config)
 
 
@@ -192,8 +190,8 @@ def test_the_estimate_is_what_loading_takes(tiny_llm_dir: Path, tiny_model: Call
         llm = LLM(str(model), dtype="bfloat16", num_kv_blocks=8, **options)
         try:
             held = llm.llm_engine.rank_memory_usage()[0]["weights_bytes"]
-            config, arch = create_engine_config(EngineArgs(model=str(model), dtype="bfloat16", num_kv_blocks=8,
-                                                           **options))
+            config, arch = EngineArgs(model=str(model), dtype="bfloat16", num_kv_blocks=8,
+                                                           **options).create_engine_config()
             assert memory_fit.estimate_weight_bytes(str(model), arch, config).final == held, (model, options)
         finally:
             llm.shutdown()
@@ -208,7 +206,7 @@ def test_weights_and_kv_that_cannot_fit_are_refused_with_the_figures(tiny_llm_di
         LLM(str(tiny_llm_dir), dtype="float32", kv_cache_memory="1GiB")
     message = str(refused.value)
     assert refused.value.param == "kv_cache_memory"
-    config, arch = create_engine_config(EngineArgs(model=str(tiny_llm_dir), dtype="float32", kv_cache_memory="1GiB"))
+    config, arch = EngineArgs(model=str(tiny_llm_dir), dtype="float32", kv_cache_memory="1GiB").create_engine_config()
     weights = memory_fit.estimate_weight_bytes(str(tiny_llm_dir), arch, config).final
     kv, _ = memory_fit.requested_kv_bytes(config, arch, None)
     assert f"{weights / 2**30:.2f} GiB for the weights" in message
@@ -221,7 +219,7 @@ def test_the_kv_figure_counts_every_rank_and_swap_space(tiny_llm_dir: Path) -> N
     """Ranks on one machine each hold kv_cache_memory (their own heads' blocks of it) and, with swapping,
     swap_space of host blocks; num_kv_blocks is blocks of every rank; by default the least a worker accepts."""
     def kv(**options: Any) -> int:
-        config, arch = create_engine_config(EngineArgs(model=str(tiny_llm_dir), dtype="float32", **options))
+        config, arch = EngineArgs(model=str(tiny_llm_dir), dtype="float32", **options).create_engine_config()
         return memory_fit.requested_kv_bytes(config, arch, None)[0]
 
     one = kv(num_kv_blocks=10)

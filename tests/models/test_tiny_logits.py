@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from pagedllm.attention.context import forward_context
-from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import create_engine_config
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, build_step_inputs
 from pagedllm.worker.worker import Worker
@@ -37,8 +36,8 @@ def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int
 
     Returns each sequence's logits at every position, computed step by step through the cache.
     """
-    config, arch = create_engine_config(EngineArgs(model=str(path), dtype=dtype, block_size=BLOCK_SIZE,
-                                                   num_kv_blocks=64, **options))
+    config, arch = EngineArgs(model=str(path), dtype=dtype, block_size=BLOCK_SIZE,
+                                                   num_kv_blocks=64, **options).create_engine_config()
     worker = Worker(config, arch, eos_token_ids=())
     worker.initialize_cache(64)
     runner = worker.model_runner

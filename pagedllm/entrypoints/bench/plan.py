@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from pagedllm import platform
-from pagedllm.config import CacheConfig, EngineArgs, SchedulerConfig, default_kv_budget
+from pagedllm.config import CacheConfig, SchedulerConfig, default_kv_budget
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.entrypoints.bench.datasets import (BenchRequest, add_dataset_args, check_dataset_args, dataset_seed,
                                                  requests_from_args)
@@ -231,9 +232,8 @@ def replay(requests: list[BenchRequest], arrivals: list[float], cost: CostModel,
 
 def kv_blocks(args: EngineArgs) -> tuple[int, int]:
     """(KV blocks of the pool the options give, max_model_len), as the engine would size them (one rank)."""
-    from pagedllm.engine.core import create_engine_config
 
-    config, arch = create_engine_config(args)
+    config, arch = args.create_engine_config()
     if config.parallel.tensor_parallel_size != 1 or config.device.device != "cpu":
         raise ValidationError("pagedllm plan models one CPU rank: tensor_parallel_size 1 on the CPU",
                               param="tensor_parallel_size", value=config.parallel.tensor_parallel_size)

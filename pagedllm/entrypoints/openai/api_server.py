@@ -27,7 +27,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import pagedllm
 from pagedllm import envs
-from pagedllm.config import DEFAULT_MODEL_NAME, EngineArgs
+from pagedllm.config import DEFAULT_MODEL_NAME
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine import local_core
 from pagedllm.engine.core_client import EngineDeadError

@@ -1,0 +1,25 @@
+"""EngineArgs: every user-facing engine option with vLLM's names (``LLM(**kwargs)``, ``pagedllm serve``'s flags),
+as vLLM's ``vllm.engine.arg_utils.EngineArgs``. Its fields are pagedllm.config.options.EngineOptions'; adding an
+option is a field there (the CLI's typed flag follows: entrypoints/cli_args.py) and its resolution in
+engine/arg_resolve.py (or a config's own check in pagedllm/config/).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.config import EngineConfig
+from pagedllm.config.options import EngineOptions
+from pagedllm.models.config import ArchConfig
+
+
+@dataclass(kw_only=True)
+class EngineArgs(EngineOptions):
+    """Every user-facing engine option (the fields: pagedllm.config.options.EngineOptions) and their resolution."""
+
+    def create_engine_config(self) -> tuple[EngineConfig, ArchConfig]:
+        """Every option resolved against the model's files and this machine, or refused (ValidationError naming
+        it); with the model's architecture, read once here (the workers are given it)."""
+        # torch and the model loaders load only when an engine is built: the CLI imports this class for its flags
+        from pagedllm.engine.arg_resolve import engine_config
+
+        return engine_config(self)
