@@ -1,5 +1,5 @@
-"""Every ``PAGEDLLM_*`` environment variable (and the ones of SageMaker's and vLLM's we read) in one place: its
-type, default and meaning.
+"""Every ``PAGEDLLM_*`` environment variable (and the ones of others we read: SageMaker's, vLLM's, Ray's, Triton's,
+the OpenAI client's, XDG's, CXX) in one place: its type, default and meaning.
 
 Only this module reads them (``tests/test_envs.py`` checks that no other module names one, and that the
 README's table lists each of them). Each user reads a variable's value where it starts (the process, a
@@ -67,6 +67,11 @@ def _zero_or_one(name: str, raw: str) -> bool:
     if value not in ("0", "1"):
         raise ValidationError.bad_value(name, raw, "0 or 1")
     return value == "1"
+
+
+def _truthy(_: str, raw: str) -> bool:
+    """Another program's switch, read as it reads it: 1, true, yes, on or y is on, anything else off."""
+    return raw.strip().lower() in ("1", "true", "yes", "on", "y")
 
 
 def _true_or_false(name: str, raw: str) -> bool:
@@ -158,9 +163,29 @@ SERVER_DEV_MODE: EnvVar[bool] = EnvVar(
 VLLM_SERVER_DEV_MODE: EnvVar[bool] = EnvVar(
     name="VLLM_SERVER_DEV_MODE", default="0", parse=_true_or_false,
     doc="vLLM's own variable, 1 or true: as PAGEDLLM_SERVER_DEV_MODE.")
+RAY_ADDRESS: EnvVar[str] = EnvVar(
+    name="RAY_ADDRESS", default="", parse=_text,
+    doc="Ray's own variable: the cluster that `distributed_executor_backend='ray'` and `data_parallel_backend='ray'` "
+        "join (unset: they start a local one, on 127.0.0.1).")
+XDG_CACHE_HOME: EnvVar[str] = EnvVar(
+    name="XDG_CACHE_HOME", default="", parse=_text,
+    doc="The XDG base directory for caches: pagedllm's cache is `$XDG_CACHE_HOME/pagedllm` when PAGEDLLM_CACHE_DIR "
+        "is unset (default `~/.cache`).")
+CXX: EnvVar[str] = EnvVar(
+    name="CXX", default="", parse=_text,
+    doc="The C++ compiler that builds the CPU kernels (unset: g++, else c++).")
+TRITON_INTERPRET: EnvVar[bool] = EnvVar(
+    name="TRITON_INTERPRET", default="0", parse=_truthy,
+    doc="Triton's own variable, 1: its kernels run in its interpreter on the CPU, so the triton attention backend "
+        "is available without a GPU (tests).")
+OPENAI_API_KEY: EnvVar[str] = EnvVar(
+    name="OPENAI_API_KEY", default="", parse=_exact,
+    doc="The OpenAI client's own variable: the key `pagedllm chat` and `pagedllm complete` send when --api-key is "
+        "not given.")
 
 VARIABLES: tuple[EnvVar[Any], ...] = (
     ISA, CACHE_DIR, FUSED_OPS, GEMM, DENSE_COPY, CPU_STACK, CPU_OMP_THREADS_BIND, CPU_SHM_ALLREDUCE,
     EXECUTE_MODEL_TIMEOUT_SECONDS, RAY_PLACEMENT_STRATEGY, TRITON_DECODE_SPLITS, ENABLE_MULTIPROCESSING, API_KEY,
-    ALLOW_RUNTIME_LORA_UPDATING, SAGEMAKER_STATEFUL_SESSIONS, SERVER_DEV_MODE, VLLM_SERVER_DEV_MODE)
+    ALLOW_RUNTIME_LORA_UPDATING, SAGEMAKER_STATEFUL_SESSIONS, SERVER_DEV_MODE, VLLM_SERVER_DEV_MODE, RAY_ADDRESS,
+    XDG_CACHE_HOME, CXX, TRITON_INTERPRET, OPENAI_API_KEY)
 """Every variable, in the README table's order."""

@@ -71,3 +71,31 @@ def test_values() -> None:
         {"PAGEDLLM_TRITON_DECODE_SPLITS": "4"}) == 4
     assert envs.ALLOW_RUNTIME_LORA_UPDATING.read({"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) is True
     assert envs.API_KEY.read({"PAGEDLLM_API_KEY": " k "}) == " k "  # a key is taken exactly as given
+
+
+def environment_reads(source: str) -> list[int]:
+    """Lines of ``source`` that read one variable straight from the environment: ``os.environ.get(...)``,
+    ``os.environ[...]``, ``os.getenv(...)``, ``... in os.environ`` (copying the environment for a child, or handing
+    it to a reader as a mapping, is not a read)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.environ.get", "os.getenv", "getenv"):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and \
+                ast.unparse(node.value) == "os.environ":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and \
+                any(ast.unparse(c) == "os.environ" for c in node.comparators):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_envs_reads_a_variable() -> None:
+    """Every variable pagedllm reads, its own or another program's (RAY_ADDRESS, CXX, TRITON_INTERPRET ...), is
+    read through the registry, so the README's table is the whole list."""
+    offenders = [f"{path}:{line}" for module, path in package_modules().items() if module != "pagedllm.envs"
+                 for line in environment_reads(path.read_text())]
+    assert not offenders, offenders
+    sample = ("import os\na = os.environ.get('X')\nb = os.environ['Y']\nc = 'Z' in os.environ\nd = os.getenv('W')\n"
+              "os.environ['V'] = '1'\ne = dict(os.environ)\n")
+    assert environment_reads(sample) == [2, 3, 4, 5]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention import kv_quant
 from pagedllm.errors import ValidationError
 from pagedllm.layers.cpu_ops import active
@@ -129,7 +129,7 @@ def triton_available() -> bool:
     """Triton is installed, and there is a CUDA device or Triton's interpreter is on (TRITON_INTERPRET=1)."""
     if importlib.util.find_spec("triton") is None:
         return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.cuda.is_available() or envs.TRITON_INTERPRET.read()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,11 +13,11 @@ which is how the tests check it against the torch backend.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm import envs
 
 
 @triton.jit
@@ -193,7 +193,7 @@ def _p2(n: int) -> int:
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return envs.TRITON_INTERPRET.read()
 
 
 def _precision(dtype: torch.dtype) -> str | None:

@@ -17,15 +17,9 @@ import subprocess
 from typing import Any, Protocol
 
 from pagedllm.engine.local_core import CORE_MODULE, core_command
-from pagedllm.errors import ValidationError
-from pagedllm.executor.ray_executor import FORWARDED_ENV_PREFIXES
+from pagedllm.distributed.ray_cluster import PLACEMENT_TIMEOUT_S, RayCluster, forwarded_env
 
 logger = logging.getLogger(__name__)
-
-PLACEMENT_TIMEOUT_S = 60.0
-"""Seconds to wait for the Ray cluster to have room for every replica's bundle."""
-_FORWARDED_PREFIXES = (*FORWARDED_ENV_PREFIXES, "LD_PRELOAD", "OMP_")
-"""Environment variables a core on a Ray node gets from the front's process."""
 
 
 class CoreProcess(Protocol):
@@ -167,48 +161,24 @@ class RayLauncher:
     (SPREAD: replicas on different nodes where there is room)."""
 
     def __init__(self, num_replicas: int, cpus: float) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise ValidationError("data_parallel_backend='ray' needs Ray: pip install 'pagedllm[ray]'",
-                                  param="data_parallel_backend", value="ray") from None
-        from ray.util.placement_group import placement_group
-        self.ray = ray
-        self._connected = False
-        self.placement_group: Any = None
+        self.cluster = RayCluster("data_parallel_backend", [{"CPU": cpus} for _ in range(num_replicas)], "SPREAD",
+                                  f"{num_replicas} replicas of {cpus:g} CPU")
+        self.ray = ray = self.cluster.ray
         self.nodes: dict[int, tuple[str, str]] = {}
-        local = False
-        if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
-            if address:
-                logger.info("joining the Ray cluster at %s", address)
-                ray.init(address=address, log_to_driver=True)
-            else:
-                logger.info("starting a local Ray cluster (set RAY_ADDRESS to join one)")
-                ray.init(num_cpus=max(int(num_replicas * cpus), os.cpu_count() or 1), include_dashboard=False,
-                         log_to_driver=True, _node_ip_address="127.0.0.1")  # a local cluster: loopback only
-                local = True
-            self._connected = True
         try:
             # the cores connect here: loopback when this process started a one-machine cluster, else the address
             # the cluster knows this node by
-            self.host = "127.0.0.1" if local else node_address(ray)
-            self.placement_group = placement_group([{"CPU": cpus} for _ in range(num_replicas)], strategy="SPREAD")
-            ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-            if not ready:
-                raise RuntimeError(f"the Ray cluster has no room for {num_replicas} replicas of {cpus:g} CPU after "
-                                   f"{PLACEMENT_TIMEOUT_S:.0f} s: {ray.cluster_resources()}")
+            self.host = "127.0.0.1" if self.cluster.local else node_address(ray)
         except BaseException:
             self.close()
             raise
         self.cpus = cpus
-        env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_PREFIXES)}
+        env = forwarded_env(("LD_PRELOAD", "OMP_"))  # a core process runs the kernels itself: its allocator, threads
         self._actor_class = ray.remote(CoreHost)
         self._actor_options = {"num_cpus": cpus, "max_concurrency": 4, "runtime_env": {"env_vars": env}}
 
     def launch(self, index: int, argv: list[str]) -> RayCoreProcess:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
+        strategy = self.cluster.bundle(index)
         actor = self._actor_class.options(scheduling_strategy=strategy, **self._actor_options).remote()
         try:
             # bounded: a bundle whose node is gone waits for Ray to place it again
@@ -225,14 +195,4 @@ class RayLauncher:
         return {"backend": "ray", "node_id": node_id, "node_ip": ip, "cpus": self.cpus}
 
     def close(self) -> None:
-        ray = self.ray
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-            try:
-                remove_placement_group(self.placement_group)
-            except Exception:  # the cluster is already gone
-                pass
-            self.placement_group = None
-        if self._connected:
-            self._connected = False
-            ray.shutdown()
+        self.cluster.close()

@@ -5,12 +5,12 @@ stdout, reasoning between ``<think>`` lines."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Iterable
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.entrypoints.cli_args import SubParsers
 
 DEFAULT_URL = "http://localhost:8000/v1"
@@ -52,7 +52,7 @@ def _connect(ns: argparse.Namespace) -> tuple[Any, str]:
     """(an OpenAI client of ``--url``, the model to ask)."""
     import openai
 
-    client = openai.OpenAI(base_url=ns.url, api_key=ns.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY")
+    client = openai.OpenAI(base_url=ns.url, api_key=ns.api_key or envs.OPENAI_API_KEY.read() or "EMPTY")
     model = ns.model_name or client.models.list().data[0].id
     print(f"Using model: {model}", flush=True)
     return client, model

@@ -19,8 +19,8 @@ from typing import Any
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.ray_cluster import RayCluster, forwarded_env
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.errors import ValidationError
 from pagedllm.executor.base import EXECUTE_TIMEOUT_ENV, Executor, WorkerError, execute_timeout, process_stopped
 from pagedllm.models.config import ArchConfig
 from pagedllm.outputs import ModelRunnerOutput
@@ -29,22 +29,9 @@ logger = logging.getLogger(__name__)
 
 STRATEGY_ENV = envs.RAY_PLACEMENT_STRATEGY.name
 """Placement-group strategy of the rank bundles: PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD."""
-PLACEMENT_TIMEOUT_S = 60.0
-"""Seconds to wait for the cluster to have room for every rank's bundle."""
 STARTUP_TIMEOUT_S = 600.0
 """Seconds the actors may take to load their shards."""
 POLL_S = 0.5
-#: Environment variables the actors get from the engine's process (Ray starts them elsewhere).
-FORWARDED_ENV_PREFIXES = ("PAGEDLLM_", "GLOO_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_", "MKL_ENABLE")
-
-
-def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ValidationError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'",
-                              param="distributed_executor_backend", value="ray") from None
-    return ray
 
 
 class RayWorker:
@@ -87,9 +74,6 @@ class RayDistributedExecutor(Executor):
     """N Ray actors, one per rank, in one placement group."""
 
     def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
-        ray = self.ray = _import_ray()
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from pagedllm.worker.worker import RankInfo
         tp = config.parallel.tensor_parallel_size
         strategy = envs.RAY_PLACEMENT_STRATEGY.read()
@@ -99,32 +83,16 @@ class RayDistributedExecutor(Executor):
         self.actors: list[Any] = []
         self.pids: list[int] = []  # of each rank's actor process
         self.node_ids: list[str] = []  # of each rank's Ray node
-        self.placement_group: Any = None
-        self._connected_ray = False  # this executor called ray.init: shutdown disconnects (and stops a local cluster)
-        if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
-            if address:
-                logger.info("joining the Ray cluster at %s", address)
-                ray.init(address=address, log_to_driver=True)
-                self._connected_ray = True
-            else:
-                logger.info("starting a local Ray cluster (set RAY_ADDRESS to join one)")
-                ray.init(num_cpus=max(tp, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
-                         _node_ip_address="127.0.0.1")  # a local cluster listens on loopback only
-                self._connected_ray = True
+        self.cluster = RayCluster("distributed_executor_backend", [{"CPU": 1.0} for _ in range(tp)], strategy,
+                                  f"{tp} bundles of 1 CPU ({strategy})", WorkerError)
+        ray = self.ray = self.cluster.ray
         try:
-            self.placement_group = placement_group([{"CPU": 1.0} for _ in range(tp)], strategy=strategy)
-            ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-            if not ready:
-                raise WorkerError(f"the Ray cluster has no room for {tp} bundles of 1 CPU ({strategy}) after "
-                                  f"{PLACEMENT_TIMEOUT_S:.0f} s: {ray.cluster_resources()}")
-            env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+            env = forwarded_env()
             actor_cls = ray.remote(num_cpus=1, concurrency_groups={"watch": 1})(RayWorker)
             level = logging.getLogger("pagedllm").getEffectiveLevel()
             self.actors = [actor_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
-                                                                     placement_group_bundle_index=rank),
-                runtime_env={"env_vars": env}).remote(level) for rank in range(tp)]
+                scheduling_strategy=self.cluster.bundle(rank), runtime_env={"env_vars": env}).remote(level)
+                for rank in range(tp)]
             nodes = ray.get([a.node.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
             self.pids = [pid for _, _, pid in nodes]
             port = ray.get(self.actors[0].free_port.remote())
@@ -160,12 +128,7 @@ class RayDistributedExecutor(Executor):
             return
         self._closing = True
         self._kill_workers()
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.placement_group)
-        if self._connected_ray:
-            self.ray.shutdown()
+        self.cluster.close()
 
     # --------------------------------------------------------------- plumbing
     def _call(self, method: str, args: tuple, reply: bool) -> list[Any]:

@@ -62,7 +62,7 @@ def cache_root() -> Path:
     """``$PAGEDLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedllm``, else ``~/.cache/pagedllm``."""
     if envs.CACHE_DIR.read():
         return Path(envs.CACHE_DIR.read()).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.XDG_CACHE_HOME.read() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pagedllm"
 
 
@@ -72,7 +72,7 @@ def sources() -> list[Path]:
 
 def compiler() -> str | None:
     """The C++ compiler: $CXX, else g++, else c++ (None when there is none)."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
+    for name in (envs.CXX.read(), "g++", "c++"):
         if name and shutil.which(name):
             return name
     return None
