@@ -380,11 +380,11 @@ int pack(const uint8_t* raw, uint8_t* out, int64_t N, int64_t K, int threads) {
 }
 
 // MR rows of x x G groups of kGroup output features, every chunk of K.
-// Each group's stream is read kAheadBytes ahead with software prefetches, as the K-quant tile does (quant_k.cpp):
-// at the sizes people serve the weights stream from memory every step and the hardware prefetchers alone keep too
-// few lines in flight. 4.5 KiB (two Q4_K super-blocks of a 16-row group): 1-row GEMV medians on the 2-core AMX Xeon,
-// 2048x8192 and 8192x2048, cold, two alternating rounds: Q4_1 9-25% and Q8_0 -2 to 17% faster than none; 2.25 KiB
-// and 9 KiB gained less (benchmarks/quant_kernels.py --cold).
+// On Intel (stream_prefetch, quant.h) each group's stream is read kAheadBytes ahead with software prefetches, as the
+// K-quant tile does (quant_k.cpp): at the sizes people serve the weights stream from memory every step and the
+// hardware prefetchers alone keep too few lines in flight there. 4.5 KiB (two Q4_K super-blocks of a 16-row group):
+// 1-row GEMV medians on the 2-core AMX Xeon, 2048x8192 and 8192x2048, cold, two alternating rounds: Q4_1 9-25% and Q8_0
+// -2 to 17% faster than none; 2.25 KiB and 9 KiB gained less (benchmarks/quant_kernels.py --cold).
 constexpr int64_t kAheadBytes = 4608;
 template <int QT, int MR, int G, typename T>
 void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_bytes, int64_t g0, int64_t N, int64_t K,
@@ -395,8 +395,9 @@ void packed_tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_byt
   for (int r = 0; r < MR; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = vzero();
   constexpr int64_t kAhead = (kAheadBytes + P::kChunkBytes - 1) / P::kChunkBytes;  // chunks ahead
+  const int64_t prefetch_until = stream_prefetch() ? chunks - kAhead : 0;
   for (int64_t c = 0; c < chunks; ++c) {
-    if (c + kAhead < chunks)  // (the group's own stream only)
+    if (c < prefetch_until)  // (the group's own stream only)
       for (int g = 0; g < G; ++g)
         for (int64_t off = 0; off < P::kChunkBytes; off += 64)
           __builtin_prefetch(w + (g0 + g) * group_bytes + (c + kAhead) * P::kChunkBytes + off, 0, 3);

@@ -13,6 +13,18 @@ namespace pl::quant {
 // GGML's type numbers
 enum QType : int { kQ8_0 = 8, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
+// Whether the packed GEMVs prefetch their weight streams ahead in software: on Intel CPUs, where it was measured to
+// pay (1.7B shape's Q4_K_M batch-1 decode +7 to +27% on the 2-core AMX Xeon; Q4_1 GEMVs 9-25% faster), not
+// elsewhere: on a Zen 4 EPYC the same prefetches made the cold 1-row GEMVs 1.3-1.9x slower (its hardware prefetchers
+// keep more lines in flight alone; benchmarks/quant_kernels.py --cold, docs/BENCHMARKS.md).
+inline bool stream_prefetch() {
+  static const bool on = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return on;
+}
+
 inline float half(const uint8_t* p) {  // an f16 field of a block
   uint16_t h;
   std::memcpy(&h, p, 2);

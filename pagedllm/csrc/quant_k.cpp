@@ -180,9 +180,9 @@ inline void chunk(const QRow& xq, int64_t m0, int64_t K, int64_t c, int j, const
 
 // MR rows of x x G groups of kGroup output features, every chunk of K. Flattened: every call inside inlined (GCC
 // left chunk's lambdas out of line for Q6_K, their registers spilled: 2.5x the time).
-// Each group's stream is read kAheadSupers super-blocks ahead with software prefetches: the hardware prefetchers
-// alone kept too few lines in flight (1.7B shape's Q4_K_M at batch 1 on the 2-core AMX Xeon, alternating runs:
-// 15.4-17.0 -> 16.5-20.1 tok/s; 1 super-block ahead 17.0-18.1, 4 ahead 15.4-17.7)
+// On Intel (stream_prefetch, quant.h) each group's stream is read kAheadSupers super-blocks ahead with software
+// prefetches: the hardware prefetchers alone kept too few lines in flight (1.7B shape's Q4_K_M at batch 1 on the
+// 2-core AMX Xeon, alternating runs: 15.4-17.0 -> 16.5-20.1 tok/s; 1 super-block ahead 17.0-18.1, 4 ahead 15.4-17.7)
 constexpr int64_t kAheadSupers = 2;
 template <int QT, int MR, int G, typename T>
 __attribute__((flatten)) void tile(const QRow& xq, int64_t m0, const uint8_t* w, int64_t group_bytes, int64_t g0,
@@ -192,12 +192,13 @@ __attribute__((flatten)) void tile(const QRow& xq, int64_t m0, const uint8_t* w,
   for (int r = 0; r < MR; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = vzero();
   const int64_t supers = K / 256;
+  const int64_t prefetch_until = stream_prefetch() ? supers - kAheadSupers : 0;
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* head[G];
     V d[G], dmin[G];  // loaded once for the super-block's 8 chunks (measured: -7% time at batch 1)
     for (int g = 0; g < G; ++g) {
       head[g] = w + (g0 + g) * group_bytes + sb * L::kSuper;
-      if (sb + kAheadSupers < supers)  // (the group's own stream only: its last super-blocks are not prefetched)
+      if (sb < prefetch_until)  // (the group's own stream only: its last super-blocks are not prefetched)
         for (int64_t off = 0; off < L::kSuper; off += 64)
           __builtin_prefetch(head[g] + kAheadSupers * L::kSuper + off, 0, 3);
       d[g] = vload(reinterpret_cast<const f16*>(head[g] + (QT == kQ6_K ? 16 * kGroup : 0)));
