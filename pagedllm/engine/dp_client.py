@@ -116,6 +116,11 @@ class DPClient(AsyncCoreClient):
         self._restarting: set[int] = set()
         self._stats: list[EngineStats] = []
         self._dead = False
+        self._start_all(n)
+
+    def _start_all(self, n: int) -> None:
+        """Start every replica, then wait for all to load (at once); if one fails, stop the others and raise its
+        error. Then the combined readiness (the KV blocks of all) and the router."""
         try:  # all start, then all load at once
             for i in range(n):
                 self.replicas[i] = self._spawner.submit(self._factory, i).result()

@@ -115,21 +115,7 @@ class ArchConfig:
             return cls._from_bert(arch, hf)
         if arch in MODERNBERT_ARCHITECTURES:
             return cls._from_modernbert(arch, hf)
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        local_theta = hf.get("rope_local_base_freq")
-        if "full_attention" in rope:  # transformers 5, Gemma 3: one rope per layer type
-            local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
-            rope = dict(rope["full_attention"])
-        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type == "longrope":  # transformers 4 keeps these beside rope_scaling
-            rope.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
-            rope.setdefault("max_position_embeddings", hf.get("max_position_embeddings"))
-        partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            from pagedllm.errors import ValidationError
-            raise ValidationError.bad_value("partial_rotary_factor", partial,
-                                            "1.0 (partial rotary is not supported yet)")
+        rope, rope_theta, rope_type, local_theta = _rope(hf)
         num_heads = hf["num_attention_heads"]
         family = arch.replace("ForSequenceClassification", "ForCausalLM")  # a decoder classifier: its LM's flags
         is_qwen2 = family in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
@@ -305,6 +291,26 @@ def _gemma_fields(arch: str, hf: dict[str, Any], local_theta: float | None) -> d
                 attn_logit_softcapping=hf.get("attn_logit_softcapping"),
                 final_logit_softcapping=hf.get("final_logit_softcapping"),
                 local_rope_theta=None if local_theta is None else float(local_theta))
+
+
+def _rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float, str, Any]:
+    """(rope scaling fields, rope_theta, rope type, Gemma 3's local-layer theta) of a config.json dict
+    (transformers 4 ``rope_scaling`` or 5 ``rope_parameters``); partial rotary refused."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    local_theta = hf.get("rope_local_base_freq")
+    if "full_attention" in rope:  # transformers 5, Gemma 3: one rope per layer type
+        local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
+        rope = dict(rope["full_attention"])
+    rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "longrope":  # transformers 4 keeps these beside rope_scaling
+        rope.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+        rope.setdefault("max_position_embeddings", hf.get("max_position_embeddings"))
+    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        from pagedllm.errors import ValidationError
+        raise ValidationError.bad_value("partial_rotary_factor", partial, "1.0 (partial rotary is not supported yet)")
+    return rope, rope_theta, rope_type, local_theta
 
 
 def _moe_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:

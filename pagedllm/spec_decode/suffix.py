@@ -181,12 +181,17 @@ class _Trie:
         self.doc_len[doc] = end
         if not levels:
             return [ROOT]
+        self._fill(levels, doc, first, next_id)
+        return self.frontier(doc, first, end)
+
+    def _fill(self, levels: list[tuple], doc: int, first: int, size: int) -> None:
+        """The trie's columns from build()'s levels (per level: keys, node ids, counts, newest start, suffix link,
+        depth), ``size`` nodes with the root."""
         keys = np.concatenate([level[0] for level in levels])
         ids = np.concatenate([level[1] for level in levels])
         counts = np.concatenate([level[2] for level in levels])
         newest = np.concatenate([level[3] for level in levels])
         parents = keys >> _SHIFT
-        size = next_id
         total = np.bincount(parents, weights=counts, minlength=size).astype(np.int64)
         best = np.full(size, -1, dtype=np.int64)
         order = np.lexsort((newest, counts, parents))  # per parent, its best child (ties: newest) sorts last
@@ -205,7 +210,6 @@ class _Trie:
         self.occ_doc = column(-1, np.full(ids.shape[0], doc))
         self.occ_start = column(-1, newest + first)
         self.children = dict(zip(keys.tolist(), ids.tolist()))
-        return self.frontier(doc, first, end)
 
     # ---- removal ------------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.base import AttentionBackend
+from pagedllm.attention.base import AttentionBackend, StepInputs
 from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
@@ -51,6 +51,18 @@ def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[t
     to_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst[0].device)
     for s, d in zip(src, dst):  # (2, num_blocks, ...) each: a block is a whole run of dim 1, scales included
         d.index_copy_(1, to_ids, s.index_select(1, from_ids).to(d.device, non_blocking=True))
+
+
+@dataclasses.dataclass
+class _StepBatch:
+    """A step's prepared inputs: the scheduled requests in the backend's order, their token counts, the flat
+    inputs, whether LoRA adapters run in it, and the rows of prompts given as embeddings (rows, values)."""
+
+    states: list[CachedRequestState]
+    counts: list[int]
+    inputs: StepInputs
+    adapters: bool
+    embeds: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class ModelRunner:
@@ -143,6 +155,8 @@ class ModelRunner:
         return result
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's phases: states and blocks, inputs prepared, the forward pass, then pooling or sampling (and
+        the drafts proposed after it)."""
         self._update_states(out)
         # order matters: swapped-out blocks may be handed to other requests in this very step
         _copy_blocks(self.kv_caches, self.host_kv_caches, out.blocks_to_swap_out)
@@ -152,51 +166,71 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
         if getattr(self.model, "is_encoder_only", False):
             return self._run_encoder(out)
-        order = self.builder.order(out.num_scheduled_tokens)  # the batch order the backend wants
-        states = [self.requests[r] for r in order]
-        spec = out.scheduled_spec_decode_tokens
-        inputs = build_step_inputs(states, [out.num_scheduled_tokens[r] for r in order], self.block_size, spec)
-        # the rows of each LoRA adapter (graphs are captured without adapters: such steps run eagerly)
-        adapters = self.lora is not None and self.lora.prepare([s.lora_request for s in states],
-                                                               inputs.query_start_loc.tolist())
-        counts = [out.num_scheduled_tokens[r] for r in order]
-        embeds = gather_prompt_embeds(states, counts, inputs.query_start_loc)
-        graph_size = self.graphs.size_for(inputs) if self.graphs is not None and not adapters and embeds is None \
-            else None
-        if graph_size is not None:  # a decode step within the ladder: one graph replay
-            hidden = self.graphs.run(inputs, graph_size)
-        else:
-            input_ids = inputs.input_ids.to(self.device, non_blocking=True)
-            inputs_embeds = None
-            if embeds is not None:  # the ids' embeddings, with a prompt's own rows in place of its placeholders'
-                inputs_embeds = self.model.embed_input_ids(input_ids)  # (tokens, hidden)
-                rows, values = embeds
-                inputs_embeds[rows.to(self.device)] = values.to(self.device, inputs_embeds.dtype)
-            with forward_context(self.backend, self.builder.build(inputs)):
-                positions = inputs.positions.to(self.device, non_blocking=True)
-                hidden = self.model(input_ids, positions) if inputs_embeds is None else \
-                    self.model(input_ids, positions, inputs_embeds=inputs_embeds)
+        batch = self._prepare_inputs(out)
+        hidden = self._forward(batch)
+        states, counts = batch.states, batch.counts
         prompt_logprobs = {} if all(s.sampling_params.prompt_logprobs is None for s in states) else \
-            self._prompt_logprobs(states, counts, inputs.query_start_loc, hidden)
+            self._prompt_logprobs(states, counts, batch.inputs.query_start_loc, hidden)
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
         if self.pooler is not None:  # a decoder embedder / classifier: each request's whole input is in this step
             return self._pooled(states, counts, hidden)
-        if not inputs.sample_rows:
-            return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in states],
+        if not batch.inputs.sample_rows:
+            return ModelRunnerOutput(req_ids=batch.inputs.req_ids, sampled_token_ids=[[] for _ in states],
                                      logprobs=[None] * len(states), prompt_logprobs=prompt_logprobs)
+        result = self._sample_step(out, batch, hidden)
+        result.prompt_logprobs = prompt_logprobs
+        return result
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> _StepBatch:
+        """The scheduled requests in the order the backend wants, their flat inputs, the rows of each LoRA
+        adapter and the rows of prompts given as embeddings."""
+        order = self.builder.order(out.num_scheduled_tokens)
+        states = [self.requests[r] for r in order]
+        counts = [out.num_scheduled_tokens[r] for r in order]
+        inputs = build_step_inputs(states, counts, self.block_size, out.scheduled_spec_decode_tokens)
+        # the rows of each LoRA adapter (graphs are captured without adapters: such steps run eagerly)
+        adapters = self.lora is not None and self.lora.prepare([s.lora_request for s in states],
+                                                               inputs.query_start_loc.tolist())
+        embeds = gather_prompt_embeds(states, counts, inputs.query_start_loc)
+        return _StepBatch(states=states, counts=counts, inputs=inputs, adapters=bool(adapters), embeds=embeds)
+
+    def _forward(self, batch: _StepBatch) -> torch.Tensor:
+        """The model over the step's tokens: one graph replay for a decode step within the captured sizes, else
+        eager (hidden states: (tokens, hidden))."""
+        inputs, embeds = batch.inputs, batch.embeds
+        graph_size = self.graphs.size_for(inputs) if self.graphs is not None and not batch.adapters \
+            and embeds is None else None
+        if graph_size is not None:
+            return self.graphs.run(inputs, graph_size)
+        input_ids = inputs.input_ids.to(self.device, non_blocking=True)
+        inputs_embeds = None
+        if embeds is not None:  # the ids' embeddings, with a prompt's own rows in place of its placeholders'
+            inputs_embeds = self.model.embed_input_ids(input_ids)  # (tokens, hidden)
+            rows, values = embeds
+            inputs_embeds[rows.to(self.device)] = values.to(self.device, inputs_embeds.dtype)
+        with forward_context(self.backend, self.builder.build(inputs)):
+            positions = inputs.positions.to(self.device, non_blocking=True)
+            if inputs_embeds is None:
+                return self.model(input_ids, positions)
+            return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
+
+    def _sample_step(self, out: SchedulerOutput, batch: _StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """A token (or a run of accepted drafts and one more) for each row that samples, forked samples drawing
+        from their parent's row; the grammars advanced; the next drafts proposed."""
         # forked samples draw from their parent's logits row: the prompt was computed once
-        samplers = [states[i] for i in inputs.sample_rows]
+        samplers = [batch.states[i] for i in batch.inputs.sample_rows]
         row_of = {s.req_id: row for row, s in enumerate(samplers)}
         rows = list(range(len(samplers)))
         for fork in out.forked_reqs:
             samplers.append(self.requests[fork.req_id])
             rows.append(row_of[fork.parent_id])
+        spec = out.scheduled_spec_decode_tokens
         if spec:
             tokens, logprobs = self._sample_with_drafts(samplers, rows, [spec.get(s.req_id, []) for s in samplers],
-                                                        hidden, inputs.logits_indices)
+                                                        hidden, batch.inputs.logits_indices)
         else:
-            tokens, logprobs = self._sample(samplers, rows, hidden, inputs.logits_indices)
+            tokens, logprobs = self._sample(samplers, rows, hidden, batch.inputs.logits_indices)
         for state, new in zip(samplers, tokens):
             state.token_ids.extend(new)
             state.num_computed_tokens = len(state.token_ids) - 1  # rejected drafts are not computed tokens
@@ -204,7 +238,7 @@ class ModelRunner:
                 self._advance_grammar(state, new)
         drafts = {} if self.speculator is None else self.speculator.propose(samplers)
         return ModelRunnerOutput(req_ids=[s.req_id for s in samplers], sampled_token_ids=tokens, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, spec_token_ids=drafts)
+                                 spec_token_ids=drafts)
 
     def _run_encoder(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """An encoder-only model's step: each scheduled request's whole input, attending both ways (no KV cache),

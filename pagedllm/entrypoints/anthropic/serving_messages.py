@@ -118,16 +118,8 @@ class AnthropicServingMessages:
                 "stop_reason": None, "stop_sequence": None, "usage": _usage(UsageInfo(
                     prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens))})
 
-        index, open_kind = -1, None  # the block being written: "thinking" or "text"
+        blocks = _Blocks()
         finish, stop, usage, called = None, None, None, False
-
-        def close() -> list[str]:
-            nonlocal open_kind
-            if open_kind is None:
-                return []
-            open_kind = None
-            return [_event("content_block_stop", index=index)]
-
         async for chunk in self.chat.chunks(run, chat_req):
             if chunk.choices and chunk.choices[0].delta.role is not None:
                 continue  # (the role chunk goes before the engine's first output: its usage knows no cache reads)
@@ -141,29 +133,13 @@ class AnthropicServingMessages:
                 finish, stop = choice.finish_reason, choice.stop_reason
             delta = choice.delta
             for kind, piece in (("thinking", delta.reasoning_content), ("text", delta.content)):
-                if not piece:
-                    continue
-                if open_kind != kind:
-                    for event in close():
-                        yield event
-                    index, open_kind = index + 1, kind
-                    block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
-                        {"type": "text", "text": ""}
-                    yield _event("content_block_start", index=index, content_block=block)
-                body = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else \
-                    {"type": "text_delta", "text": piece}
-                yield _event("content_block_delta", index=index, delta=body)
+                for event in blocks.write(kind, piece):
+                    yield event
             for call in delta.tool_calls or []:
                 called = True
-                for event in close():
+                for event in blocks.tool_use(call):
                     yield event
-                index += 1
-                block = _tool_use(call.id, call.function.name, call.function.arguments)
-                yield _event("content_block_start", index=index, content_block={**block, "input": {}})
-                yield _event("content_block_delta", index=index,
-                             delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
-                yield _event("content_block_stop", index=index)
-        for event in close():
+        for event in blocks.close():
             yield event
         if not started:  # (no output at all: cannot happen with include_usage's last chunk, but never skip it)
             yield message_start(usage or UsageInfo(prompt_tokens=run.prompt_tokens))
@@ -171,6 +147,48 @@ class AnthropicServingMessages:
         yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                      usage=_usage(usage or UsageInfo(prompt_tokens=run.prompt_tokens)))
         yield _event("message_stop")
+
+
+class _Blocks:
+    """A streamed message's content blocks: thinking and text pieces go to the open block of their kind (another
+    kind closes it and opens one), a tool call is a whole block of its own."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open_kind: str | None = None
+        """The block being written: "thinking" or "text" (None: none open)."""
+
+    def write(self, kind: str, piece: str | None) -> list[str]:
+        """Events for a piece of ``kind``'s text (none for an empty piece)."""
+        if not piece:
+            return []
+        events = []
+        if self.open_kind != kind:
+            events = self.close()
+            self.index, self.open_kind = self.index + 1, kind
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                {"type": "text", "text": ""}
+            events.append(_event("content_block_start", index=self.index, content_block=block))
+        body = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else \
+            {"type": "text_delta", "text": piece}
+        return [*events, _event("content_block_delta", index=self.index, delta=body)]
+
+    def tool_use(self, call: Any) -> list[str]:
+        """A tool call's block: start, its input as one JSON delta, stop."""
+        events = self.close()
+        self.index += 1
+        block = _tool_use(call.id, call.function.name, call.function.arguments)
+        return [*events, _event("content_block_start", index=self.index, content_block={**block, "input": {}}),
+                _event("content_block_delta", index=self.index,
+                       delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])}),
+                _event("content_block_stop", index=self.index)]
+
+    def close(self) -> list[str]:
+        """The open block's stop event (none when none is open)."""
+        if self.open_kind is None:
+            return []
+        self.open_kind = None
+        return [_event("content_block_stop", index=self.index)]
 
 
 THINKING_BLOCKS = {"thinking": {"type", "thinking", "signature"}, "redacted_thinking": {"type", "data"}}

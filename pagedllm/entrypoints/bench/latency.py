@@ -137,17 +137,8 @@ def run(ns: argparse.Namespace) -> int:
     llm = LLM(**vars(engine_args_from(ns)))
     try:
         engine = llm.llm_engine
-        if text is not None:
-            prompt_ids = list(llm.get_tokenizer().encode(text))  # as the engine tokenizes a text prompt
-            prompts = [{"prompt_token_ids": prompt_ids}] * ns.batch_size
-        else:
-            prompts = random_prompts(ns.batch_size, ns.input_len or 32,
-                                     min(DUMMY_VOCAB, engine.processor.vocab_size), ns.seed)
+        prompts = _prompts(ns, llm, text)
         input_len = len(prompts[0]["prompt_token_ids"])
-        max_model_len = engine.config.model.max_model_len
-        if input_len + ns.output_len > max_model_len:
-            raise ValidationError(f"a request needs {input_len} + {ns.output_len} tokens, more than max_model_len "
-                                  f"{max_model_len}", param="max_model_len", value=max_model_len)
         temperature = 1.0 if ns.temperature is None else ns.temperature
         sampling = SamplingParams(n=ns.n, temperature=temperature, top_p=1.0, ignore_eos=True,
                                   max_tokens=ns.output_len)
@@ -182,7 +173,31 @@ def run(ns: argparse.Namespace) -> int:
     spec = spec_decode_summary(before, after)
     if spec is not None:
         result["spec_decode"] = spec
+    _report(ns, result, load, input_len)
+    emit_json(result, ns.output_json)
+    return 0
 
+
+def _prompts(ns: argparse.Namespace, llm: Any, text: str | None) -> list[dict[str, list[int]]]:
+    """The batch's prompts as token ids: --prompt-file's text tokenized as the engine would, else random ids;
+    refused when a request cannot fit max_model_len."""
+    engine = llm.llm_engine
+    if text is not None:
+        prompt_ids = list(llm.get_tokenizer().encode(text))  # as the engine tokenizes a text prompt
+        prompts = [{"prompt_token_ids": prompt_ids}] * ns.batch_size
+    else:
+        prompts = random_prompts(ns.batch_size, ns.input_len or 32, min(DUMMY_VOCAB, engine.processor.vocab_size),
+                                 ns.seed)
+    input_len = len(prompts[0]["prompt_token_ids"])
+    max_model_len = engine.config.model.max_model_len
+    if input_len + ns.output_len > max_model_len:
+        raise ValidationError(f"a request needs {input_len} + {ns.output_len} tokens, more than max_model_len "
+                              f"{max_model_len}", param="max_model_len", value=max_model_len)
+    return prompts
+
+
+def _report(ns: argparse.Namespace, result: dict[str, Any], load: dict[str, Any], input_len: int) -> None:
+    """vLLM's printed lines of `bench latency`, and ours (tokens/s, steps, load, speculation)."""
     print(f"Avg latency: {result['avg_latency']} seconds")
     print(f"Std latency: {result['std_latency']} seconds")
     for percentage, value in result["percentiles"].items():
@@ -196,5 +211,3 @@ def run(ns: argparse.Namespace) -> int:
         sd = result["spec_decode"]
         print(f"Speculative decoding: acceptance rate {sd['acceptance_rate']:.3f}, "
               f"mean acceptance length {sd['mean_acceptance_length']:.2f}")
-    emit_json(result, ns.output_json)
-    return 0

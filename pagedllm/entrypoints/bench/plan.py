@@ -300,10 +300,9 @@ def _meets(p: Prediction, ns: argparse.Namespace) -> bool:
             and (ns.target_ttft_ms is None or p.ttft_ms["p99"] <= ns.target_ttft_ms))
 
 
-def run(ns: argparse.Namespace) -> int:
-    from pagedllm.engine.llm_engine import get_tokenizer
-
-    args = engine_args_from(ns)
+def _cost_model(ns: argparse.Namespace, args: EngineArgs) -> CostModel:
+    """The step-cost model: fitted on a server's step log (--calibrate-from), measured here (--calibrate) and
+    saved, or read from --cost-model."""
     if ns.calibrate_from:
         cost = fit_step_log(ns.calibrate_from)
         cost.save(ns.cost_model)
@@ -316,6 +315,28 @@ def run(ns: argparse.Namespace) -> int:
               f"-> {ns.cost_model}")
     else:
         cost = CostModel.load(ns.cost_model)
+    return cost
+
+
+def _recommend(ns: argparse.Namespace, requests: list[BenchRequest], cost: CostModel,
+               sched: dict[str, Any]) -> dict[str, float] | None:
+    """The --max-num-seqs option that meets the latency targets at the highest of the rates (None: none does)."""
+    best: tuple[float, int] | None = None
+    for seqs in sorted(set(ns.max_num_seqs_options)):
+        ok = [r for r in ns.rates if _meets(replay(requests, arrival_times(len(requests), r, ns.seed), cost,
+                                                   max_num_seqs=seqs, **sched), ns)]
+        if ok and (best is None or max(ok) > best[0]):
+            best = (max(ok), seqs)
+    print("recommendation: " + ("no setting meets the target at these rates" if best is None else
+                                f"--max-num-seqs {best[1]}: up to {best[0]} req/s within the target"))
+    return None if best is None else {"max_num_seqs": best[1], "max_request_rate": best[0]}
+
+
+def run(ns: argparse.Namespace) -> int:
+    from pagedllm.engine.llm_engine import get_tokenizer
+
+    args = engine_args_from(ns)
+    cost = _cost_model(ns, args)
     num_blocks, max_model_len = kv_blocks(args)
     recorded = None
     if ns.trace is not None and not ns.trace.endswith(".json"):
@@ -348,15 +369,7 @@ def run(ns: argparse.Namespace) -> int:
                               "cost_model": dataclasses.asdict(cost),
                               "predictions": [dataclasses.asdict(p) for p in table]}
     if (ns.target_tpot_ms or ns.target_ttft_ms) and recorded is None:
-        best: tuple[float, int] | None = None
-        for seqs in sorted(set(ns.max_num_seqs_options)):
-            ok = [r for r in ns.rates if _meets(replay(requests, arrival_times(len(requests), r, ns.seed), cost,
-                                                       max_num_seqs=seqs, **sched), ns)]
-            if ok and (best is None or max(ok) > best[0]):
-                best = (max(ok), seqs)
-        result["recommendation"] = None if best is None else {"max_num_seqs": best[1], "max_request_rate": best[0]}
-        print("recommendation: " + ("no setting meets the target at these rates" if best is None else
-                                    f"--max-num-seqs {best[1]}: up to {best[0]} req/s within the target"))
+        result["recommendation"] = _recommend(ns, requests, cost, sched)
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(result, f)

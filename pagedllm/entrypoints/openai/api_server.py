@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette._utils import get_route_path
@@ -41,8 +42,8 @@ from pagedllm.entrypoints.openai.http_guard import (ANTHROPIC_PATHS, COHERE_PATH
                                                     serve_config)
 from pagedllm.entrypoints.openai.http_guard import positive as _positive
 from pagedllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
-from pagedllm.entrypoints.openai.deploy import (DeployOptions, add_deploy_args, attach_deploy, deploy_options,
-                                                sagemaker_lora_router)
+from pagedllm.entrypoints.openai.deploy import (ANSWERING_ROUTE, DeployOptions, add_deploy_args, attach_deploy,
+                                                deploy_options, sagemaker_lora_router)
 from pagedllm.entrypoints.openai.metrics import ORCA_FORMATS, ServerMetrics, orca_header
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRAAdapterRequest,
@@ -128,7 +129,8 @@ def _cut(text: str, limit: int) -> str:
 def _error(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
            type_: str = "invalid_request_error") -> JSONResponse:
     """The error body for ``request``'s API (see error_response)."""
-    return error_response(status, message, param, code, type_, get_route_path(request.scope))  # (no --root-path)
+    path = request.scope.get(ANSWERING_ROUTE) or get_route_path(request.scope)  # (no --root-path)
+    return error_response(status, message, param, code, type_, path)
 
 
 PROTECTED = ("/v1", "/kv/state", "/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/v2",
@@ -617,21 +619,15 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     ``enable_scale_out`` / ``tokens_only``: vLLM's token-in/token-out routes (serving_tokens.py)."""
     models = OpenAIServingModels(engine, served_model_names, model_aliases)
     models.add_static(lora_modules or [])
-    completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
                              chat_template)
     chat.trust_request_chat_template = trust_request_chat_template  # --trust-request-chat-template
     chat.reasoning_config = reasoning_config or ReasoningConfig()  # --reasoning-config
-    pooling = OpenAIServingPooling(engine, models)
-    pooling.chat = chat  # messages inputs are rendered by the chat endpoint's template
-    scoring = OpenAIServingGenerativeScoring(engine, models)
-    decisions = OpenAIServingDecisions(scoring, chat_template)  # (reads through the scoring endpoint's read_labels)
-    decisions.trust_request_chat_template = trust_request_chat_template
-    admission = Admission()  # one waiting count for every endpoint
     # the engine's --max-logprobs sizes the reply bound (limits.py): the limits carry it, resolved
     limits = dataclasses.replace(limits or ServingLimits(), max_logprobs=engine.config.model.max_logprobs)
-    tokens = ServingTokens(engine, models)  # vLLM's /inference/v1/generate (serving_tokens.py)
-    for serving in (completion, chat, pooling, scoring, decisions, tokens):
+    servings = _servings(engine, models, chat, chat_template, trust_request_chat_template)
+    admission = Admission()  # one waiting count for every endpoint
+    for serving in vars(servings).values():
         serving.limits = limits
         serving.prompt_tokens_details = prompt_tokens_details
         serving.return_tokens_as_token_ids = return_tokens_as_token_ids
@@ -640,22 +636,16 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
         serving.on_refused = metrics.on_refused
         serving.admission = admission
     store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes, max(1, len(api_keys)))
-
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
-    app.state.engine = engine  # what the routes reach through request.app.state
-    app.state.limits = limits  # (the routes' body check reads its JSON bounds here)
-    app.state.config = engine.config
-    app.state.metrics = metrics
-    app.state.models = models
-    app.state.completion = completion
-    app.state.chat = chat
-    app.state.pooling = pooling
-    app.state.cohere_embed = CohereServingEmbed(pooling)
-    app.state.generative_scoring = scoring
-    app.state.decisions = decisions
-    app.state.responses = OpenAIServingResponses(chat, store)
-    app.state.messages = AnthropicServingMessages(chat)
-    app.state.cohere_chat = CohereServingChat(chat, cohere)
+    _set_state(app, engine, limits, metrics, models, servings, store, cohere)
+    _include_routes(app, servings.tokens, api_keys, allow_runtime_lora_updating=allow_runtime_lora_updating,
+                    enable_scale_out=enable_scale_out, tokens_only=tokens_only, deploy=deploy)
+    return app
+
+
+def _include_routes(app: FastAPI, tokens: ServingTokens, api_keys: list[str], *, allow_runtime_lora_updating: bool,
+                    enable_scale_out: bool, tokens_only: bool, deploy: DeployOptions | None) -> None:
+    """The routes the flags turn on, the API-key check, the development and deployment routes, error handlers."""
     app.include_router(router)
     if enable_scale_out or tokens_only:  # (vLLM's render routes: 404 without either flag, as vLLM's)
         app.include_router(render_router)
@@ -671,15 +661,56 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     app.state.endpoints = types.SimpleNamespace(  # what /invocations routes to (deploy.py)
         chat_completions=chat_completions, completions=completions, embeddings=embeddings, classify=classify,
         score=score, rerank=rerank, pooling=pooling)
+    app.state.endpoint_paths = {route.endpoint: route.path for route in router.routes  # (and whose errors they give)
+                                if isinstance(route, APIRoute)}
     if dev_mode():  # vLLM's development routes (sleep, pause, collective_rpc): dev_routes.py
         attach_dev_routes(app)
     attach_deploy(app, deploy)  # (after the key check is added: its middleware wraps it)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
-    return app
+
+
+def _servings(engine: AsyncLLM, models: OpenAIServingModels, chat: OpenAIServingChat, chat_template: str | None,
+              trust_request_chat_template: bool) -> types.SimpleNamespace:
+    """The endpoints' serving objects (chat's made by the caller, with its options)."""
+    pooling = OpenAIServingPooling(engine, models)
+    pooling.chat = chat  # messages inputs are rendered by the chat endpoint's template
+    scoring = OpenAIServingGenerativeScoring(engine, models)
+    decisions = OpenAIServingDecisions(scoring, chat_template)  # (reads through the scoring endpoint's read_labels)
+    decisions.trust_request_chat_template = trust_request_chat_template
+    return types.SimpleNamespace(completion=OpenAIServingCompletion(engine, models), chat=chat, pooling=pooling,
+                                 scoring=scoring, decisions=decisions,
+                                 tokens=ServingTokens(engine, models))  # vLLM's /inference/v1/generate
+
+
+def _set_state(app: FastAPI, engine: AsyncLLM, limits: ServingLimits, metrics: ServerMetrics,
+               models: OpenAIServingModels, servings: types.SimpleNamespace, store: ResponseStore,
+               cohere: CohereChatOptions | None) -> None:
+    """What the routes reach through request.app.state."""
+    state = app.state
+    state.engine, state.config, state.metrics, state.models = engine, engine.config, metrics, models
+    state.limits = limits  # (the routes' body check reads its JSON bounds here)
+    state.completion, state.chat, state.pooling = servings.completion, servings.chat, servings.pooling
+    state.generative_scoring, state.decisions = servings.scoring, servings.decisions
+    state.cohere_embed = CohereServingEmbed(servings.pooling)
+    state.responses = OpenAIServingResponses(servings.chat, store)
+    state.messages = AnthropicServingMessages(servings.chat)
+    state.cohere_chat = CohereServingChat(servings.chat, cohere)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """`pagedllm serve`'s own flags (the engine's are added from EngineArgs: cli_args.py)."""
+    _add_listen_args(parser)
+    _add_admission_args(parser)
+    _add_reply_args(parser)
+    _add_route_args(parser)
+    add_deploy_args(parser)
+    add_limit_args(parser)
+    add_http_args(parser)
+
+
+def _add_listen_args(parser: argparse.ArgumentParser) -> None:
+    """Where the server listens, who may call it and under which names."""
     parser.add_argument("model_tag", nargs="?", default=None, help="HF folder or .gguf file (default: SmolLM2)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -697,6 +728,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     parser.add_argument("--uvicorn-log-level", default="info")
+
+
+def _add_admission_args(parser: argparse.ArgumentParser) -> None:
+    """What a request may cost the server: waiting, time, prompt bytes; the step log."""
     parser.add_argument("--max-waiting-requests", type=_positive(int), default=None, metavar="N",
                         help="refuse new requests with 503 and Retry-After while N requests wait for their first step "
                              "(default: no limit; the others are not disturbed)")
@@ -709,6 +744,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-bytes", type=_positive(int), default=None, metavar="BYTES",
                         help="refuse (400) prompt text over this many UTF-8 bytes before tokenizing it "
                              f"(default: {BYTES_PER_TOKEN_CAP} per token of max_model_len)")
+
+
+def _add_reply_args(parser: argparse.ArgumentParser) -> None:
+    """What the replies carry: reasoning and tool calls parsed, usage, token ids, timing, Cohere's plan."""
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="split a reasoning model's <think>...</think> into the chat reply's reasoning_content")
     parser.add_argument("--reasoning-config", type=reasoning_config_arg, default=None, metavar="JSON",
@@ -736,6 +775,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="/cohere/v2/chat: the model's reasoning is a thinking content block (default); with "
                              "--no-cohere-is-reasoning-model it is the reply's tool_plan (a tool-plan-delta when "
                              "streamed), as older Command models plan before tool calls, as vLLM's flag")
+
+
+def _add_route_args(parser: argparse.ArgumentParser) -> None:
+    """The optional routes (scale-out, tokens only, run-time LoRA) and the chat template's sources."""
     parser.add_argument("--enable-scale-out", action="store_true",
                         help="serve vLLM's scale-out render routes, POST /v1/chat/completions/render, "
                              "/v1/completions/render, /v1/messages/render and /cohere/v2/chat/render (a request "
@@ -761,9 +804,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter: any client may then load an "
                              f"adapter from any folder the server can read (also {RUNTIME_LORA_ENV}=1; needs "
                              "--enable-lora; --lora-modules adapters stay the operator's)")
-    add_deploy_args(parser)
-    add_limit_args(parser)
-    add_http_args(parser)
 
 
 def read_chat_template(value: str) -> str:

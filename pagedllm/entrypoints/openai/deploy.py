@@ -325,6 +325,10 @@ def invocation_types(request: Request) -> list[tuple[type[pydantic.BaseModel], E
     return types + [(PoolingRequest, api.pooling, ("input", "messages"))]
 
 
+ANSWERING_ROUTE = "pagedllm.answering_route"
+"""The scope key /invocations sets to the path of the route that answers a request (its errors are that route's)."""
+
+
 @router.post("/invocations")
 async def invocations(raw: Request) -> Response:
     """SageMaker's inference route, as vLLM's: the body goes to the first of this server's request types it
@@ -352,6 +356,8 @@ async def invocations(raw: Request) -> Response:
             if first_error is None and any(key in body for key in keys):
                 first_error = e
             continue
+        # its errors are that route's too (vLLM's pooling routes name their own error types: api_server.py)
+        raw.scope[ANSWERING_ROUTE] = raw.app.state.endpoint_paths.get(endpoint)
         return await endpoint(req, raw)
     if first_error is not None:
         raise RequestValidationError(first_error.errors(include_url=False))  # (its context: a model's own check)

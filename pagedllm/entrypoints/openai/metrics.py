@@ -71,8 +71,20 @@ class ServerMetrics:
         self._mirrored: list[MetricWrapperBase] = []
         """Our metrics that are also vLLM's (shown again as vllm:*)."""
         self._by_name: dict[str, MetricWrapperBase] = {}
-        gauge, counter, histogram = self._gauge, self._counter, self._histogram
+        self._token_histograms: dict[str, list] | None = None
+        """Per-request token counts, made by engine_ready (their buckets go up to max_model_len)."""
+        by_source = self._add_step_counts(model_name)
+        self._add_latencies()
+        refused = self._add_refusals_speculation_sleep(model_name)
+        self.record_sleep_state(False)
+        self._last = [EngineStats() for _ in self._engines]
+        self.registry.register(VllmNames(self._mirrored, prompt_tokens_by_source=by_source,
+                                         prefix_cache_hits=self._by_name["prefix_cache_hits"], refused=refused))
 
+    def _add_step_counts(self, model_name: str) -> Counter:
+        """The batch's gauges and the token, preemption, prefix-cache and finish counters (returns the prompt
+        tokens by source, which vLLM's names sum)."""
+        gauge, counter = self._gauge, self._counter
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).")
@@ -93,6 +105,11 @@ class ServerMetrics:
         self._mirrored.append(success)
         self.success = [{reason: success.labels(model_name, e, reason) for reason in FINISH_REASONS}
                         for e in self._engines]
+        return by_source
+
+    def _add_latencies(self) -> None:
+        """The per-request latency histograms (vLLM's), tokens per step and n per request."""
+        histogram = self._histogram
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs of a sequence.",
                              ITL_BUCKETS)
@@ -110,8 +127,11 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens (prompt and generated) per engine "
                                           "step.", ITERATION_TOKENS_BUCKETS)
         self.params_n = histogram("request_params_n", "The n of each finished request.", PARAMS_N_BUCKETS)
-        self._token_histograms: dict[str, list] | None = None
-        """Per-request token counts, made by engine_ready (their buckets go up to max_model_len)."""
+
+    def _add_refusals_speculation_sleep(self, model_name: str) -> Counter:
+        """Requests the server shed (returned: vLLM's names show it too), speculative decoding's counters (zero
+        when it is off) and the sleep state."""
+        counter = self._counter
         refused = Counter("pagedllm:requests_refused", "Requests the server shed: 'overloaded' (503, over "
                           "--max-waiting-requests) or aborted at --request-timeout ('timeout').",
                           ["model_name", "reason"], registry=self.registry)
@@ -130,10 +150,7 @@ class ServerMetrics:
         self._mirrored.append(sleep_state)
         self.sleep_state = [{state: sleep_state.labels(model_name, e, state) for state in SLEEP_STATES}
                             for e in self._engines]
-        self.record_sleep_state(False)
-        self._last = [EngineStats() for _ in self._engines]
-        self.registry.register(VllmNames(self._mirrored, prompt_tokens_by_source=by_source,
-                                         prefix_cache_hits=self._by_name["prefix_cache_hits"], refused=refused))
+        return refused
 
     # ------------------------------------------------------------------ construction helpers
     def _per_engine(self, kind: type, name: str, doc: str, mirror: bool = True, **extra: Any) -> list:

@@ -321,6 +321,27 @@ class OpenAIServingChat(OpenAIServing):
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 
+    def _whole_choice(self, run: "ChatRun", c: CompletionOutput, text: str, token_ids: list[int] | None
+                      ) -> ChatStreamChoice:
+        """A finished choice's reply at once, its tool calls parsed (tool calling holds the reply to its end)."""
+        message, finish = self.message_of(text, c.finish_reason, run.tools, run.reasoning)
+        calls = [ToolCall(index=i, **call.model_dump(exclude={"index"})) for i, call in enumerate(message.tool_calls)]
+        return ChatStreamChoice(index=c.index, delta=DeltaMessage(
+            content=message.content, reasoning_content=message.reasoning_content, tool_calls=calls or None),
+            finish_reason=finish, stop_reason=c.stop_reason, token_ids=token_ids)
+
+    def _delta_choice(self, run: "ChatRun", c: CompletionOutput, parsers: dict[int, ReasoningStream], top_n: int | None,
+                      ids: bool) -> ChatStreamChoice:
+        """A choice's new text as a delta (split into reasoning and content by the reasoning parser, if any)."""
+        if run.reasoning is None:
+            delta = DeltaMessage(content=c.text)
+        else:
+            piece = parsers.setdefault(c.index, run.reasoning.stream()).delta(c.text, c.finish_reason is not None)
+            delta = DeltaMessage(content=piece.content, reasoning_content=piece.reasoning)
+        return ChatStreamChoice(index=c.index, delta=delta, logprobs=self._logprobs(c, top_n, run.as_ids),
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                token_ids=list(c.token_ids) if ids else None)
+
     async def chunks(self, run: "ChatRun", req: ChatCompletionRequest
                      ) -> AsyncIterator[ChatCompletionStreamResponse]:
         """A queued request's reply as chat completion chunks (the last with the usage, if asked); errors
@@ -362,27 +383,11 @@ class OpenAIServingChat(OpenAIServing):
                 if tools.active:  # tool calls are known once the reply is: it is sent whole, at its end
                     texts[c.index] = texts.get(c.index, "") + c.text
                     held.setdefault(c.index, []).extend(c.token_ids)
-                    if c.finish_reason is None:
-                        continue
-                    message, finish = self.message_of(texts[c.index], c.finish_reason, tools, run.reasoning)
-                    calls = [ToolCall(index=i, **call.model_dump(exclude={"index"})) for i, call in
-                             enumerate(message.tool_calls)]
-                    choice = ChatStreamChoice(index=c.index, delta=DeltaMessage(
-                        content=message.content, reasoning_content=message.reasoning_content, tool_calls=calls or None),
-                        finish_reason=finish, stop_reason=c.stop_reason, token_ids=held[c.index] if ids else None)
-                    if self._shown(run, choice):
-                        yield chunk(choice)
-                    continue
-                if run.reasoning is None:
-                    delta = DeltaMessage(content=c.text)
+                    choice = None if c.finish_reason is None else \
+                        self._whole_choice(run, c, texts[c.index], held[c.index] if ids else None)
                 else:
-                    piece = parsers.setdefault(c.index, run.reasoning.stream()).delta(
-                        c.text, c.finish_reason is not None)
-                    delta = DeltaMessage(content=piece.content, reasoning_content=piece.reasoning)
-                choice = ChatStreamChoice(index=c.index, delta=delta,
-                                          logprobs=self._logprobs(c, top_n, run.as_ids), finish_reason=c.finish_reason,
-                                          stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None)
-                if self._shown(run, choice):
+                    choice = self._delta_choice(run, c, parsers, top_n, ids)
+                if choice is not None and self._shown(run, choice):
                     yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
             usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)

@@ -430,15 +430,23 @@ class OpenAIServingResponses:
             open_item["content"][0]["logprobs"] += logprobs
         for event in close():
             yield event
-        if not output:  # an empty reply is still one (empty) message, as in the non-streamed answer
+        response = response_object(response_id, req, run.model, created, output, _status(finish), usage_of(usage))
+        for event in self._last_events(req, response, conversation, events, owner):
+            yield event
+
+    def _last_events(self, req: ResponsesRequest, response: dict, conversation: list[dict], events: "_EventWriter",
+                     owner: int | None) -> list[str]:
+        """The stream's end: an empty reply's one (empty) message, as in the non-streamed answer, then
+        response.completed (or .incomplete); the response is stored (store=true) first."""
+        sent = []
+        output = response["output"]
+        if not output:
             output.append(message_item(new_id("msg"), None, "in_progress"))
-            for event in events.open_item(output[-1], 0) + events.close_item(output[-1], 0):
-                yield event
-        status = _status(finish)
-        response = response_object(response_id, req, run.model, created, output, status, usage_of(usage))
+            sent = events.open_item(output[-1], 0) + events.close_item(output[-1], 0)
         self._keep(req, response, conversation, owner)
-        yield events.send("response.completed" if status == "completed" else "response.incomplete",
-                          response=response)
+        status = response["status"]
+        return [*sent, events.send("response.completed" if status == "completed" else "response.incomplete",
+                                   response=response)]
 
     @staticmethod
     def _error_events(req: ResponsesRequest, model: str, response_id: str, created: int,

@@ -73,6 +73,8 @@ def _metadata(reader) -> dict[str, Any]:
 
 
 def load_arch_config(path: str) -> ArchConfig:
+    """A GGUF file's architecture from its metadata and tensor shapes (GPT-2, Phi-3 and Gemma 2/3 through their
+    HF configs' fields; the Llama family, Mixtral and Qwen2-MoE directly)."""
     reader = _reader(path)
     meta = _metadata(reader)
     arch = meta.get("general.architecture")
@@ -99,6 +101,15 @@ def load_arch_config(path: str) -> ArchConfig:
         })
     if arch in ("phi3", "gemma2", "gemma3"):  # as the HF config's fields, read by the same code as an HF folder's
         return ArchConfig.from_hf(_hf_config(reader, meta, arch, architecture, tensor_shapes))
+    return _llama_family(reader, meta, arch, architecture, experts)
+
+
+def _llama_family(reader: Any, meta: dict[str, Any], arch: str, architecture: str, experts: int) -> ArchConfig:
+    """The Llama family's config (Llama, Mistral, Qwen2/3, Mixtral, Qwen2-MoE) from llama.cpp's keys."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     scaling = None

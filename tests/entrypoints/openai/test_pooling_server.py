@@ -313,6 +313,13 @@ def test_invocations_on_pooling_models(embed_server: RemoteServer, cross_server:
     score = httpx.post(f"{cross_server.url}/invocations", json={"text_1": "q", "text_2": ["a", "b"]}, timeout=30)
     assert score.status_code == 200, score.text
     assert len(score.json()["data"]) == 2
+    # a body only /pooling takes on a classifier (messages): routed to /pooling's own route, as answered there
+    body = {"messages": [{"role": "user", "content": "a cat"}]}
+    direct = httpx.post(f"{cross_server.url}/pooling", json=body, timeout=30)
+    routed = httpx.post(f"{cross_server.url}/invocations", json=body, timeout=30)
+    assert routed.status_code == direct.status_code != 500, routed.text
+    assert {k: v for k, v in routed.json().items() if k not in ("id", "created")} == \
+        {k: v for k, v in direct.json().items() if k not in ("id", "created")}
     neither = httpx.post(f"{embed_server.url}/invocations", json={"prompt": "x"}, timeout=30)
     assert neither.status_code == 400  # not a generating model: no completions route to take it
     assert "Cannot find suitable handler" in neither.json()["error"]["message"]
