@@ -14,7 +14,7 @@ MAX_P90 = 23
 
 def function_lengths(source: str, where: str = "") -> list[tuple[int, str]]:
     """(lines from ``def`` to the body's last line, decorators not counted; name) of every function and method."""
-    return [(node.end_lineno - node.lineno + 1, f"{where}:{node.lineno} {node.name}")  # type: ignore[operator]
+    return [(node.end_lineno - node.lineno + 1, f"{where}:{node.lineno} {node.name}")
             for node in ast.walk(ast.parse(source))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
 

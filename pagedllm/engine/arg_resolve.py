@@ -39,8 +39,7 @@ def engine_config(args: EngineOptions) -> tuple[EngineConfig, ArchConfig]:
     device = platform.resolve_device(args.device)
     pooling = pooling_setup(args, path, arch, overrides)
     parallel = parallel_config(args, arch)
-    lora = lora_config(args.enable_lora, LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                                                    max_cpu_loras=args.max_cpu_loras), parallel)
+    lora = lora_config(args, parallel)
     speculative = speculative_config(args.speculative_config, parallel, arch)
     watermark = watermark_config(args, speculative)
     check_features(args, pooling, arch, speculative, lora, watermark)
@@ -53,6 +52,7 @@ def engine_config(args: EngineOptions) -> tuple[EngineConfig, ArchConfig]:
                             cuda_graph_sizes=parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs)),
         structured_outputs=structured_outputs_config(args.grammar_cache_memory, args.max_grammar_memory))
     return config, arch
+
 
 def model_config(args: EngineOptions, path: str, arch: ArchConfig, device: str, pooling: Pooling) -> ModelConfig:
     """The model's config: dtype and quantization resolved for the device, max_model_len against the model's
@@ -81,6 +81,7 @@ def model_config(args: EngineOptions, path: str, arch: ArchConfig, device: str, 
                        enable_prompt_embeds=bool(args.enable_prompt_embeds),
                        enable_sleep_mode=check_flag("enable_sleep_mode", args.enable_sleep_mode))
 
+
 def quantization_of(args: EngineOptions, path: str, arch: ArchConfig, device: str) -> str | None:
     """quantization "auto": a GGUF file's quantized matrices stay so where the kernels run them."""
     if args.quantization == "auto":
@@ -91,6 +92,7 @@ def quantization_of(args: EngineOptions, path: str, arch: ArchConfig, device: st
         raise ValidationError.bad_value("quantization", args.quantization,
                                         "None on a GPU (the quantized kernels are the CPU's)")
     return args.quantization
+
 
 def parallel_layout(args: EngineOptions) -> ParallelConfig:
     """The parallel options alone, checked (what the data-parallel client reads before any replica has resolved
@@ -121,6 +123,7 @@ def watermark_config(args: EngineOptions, speculative: SpeculativeConfig | None)
                               "accepted unwatermarked)", param="watermark_config", value=args.watermark_config)
     return watermark
 
+
 def check_features(args: EngineOptions, pooling: Pooling, arch: ArchConfig, speculative: SpeculativeConfig | None,
                     lora: LoRAConfig | None, watermark: WatermarkConfig | None) -> None:
     """Generating models' features refused for a pooling model; prompt embeddings checked against the model."""
@@ -133,6 +136,7 @@ def check_features(args: EngineOptions, pooling: Pooling, arch: ArchConfig, spec
     if args.enable_prompt_embeds:
         check_prompt_embeds(arch, pooling.runner, speculative)
 
+
 def cache_config(args: EngineOptions, arch: ArchConfig, pooling: Pooling) -> CacheConfig:
     """The KV pool's config (no prefix caching for a pooling model)."""
     return CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -142,6 +146,7 @@ def cache_config(args: EngineOptions, arch: ArchConfig, pooling: Pooling) -> Cac
                        swap_space=args.swap_space, gpu_memory_utilization=args.gpu_memory_utilization,
                        sliding_window=arch.sliding_window if arch.every_layer_slides else None,
                        cache_dtype=args.kv_cache_dtype)
+
 
 def scheduler_config(args: EngineOptions, model: ModelConfig, lora: LoRAConfig | None) -> SchedulerConfig:
     """A step's limits."""
@@ -280,12 +285,12 @@ def speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None, p
     return dataclasses.replace(spec, model=path)
 
 
-def lora_config(enable_lora: object, limits: LoRAConfig, parallel: ParallelConfig) -> LoRAConfig | None:
-    """``limits`` with enable_lora, else None."""
-    if not check_flag("enable_lora", enable_lora):
+def lora_config(args: EngineOptions, parallel: ParallelConfig) -> LoRAConfig | None:
+    """The LoRA config with enable_lora, else None (its limits are checked only when it is on)."""
+    if not check_flag("enable_lora", args.enable_lora):
         return None
     if parallel.distributed_executor_backend != "uni":
         raise ValidationError("enable_lora runs in the in-process executor only (tensor_parallel_size 1, "
                               "distributed_executor_backend 'uni'): LoRA layers are not split across ranks yet",
                               param="enable_lora", value=True)
-    return limits
+    return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
