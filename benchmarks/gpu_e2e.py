@@ -50,6 +50,12 @@ def save_config(path: Path, shape: str) -> "object":
     return config
 
 
+def _graph_replays(worker: object) -> int:
+    """Decode steps a worker ran as CUDA graph replays (collective_rpc runs this on the worker)."""
+    graphs = worker.model_runner.graphs
+    return sum(graphs.replays.values()) if graphs else 0
+
+
 def greedy(device: str) -> dict:
     """A tiny random Llama (float32) saved by transformers: ours vs HF generate, greedy, on ``device``."""
     from transformers import LlamaForCausalLM
@@ -76,9 +82,8 @@ def greedy(device: str) -> dict:
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                               use_tqdm=False)]
-        graphs = llm.llm_engine.engine_core.core.executor.worker.model_runner.graphs
         name = "greedy_vs_transformers_" + ("eager" if eager else "graphs")
-        result[name] = {"equal": got == want, "graph_replays": sum(graphs.replays.values()) if graphs else 0}
+        result[name] = {"equal": got == want, "graph_replays": llm.collective_rpc(_graph_replays)[0]}
         print(name, result[name], flush=True)
         llm.shutdown()
     return result
@@ -183,7 +188,7 @@ def decode(device: str, shape: str, batches: list[int], prompt_len: int, output_
               max_num_seqs=max(batches), max_model_len=prompt_len + output_len + 16, enable_prefix_caching=False)
     print(f"engine up in {time.perf_counter() - start:.1f} s", flush=True)
     itemsize = torch.finfo(getattr(torch, dtype)).bits // 8
-    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+    model = llm.apply_model(lambda m: m)[0]  # in-process: the module itself
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     head_dim = config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize

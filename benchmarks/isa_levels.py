@@ -98,7 +98,7 @@ decode_tok_s(-1)  # warm-up
 peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # before the copy probe's 2 GiB
 bw = copy_gbps()
 tok_s = decode_tok_s(0)
-model = engine.executor.worker.model_runner.model
+model = llm.apply_model(lambda m: m)[0]  # in-process: the module itself
 print("RESULT " + json.dumps({"decode_tok_per_s": tok_s, "copy_gbps": bw, "weight_bytes": weight_bytes(model),
                               "peak_rss_kib": peak_kib, "dtype": engine.config.model.dtype}))
 """

@@ -21,7 +21,7 @@ from pagedllm.layers.custom_op import CustomOp, bind_ops
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.sampler import Sampler
-from tests.utils import kernel_levels
+from tests.utils import kernel_levels, model_of
 
 ROOT = Path(__file__).resolve().parent.parent
 PER_CALL_CODE = ("layers", "models", "attention")
@@ -108,7 +108,7 @@ def test_a_loaded_model_steps_without_asking_the_platform(tiny_llm_dir: Path, mo
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=32)
-    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+    model = model_of(llm)
     ops = [m for m in model.modules() if isinstance(m, CustomOp)]
     want = "forward_cpu" if cpu_ops.active() is not None else "forward_native"
     assert ops and {op.implementation for op in ops} == {want}

@@ -153,3 +153,32 @@ def test_one_class_runs_the_step_loop_and_both_server_modes_use_it() -> None:
     assert issubclass(core_client.ThreadClient, core_client.AsyncCoreClient)
     assert issubclass(core_client.MPClient, core_client.AsyncCoreClient)
     assert EngineCoreLoop.run.__qualname__ == "EngineCoreLoop.run"
+
+
+def test_only_the_platform_layer_tests_for_cuda() -> None:
+    """CPU-or-GPU is the platform layer's answer (``platform.is_cuda``): no module elsewhere compares a device
+    with "cuda" (making a device, ``torch.device("cuda", rank)``, is not a test of one)."""
+    found = []
+    for module, path in _modules():
+        if _in_package(module, "pagedllm.platform"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                     for op in node.ops):
+                operands = [node.left, *node.comparators]
+                if any(isinstance(o, ast.Constant) and o.value == "cuda" for o in operands):
+                    found.append(f"{path}:{node.lineno}")
+    assert not found, "compare devices through platform.is_cuda:\n" + "\n".join(found)
+
+
+def test_tests_and_benchmarks_reach_workers_through_collective_rpc() -> None:
+    """No test or benchmark reaches a worker through the executor's attributes: they ask through
+    ``collective_rpc`` or ``LLM.apply_model`` (tests/utils.py ``worker_of``, ``model_of``), as a user would."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    reach = re.compile(r"\.executor\.worker\b")
+    found = [f"{path.relative_to(root)}:{n}" for folder in ("tests", "benchmarks")
+             for path in sorted((root / folder).rglob("*.py")) if path != Path(__file__).resolve()
+             for n, line in enumerate(path.read_text().splitlines(), 1) if reach.search(line)]
+    assert not found, "\n".join(found)

@@ -106,6 +106,25 @@ def thread_engine(model_dir: Path, **kwargs: Any) -> AsyncLLM:
     return AsyncLLM.from_engine_args(args, multiprocess=False)
 
 
+def _itself(worker: Any) -> Any:
+    return worker
+
+
+def worker_of(engine: Any) -> Any:
+    """The only worker of an in-process engine (an LLM or its LLMEngine), through collective_rpc (vLLM's hook for
+    running a function on the workers): the object itself, as nothing crosses a process."""
+    if hasattr(engine, "llm_engine"):
+        return engine.collective_rpc(_itself)[0]
+    import pickle
+
+    return engine.collective_rpc(pickle.dumps(_itself))[0]
+
+
+def model_of(llm: LLM) -> Any:
+    """The model (torch module) of an in-process LLM's only worker, through LLM.apply_model (vLLM's)."""
+    return llm.apply_model(_itself)[0]
+
+
 def kv_cache_manager(llm: LLM) -> KVCacheManager:
     """The KV cache manager of an LLM's scheduler."""
     return llm.llm_engine.engine_core.core.scheduler.kv_cache_manager

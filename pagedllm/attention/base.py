@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pagedllm import envs
+from pagedllm import envs, platform
 from pagedllm.attention import kv_quant
 from pagedllm.errors import ValidationError
 from pagedllm.layers.cpu_ops import active
@@ -179,11 +179,11 @@ def resolve_backend_name(name: str, device: str = "cpu") -> str:
     kernels run, else "torch"; on CUDA: "triton"); another name is kept if that backend runs on
     ``device`` here, else a ValidationError."""
     if name == "auto":
-        fits = [n for n in _BACKENDS if (n in GPU_BACKENDS) == (device == "cuda")]
+        fits = [n for n in _BACKENDS if (n in GPU_BACKENDS) == platform.is_cuda(device)]
         name = next((n for n in fits if _BACKENDS[n].is_available()), fits[0] if fits else "torch")
     if name not in _BACKENDS:
         raise ValidationError.bad_value("attention_backend", name, "'auto' or one of " + ", ".join(sorted(_BACKENDS)))
-    if device == "cuda" and name not in GPU_BACKENDS:
+    if platform.is_cuda(device) and name not in GPU_BACKENDS:
         raise ValidationError(f"attention backend {name!r} runs on the CPU; on device 'cuda' use "
                               + " or ".join(repr(n) for n in GPU_BACKENDS), param="attention_backend", value=name)
     if not _BACKENDS[name].is_available():

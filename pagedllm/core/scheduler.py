@@ -42,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_pool import KVCacheBlock
@@ -49,7 +50,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler_output import CachedRequestData, ForkedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.step_time import StepTimeModel, attended_positions
 from pagedllm.errors import ValidationError
-from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedllm.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
 from pagedllm.request import Request, RequestStatus
 
 UNBOUNDED_ATTENTION = 2**62
@@ -591,13 +592,28 @@ class Scheduler:
         self.stats.step_time_pair_s = self.step_time.pair_s()
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests.
+        """Append sampled tokens, apply stop conditions, free finished requests; each kind of result its own
+        part: requests failed alone, pooled vectors, prompt logprobs, sampled tokens (and drafts).
 
         A finished request's blocks are free at once; the workers learn that it finished from the
         next schedule()'s ``finished_req_ids``.
         """
         results = [self._fail(req_id, why) for req_id, why in runner_output.failed.items() if req_id in self.requests]
-        for req_id, vector in runner_output.pooler_output.items():
+        results += self._update_pooled(runner_output.pooler_output)
+        self._update_prompt_logprobs(runner_output.prompt_logprobs)
+        for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                               runner_output.logprobs):
+            request = self.requests.get(req_id)
+            if request is not None and token_ids:  # (else aborted meanwhile, or a prompt chunk)
+                results.append(self._update_sampled(request, token_ids, logprobs, runner_output.spec_token_ids))
+        self._verifying = {}
+        self._refresh_gauges()
+        return results
+
+    def _update_pooled(self, vectors: dict[str, Any]) -> list[EngineCoreOutput]:
+        """Pooling requests finish with their vector."""
+        results = []
+        for req_id, vector in vectors.items():
             request = self.requests.get(req_id)
             if request is None:  # aborted meanwhile
                 continue
@@ -606,42 +622,44 @@ class Scheduler:
                                             first_scheduled_time=request.first_scheduled_time, pooling_output=vector))
             self.running.remove(request)
             self._free_request(request)
-        for req_id, (start, entries) in runner_output.prompt_logprobs.items():
+        return results
+
+    def _update_prompt_logprobs(self, found: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
+        """Prompt logprobs a step's chunk scored, put in place (sent with the request's first output)."""
+        for req_id, (start, entries) in found.items():
             request = self.requests.get(req_id)
             if request is not None and request.prompt_logprobs is not None:  # a recompute scores them again
                 request.prompt_logprobs[start - 1:start - 1 + len(entries)] = entries
-        for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
-                                               runner_output.logprobs):
-            request = self.requests.get(req_id)
-            if request is None or not token_ids:  # aborted meanwhile, or a prompt chunk
-                continue
-            if req_id in self._verifying:
-                self._take_back_rejected(request, self._verifying[req_id], len(token_ids) - 1)
-            new_tokens: list[int] = []
-            for token_id in token_ids:
-                request.append_output_token(token_id)
-                new_tokens.append(token_id)
-                self.stats.num_generated_tokens += 1
-                if self._check_stop(request, token_id):
-                    break
-            prompt_logprobs = None
-            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-                prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-            results.append(EngineCoreOutput(
-                request_id=req_id, new_token_ids=new_tokens,
-                new_logprobs=[] if logprobs is None else logprobs[:len(new_tokens)],
-                finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                first_scheduled_time=request.first_scheduled_time,
-                num_cached_tokens=max(request.num_cached_tokens, 0), prompt_logprobs=prompt_logprobs))
-            if request.is_finished:
-                self.running.remove(request)
-                self._free_request(request)
-            elif runner_output.spec_token_ids or req_id in self._verifying:
-                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
-                self.kv_cache_manager.trim(request, request.num_tokens + len(request.spec_token_ids))
-        self._verifying = {}
-        self._refresh_gauges()
-        return results
+
+    def _update_sampled(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+                        drafts: dict[str, list[int]]) -> EngineCoreOutput:
+        """A request's new tokens (a verified run of drafts and one more, with speculation) appended up to its stop;
+        it finishes there or keeps its next drafts."""
+        req_id = request.request_id
+        if req_id in self._verifying:
+            self._take_back_rejected(request, self._verifying[req_id], len(token_ids) - 1)
+        new_tokens: list[int] = []
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            new_tokens.append(token_id)
+            self.stats.num_generated_tokens += 1
+            if self._check_stop(request, token_id):
+                break
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        result = EngineCoreOutput(
+            request_id=req_id, new_token_ids=new_tokens, new_logprobs=[] if logprobs is None else
+            logprobs[:len(new_tokens)], finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+            first_scheduled_time=request.first_scheduled_time, num_cached_tokens=max(request.num_cached_tokens, 0),
+            prompt_logprobs=prompt_logprobs)
+        if request.is_finished:
+            self.running.remove(request)
+            self._free_request(request)
+        elif drafts or req_id in self._verifying:
+            request.spec_token_ids = drafts.get(req_id, [])
+            self.kv_cache_manager.trim(request, request.num_tokens + len(request.spec_token_ids))
+        return result
 
     def _take_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The step verified ``num_drafts`` drafts and kept ``num_accepted``: the rejected ones' slots are no

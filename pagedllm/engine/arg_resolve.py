@@ -71,7 +71,7 @@ def model_config(args: EngineOptions, path: str, arch: ArchConfig, device: str, 
         raise ValidationError.bad_value("seed", args.seed, "an integer")
     dtype = args.dtype
     if dtype == "auto":  # a GPU computes in bf16 natively; a CPU: what its kernels run fastest
-        dtype = "bfloat16" if device == "cuda" else platform.default_dtype()
+        dtype = "bfloat16" if platform.is_cuda(device) else platform.default_dtype()
     return ModelConfig(model=path, dtype=dtype, max_model_len=max_model_len, seed=args.seed,
                        load_format=args.load_format, quantization=quantization_of(args, path, arch, device),
                        runner=pooling.runner, convert=pooling.convert, pooler=pooling.pooler,
@@ -88,7 +88,7 @@ def quantization_of(args: EngineOptions, path: str, arch: ArchConfig, device: st
         keep = (device == "cpu" and args.load_format == "auto" and cpu_ops.active() is not None
                 and quantized_formats(path, arch))
         return "gguf" if keep else None
-    if args.quantization is not None and device == "cuda":
+    if args.quantization is not None and platform.is_cuda(device):
         raise ValidationError.bad_value("quantization", args.quantization,
                                         "None on a GPU (the quantized kernels are the CPU's)")
     return args.quantization

@@ -93,6 +93,7 @@ class EngineCore:
             self.num_kv_blocks = self.executor.determine_num_kv_blocks()
             self.num_host_blocks = self.executor.determine_num_host_blocks()
             self.executor.initialize_cache(self.num_kv_blocks, self.num_host_blocks)
+            self.executor.compile_or_warm_up_model()
         except BaseException:
             self.executor.shutdown()
             raise

@@ -282,6 +282,11 @@ class LLM:
                 raise ValidationError(f"method cannot be sent to the workers: {e}", param="method") from None
         return self.llm_engine.collective_rpc(method, tuple(args), kwargs)
 
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` on every worker's model (its torch module; rank order), e.g. to inspect its layers.
+        With tensor parallelism (worker processes) ``func`` must be picklable and so must its result."""
+        return self.collective_rpc("apply_model", args=(func,))
+
     def _drain(self, ids: list[str], use_tqdm: bool, desc: str) -> dict[str, RequestOutput]:
         """Step the engine until it is idle; the finished outputs by request id."""
         engine = self.llm_engine

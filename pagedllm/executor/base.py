@@ -97,5 +97,9 @@ class Executor(ABC):
         (the same block ids on every rank; each holds its own heads)."""
         self.collective_rpc("initialize_cache", (num_blocks, num_host_blocks))
 
+    def compile_or_warm_up_model(self) -> None:
+        """Get every worker ready for its first step once its KV pools exist (a GPU's CUDA graphs captured)."""
+        self.collective_rpc("compile_or_warm_up_model")
+
     def shutdown(self) -> None:
         """Stop every worker and free what they hold (idempotent)."""

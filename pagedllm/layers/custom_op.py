@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm import platform
 from pagedllm.layers import cpu_ops
 
 HOST = torch.device("cpu")
@@ -39,7 +40,7 @@ class CustomOp(nn.Module):
         self.kernels = cpu_ops.kernels_for(device, self.op_dtype) if self.kernels_suit() else None
         if self.kernels is not None:
             self.forward = self.forward_cpu
-        elif device.type == "cuda":
+        elif platform.is_cuda(device):
             self.forward = self.forward_cuda
         else:
             self.forward = self.forward_native

@@ -33,8 +33,8 @@ from pagedllm.platform import build
 from pagedllm.platform.cpu import ISA_ENV, LEVELS, CpuInfo, check_level, cpu_info, is_forced, isa_level, native_bf16
 
 __all__ = ["ISA_ENV", "LEVELS", "CpuInfo", "KernelLibrary", "Switches", "active_level", "check_level", "cpu_info",
-           "default_dtype", "describe", "is_forced", "isa_level", "kernel_library", "native_bf16", "resolve_device",
-           "switches", "use_level"]
+           "default_dtype", "describe", "is_cuda", "is_forced", "isa_level", "kernel_library", "native_bf16",
+           "resolve_device", "switches", "use_level"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,12 @@ def resolve_device(device: str) -> str:
         raise ValidationError("device 'cuda' was asked for but torch sees no CUDA device (this torch build: "
                               f"{torch.__version__})", param="device", value=device)
     return device
+
+
+def is_cuda(device: object) -> bool:
+    """Whether ``device`` (a resolved device name, or a ``torch.device``) is a CUDA GPU: the one test of it
+    outside this module's own (tests/test_layering.py)."""
+    return getattr(device, "type", device) == "cuda"
 
 
 def kernel_library(level: str | None = None) -> KernelLibrary | None:

@@ -43,8 +43,11 @@ def worker_class(path: str = "") -> type:
 
 def make_worker(config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...],
                 rank_info: RankInfo | None = None) -> Worker:
-    """A loaded worker of config's class (with its extension, whose init hook has run)."""
+    """A worker of config's class (with its extension) through its first phases: its device claimed and its model
+    loaded; the extension's init hook run after them."""
     worker = worker_class(config.parallel.worker_extension_cls)(config, arch, eos_token_ids, rank_info)
+    worker.init_device()
+    worker.load_model()
     hook = getattr(worker, INIT_HOOK, None)
     if callable(hook):
         hook()

@@ -1,10 +1,10 @@
 """Per-request state kept by a worker across steps, and the flat batch (``StepInputs``) built from it each step."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import Any
-
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +15,18 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.prompt_embeds import PromptEmbeds
 from pagedllm.sampling_params import SamplingParams, thinking_budget_forced_token
+
+logger = logging.getLogger(__name__)
+
+
+class StepFailures(dict[str, str]):
+    """The requests one step failed alone, request id -> why (their seed, grammar, logits processors, pooling
+    head); made by each step and returned in its ``ModelRunnerOutput.failed``, the step goes on without them."""
+
+    def add(self, req_id: str, stage: str, error: Exception) -> None:
+        """Record ``req_id`` as failed at ``stage`` (logged with its traceback)."""
+        logger.warning("request %s failed while %s: %r", req_id, stage, error, exc_info=True)
+        self[req_id] = f"{stage} failed: {type(error).__name__}: {error}"
 
 
 @dataclass(kw_only=True)

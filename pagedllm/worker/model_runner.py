@@ -1,4 +1,6 @@
-"""Executes one scheduled step: state update, block moves, flat inputs, forward, logits, sampling.
+"""Executes one scheduled step of a generating model, in phases: the requests' states and block moves, the flat
+inputs prepared, the forward pass, then sampling (and the next drafts proposed). A pooling model's runner and an
+encoder model's are subclasses (worker/pooling_runner.py) that end the step with the pooler instead.
 
 With speculative decoding a request's scheduled tokens end in draft tokens: its last 1 + d rows are all
 scored, row j as if drafts[:j] were its output (penalties, min_tokens, bad words, the grammar), and each row
@@ -12,31 +14,27 @@ its tokens are those it gets without speculation.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
+from pagedllm import platform
 from pagedllm.attention.base import AttentionBackend, StepInputs
 from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
-from pagedllm.layers.pooler import Pooler
 from pagedllm.layers.sampler import Sampler, gather_token_logprobs
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import DecodeGraphs, Graph
-from pagedllm.worker.input_batch import (CachedRequestState, build_sampling_metadata, build_step_inputs,
-                                         embeds_tensor, gather_prompt_embeds)
+from pagedllm.worker.input_batch import (CachedRequestState, StepFailures, build_sampling_metadata,
+                                         build_step_inputs, embeds_tensor, gather_prompt_embeds)
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.worker.structured_output import GrammarCompiler, apply_draft_masks, apply_masks
 from pagedllm.worker.watermark import GumbelWatermark
-
-logger = logging.getLogger(__name__)
 
 #: Prompt rows scored at once for prompt_logprobs: 256 x vocab float32 logits and their log-softmax (2 x 50 MB at
 #: 49,152), where a whole 2,048-token chunk at once took 2 x 0.4 GB more of the core at each step.
@@ -66,18 +64,16 @@ class _StepBatch:
 
 
 class ModelRunner:
-    """Owns the model, its KV cache tensors and the per-request states of one worker."""
+    """Owns the model, its KV cache tensors and the per-request states of one worker; runs a generating model's
+    steps (``execute_model``; ``_run`` is the phase subclasses replace)."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, block_size: int, seed: int,
                  eos_token_ids: tuple[int, ...], device: torch.device | None = None,
                  grammars: Callable[[], GrammarCompiler] | None = None, lora: LoRAManager | None = None,
-                 speculator: Speculator | None = None, pooler: Pooler | None = None,
-                 watermark: GumbelWatermark | None = None) -> None:
+                 speculator: Speculator | None = None, watermark: GumbelWatermark | None = None) -> None:
         self.model = model
         self.watermark = watermark
         """With watermark_config: the rows it marks take keyed Gumbel-max tokens (worker/watermark.py)."""
-        self.pooler = pooler
-        """A pooling model's pooler: every request's hidden states become its vector (nothing is sampled)."""
         self.speculator = speculator
         """With speculative_config: drafts for the requests that sampled, verified in the next step."""
         self.lora = lora
@@ -92,8 +88,6 @@ class ModelRunner:
         self.sampler = Sampler(self.device)  # its kernels chosen for the device, once
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
-        self._failed: dict[str, str] = {}
-        """This step's requests whose own sampling state failed (ModelRunnerOutput.failed)."""
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
@@ -108,7 +102,7 @@ class ModelRunner:
         """
         layers = self._attention_layers()
         self.kv_caches, self.host_kv_caches = [], []
-        pinned = self.device.type == "cuda"  # swap copies from pinned host memory run asynchronously
+        pinned = platform.is_cuda(self.device)  # swap copies from pinned host memory run asynchronously
         for layer in layers:
             shape = self.backend.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
                                                 dtype)
@@ -132,7 +126,7 @@ class ModelRunner:
         req = NewRequestData(req_id="profile", prompt_token_ids=[0] * num_tokens, sampling_params=SamplingParams(),
                              block_ids=list(range(1, blocks + 1)), num_computed_tokens=0)
         self.execute_model(SchedulerOutput(scheduled_new_reqs=[req], num_scheduled_tokens={"profile": num_tokens}))
-        self._update_states(SchedulerOutput(finished_req_ids={"profile"}))  # the speculator forgets it too
+        self.execute_model(SchedulerOutput(finished_req_ids={"profile"}))  # the speculator forgets it too
         for layer in self._attention_layers():
             layer.kv_cache = None
         self.kv_caches = []
@@ -147,38 +141,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: every scheduled request's tokens through the model, then a sample per request that needs
-        one. A request whose own sampling state fails is reported in ``failed``; the step goes on."""
-        self._failed = {}
-        result = self._execute(out)
-        result.failed = self._failed
-        return result
-
-    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """The step's phases: states and blocks, inputs prepared, the forward pass, then pooling or sampling (and
-        the drafts proposed after it)."""
-        self._update_states(out)
+        """One step: the requests' states and blocks brought up to date, then (unless nothing is scheduled) the
+        step run. A request whose own preparation or sampling fails is in the returned ``failed``; the step goes
+        on."""
+        failures = StepFailures()
+        self._update_states(out, failures)
         # order matters: swapped-out blocks may be handed to other requests in this very step
         _copy_blocks(self.kv_caches, self.host_kv_caches, out.blocks_to_swap_out)
         _copy_blocks(self.kv_caches, self.kv_caches, out.blocks_to_copy)
         _copy_blocks(self.host_kv_caches, self.kv_caches, out.blocks_to_swap_in)
-        if out.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        if getattr(self.model, "is_encoder_only", False):
-            return self._run_encoder(out)
+        result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[]) if out.is_empty else \
+            self._run(out, failures)
+        result.failed = dict(failures)
+        return result
+
+    def _run(self, out: SchedulerOutput, failures: StepFailures) -> ModelRunnerOutput:
+        """A generating step: inputs prepared, the forward pass, the prompt rows' logprobs, then a sample per request
+        that needs one (and the drafts proposed after it)."""
         batch = self._prepare_inputs(out)
         hidden = self._forward(batch)
-        states, counts = batch.states, batch.counts
+        states = batch.states
         prompt_logprobs = {} if all(s.sampling_params.prompt_logprobs is None for s in states) else \
-            self._prompt_logprobs(states, counts, batch.inputs.query_start_loc, hidden)
-        for state, n in zip(states, counts):
-            state.num_computed_tokens += n
-        if self.pooler is not None:  # a decoder embedder / classifier: each request's whole input is in this step
-            return self._pooled(states, counts, hidden)
+            self._prompt_logprobs(states, batch.counts, batch.inputs.query_start_loc, hidden)
+        count_computed(batch)
         if not batch.inputs.sample_rows:
             return ModelRunnerOutput(req_ids=batch.inputs.req_ids, sampled_token_ids=[[] for _ in states],
                                      logprobs=[None] * len(states), prompt_logprobs=prompt_logprobs)
-        result = self._sample_step(out, batch, hidden)
+        result = self._sample_step(out, batch, hidden, failures)
         result.prompt_logprobs = prompt_logprobs
         return result
 
@@ -215,7 +204,8 @@ class ModelRunner:
                 return self.model(input_ids, positions)
             return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
 
-    def _sample_step(self, out: SchedulerOutput, batch: _StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample_step(self, out: SchedulerOutput, batch: _StepBatch, hidden: torch.Tensor,
+                     failures: StepFailures) -> ModelRunnerOutput:
         """A token (or a run of accepted drafts and one more) for each row that samples, forked samples drawing
         from their parent's row; the grammars advanced; the next drafts proposed."""
         # forked samples draw from their parent's logits row: the prompt was computed once
@@ -228,52 +218,21 @@ class ModelRunner:
         spec = out.scheduled_spec_decode_tokens
         if spec:
             tokens, logprobs = self._sample_with_drafts(samplers, rows, [spec.get(s.req_id, []) for s in samplers],
-                                                        hidden, batch.inputs.logits_indices)
+                                                        hidden, batch.inputs.logits_indices, failures)
         else:
-            tokens, logprobs = self._sample(samplers, rows, hidden, batch.inputs.logits_indices)
+            tokens, logprobs = self._sample(samplers, rows, hidden, batch.inputs.logits_indices, failures)
         for state, new in zip(samplers, tokens):
             state.token_ids.extend(new)
             state.num_computed_tokens = len(state.token_ids) - 1  # rejected drafts are not computed tokens
             if state.matcher is not None:
-                self._advance_grammar(state, new)
+                _advance_grammar(state, new, failures)
         drafts = {} if self.speculator is None else self.speculator.propose(samplers)
         return ModelRunnerOutput(req_ids=[s.req_id for s in samplers], sampled_token_ids=tokens, logprobs=logprobs,
                                  spec_token_ids=drafts)
 
-    def _run_encoder(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """An encoder-only model's step: each scheduled request's whole input, attending both ways (no KV cache),
-        then pooled."""
-        states = [self.requests[r] for r in out.num_scheduled_tokens]
-        lens = [len(s.token_ids) for s in states]
-        assert lens == [out.num_scheduled_tokens[s.req_id] for s in states], "encoder inputs are never chunked"
-        # one array per request, joined once: no Python loop over the step's tokens
-        input_ids = torch.from_numpy(np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in states]))
-        positions = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in lens]))
-        types = None if all(s.token_type_ids is None for s in states) else torch.from_numpy(np.concatenate(
-            [np.asarray(s.token_type_ids, dtype=np.int64) if s.token_type_ids is not None
-             else np.zeros(n, dtype=np.int64) for s, n in zip(states, lens)]))
-        hidden = self.model(input_ids.to(self.device), positions.to(self.device), lens,
-                            None if types is None else types.to(self.device))
-        for state, n in zip(states, lens):
-            state.num_computed_tokens = n
-        return self._pooled(states, lens, hidden)
-
-    def _pooled(self, states: list[CachedRequestState], counts: list[int], hidden: torch.Tensor) -> ModelRunnerOutput:
-        """The step's output for pooling requests: each one's vector (a failure fails the step's requests alone)."""
-        assert self.pooler is not None
-        params = [s.pooling_params for s in states]
-        assert all(p is not None for p in params), "a pooling model runs pooling requests only"
-        try:
-            vectors = self.pooler(hidden, counts, params)
-        except Exception as e:  # e.g. a head that cannot take this input: these requests fail, the engine goes on
-            for state in states:
-                self._fail(state.req_id, "pooling", e)
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
-        return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[],
-                                 pooler_output={s.req_id: v for s, v in zip(states, vectors)})
-
     def _sample(self, samplers: list[CachedRequestState], rows: list[int], hidden: torch.Tensor,
-                logits_indices: torch.Tensor) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+                logits_indices: torch.Tensor, failures: StepFailures
+                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """One token per sampler from its logits row (``rows[i]``: which sample row it reads)."""
         # only rows that sample; in the model's dtype: the sampler makes a float32 copy only if it must
         logits = self.model.compute_logits(hidden[logits_indices.to(self.device)], keep_dtype=True)
@@ -282,7 +241,7 @@ class ModelRunner:
         matchers = {row: s.matcher for row, s in enumerate(samplers) if s.matcher is not None}
         if matchers:  # only the constrained rows pay: one bitmask for them all
             logits = apply_masks(logits, matchers)
-        md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids, self.device, self._fail)
+        md = build_sampling_metadata(samplers, self.generator, self.eos_token_ids, self.device, failures.add)
         if self.watermark is not None and not md.all_greedy:
             md.watermark_noise = self.watermark.noise(samplers, md.greedy.tolist(), logits.shape[-1], logits.device)
         result = self.sampler(logits, md)
@@ -290,7 +249,7 @@ class ModelRunner:
         return [[t] for t in sampled], [None if lp is None else [lp] for lp in result.logprobs]
 
     def _sample_with_drafts(self, samplers: list[CachedRequestState], rows: list[int], drafts: list[list[int]],
-                            hidden: torch.Tensor, logits_indices: torch.Tensor
+                            hidden: torch.Tensor, logits_indices: torch.Tensor, failures: StepFailures
                             ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """Verify each sampler's drafts (module docstring): its 1 + d last rows drawn as if the drafts before
         each were its output; the drafts kept up to the first row that draws another token, plus that token."""
@@ -312,7 +271,7 @@ class ModelRunner:
         # a seeded sampling request draws one number per row; it must end up having drawn one per output token
         seeded = {i: s.generator.get_state() for i, (s, d) in enumerate(zip(samplers, drafts))
                   if d and s.generator is not None and not s.sampling_params.greedy}
-        md = build_sampling_metadata(views, self.generator, self.eos_token_ids, self.device, self._fail)
+        md = build_sampling_metadata(views, self.generator, self.eos_token_ids, self.device, failures.add)
         result = self.sampler(logits, md)
         sampled = result.sampled_token_ids.tolist()  # the step's one wait for the device
         tokens, logprobs = [], []
@@ -330,18 +289,6 @@ class ModelRunner:
             if d and self.speculator is not None:
                 self.speculator.record(state.req_id, len(d), kept)
         return tokens, logprobs
-
-    def _advance_grammar(self, state: CachedRequestState, tokens: list[int]) -> None:
-        """Feed the request's new tokens to its grammar (those after its reasoning, with grammar_after_reasoning);
-        a failure fails this request alone."""
-        try:
-            for token in state.matcher.readable(state.output_token_ids, len(tokens)):
-                if state.matcher.is_terminated():
-                    return
-                state.matcher.accept_token(token)
-        except Exception as e:  # this request's grammar: it fails alone
-            state.matcher = None
-            self._fail(state.req_id, "advancing the request's grammar", e)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], starts: torch.Tensor,
                          hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
@@ -363,14 +310,17 @@ class ModelRunner:
             found[state.req_id] = (first + 1, entries)
         return found
 
-    def _update_states(self, out: SchedulerOutput) -> None:
+    def _update_states(self, out: SchedulerOutput, failures: StepFailures) -> None:
+        """The requests finished, joining, resumed or forked in this step, as the scheduler tells (a new request
+        whose sampling state cannot be made is in ``failures``)."""
         for req_id in out.finished_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None and self.speculator is not None:
                 self.speculator.finish(req_id, state.token_ids, state.num_prompt_tokens)
         for new in out.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids)
-            generator, matcher = self._sampling_state(new.req_id, new.sampling_params, list(new.output_token_ids))
+            generator, matcher = self._sampling_state(new.req_id, new.sampling_params, list(new.output_token_ids),
+                                                    failures)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, token_ids=prompt + list(new.output_token_ids), num_prompt_tokens=len(prompt),
                 sampling_params=new.sampling_params, generator=generator, block_ids=list(new.block_ids),
@@ -388,26 +338,23 @@ class ModelRunner:
                 self.speculator.rewind(cached.req_id, cached.num_computed_tokens)
         for fork in out.forked_reqs:
             parent = self.requests[fork.parent_id]
-            generator, matcher = self._sampling_state(fork.req_id, fork.sampling_params, parent.output_token_ids)
+            generator, matcher = self._sampling_state(fork.req_id, fork.sampling_params, parent.output_token_ids,
+                                                    failures)
             self.requests[fork.req_id] = CachedRequestState(
                 req_id=fork.req_id, token_ids=list(parent.token_ids), num_prompt_tokens=parent.num_prompt_tokens,
                 sampling_params=fork.sampling_params, generator=generator, block_ids=list(fork.block_ids),
                 num_computed_tokens=fork.num_computed_tokens, matcher=matcher, lora_request=parent.lora_request,
                 prompt_embeds=parent.prompt_embeds)
 
-    def _sampling_state(self, req_id: str, params: SamplingParams, accepted: list[int]) -> tuple[Any, Any]:
+    def _sampling_state(self, req_id: str, params: SamplingParams, accepted: list[int],
+                        failures: StepFailures) -> tuple[Any, Any]:
         """(generator, grammar matcher) of a request joining the batch; if making them fails, the request is
         reported failed (it still runs this step: the batch stays as scheduled) and neither is used."""
         try:
             return _generator(params, self.device), self._matcher(params, accepted)
         except Exception as e:  # this request's own input: it fails alone
-            self._fail(req_id, "preparing the request's sampling state", e)
+            failures.add(req_id, "preparing the request's sampling state", e)
             return None, None
-
-    def _fail(self, req_id: str, stage: str, error: Exception) -> None:
-        """Report ``req_id`` failed in this step's output (logged with its traceback)."""
-        logger.warning("request %s failed while %s: %r", req_id, stage, error, exc_info=True)
-        self._failed[req_id] = f"{stage} failed: {type(error).__name__}: {error}"
 
     def _matcher(self, params: SamplingParams, accepted: list[int]) -> Any:
         """A constrained request's grammar matcher, fed its output so far (a resumed request's: with
@@ -424,3 +371,22 @@ class ModelRunner:
 
 def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     return torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
+
+
+def count_computed(batch: _StepBatch) -> None:
+    """Count the step's tokens as computed for each of its requests."""
+    for state, n in zip(batch.states, batch.counts):
+        state.num_computed_tokens += n
+
+
+def _advance_grammar(state: CachedRequestState, tokens: list[int], failures: StepFailures) -> None:
+    """Feed the request's new tokens to its grammar (those after its reasoning, with grammar_after_reasoning);
+    a failure fails this request alone."""
+    try:
+        for token in state.matcher.readable(state.output_token_ids, len(tokens)):
+            if state.matcher.is_terminated():
+                return
+            state.matcher.accept_token(token)
+    except Exception as e:  # this request's grammar: it fails alone
+        state.matcher = None
+        failures.add(state.req_id, "advancing the request's grammar", e)

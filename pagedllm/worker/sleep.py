@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pagedllm import platform
 from pagedllm.platform import heap
 
 logger = logging.getLogger(__name__)
@@ -33,15 +34,17 @@ class Worker(Protocol):
     asleep: set[str]
     _kv_blocks: tuple[int, int]
 
-    def _build_runner(self, backend: Any) -> Any: ...
+    def load_model(self) -> None: ...
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None: ...
+
+    def compile_or_warm_up_model(self) -> None: ...
 
 
 def _release(worker: Worker) -> None:
     """Give freed memory back to the system (the allocator's cached pages, malloc's free lists)."""
     gc.collect()
-    if worker.device.type == "cuda":
+    if platform.is_cuda(worker.device):
         torch.cuda.empty_cache()
     heap.trim()
 
@@ -67,9 +70,10 @@ def wake_worker(worker: Worker, tags: list[str]) -> None:
     """Bring back the tags' memory: "weights" rebuilds the runner (read from the model files) where level 2
     dropped it, "kv_cache" allocates the pools (at once, or with the weights when those still sleep)."""
     if "weights" in tags and worker.model_runner is None:
-        worker.model_runner = worker._build_runner(worker.backend)
+        worker.load_model()
     worker.asleep -= set(tags)
     if worker.model_runner is not None and "kv_cache" not in worker.asleep and not worker.model_runner.kv_caches:
         blocks, host_blocks = worker._kv_blocks
         if blocks:
             worker.initialize_cache(blocks, host_blocks)
+            worker.compile_or_warm_up_model()  # (a GPU's graphs read the new pools' addresses)

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from tqdm.auto import tqdm
 
 from pagedllm import platform
 from pagedllm.attention import kv_quant
-from pagedllm.attention.base import get_attention_backend, resolve_backend_name
+from pagedllm.attention.base import AttentionBackend, get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, default_kv_budget
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
@@ -36,6 +37,7 @@ from pagedllm.worker.user_calls import destroy_extension, user_call
 from pagedllm.worker.sleep import sleep_worker, wake_worker
 from pagedllm.worker.memory_fit import LoadMeter, dense_copy_room, kv_block_bytes, weight_bytes
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.pooling_runner import runner_for
 from pagedllm.worker.structured_output import compiler_for
 from pagedllm.worker.watermark import GumbelWatermark
 
@@ -57,20 +59,44 @@ class RankInfo:
 
 
 class Worker:
-    """Loads this rank's model shard, sizes and allocates its KV pool, runs steps."""
+    """One rank's model shard, KV pools and model runner, brought up in vLLM's phases.
+
+    ``init_device`` (device, cores, process group, attention backend and its kernels), ``load_model`` (the
+    weights, a draft model's, the runner around them), ``determine_num_kv_blocks`` (what fits), ``initialize_cache``
+    (the KV pools), ``compile_or_warm_up_model`` (a GPU's CUDA graphs), then ``execute_model`` per step.
+    ``make_worker`` (worker/extension.py) runs the first two; the engine core runs the rest through its executor.
+    """
 
     def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...],
                  rank_info: RankInfo | None = None) -> None:
         self.config = config
         self.arch = arch
-        self.rank_info = info = rank_info or RankInfo()
+        self.rank_info = rank_info or RankInfo()
         self.dtype = getattr(torch, config.model.dtype)
+        self._eos_token_ids = eos_token_ids
+        self.device = torch.device("cpu")
+        """This rank's device (set by init_device)."""
+        self.cores: list[int] | None = None
+        """The cores this rank is pinned to (tensor-parallel CPU ranks), or None: all of them."""
+        self.backend: AttentionBackend | None = None
+        """The attention backend (chosen, its kernels built, by init_device)."""
+        self.model_runner: ModelRunner | None = None
+        """Made by load_model (None again while a level-2 sleep dropped it)."""
+        self._kv_blocks = (0, 0)
+        """(device blocks, host blocks) of the KV pool, to allocate it again at wake_up."""
+        self.asleep: set[str] = set()
+        """What sleep released and wake_up has not brought back: "weights", "kv_cache" (worker/sleep.py)."""
+
+    def init_device(self) -> None:
+        """Claim this rank's device (or, at tp > 1 on the CPU, its share of the cores), join the process group,
+        choose the attention backend (its kernels are built or read from the cache here, before any request)
+        and check the KV cache's dtype against it."""
+        config, info = self.config, self.rank_info
         tp = config.parallel.tensor_parallel_size
-        on_gpu = config.device.device == "cuda"
+        on_gpu = platform.is_cuda(config.device.device)
         self.device = torch.device("cuda", info.local_rank) if on_gpu else torch.device("cpu")
         if on_gpu:
             torch.cuda.set_device(self.device)
-        self.cores: list[int] | None = None
         if tp > 1:  # before torch starts its thread pools: they inherit the affinity
             if not on_gpu:
                 self.cores = rank_cores(info.local_rank, info.local_world_size)
@@ -80,45 +106,32 @@ class Worker:
             assert info.distributed_init_method is not None, "a tensor-parallel worker needs rank 0's address"
             init_distributed(info.rank, tp, info.distributed_init_method, info.local_world_size,
                              backend="nccl" if on_gpu else "gloo")
-        self.num_kv_heads = shard_heads(arch.num_heads, arch.num_kv_heads, tp, info.rank).num_kv_heads
-        # the kernels are built (or read from the cache) here, before any request can arrive
+        self.num_kv_heads = shard_heads(self.arch.num_heads, self.arch.num_kv_heads, tp, info.rank).num_kv_heads
         backend = get_attention_backend(resolve_backend_name(config.device.attention_backend, config.device.device))
         self.kv_dtype = kv_quant.kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
         if self.kv_dtype == torch.int8 and not backend.supports_int8_kv:
-            where = "on a GPU no backend reads it yet" if self.device.type == "cuda" else \
-                f"the {backend.name!r} backend does not read it"
+            where = "on a GPU no backend reads it yet" if on_gpu else f"the {backend.name!r} backend does not read it"
             raise ValidationError(f"kv_cache_dtype='int8' is read by the cpu and torch attention backends (CPU only): "
                                   f"{where}", param="kv_cache_dtype", value=config.cache.cache_dtype)
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
-        self._eos_token_ids = eos_token_ids
-        self._kv_blocks = (0, 0)
-        """(device blocks, host blocks) of the KV pool, to allocate it again at wake_up."""
-        self.asleep: set[str] = set()
-        """What sleep released and wake_up has not brought back: "weights", "kv_cache" (worker/sleep.py)."""
         self.backend = backend
-        self.model_runner = self._build_runner(backend)
 
-    def _build_runner(self, backend: Any) -> ModelRunner:
+    def load_model(self) -> None:
         """Load the weights (and a draft model's), process them, and make the model runner around them."""
-        config, arch, info, eos_token_ids = self.config, self.arch, self.rank_info, self._eos_token_ids
+        assert self.backend is not None, "init_device comes before load_model"
+        self.model_runner = self._build_runner(self.backend)
+
+    def _build_runner(self, backend: AttentionBackend) -> ModelRunner:
+        config, arch, info = self.config, self.arch, self.rank_info
         meter = LoadMeter()
         meter.start()
         model = self._load_model(config.model.model, arch, "Loading weights")
         # LoRA layers first: packing leaves gate_up unfused where one is attached
         lora = None if config.lora is None else LoRAManager(model, config.lora, self.dtype, self.device)
-        room = dense_copy_room(config, info.local_world_size)
-        _process_weights(model, self.dtype, config.model.quantization, room)
-        spec = config.speculative
-        self.draft_arch = None if spec is None or not spec.uses_draft_model else load_arch_config(spec.model)
-        speculator = make_speculator(spec)
-        loaded = weight_bytes(model)
-        if self.draft_arch is not None:  # its weights kept as the target's are (a GGUF draft stays quantized)
-            draft = self._load_model(spec.model, self.draft_arch, "Loading draft weights")
-            _process_weights(draft, self.dtype, config.model.quantization,
-                             dense_copy_room(config, info.local_world_size))  # (what the target's copies left)
-            loaded += weight_bytes(draft)
-            speculator = Speculator(spec, DraftModelProposer(draft, backend, config.cache.block_size, self.device))
+        _process_weights(model, self.dtype, config.model.quantization, dense_copy_room(config, info.local_world_size))
+        speculator, loaded = self._load_speculator(backend), weight_bytes(model)
+        loaded += sum(weight_bytes(draft) for draft in (speculator.models() if speculator is not None else ()))
         self.load_report = meter.report(loaded)
         """How loading went: its time, the weights' bytes, the peak RSS (``memory_usage``, ``pagedllm bench``)."""
         if info.rank == 0:
@@ -127,11 +140,27 @@ class Worker:
             described = describe_quantized(model)
             (logger.warning if described.startswith("no weight") else logger.info)(
                 "quantization=%s: %s", config.model.quantization, described)
-        pooler = None if config.model.pooler is None else Pooler(model, config.model.pooler, self.arch.problem_type)
-        return ModelRunner(model, backend, config.cache.block_size, config.model.seed, eos_token_ids, self.device,
-                           functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(eos_token_ids),
-                                             config.structured_outputs), lora, speculator, pooler,
+        if config.model.pooler is not None:
+            pooler = Pooler(model, config.model.pooler, arch.problem_type)
+            return runner_for(model, pooler)(model, backend, config.cache.block_size, config.model.seed,
+                                             self._eos_token_ids, self.device, pooler, lora)
+        grammars = functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(self._eos_token_ids),
+                                     config.structured_outputs)
+        return ModelRunner(model, backend, config.cache.block_size, config.model.seed, self._eos_token_ids,
+                           self.device, grammars, lora, speculator,
                            watermark=None if config.watermark is None else GumbelWatermark(config.watermark))
+
+    def _load_speculator(self, backend: AttentionBackend) -> Speculator | None:
+        """speculative_config's speculator; a draft model's weights loaded and kept as the target's are (a GGUF
+        draft stays quantized, with what dense copies the target's left room for)."""
+        spec = self.config.speculative
+        self.draft_arch = None if spec is None or not spec.uses_draft_model else load_arch_config(spec.model)
+        if self.draft_arch is None:
+            return make_speculator(spec)
+        draft = self._load_model(spec.model, self.draft_arch, "Loading draft weights")
+        _process_weights(draft, self.dtype, self.config.model.quantization,
+                         dense_copy_room(self.config, self.rank_info.local_world_size))
+        return Speculator(spec, DraftModelProposer(draft, backend, self.config.cache.block_size, self.device))
 
     def _load_model(self, path: str, arch: ArchConfig, desc: str) -> torch.nn.Module:
         """The model at ``path`` on this worker's device with its kernels bound (weights not yet processed)."""
@@ -166,7 +195,7 @@ class Worker:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         budget = cache.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
+        if budget is None and platform.is_cuda(self.device):
             budget = self._gpu_kv_budget()
         elif budget is None:
             budget = default_kv_budget(self.kv_block_bytes(), cache.block_size, sched.max_num_seqs,
@@ -200,7 +229,8 @@ class Worker:
         return int(self.config.cache.swap_space * 1024**3) // self.kv_block_bytes()
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
-        """Allocate the KV pools, then (on a GPU) capture the decode CUDA graphs, which hold their addresses."""
+        """Allocate the KV pools: ``num_blocks`` on the device, ``num_host_blocks`` in host memory for swapping."""
+        assert self.model_runner is not None, "load_model comes before initialize_cache"
         self._kv_blocks = (num_blocks, num_host_blocks)
         self.model_runner.initialize_kv_cache(num_blocks, self.kv_dtype, num_host_blocks)
         tp = self.config.parallel.tensor_parallel_size
@@ -210,8 +240,13 @@ class Worker:
                     self.device, torch.get_num_threads(), cores, num_blocks, self.config.cache.block_size,
                     self.num_kv_heads, str(self.kv_dtype).removeprefix("torch."),
                     num_blocks * self.kv_block_bytes() / 1024**3)
+
+    def compile_or_warm_up_model(self) -> None:
+        """On a GPU (unless enforce_eager), capture the decode steps in CUDA graphs, after initialize_cache: they
+        hold the KV pools' addresses. The CPU has nothing to do here: its kernels were built by init_device and
+        its weights packed by load_model."""
         dev = self.config.device
-        if self.device.type == "cuda" and not dev.enforce_eager:
+        if platform.is_cuda(self.device) and not dev.enforce_eager:
             model = self.model_runner.model
             if not getattr(model, "supports_cuda_graphs", True):
                 if self.rank_info.rank == 0:
@@ -260,6 +295,13 @@ class Worker:
     def wake_up(self, tags: list[str]) -> None:
         """Bring back what sleep released: "weights" (read again from the model files) and/or "kv_cache"."""
         wake_worker(self, tags)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> Any:
+        """``func(model)`` on this rank's model (LLM.apply_model, vLLM's: e.g. to inspect its layers)."""
+        if self.model_runner is None:
+            raise ValidationError("the model's weights are asleep (wake_up(['weights']) brings them back)",
+                                  param="func")
+        return func(self.model_runner.model)
 
     def user_rpc(self, method: str | bytes, args: tuple, kwargs: dict[str, Any]) -> tuple[bool, Any]:
         """A user's collective_rpc on this worker: (True, result) or (False, its error as data)."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.utils import worker_of
 
 
 class EagerGraph:
@@ -39,7 +40,7 @@ if __name__ == "__main__":
     for run in ("torch", "triton", "triton+graphs"):  # chunked prompts too: a 16-token budget splits the longer ones
         llm = LLM(sys.argv[1], dtype="float32", attention_backend=run.split("+")[0], max_num_batched_tokens=16,
                   num_kv_blocks=64, block_size=16)
-        runner = llm.llm_engine.engine_core.core.executor.worker.model_runner
+        runner = worker_of(llm).model_runner
         if run.endswith("graphs"):
             runner.capture_model((2, 4), llm.llm_engine.config.model.max_model_len, EagerGraph)
         got[run] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.utils import assert_pool_clean
+from tests.utils import assert_pool_clean, model_of, worker_of
 
 LLM_OPTIONS = dict(num_kv_blocks=256, block_size=16)
 """The module's shared ``llm`` (tests/engine/conftest.py)."""
@@ -102,7 +102,7 @@ def test_abort_frees_everything(llm: LLM) -> None:
     engine.add_request("z", "next one", SamplingParams(max_tokens=1))
     z_ids = engine.output_processor.seq_ids("z")
     engine.step()  # the next real step tells the worker what finished since the last one
-    worker_states = set(engine.engine_core.core.executor.worker.model_runner.requests)
+    worker_states = set(worker_of(engine).model_runner.requests)
     assert worker_states == set(z_ids) and not worker_states & set(seq_ids)  # the worker dropped both states
 
 
@@ -117,7 +117,7 @@ def test_an_idle_engine_runs_no_step(llm: LLM, monkeypatch: pytest.MonkeyPatch) 
     (first_id,) = {r.req_id for r in batches[0].scheduled_new_reqs}
     llm.generate("two", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert all(not out.is_empty for out in batches) and len(batches) == 4
-    runner = engine.engine_core.core.executor.worker.model_runner
+    runner = worker_of(engine).model_runner
     assert first_id in batches[2].finished_req_ids and first_id not in runner.requests
     assert first[0].outputs[0].token_ids and not engine.has_unfinished_requests()
 
@@ -188,7 +188,7 @@ def test_dummy_load_format_reads_no_weights(tiny_llm_dir: Path, tmp_path: Path) 
     runs = []
     for _ in range(2):
         llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", num_kv_blocks=32, seed=3)
-        model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+        model = model_of(llm)
         for name, p in model.named_parameters():
             if p.numel() == 0:  # packed for the CPU kernels: the packed copy replaced it
                 continue

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams, ValidationError
+from tests.utils import worker_of
 
 LLM_OPTIONS = dict(num_kv_blocks=256)
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address", "ok"],
@@ -89,7 +90,7 @@ def test_local_refs_are_followed(llm: LLM) -> None:
 
 def test_the_processor_and_an_in_process_worker_share_one_grammar_cache(llm: LLM) -> None:
     engine = llm.llm_engine
-    worker = engine.engine_core.core.executor.worker  # the in-process (uni) executor's
+    worker = worker_of(engine)  # the in-process (uni) executor's
     compiler = engine.engine_core.core.processor.grammars()
     assert worker.model_runner.grammars() is compiler
     assert compiler.cache_bytes == engine.config.structured_outputs.grammar_cache_bytes

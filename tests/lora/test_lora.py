@@ -10,6 +10,7 @@ import pytest
 
 from pagedllm import LLM, LoRARequest, SamplingParams, ValidationError
 from tests.lora.utils import greedy_reference
+from tests.utils import worker_of
 
 PROMPTS = [[1 + i, 50 + 7 * i, 9, 300 + i, 17, 2 * i + 3] * (1 + i % 3) for i in range(6)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -48,7 +49,7 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(tiny_llm_dir: Path, adapte
         llm = LLM(str(tiny_llm_dir), dtype="float32", enable_lora=True, max_loras=max_loras, max_lora_rank=8,
                   num_kv_blocks=128, block_size=16)
         alone = [_tokens(llm, [p], lora)[0] for p, lora in zip(PROMPTS, loras)]
-        runner = llm.llm_engine.engine_core.core.executor.worker.model_runner
+        runner = worker_of(llm).model_runner
         seen: list[int] = []
         prepare = runner.lora.prepare
 

@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.cpu_stack import CpuDecoderStack
-from tests.utils import save_tiny_model
+from tests.utils import model_of, save_tiny_model
 
 VARIANTS = ["llama-gqa-untied", "qwen2-qkv-bias", "llama-attention-bias"]
 
@@ -37,7 +37,7 @@ def test_stack_with_the_int8_kv_cache(kernels, models: dict[str, Path], dtype: s
 def assert_stack_equals_the_layers(llm: LLM) -> None:
     """The same prompts (prompts and decodes in one step) through the stack, then through the layers one by one:
     the same tokens and the same log-probability floats. Shuts ``llm`` down."""
-    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model.model
+    model = model_of(llm).model
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]  # prompts and decodes in one step
     stacked = llm.generate(prompts, params, use_tqdm=False)
@@ -56,7 +56,7 @@ def test_no_stack_where_a_piece_is_not_compiled(tiny_llm_dir: Path) -> None:
     with cpu_ops.use_level("portable"):
         llm = LLM(str(tiny_llm_dir), dtype="float32", num_kv_blocks=64)
         llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)
-    assert llm.llm_engine.engine_core.core.executor.worker.model_runner.model.model._stack is None
+    assert model_of(llm).model._stack is None
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen2-qkv-bias"])
@@ -69,7 +69,7 @@ def test_stack_with_weights_on_amx_tiles(models: dict[str, Path], variant: str) 
         pytest.skip("AMX tiles: this CPU (or PAGEDLLM_ISA) has no amx level")
     with platform.use_level("amx"):
         llm = LLM(str(models[variant]), dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
-    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model.model
+    model = model_of(llm).model
     assert model.layers[0].self_attn.qkv_proj.packed_weight.amx  # the plain weight, for AMX tiles
     if model._stack is False:  # built at the first step, unless warm-up ran one
         model._stack = CpuDecoderStack.build(model)

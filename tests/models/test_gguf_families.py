@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.utils import save_tiny_model
+from tests.utils import save_tiny_model, worker_of
 from tests.models.test_family_greedy import hf_greedy
 from tests.models.test_tiny_logits import hf_logits
 
@@ -52,7 +52,7 @@ def test_llama_cpp_gguf_matches_transformers(variant: str, tokenizer: Any, tmp_p
     llm = LLM(str(gguf), dtype="float32", num_kv_blocks=64)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    arch = llm.llm_engine.engine_core.core.executor.worker.arch.architecture
+    arch = worker_of(llm).arch.architecture
     llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == want
     assert arch == json.loads((hf_dir / "config.json").read_text())["architectures"][0]
@@ -108,7 +108,7 @@ def test_llama_cpp_gguf_sentencepiece_phi3_gemma_qwen2(variant: str, tokenizer: 
     llm = LLM(str(gguf), dtype="float32", num_kv_blocks=64)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1), use_tqdm=False)
-    arch = llm.llm_engine.engine_core.core.executor.worker.arch
+    arch = worker_of(llm).arch
     text = "alpha beta window"
     round_trip = llm.get_tokenizer().decode(llm.get_tokenizer().encode(text, add_special_tokens=False))
     llm.shutdown()

@@ -14,7 +14,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quant import QuantWeight
-from tests.utils import end_levels
+from tests.utils import end_levels, model_of
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 FILE_TYPES = ["Q4_K_M", "Q5_K_M"]
@@ -51,7 +51,7 @@ def _generate(path: Path, quantization: str | None) -> tuple[list[Any], torch.nn
     llm = LLM(str(path), quantization=quantization, dtype="float32", num_kv_blocks=32)
     outs = [out.outputs[0] for out in llm.generate([{"prompt_token_ids": p} for p in _prompts()], params,
                                                    use_tqdm=False)]
-    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+    model = model_of(llm)
     llm.shutdown()
     return outs, model
 

@@ -19,7 +19,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.errors import ValidationError
 from pagedllm.layers.quant import QuantWeight, int8_rows
-from tests.utils import end_levels, save_tiny_model
+from tests.utils import end_levels, model_of, save_tiny_model
 from tests.gguf_quant import q4_k_m_type, quantize_matrix, requantize, rewrite
 from tests.models.smollm_prompts import PROSE, common_prefixes, greedy_and_perplexity
 from tests.models.test_cpu_stack import assert_stack_equals_the_layers
@@ -78,7 +78,7 @@ def test_a_q4_k_m_mix_keeps_each_matrix_in_its_format(kernels, q4_k_m: Path) -> 
     for quantization in ("gguf", None):
         llm = LLM(str(q4_k_m), quantization=quantization, dtype="float32", num_kv_blocks=32)
         outs.append([out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)])
-        model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+        model = model_of(llm)
         llm.shutdown()
         if quantization == "gguf":
             kept = model
@@ -134,7 +134,7 @@ def test_quantized_logits_stay_near_the_dequantized_ones(kernels, quantized: dic
     assert rel < 0.05, f"{name}: relative logits error {rel:.3f}"
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     llm = LLM(str(quantized[name]), quantization="gguf", dtype="float32", num_kv_blocks=16)
-    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+    model = model_of(llm)
     llm.shutdown()
     layer = model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
@@ -158,7 +158,7 @@ def test_quantized_stack_equals_the_layers(kernels, quantized: dict[str, Path], 
     path = q4_k_m_256 if name == "Q4_K_M" else quantized[name]
     llm = LLM(str(path), quantization="gguf", dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
     if name == "Q4_K_M":
-        qkv = llm.llm_engine.engine_core.core.executor.worker.model_runner.model.model.layers[1].self_attn.qkv_proj
+        qkv = model_of(llm).model.layers[1].self_attn.qkv_proj
         assert [(piece.type_name, piece.packed) for _, piece in sorted(qkv.quant.pieces.items())] == \
             [("Q4_K", True), ("Q6_K", True)]
     assert_stack_equals_the_layers(llm)
@@ -204,7 +204,7 @@ def test_dense_copies_run_the_steps_of_many_rows(kernels, dense_copies, quantize
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
     llm = LLM(str(path), quantization="gguf", dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
-    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+    model = model_of(llm)
     weights = quant.kept_weights(model)
     assert len(weights) == 2 * 4 + 2 and all(q.dense is not None for q in weights)  # 2 layers, embedding, head
     for q in weights:  # the copy's rows in the weight's order: the kernels' products match the copy's
@@ -279,7 +279,7 @@ def test_portable_level_dequantizes(quantized: dict[str, Path]) -> None:
         for quantization in ("gguf", None):
             llm = LLM(str(quantized["Q4_K"]), quantization=quantization, dtype="float32", num_kv_blocks=16)
             outs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
-            assert llm.llm_engine.engine_core.core.executor.worker.model_runner.model.lm_head.quant is None
+            assert model_of(llm).lm_head.quant is None
             llm.shutdown()
     assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
 
@@ -298,7 +298,7 @@ def test_lora_adapters_keep_quantized_layers_off_the_stack(kernels, tiny_llm_dir
     """The compiled stack adds no adapter deltas: with enable_lora, quantized layers run one by one."""
     llm = LLM(str(tiny_llm_dir), quantization="int8", enable_lora=True, dtype="float32", num_kv_blocks=16)
     llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)
-    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+    model = model_of(llm)
     llm.shutdown()
     assert model.model.layers[0].mlp.down_proj.quant is not None and model.model._stack is None
 
@@ -344,7 +344,7 @@ def test_int8_quantization_of_an_hf_checkpoint(kernels, tiny_model, variant: str
     assert (got - want).abs().max() / want.abs().max() < 0.05
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     llm = LLM(str(path), quantization="int8", dtype="float32", num_kv_blocks=16)
-    model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+    model = model_of(llm)
     llm.shutdown()
     original = load_file(str(path / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
     (piece,) = model.model.layers[0].mlp.down_proj.quant.pieces.values()

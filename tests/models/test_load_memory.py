@@ -129,9 +129,9 @@ def load_in_subprocess(model: Path, **options: Any) -> dict[str, int]:
     script = (
         "import json, sys\n"
         "from pagedllm.engine.arg_utils import EngineArgs\n"
-        "from pagedllm.worker.worker import Worker\n"
+        "from pagedllm.worker.extension import make_worker\n"
         "config, arch = EngineArgs(**json.loads(sys.argv[1])).create_engine_config()\n"
-        "print(json.dumps(vars(Worker(config, arch, (2,)).load_report)))\n")
+        "print(json.dumps(vars(make_worker(config, arch, (2,)).load_report)))\n")
     args = {"model": str(model), "dtype": "bfloat16", "num_kv_blocks": 8, **options}
     done = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
                           timeout=300, cwd=Path(__file__).parents[2])

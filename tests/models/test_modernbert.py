@@ -14,6 +14,7 @@ from pagedllm.attention.encoder import bidirectional_attention
 from pagedllm.models.loader import load_arch_config
 from tests.models.test_bert import load_ours, run_ours
 from tests.tiny_tokenizer import save_word_tokenizer
+from tests.utils import model_of
 
 VOCAB = 100
 LENS = [5, 1, 30, 17]
@@ -203,7 +204,7 @@ def test_bf16_embed_with_the_step_padded_for_the_matmuls(folders: Callable[..., 
     prompts = [p * 3 for p in PROMPTS]  # 195 tokens in one step
     llm = LLM(str(path), dtype="bfloat16")
     try:
-        model = llm.llm_engine.engine_core.core.executor.worker.model_runner.model
+        model = model_of(llm)
         assert model.layers[0].attn.Wqkv.rows_for(195) >= 195
         outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
         for ids, out in zip(prompts, outs):

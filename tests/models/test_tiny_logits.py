@@ -15,7 +15,7 @@ from pagedllm.attention.context import forward_context
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, build_step_inputs
-from pagedllm.worker.worker import Worker
+from pagedllm.worker.extension import make_worker
 from tests.utils import TINY_VARIANTS
 
 BLOCK_SIZE = 4
@@ -36,9 +36,9 @@ def paged_logits(path: Path, sequences: list[list[int]], schedule: list[list[int
 
     Returns each sequence's logits at every position, computed step by step through the cache.
     """
-    config, arch = EngineArgs(model=str(path), dtype=dtype, block_size=BLOCK_SIZE,
-                                                   num_kv_blocks=64, **options).create_engine_config()
-    worker = Worker(config, arch, eos_token_ids=())
+    config, arch = EngineArgs(model=str(path), dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=64,
+                              **options).create_engine_config()
+    worker = make_worker(config, arch, eos_token_ids=())
     worker.initialize_cache(64)
     runner = worker.model_runner
     free = list(range(63, 0, -1))  # hand out blocks high ids first: tables are not contiguous
