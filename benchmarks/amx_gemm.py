@@ -50,14 +50,14 @@ def main() -> None:
         xs = {k: torch.randn(rows, k).bfloat16() for _, k in shapes}
         outs = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in shapes}
 
-        def amx() -> None:
+        def amx(xs: dict = xs, outs: dict = outs) -> None:
             for layer in weights:
                 for (n, k), w in zip(shapes, layer):
                     ops.amx_gemm(xs[k], w, outs[n])
 
-        def onednn() -> None:
+        def onednn(xs: dict = xs) -> None:
             for layer in weights:
-                for (n, k), w in zip(shapes, layer):
+                for (_, k), w in zip(shapes, layer):
                     F.linear(xs[k], w)
 
         a, o = best_s(amx), best_s(onednn)

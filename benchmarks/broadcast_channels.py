@@ -172,9 +172,10 @@ def bench_shm(payload: SchedulerOutput, iters: int) -> tuple[list[float], float]
 # ----------------------------------------------------------------------------- the executor
 def bench_executor(iters: int) -> dict[str, float]:
     """Empty steps through the real executors on a tiny random model (no forward pass)."""
+    import sys
+
     from pagedllm.engine.llm_engine import EngineArgs, get_tokenizer
     from pagedllm.executor.factory import get_executor_class
-    import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the test suite's tiny-model factory
     from tests.conftest import save_tiny_model
     out = {}

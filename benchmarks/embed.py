@@ -160,7 +160,7 @@ def run_served(folder: str, sentences: list[str], clients: int, total: int) -> d
                 break
             except OSError:
                 if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("the server did not start")
+                    raise RuntimeError("the server did not start") from None
                 time.sleep(1)
         asyncio.run(_clients(port, sentences, clients, min(200, total)))  # warm-up
         latencies, wall = asyncio.run(_clients(port, sentences, clients, total))

@@ -41,7 +41,7 @@ SHAPES = {  # transformers LlamaConfig fields
 }
 
 
-def save_config(path: Path, shape: str) -> "object":
+def save_config(path: Path, shape: str) -> object:
     from transformers import LlamaConfig
 
     config = LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, initializer_range=0.1)

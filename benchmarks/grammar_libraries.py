@@ -123,19 +123,19 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for cls in (XGrammar, LLGuidance, OutlinesCore):
         try:
-            lib, setup = timed(lambda: cls(tok, vocab))
+            lib, setup = timed(lambda cls=cls: cls(tok, vocab))
         except ImportError as e:
             print(f"| {cls.name} | not installed ({e.name}) | | | |")
             continue
         compiles, compiled = [], None
         for v in range(20):
-            compiled, seconds = timed(lambda: lib.compile(schema(v)))
+            compiled, seconds = timed(lambda lib=lib, v=v: lib.compile(schema(v)))
             compiles.append(seconds)
         steps, ok = [], True
         for _ in range(5):
             m = lib.start(lib.compile(schema(0)))
             for t in tokens:
-                accepted, seconds = timed(lambda: lib.step(m, t))
+                accepted, seconds = timed(lambda lib=lib, m=m, t=t: lib.step(m, t))
                 steps.append(seconds)
                 ok = ok and bool(accepted)
         print(f"| {lib.name} | {setup * 1e3:.0f} | {statistics.median(compiles) * 1e3:.2f} | "

@@ -54,7 +54,7 @@ def main() -> None:
         q, k, v = (torch.randn(seqs, h, 64).bfloat16() for h in (args.heads, args.kv_heads, args.kv_heads))
         metadata = backend.make_builder().build(step)
         caches = {"bf16": CpuAttentionBackend.to_kernel_layout(floats.bfloat16()), "int8": int8_cache(floats)}
-        ms = {name: best_ms(lambda c=cache: backend.forward(q, k, v, c, metadata, 0.125))
+        ms = {name: best_ms(lambda c=cache, q=q, k=k, v=v, md=metadata: backend.forward(q, k, v, c, md, 0.125))
               for name, cache in caches.items()}
         size = {name: cache.nbytes / 2**20 for name, cache in caches.items()}
         print(f"{seqs} x {context} tokens: bf16 {ms['bf16']:.2f} ms ({size['bf16']:.0f} MiB), "

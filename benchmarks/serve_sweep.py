@@ -54,7 +54,6 @@ import sys
 import time
 
 import httpx
-
 from big_models import PEERS, SHAPES, build_hf, paths
 from compare import ROOT, VLLM_CPU, engine_env, gemm_probe
 

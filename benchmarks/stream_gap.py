@@ -25,9 +25,7 @@ import threading
 import time
 
 import httpx
-
 from serve_sweep import stop_server, wait_healthy
-
 
 MODEL_STATS = ("step_time_decode_s", "step_time_token_s", "step_time_pair_s", "max_step_estimated_s")
 """The server's step-time model after the long prompt (/stats)."""

@@ -27,6 +27,6 @@ class ValidationError(ValueError):
         self.value = value
 
     @classmethod
-    def bad_value(cls, param: str, value: Any, expected: str) -> "ValidationError":
+    def bad_value(cls, param: str, value: Any, expected: str) -> ValidationError:
         """``<param> must be <expected>, got <value>``: the common shape of a range error."""
         return cls(f"{param} must be {expected}, got {quoted(value)}", param=param, value=value)

@@ -1,10 +1,9 @@
 """Request: one sequence the scheduler tracks, from arrival to finish (pure Python)."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import enum
 import time
+from collections.abc import Iterable
 
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams

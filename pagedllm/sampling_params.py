@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import enum
-from array import array
 import json as _json
+from array import array
 from dataclasses import dataclass, replace
 
 from pagedllm.errors import ValidationError
@@ -312,7 +312,7 @@ class SamplingParams:
         """True when the sampled token is the argmax."""
         return self.temperature < SAMPLING_EPS
 
-    def child(self, index: int) -> "SamplingParams":
+    def child(self, index: int) -> SamplingParams:
         """Parameters of sample ``index`` of an n>1 request: one sequence, seed offset by index."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)

@@ -28,6 +28,16 @@ def test_ruff_check_passes() -> None:
     assert proc.returncode == 0, f"`ruff check {' '.join(PATHS)}` failed:\n{proc.stdout}{proc.stderr}"
 
 
+def test_the_rule_set_is_wider_than_pycodestyle() -> None:
+    """Beyond pycodestyle and pyflakes: imports sorted (I), pyupgrade (UP) and bugbear (B); a rule left out says
+    why in pyproject.toml."""
+    import tomllib
+
+    lint = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]
+    assert {"E", "F", "W", "I", "UP", "B"} <= set(lint["select"])
+    assert set(lint.get("ignore", [])) <= {"B905"}, "a rule newly ignored: say why in pyproject.toml, then here"
+
+
 def test_clang_format_passes() -> None:
     if importlib.util.find_spec("clang_format") is None:
         # a dev dependency, as ruff: fail rather than skip

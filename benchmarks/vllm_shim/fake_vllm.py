@@ -90,8 +90,9 @@ def make_adapter(repo_id: str, base: str, rank: int = 8) -> str:
     import json
 
     import torch
-    from pagedllm.models.loader import load_arch_config
     from safetensors.torch import save_file
+
+    from pagedllm.models.loader import load_arch_config
 
     cache = Path.home() / ".cache" / "pagedllm-bench" / "vllm-tests" / "adapters" / repo_id.replace("/", "--")
     if (cache / "adapter_model.safetensors").exists():

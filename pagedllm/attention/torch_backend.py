@@ -51,9 +51,9 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None
     """(num_decodes, 1, 1, max_blocks * block_size) bool: True for real keys."""
     prefills: list[PrefillChunk]
-    _windowed: dict[int, "TorchAttentionMetadata"] = field(default_factory=dict)
+    _windowed: dict[int, TorchAttentionMetadata] = field(default_factory=dict)
 
-    def windowed(self, window: int) -> "TorchAttentionMetadata":
+    def windowed(self, window: int) -> TorchAttentionMetadata:
         """The same step with every query restricted to the last ``window`` positions (made once per step
         and window)."""
         if window not in self._windowed:

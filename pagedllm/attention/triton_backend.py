@@ -45,7 +45,7 @@ class TritonAttentionMetadata:
     def decode_only(self) -> bool:
         return max(self.query_lens) == 1
 
-    def on(self, device: torch.device) -> "TritonAttentionMetadata":
+    def on(self, device: torch.device) -> TritonAttentionMetadata:
         """The step's tensors on ``device`` (copied once, by the first layer)."""
         if self._device != device:
             for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):

@@ -13,15 +13,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.config.values import (
-    KV_CACHE_DTYPES, DEFAULT_MODEL_NAME, parse_memory, available_memory_bytes, cgroup_available_bytes,
-    DEFAULT_KV_FRACTION, DEFAULT_KV_CAP, default_kv_budget, json_object)
-from pagedllm.config.model import DEFAULT_MAX_LOGPROBS, POOLING_TYPES, CHUNKED_POOLING_TYPES, PoolerConfig, ModelConfig
-from pagedllm.config.runtime import (
-    CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig, MAX_DEFAULT_GRAPH_SIZE, parse_cuda_graph_sizes)
 from pagedllm.config.features import (
-    LoRAConfig, SPEC_METHODS, MAX_SPEC_TOKENS, SpeculativeConfig, DEFAULT_GRAMMAR_CACHE_BYTES, StructuredOutputsConfig,
-    WATERMARK_SCOPES, WatermarkConfig)
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    MAX_SPEC_TOKENS,
+    SPEC_METHODS,
+    WATERMARK_SCOPES,
+    LoRAConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
+    WatermarkConfig,
+)
+from pagedllm.config.model import CHUNKED_POOLING_TYPES, DEFAULT_MAX_LOGPROBS, POOLING_TYPES, ModelConfig, PoolerConfig
+from pagedllm.config.runtime import (
+    MAX_DEFAULT_GRAPH_SIZE,
+    CacheConfig,
+    DeviceConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_cuda_graph_sizes,
+)
+from pagedllm.config.values import (
+    DEFAULT_KV_CAP,
+    DEFAULT_KV_FRACTION,
+    DEFAULT_MODEL_NAME,
+    KV_CACHE_DTYPES,
+    available_memory_bytes,
+    cgroup_available_bytes,
+    default_kv_budget,
+    json_object,
+    parse_memory,
+)
 
 __all__ = [
     'CHUNKED_POOLING_TYPES', 'CacheConfig', 'DEFAULT_GRAMMAR_CACHE_BYTES', 'DEFAULT_KV_CAP', 'DEFAULT_KV_FRACTION',

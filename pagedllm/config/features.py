@@ -120,7 +120,7 @@ class SpeculativeConfig:
         return self.method == "draft_model"
 
     @classmethod
-    def from_user(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+    def from_user(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """The config from ``speculative_config`` as given: a dict, its JSON text (the CLI flag), or None (off).
 
         As vLLM: ngram with only one of prompt_lookup_min / max sets both to it; suffix's default
@@ -219,7 +219,7 @@ class WatermarkConfig:
             raise ValidationError.bad_value("watermark_config.enforce", self.enforce, "true or false")
 
     @classmethod
-    def from_user(cls, value: str | dict | None) -> "WatermarkConfig | None":
+    def from_user(cls, value: str | dict | None) -> WatermarkConfig | None:
         """The config from ``watermark_config`` as given: a dict, its JSON text (the CLI flag), or None (off); an
         unknown key (vLLM's alpha and allow_target_only_watermarking, which are for dual_key_gumbel and
         speculative decoding, included) is refused naming it."""

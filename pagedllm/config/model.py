@@ -9,7 +9,6 @@ from typing import Any
 from pagedllm.config.values import json_object
 from pagedllm.errors import ValidationError
 
-
 DEFAULT_MAX_LOGPROBS = 20
 """EngineArgs.max_logprobs' default (vLLM's: OpenAI's own bound on top_logprobs)."""
 
@@ -63,7 +62,7 @@ class PoolerConfig:
                                   value=True)
 
     @classmethod
-    def from_user(cls, base: "PoolerConfig", value: "dict[str, Any] | str | None") -> "PoolerConfig":
+    def from_user(cls, base: PoolerConfig, value: dict[str, Any] | str | None) -> PoolerConfig:
         """``base`` (the model's own) with the keys of ``pooler_config`` (a dict or its JSON text) over it."""
         if value is None:
             return base

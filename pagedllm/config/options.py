@@ -162,7 +162,7 @@ class EngineOptions:
     callable with LLM.collective_rpc / POST /collective_rpc; an attribute the worker has already is refused."""
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "Self":
+    def from_kwargs(cls, **kwargs: Any) -> Self:
         """Options from keywords (``cls``: EngineArgs); an unknown option raises ValidationError."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)

@@ -10,7 +10,6 @@ from typing import Any
 
 from pagedllm.errors import ValidationError
 
-
 KV_CACHE_DTYPES = ("auto", "int8")
 """kv_cache_dtype values: "auto" stores K/V in the model's dtype; "int8" quantizes them per slot and KV head."""
 

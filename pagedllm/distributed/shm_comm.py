@@ -21,6 +21,7 @@ import uuid
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from pagedllm import envs
 
 SHM_ENV = envs.CPU_SHM_ALLREDUCE.name

@@ -12,13 +12,26 @@ import logging
 from typing import Any
 
 from pagedllm import platform
-from pagedllm.config import (CacheConfig, DeviceConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
-                             PoolerConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig, WatermarkConfig,
-                             json_object, parse_cuda_graph_sizes, parse_memory)
+from pagedllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    PoolerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
+    WatermarkConfig,
+    json_object,
+    parse_cuda_graph_sizes,
+    parse_memory,
+)
 from pagedllm.config.options import EngineOptions
 from pagedllm.distributed.parallel_state import shard_heads
-from pagedllm.layers import cpu_ops
 from pagedllm.errors import ValidationError
+from pagedllm.layers import cpu_ops
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import load_arch_config, matryoshka_dimensions, quantized_formats, resolve_model_path
 from pagedllm.models.loader.sentence_transformers import read_sentence_transformers_config, read_task_prompts

@@ -17,12 +17,21 @@ from typing import Any, TypeVar
 
 from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.messages import EngineStats
-from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.core_client import CORE_EXIT_TIMEOUT_S, AsyncCoreClient, EngineDeadError, make_async_client
-from pagedllm.engine.messages import (Abort, Accepted, AddRequest, Call, CoreMessage, FrontMessage, Reply, StepOutputs,
-                                      Stop)
+from pagedllm.engine.dp_client import DPClient
 from pagedllm.engine.lifecycle import EnginePausedError
+from pagedllm.engine.messages import (
+    Abort,
+    Accepted,
+    AddRequest,
+    Call,
+    CoreMessage,
+    EngineStats,
+    FrontMessage,
+    Reply,
+    StepOutputs,
+    Stop,
+)
 from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.serial import decode_error
@@ -84,7 +93,7 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, on_step: StepCallback | None = None,
                          on_dead: Callable[[BaseException], None] | None = None, step_log: str | None = None,
-                         multiprocess: bool | None = None) -> "AsyncLLM":
+                         multiprocess: bool | None = None) -> AsyncLLM:
         """Load the engine core: in its own process unless ``multiprocess`` is False (default: from
         PAGEDLLM_ENABLE_MULTIPROCESSING); ``step_log``: the core's per-step log (`pagedllm serve --step-log`)."""
         if multiprocess is None:

@@ -15,22 +15,29 @@ import time
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig
-from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.core.kv_cache_manager import ROUTING_KEY_MASK
 from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step_time import cost_weights
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.lifecycle import Lifecycle, check_mode
-from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, CoreReady, EngineStats,
-                                      StepOutputs)
+from pagedllm.engine.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddBeamSearch,
+    AddRequest,
+    CoreReady,
+    EngineStats,
+    StepOutputs,
+)
 from pagedllm.engine.processor import Processor
 from pagedllm.errors import ValidationError
 from pagedllm.executor.factory import get_executor_class
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import EngineCoreOutput
 from pagedllm.models.config import ArchConfig
-from pagedllm.models.loader import (load_eos_token_ids, load_tokenizer)
+from pagedllm.models.loader import load_eos_token_ids, load_tokenizer
+from pagedllm.outputs import EngineCoreOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -117,7 +124,7 @@ class EngineCore:
         gc.freeze()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "EngineCore":
+    def from_engine_args(cls, args: EngineArgs) -> EngineCore:
         """Resolve the configuration, load the tokenizer and the model, size the KV pool."""
         config, arch = args.create_engine_config()
         return cls(config, arch, load_tokenizer(config.model.model))

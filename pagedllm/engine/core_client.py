@@ -23,13 +23,27 @@ from typing import Any
 
 import zmq
 
+from pagedllm.engine import local_core
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_loop import CALLS, PAUSING_CALLS, EngineCoreLoop, QueueChannel
-from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, AddBeamSearch, AddRequest, Call, CoreDead, CoreMessage,
-                                      CoreReady, FrontMessage, Reply, Shutdown, StartCore, StartupError, StepOutputs)
-from pagedllm.engine import local_core
 from pagedllm.engine.local_core import make_socket_dir, sweep_socket_dirs
+from pagedllm.engine.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddBeamSearch,
+    AddRequest,
+    Call,
+    CoreDead,
+    CoreMessage,
+    CoreReady,
+    FrontMessage,
+    Reply,
+    Shutdown,
+    StartCore,
+    StartupError,
+    StepOutputs,
+)
 from pagedllm.engine.replica_launch import CoreProcess, Launcher, LocalLauncher
 from pagedllm.engine.serial import decode, decode_error, encode
 from pagedllm.errors import ValidationError

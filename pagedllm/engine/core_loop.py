@@ -16,8 +16,21 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.messages import (Abort, Accepted, AddBeamSearch, AddRequest, Call, CoreDead, CoreError,
-                                      CoreMessage, FrontMessage, Reply, Shutdown, StepOutputs, Stop)
+from pagedllm.engine.messages import (
+    Abort,
+    Accepted,
+    AddBeamSearch,
+    AddRequest,
+    Call,
+    CoreDead,
+    CoreError,
+    CoreMessage,
+    FrontMessage,
+    Reply,
+    Shutdown,
+    StepOutputs,
+    Stop,
+)
 from pagedllm.engine.processor import Processor
 from pagedllm.engine.serial import encode, encode_error
 from pagedllm.errors import ValidationError

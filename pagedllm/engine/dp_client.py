@@ -28,10 +28,22 @@ from pagedllm.engine.arg_resolve import parallel_layout
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import CORE_EXIT_TIMEOUT_S, AsyncCoreClient, EngineDeadError, MPClient
 from pagedllm.engine.dp_router import Router
-from pagedllm.engine.messages import (Abort, Accepted, AddBeamSearch, AddRequest, Call, CoreError, CoreMessage,
-                                      EngineStats, FrontMessage, Reply, StepOutputs, Stop)
-from pagedllm.models.loader import load_tokenizer, resolve_model_path
+from pagedllm.engine.messages import (
+    Abort,
+    Accepted,
+    AddBeamSearch,
+    AddRequest,
+    Call,
+    CoreError,
+    CoreMessage,
+    EngineStats,
+    FrontMessage,
+    Reply,
+    StepOutputs,
+    Stop,
+)
 from pagedllm.engine.replica_launch import Launcher, LocalLauncher, RayLauncher, split_cores
+from pagedllm.models.loader import load_tokenizer, resolve_model_path
 from pagedllm.outputs import EngineCoreOutput, RequestOutput
 from pagedllm.request import block_hash_salt
 

@@ -17,8 +17,19 @@ from typing import Any
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.dp_client import DPClient
-from pagedllm.engine.messages import (Abort, Accepted, AddBeamSearch, AddRequest, Call, CoreMessage, EngineStats,
-                                      FrontMessage, Reply, StepOutputs, Stop)
+from pagedllm.engine.messages import (
+    Abort,
+    Accepted,
+    AddBeamSearch,
+    AddRequest,
+    Call,
+    CoreMessage,
+    EngineStats,
+    FrontMessage,
+    Reply,
+    StepOutputs,
+    Stop,
+)
 from pagedllm.engine.serial import decode_error
 
 CALL_TIMEOUT_S = 600.0

@@ -49,7 +49,7 @@ class LLMEngine:
         """Beam searches running (their one RequestOutput comes from the core)."""
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> LLMEngine:
         """Build an engine; ``log_stats`` gathers per-step timing (take it with take_iteration_stats). With
         ``data_parallel_size`` > 1 its replicas are processes (engine/dp_sync.py) and this one only steps them."""
         if args.data_parallel_size != 1:

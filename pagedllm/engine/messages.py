@@ -38,7 +38,7 @@ class EngineStats(SchedulerStats):
     block_size: int = 0
 
     @classmethod
-    def combine(cls, parts: list["EngineStats"]) -> "EngineStats":
+    def combine(cls, parts: list[EngineStats]) -> EngineStats:
         """Several replicas' statistics as one engine's: counts (and most running at once) summed, KV usage and
         its peak weighted by each replica's blocks."""
         if len(parts) == 1:

@@ -11,8 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import (CompletionOutput, EngineCoreOutput, Logprob, PoolingOutput, PoolingRequestOutput,
-                              RequestMetrics, RequestOutput, TokenLogprobs)
+from pagedllm.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 

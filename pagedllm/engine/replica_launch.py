@@ -16,8 +16,8 @@ import os
 import subprocess
 from typing import Any, Protocol
 
-from pagedllm.engine.local_core import CORE_MODULE, core_command
 from pagedllm.distributed.ray_cluster import PLACEMENT_TIMEOUT_S, RayCluster, forwarded_env
+from pagedllm.engine.local_core import CORE_MODULE, core_command
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
 from pagedllm.platform.process import exit_now
 
-
 SERVE_DEFAULTS: dict[str, object] = {"step_time_target": 0.8}
 """EngineArgs defaults of `pagedllm serve` that differ from LLM's, as vLLM's server and LLM class schedule
 differently (its UsageContext): a server keeps its decoding streams' gaps bounded while long prompts prefill
@@ -98,9 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.entrypoints.bench import memory, perplexity
+    from pagedllm.entrypoints.bench import latency, memory, perplexity, throughput
     from pagedllm.entrypoints.bench import serve as bench_serve
-    from pagedllm.entrypoints.bench import latency, throughput
 
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)

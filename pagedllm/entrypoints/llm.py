@@ -10,15 +10,24 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.messages import EngineStats
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.messages import EngineStats
 from pagedllm.engine.processor import PromptType, check_template_kwargs, render_chat
+from pagedllm.engine.scoring import cosine, pair_prompt, score_pairs
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationOutput, ClassificationRequestOutput,
-                              EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
-                              ScoringOutput, ScoringRequestOutput)
-from pagedllm.engine.scoring import cosine, pair_prompt, score_pairs
+from pagedllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 

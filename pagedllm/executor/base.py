@@ -73,7 +73,7 @@ class Executor(ABC):
                 callback(error)
         raise self.failure
 
-    def _kill_workers(self) -> None:
+    def _kill_workers(self) -> None:  # noqa: B027 (a no-op unless overridden: an in-process worker dies with us)
         """Stop every worker at once, without waiting for an answer (after a failure)."""
 
     @abstractmethod
@@ -101,5 +101,6 @@ class Executor(ABC):
         """Get every worker ready for its first step once its KV pools exist (a GPU's CUDA graphs captured)."""
         self.collective_rpc("compile_or_warm_up_model")
 
+    @abstractmethod
     def shutdown(self) -> None:
         """Stop every worker and free what they hold (idempotent)."""

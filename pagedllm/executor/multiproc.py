@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import socket

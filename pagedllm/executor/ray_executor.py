@@ -19,8 +19,8 @@ from typing import Any
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.ray_cluster import RayCluster, forwarded_env
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.distributed.ray_cluster import RayCluster, forwarded_env
 from pagedllm.executor.base import EXECUTE_TIMEOUT_ENV, Executor, WorkerError, execute_timeout, process_stopped
 from pagedllm.models.config import ArchConfig
 from pagedllm.outputs import ModelRunnerOutput
@@ -49,8 +49,9 @@ class RayWorker:
 
     def free_port(self) -> int:
         """A free TCP port on this actor's node (rank 0 hosts the gloo store there)."""
-        from pagedllm.executor.multiproc import free_port
         import ray
+
+        from pagedllm.executor.multiproc import free_port
         return free_port(ray.util.get_node_ip_address())
 
     def init_worker(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...], info: Any) -> None:

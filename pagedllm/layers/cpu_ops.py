@@ -403,7 +403,7 @@ def kernels(level: str | None = None) -> CpuKernels | None:
     return _kernels(level or platform.isa_level())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels(level: str) -> CpuKernels | None:  # one object per level: layers compare them by identity
     library = platform.kernel_library(level)
     return None if library is None else CpuKernels(library, amx=level == "amx" and library.level == "avx512_bf16")

@@ -16,8 +16,17 @@ from torch import nn
 
 from pagedllm.distributed.ops import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import get_tp_rank, get_tp_world_size, shard_heads, split_evenly
-from pagedllm.layers.prepack import (PackedWeight, can_prepack, matmul_for, on_onednn, prepack, rows_for,
-                                     silu_and_mul_linear, silu_interleave, silu_pack)
+from pagedllm.layers.prepack import (
+    PackedWeight,
+    can_prepack,
+    matmul_for,
+    on_onednn,
+    prepack,
+    rows_for,
+    silu_and_mul_linear,
+    silu_interleave,
+    silu_pack,
+)
 from pagedllm.layers.quant import QuantWeight, kept_quantized, store_rows, will_quantize
 
 

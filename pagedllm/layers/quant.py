@@ -50,7 +50,7 @@ class QuantTensor:
     def type_name(self) -> str:
         return next(name for name, code in GGML_TYPES.items() if code == self.qtype)
 
-    def narrow(self, dim: int, start: int, length: int) -> "QuantTensor | torch.Tensor":
+    def narrow(self, dim: int, start: int, length: int) -> QuantTensor | torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, start + length); columns that cut a block come back
         dequantized (float32)."""
         assert not self.packed
@@ -118,7 +118,7 @@ class QuantWeight:
             param.data.narrow(0, offset, piece.rows).copy_(piece.dequantize())
 
 
-def store_rows(param: torch.nn.Parameter, loaded: "torch.Tensor | QuantTensor", offset: int = 0) -> None:
+def store_rows(param: torch.nn.Parameter, loaded: torch.Tensor | QuantTensor, offset: int = 0) -> None:
     """Rows [offset, offset + loaded rows) of ``param`` from a float tensor (copied) or a quantized one
     (kept in the parameter's QuantWeight)."""
     if isinstance(loaded, QuantTensor):
@@ -179,7 +179,7 @@ def _int8_slice(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([d, blocks], dim=2).reshape(rows, -1)  # (rows, blocks * 34)
 
 
-def kept_quantized(param: torch.nn.Parameter) -> "QuantWeight | None":
+def kept_quantized(param: torch.nn.Parameter) -> QuantWeight | None:
     """After loading: the parameter's QuantWeight when the kernels run it here; otherwise it is
     dequantized into the parameter now (and None). With quantization="int8", a float weight the kernels
     take becomes per-channel int8 rows first."""

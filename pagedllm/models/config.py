@@ -104,7 +104,7 @@ class ArchConfig:
         return all(self.window_of(i) is not None for i in range(self.num_layers))
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ArchConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ArchConfig:
         """From a config.json dict (transformers 4 ``rope_scaling`` or 5 ``rope_parameters``)."""
         arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch == "GPT2LMHeadModel":
@@ -155,7 +155,7 @@ class ArchConfig:
 
 
     @classmethod
-    def _learned_positions(cls, arch: str, hf: dict[str, Any], **fields: Any) -> "ArchConfig":
+    def _learned_positions(cls, arch: str, hf: dict[str, Any], **fields: Any) -> ArchConfig:
         """GPT-2 / OPT: multi-head attention, learned positions (no rotary), LayerNorm, biases."""
         heads = fields.pop("num_heads")
         return cls(architecture=arch, vocab_size=hf["vocab_size"], num_heads=heads, num_kv_heads=heads,
@@ -164,7 +164,7 @@ class ArchConfig:
                    bos_token_id=hf.get("bos_token_id"), eos_token_ids=as_id_tuple(hf.get("eos_token_id")), **fields)
 
     @classmethod
-    def _from_gpt2(cls, hf: dict[str, Any]) -> "ArchConfig":
+    def _from_gpt2(cls, hf: dict[str, Any]) -> ArchConfig:
         from pagedllm.errors import ValidationError
 
         for key, want in (("scale_attn_by_inverse_layer_idx", False), ("scale_attn_weights", True),
@@ -179,7 +179,7 @@ class ArchConfig:
             hidden_act=hf.get("activation_function", "gelu_new"))
 
     @classmethod
-    def _from_opt(cls, hf: dict[str, Any]) -> "ArchConfig":
+    def _from_opt(cls, hf: dict[str, Any]) -> ArchConfig:
         from pagedllm.errors import ValidationError
 
         if not hf.get("layer_norm_elementwise_affine", True):
@@ -197,7 +197,7 @@ class ArchConfig:
             final_norm=before and not hf.get("_remove_final_layer_norm", False))
 
     @classmethod
-    def _from_bert(cls, arch: str, hf: dict[str, Any]) -> "ArchConfig":
+    def _from_bert(cls, arch: str, hf: dict[str, Any]) -> ArchConfig:
         """BERT / RoBERTa / XLM-R: post-LN encoder blocks, exact GELU, learned positions (RoBERTa's start at
         pad_token_id + 1) and token types; a sequence classifier's labels."""
         from pagedllm.errors import ValidationError
@@ -219,7 +219,7 @@ class ArchConfig:
             position_offset=offset, **_labels(arch, hf))
 
     @classmethod
-    def _from_modernbert(cls, arch: str, hf: dict[str, Any]) -> "ArchConfig":
+    def _from_modernbert(cls, arch: str, hf: dict[str, Any]) -> ArchConfig:
         """ModernBERT: pre-LN encoder blocks, GeGLU MLP, rotary positions (one base for the global layers,
         another for the local ones), every global_attn_every_n_layers-th layer global, the others windowed.
         transformers 5 writes ``layer_types`` and ``rope_parameters`` per layer type; older configs

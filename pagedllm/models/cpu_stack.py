@@ -144,7 +144,7 @@ class CpuDecoderStack:
         return self._keep[-1].data_ptr()
 
     @classmethod
-    def build(cls, model: DecoderModel) -> "CpuDecoderStack | None":
+    def build(cls, model: DecoderModel) -> CpuDecoderStack | None:
         """The stack of ``model`` when every piece of it runs on the compiled kernels, else None."""
         if not platform.switches().cpu_stack or not model.layers:
             return None

@@ -118,7 +118,7 @@ def kernel_library(level: str | None = None) -> KernelLibrary | None:
     return _library(level or isa_level())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _library(level: str) -> KernelLibrary | None:
     assert "torch" in sys.modules, "import torch before loading the kernels (one OpenMP runtime)"
     wanted = build.library_level(level)

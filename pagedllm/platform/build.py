@@ -191,7 +191,7 @@ class _flock:
         self.path = path
         self.fd: int | None = None
 
-    def __enter__(self) -> "_flock":
+    def __enter__(self) -> _flock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:

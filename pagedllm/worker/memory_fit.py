@@ -59,7 +59,7 @@ def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> 
     if quantization == "gguf" and path.endswith(".gguf") and kernels is not None:  # else dequantized at load
         from pagedllm.models.loader.gguf_loader import kept_tensors
 
-        for name, qtype, rows, cols, nbytes in kept_tensors(path, arch):
+        for name, qtype, rows, cols, _nbytes in kept_tensors(path, arch):
             kept_elements += rows * cols
             kept_bytes += kernels.qpacked_bytes(qtype, rows, cols)  # the kernels' copy (Q8_0: f32 scales, +6%)
             embedding_kept |= name == "token_embd.weight"

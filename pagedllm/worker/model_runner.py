@@ -29,10 +29,16 @@ from pagedllm.layers.sampler import Sampler, gather_token_logprobs
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.cuda_graph import DecodeGraphs, Graph
-from pagedllm.worker.input_batch import (CachedRequestState, StepFailures, build_sampling_metadata,
-                                         build_step_inputs, embeds_tensor, gather_prompt_embeds)
 from pagedllm.spec_decode.speculator import Speculator
+from pagedllm.worker.cuda_graph import DecodeGraphs, Graph
+from pagedllm.worker.input_batch import (
+    CachedRequestState,
+    StepFailures,
+    build_sampling_metadata,
+    build_step_inputs,
+    embeds_tensor,
+    gather_prompt_embeds,
+)
 from pagedllm.worker.structured_output import GrammarCompiler, apply_draft_masks, apply_masks
 from pagedllm.worker.watermark import GumbelWatermark
 

@@ -98,12 +98,16 @@ class GrammarCache:
                 trim(0)
 
 
+DEFAULT_CONFIG = StructuredOutputsConfig()
+"""structured_outputs_config's defaults (frozen: one shared instance)."""
+
+
 class GrammarCompiler:
     """One tokenizer's compiler and its cache of compiled grammars (at most ``config.grammar_cache_bytes`` as
     measured, least recently used out; thread-safe)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 config: StructuredOutputsConfig = StructuredOutputsConfig()) -> None:
+                 config: StructuredOutputsConfig = DEFAULT_CONFIG) -> None:
         xgr = _xgrammar()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids) or None)
@@ -172,7 +176,7 @@ class GrammarCompiler:
         return self.cache.bytes
 
     def matcher(self, spec: StructuredOutputsParams, accepted: list[int], reasoning_ends: list[list[int]] | None = None,
-                implicit_ends: Collection[int] = ()) -> "Matcher":
+                implicit_ends: Collection[int] = ()) -> Matcher:
         """A matcher at the start of ``spec``'s grammar, fed ``accepted`` (a resumed request's output).
         ``reasoning_ends``: the reply starts inside its reasoning, which any of these markers ends (or a token of
         ``implicit_ends``, the grammar's first): the matcher sleeps until then (see ``Matcher.readable``)."""
@@ -276,7 +280,7 @@ def choice_grammar(choices: list[str]) -> str:
 
 @functools.lru_cache(maxsize=4)
 def compiler_for(model_path: str, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 config: StructuredOutputsConfig = StructuredOutputsConfig()) -> GrammarCompiler:
+                 config: StructuredOutputsConfig = DEFAULT_CONFIG) -> GrammarCompiler:
     """The compiler of a model's tokenizer, one per process (the engine's processor and an in-process worker
     share it, and so its cache); built on first use: most engines never need it."""
     from pagedllm.models.loader import load_tokenizer

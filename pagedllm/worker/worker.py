@@ -15,6 +15,7 @@ from pagedllm import platform
 from pagedllm.attention import kv_quant
 from pagedllm.attention.base import AttentionBackend, get_attention_backend, resolve_backend_name
 from pagedllm.config import EngineConfig, default_kv_budget
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.layers.custom_op import bind_ops
@@ -24,7 +25,6 @@ from pagedllm.layers.prepack import add_dense_copies
 from pagedllm.layers.quant import DENSE_ROWS, describe_quantized, int8_on_load
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora_request import LoRARequest
-from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import iter_weights, load_arch_config
 from pagedllm.models.registry import get_model_class
@@ -33,12 +33,12 @@ from pagedllm.platform import heap
 from pagedllm.platform.cpu import rank_cores
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.speculator import Speculator, make_speculator
-from pagedllm.worker.user_calls import destroy_extension, user_call
-from pagedllm.worker.sleep import sleep_worker, wake_worker
 from pagedllm.worker.memory_fit import LoadMeter, dense_copy_room, kv_block_bytes, weight_bytes
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.pooling_runner import runner_for
+from pagedllm.worker.sleep import sleep_worker, wake_worker
 from pagedllm.worker.structured_output import compiler_for
+from pagedllm.worker.user_calls import destroy_extension, user_call
 from pagedllm.worker.watermark import GumbelWatermark
 
 logger = logging.getLogger(__name__)

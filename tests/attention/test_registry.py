@@ -9,9 +9,16 @@ import pytest
 import torch
 
 from pagedllm.attention import base
-from pagedllm.attention.base import (AttentionBackend, AttentionMetadataBuilder, StepInputs, backend_class,
-                                     get_attention_backend, register_backend, registered_backends,
-                                     resolve_backend_name)
+from pagedllm.attention.base import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    StepInputs,
+    backend_class,
+    get_attention_backend,
+    register_backend,
+    registered_backends,
+    resolve_backend_name,
+)
 from pagedllm.errors import ValidationError
 
 

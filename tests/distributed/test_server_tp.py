@@ -15,10 +15,19 @@ import pytest
 
 from tests.entrypoints.openai.test_load import test_dropped_streams_free_everything  # noqa: F401
 from tests.entrypoints.openai.test_openai_client import (  # noqa: F401
-    test_beam_search_and_prefix_cache_metrics, test_chat_logprobs, test_chat_usage_counts_are_the_tokenizers,
-    test_completion_logprobs, test_completion_usage_counts_are_the_tokenizers, test_models, test_n_samples_and_seed,
-    test_prompt_forms_and_echo, test_stop_string, test_streamed_chat_joins_to_the_greedy_text,
-    test_streamed_completion_joins_to_the_greedy_text, test_tokenize_detokenize_version)
+    test_beam_search_and_prefix_cache_metrics,
+    test_chat_logprobs,
+    test_chat_usage_counts_are_the_tokenizers,
+    test_completion_logprobs,
+    test_completion_usage_counts_are_the_tokenizers,
+    test_models,
+    test_n_samples_and_seed,
+    test_prompt_forms_and_echo,
+    test_stop_string,
+    test_streamed_chat_joins_to_the_greedy_text,
+    test_streamed_completion_joins_to_the_greedy_text,
+    test_tokenize_detokenize_version,
+)
 from tests.utils import RemoteServer
 
 

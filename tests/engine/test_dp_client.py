@@ -10,12 +10,23 @@ from typing import Any
 
 import pytest
 
-from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.core.kv_cache_manager import prompt_routing_keys
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.dp_client import DPClient
-from pagedllm.engine.messages import (PROTOCOL_VERSION, Abort, Accepted, AddRequest, Call, CoreError, CoreReady,
-                                      EngineStats, Reply, StepOutputs, Stop)
+from pagedllm.engine.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Accepted,
+    AddRequest,
+    Call,
+    CoreError,
+    CoreReady,
+    EngineStats,
+    Reply,
+    StepOutputs,
+    Stop,
+)
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EngineCoreOutput
 from pagedllm.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, ValidationError
 from tests.utils import assert_pool_clean, model_of, worker_of
 
 LLM_OPTIONS = dict(num_kv_blocks=256, block_size=16)
@@ -183,7 +183,7 @@ def test_dummy_load_format_reads_no_weights(tiny_llm_dir: Path, tmp_path: Path) 
     for f in tiny_llm_dir.iterdir():
         if not f.name.endswith(".safetensors"):
             shutil.copy(f, tmp_path / f.name)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match=r"no \*\.safetensors files"):
         LLM(str(tmp_path), dtype="float32", num_kv_blocks=32)  # no checkpoint: the default format fails
     runs = []
     for _ in range(2):

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from pagedllm import SamplingParams
-from pagedllm.errors import ValidationError
 from pagedllm.engine.prompt_embeds import decode_prompt_embeds, encode_prompt_embeds, prompt_embeds_from_tensor
+from pagedllm.errors import ValidationError
 from pagedllm.worker.input_batch import embeds_tensor
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

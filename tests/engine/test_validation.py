@@ -10,7 +10,6 @@ from pagedllm import LLM, SamplingParams, ValidationError
 from pagedllm.config import parse_cuda_graph_sizes
 from tests.utils import assert_pool_clean
 
-
 LLM_OPTIONS = dict(max_model_len=64, num_kv_blocks=32, block_size=4)
 """The module's shared ``llm`` (tests/engine/conftest.py)."""
 

@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 
 from pagedllm.entrypoints.bench.memory_sim.benchmark import SCHEMES, MemoryBenchConfig, run_benchmark
-from pagedllm.entrypoints.bench.memory_sim.contiguous import (ORCA_SCHEMES, ContiguousAllocator,
-                                                              simulate_contiguous)
+from pagedllm.entrypoints.bench.memory_sim.contiguous import ORCA_SCHEMES, ContiguousAllocator, simulate_contiguous
 from pagedllm.entrypoints.bench.memory_sim.series import PoolLimits
-from pagedllm.entrypoints.bench.memory_sim.sharing import (beam_search_blocks, parallel_sampling_blocks,
-                                                           sharing_savings)
+from pagedllm.entrypoints.bench.memory_sim.sharing import beam_search_blocks, parallel_sampling_blocks, sharing_savings
 from pagedllm.entrypoints.bench.traces import TRACE_SPECS, TraceRequest, draw_lengths
 from pagedllm.errors import ValidationError
 

@@ -61,8 +61,8 @@ def test_every_engine_option_round_trips_through_the_cli(command: list[str]) -> 
     expected, argv = {}, list(command)
     for f in fields(EngineArgs):
         kind = _flag_type(hints[f.name])
-        value = {bool: lambda: not f.default, int: lambda: (f.default or 0) + 3,
-                 float: lambda: (f.default or 0) + 1.5, str: lambda: f"value-of-{f.name}"}[kind]()
+        value = {bool: lambda f=f: not f.default, int: lambda f=f: (f.default or 0) + 3,
+                 float: lambda f=f: (f.default or 0) + 1.5, str: lambda f=f: f"value-of-{f.name}"}[kind]()
         expected[f.name] = value
         flag = "--" + f.name.replace("_", "-")
         argv += ([flag] if value else ["--no-" + flag[2:]]) if kind is bool else [flag, str(value)]

@@ -127,10 +127,10 @@ def test_q8_0_scales_beyond_the_packed_offset_run_unpacked(kernels) -> None:
 def test_quant_gemm_reads_and_writes_16_bit_storage(kernels, name: str, dtype: torch.dtype) -> None:
     """bf16 / f16 activations in, the same storage out (float32 sums, one rounding at the end), into a
     column slice of a wider output (row stride != width), from strided input rows."""
-    w = random_quant(name, 48, 512)
+    quant = random_quant(name, 48, 512)
     wide = torch.randn(9, 600).to(dtype)
     x = wide[:, :512]  # rows 600 apart
-    for w in layouts(kernels, w):
+    for w in layouts(kernels, quant):
         out = torch.full((9, 80), 7.0, dtype=dtype)
         kernels.qgemm(x, w, out[:, 16:64])
         want = torch.empty(9, 48)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.layers.sampler import SamplingMetadata, Sampler, apply_penalties, apply_top_k_top_p
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, build_sampling_metadata
 

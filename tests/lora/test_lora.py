@@ -53,7 +53,7 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(tiny_llm_dir: Path, adapte
         seen: list[int] = []
         prepare = runner.lora.prepare
 
-        def spy(step_loras: list, qsl: list) -> bool:  # adapters per step, as the worker saw them
+        def spy(step_loras: list, qsl: list, seen: list[int] = seen, prepare=prepare) -> bool:  # adapters per step
             seen.append(len({lo.lora_int_id for lo in step_loras if lo is not None}))
             return prepare(step_loras, qsl)
 

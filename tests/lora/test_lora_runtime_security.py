@@ -22,8 +22,12 @@ import pytest
 from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath, parse_lora_module,
-                                                        runtime_lora_updating)
+from pagedllm.entrypoints.openai.serving_models import (
+    RUNTIME_LORA_ENV,
+    LoRAModulePath,
+    parse_lora_module,
+    runtime_lora_updating,
+)
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams
 from tests.utils import RemoteServer, thread_engine
@@ -193,7 +197,7 @@ def test_load_inplace_retires_the_old_adapter_once_its_request_ends(tiny_llm_dir
                 status = (await load("mlp-r16", True)).status_code
                 new = models.loras["a"]
                 last = None
-                async for last in outputs:
+                async for last in outputs:  # noqa: B007 (the last output is read after the loop)
                     pass
                 for _ in range(100):  # the old one leaves within a few RETIRE_POLL_S
                     if await engine.list_loras() == {new.lora_int_id}:
@@ -233,8 +237,8 @@ def test_lora_modules_base_model_name_must_be_served(tiny_llm_dir: Path, adapter
 
 def _bad_folders(base: Path, out: Path) -> dict[str, Path]:
     """Adapter folders whose config or weights hold SECRET where our checks read."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     config = json.loads((base / "adapter_config.json").read_text())
     cases: dict[str, bytes | dict | list | None] = {

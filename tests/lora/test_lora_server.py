@@ -4,6 +4,7 @@ load_inplace, as vLLM), SageMaker's /adapters routes and adapter header, concurr
 (and the base model) answered as the offline engine answers each."""
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,8 @@ def lora_server(tiny_llm_dir: Path, adapters: Callable) -> Iterator[RemoteServer
     srv = RemoteServer(tiny_llm_dir, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
                        "--max-lora-rank", "16", "--allow-runtime-lora-updating",
                        "--lora-modules", f"first={adapters('all-r8')[0]}",
-                       '{"name": "second", "path": "%s", "base_model_name": "tiny"}' % adapters("qv-r4-rslora")[0])
+                       json.dumps({"name": "second", "path": str(adapters("qv-r4-rslora")[0]),
+                                   "base_model_name": "tiny"}))
     yield srv
     srv.stop()
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.utils import end_levels
 from tests.models.smollm_prompts import MAX_TOKENS, smollm_prompt_ids
+from tests.utils import end_levels
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.utils import save_tiny_model, worker_of
 from tests.models.test_family_greedy import hf_greedy
 from tests.models.test_tiny_logits import hf_logits
+from tests.utils import save_tiny_model, worker_of
 
 CONVERTER = Path(sys.prefix) / "llama-cpp-converter"
 

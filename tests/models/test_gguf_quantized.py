@@ -19,12 +19,12 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.errors import ValidationError
 from pagedllm.layers.quant import QuantWeight, int8_rows
-from tests.utils import end_levels, model_of, save_tiny_model
 from tests.gguf_quant import q4_k_m_type, quantize_matrix, requantize, rewrite
 from tests.models.smollm_prompts import PROSE, common_prefixes, greedy_and_perplexity
 from tests.models.test_cpu_stack import assert_stack_equals_the_layers
 from tests.models.test_gguf_families import CONVERTER, NOT_FETCHED, convert, train_sentencepiece
 from tests.models.test_tiny_logits import paged_logits
+from tests.utils import end_levels, model_of, save_tiny_model
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 pytestmark = pytest.mark.skipif(not (CONVERTER / "convert_hf_to_gguf.py").exists(), reason=NOT_FETCHED)
@@ -231,9 +231,9 @@ def test_dense_copies_by_default_only_for_bf16_gguf_models_on_amx_with_room(monk
     """PAGEDLLM_DENSE_COPY=auto (the default): copies at the amx level for a bf16 GGUF model whose copies take at
     most 1 GiB or half the room the weights and KV pool leave, nowhere else; "0" never, "1" always. The room: what
     the OS can still give less every rank's KV pool (kv_cache_memory, else the default's 4 GiB cap), per rank."""
-    from pagedllm import platform
     from types import SimpleNamespace
 
+    from pagedllm import platform
     from pagedllm.layers.quant import DENSE_AUTO_BYTES, wants_dense
     from pagedllm.worker import memory_fit
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.utils import end_levels
 from tests.models.smollm_prompts import MAX_TOKENS, smollm_prompt_ids
+from tests.utils import end_levels
+
 
 @pytest.fixture(scope="module")
 def prompt_token_ids(tokenizer: Any) -> list[list[int]]:

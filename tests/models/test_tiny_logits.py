@@ -14,8 +14,8 @@ import torch
 from pagedllm.attention.context import forward_context
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.input_batch import CachedRequestState, build_step_inputs
 from pagedllm.worker.extension import make_worker
+from pagedllm.worker.input_batch import CachedRequestState, build_step_inputs
 from tests.utils import TINY_VARIANTS
 
 BLOCK_SIZE = 4

@@ -76,7 +76,7 @@ def _ngram_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[
 
 def test_ngram_matches_brute_force_on_random_tokens() -> None:
     rng = random.Random(0)
-    for trial in range(400):
+    for _trial in range(400):
         min_n = rng.randint(1, 4)
         max_n = rng.randint(min_n, 6)
         k = rng.randint(1, 6)
@@ -148,7 +148,7 @@ def _check_trie(trie: _Trie, alive: dict[int, tuple[int, int]], exact_best: bool
 
 def test_trie_matches_brute_force_through_growth_builds_and_removals() -> None:
     rng = random.Random(1)
-    for trial in range(600):
+    for _trial in range(600):
         depth, vocab = rng.randint(1, 6), rng.randint(1, 4)
         trie, alive, frontiers = _Trie(depth), {}, {}
         for doc in range(rng.randint(1, 4)):
@@ -183,7 +183,7 @@ def test_trie_matches_brute_force_through_growth_builds_and_removals() -> None:
 
 def test_trie_window_slides_within_one_growing_doc() -> None:
     rng = random.Random(2)
-    for trial in range(300):
+    for _trial in range(300):
         depth, vocab = rng.randint(1, 6), rng.randint(1, 4)
         tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
         trie = _Trie(depth)
@@ -204,7 +204,7 @@ def test_trie_window_slides_within_one_growing_doc() -> None:
 
 def test_trie_match_is_the_longest_suffix_seen() -> None:
     rng = random.Random(3)
-    for trial in range(300):
+    for _trial in range(300):
         depth, vocab = rng.randint(1, 6), rng.randint(1, 4)
         trie, seen = _Trie(depth), set()
         for doc in range(rng.randint(1, 3)):
@@ -341,7 +341,7 @@ def test_suffix_first_token_is_a_most_frequent_continuation() -> None:
     """Brute force on the request's own tokens: the draft starts with a most frequent continuation of the
     context's longest suffix seen before (depth large enough never to cap, no probability bar)."""
     rng = random.Random(7)
-    for trial in range(200):
+    for _trial in range(200):
         vocab = rng.randint(2, 4)
         proposer = SuffixProposer(max_tree_depth=64, min_token_prob=0.0, max_cached_requests=0)
         tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]

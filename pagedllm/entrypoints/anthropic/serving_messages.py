@@ -19,10 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, anthropic_error
+from pagedllm.entrypoints.openai.limits import check_tools
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ErrorInfo, UsageInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_render import render_chat
-from pagedllm.entrypoints.openai.limits import check_tools
 from pagedllm.entrypoints.openai.translate import chat_request, check_keys, format_field, renamed, string_field
 from pagedllm.errors import ValidationError, quoted
 

@@ -24,10 +24,15 @@ import numpy as np
 
 from pagedllm import platform
 from pagedllm.config import CacheConfig, SchedulerConfig, default_kv_budget
-from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.entrypoints.bench.datasets import (BenchRequest, add_dataset_args, check_dataset_args, dataset_seed,
-                                                 requests_from_args)
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.bench.datasets import (
+    BenchRequest,
+    add_dataset_args,
+    check_dataset_args,
+    dataset_seed,
+    requests_from_args,
+)
 from pagedllm.entrypoints.bench.memory_sim.paged import fake_model
 from pagedllm.entrypoints.cli_args import SubParsers, add_engine_args, engine_args_from
 from pagedllm.errors import ValidationError
@@ -50,7 +55,7 @@ class CostModel:
         return max(1e-5, float(np.dot(self.coef, features)))
 
     @classmethod
-    def fit(cls, features: list[list[float]], seconds: list[float], **facts: Any) -> "CostModel":
+    def fit(cls, features: list[list[float]], seconds: list[float], **facts: Any) -> CostModel:
         """Least squares with non-negative coefficients (a coefficient that fits negative is dropped)."""
         x, y = np.asarray(features), np.asarray(seconds)
         keep = list(range(x.shape[1]))
@@ -69,7 +74,7 @@ class CostModel:
             json.dump(dataclasses.asdict(self), f, indent=1)
 
     @classmethod
-    def load(cls, path: str) -> "CostModel":
+    def load(cls, path: str) -> CostModel:
         try:
             with open(path) as f:
                 return cls(**json.load(f))
@@ -283,7 +288,7 @@ def _read_log(path: str) -> tuple[list[BenchRequest], list[float] | None]:
     requests, arrivals, n = [], [], 0
     try:
         with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+            for n, line in enumerate(f, 1):  # noqa: B007 (n names the failing line in the error below)
                 if line.strip():
                     entry = json.loads(line)
                     requests.append(BenchRequest([], int(entry["prompt_len"]), int(entry["output_len"])))

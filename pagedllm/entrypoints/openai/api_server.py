@@ -12,14 +12,14 @@ import stat
 import threading
 import time
 import types
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.routing import APIRoute
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,56 +29,100 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import pagedllm
 from pagedllm import envs
 from pagedllm.config import DEFAULT_MODEL_NAME
+from pagedllm.engine import local_core
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine import local_core
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.lifecycle import CollectiveRPCError, EnginePausedError
-from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
-from pagedllm.entrypoints.anthropic.protocol import anthropic_error
+from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, anthropic_error
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
-from pagedllm.entrypoints.openai.http_guard import (ANTHROPIC_PATHS, COHERE_PATHS, GuardedServer,
-                                                    UnicodeCheckedRoute, add_http_args,
-                                                    serve_config)
-from pagedllm.entrypoints.openai.http_guard import positive as _positive
-from pagedllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
-from pagedllm.entrypoints.openai.deploy import (ANSWERING_ROUTE, DeployOptions, add_deploy_args, attach_deploy,
-                                                deploy_options, sagemaker_lora_router)
-from pagedllm.entrypoints.openai.metrics import ORCA_FORMATS, ServerMetrics, orca_header
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  DetokenizeResponse, ErrorInfo, ErrorResponse, LoadLoRAAdapterRequest,
-                                                  ModelList, TokenizeRequest, TokenizeResponse,
-                                                  UnloadLoRAAdapterRequest)
-from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedllm.entrypoints.openai.chat_options import template_options
-from pagedllm.entrypoints.openai.reasoning import ReasoningConfig, get_reasoning_parser, parse_reasoning_config
-from pagedllm.entrypoints.openai.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath, ModelNotFoundError,
-                                                         OpenAIServingModels, parse_lora_module, public_name,
-                                                         runtime_lora_updating)
-from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, get_tool_parser
-from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, add_limit_args, check_tools,
-                                               serving_limits)
-from pagedllm.entrypoints.openai.serving import (Admission, OverloadedError, RequestFailedError,
-                                                 RequestTimeoutError)
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.protocol_pooling import (ClassificationRequest, EmbeddingRequest, PoolingRequest,
-                                                          RerankRequest, ScoreRequest)
-from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, check_generates
+from pagedllm.entrypoints.openai.deploy import (
+    ANSWERING_ROUTE,
+    DeployOptions,
+    add_deploy_args,
+    attach_deploy,
+    deploy_options,
+    sagemaker_lora_router,
+)
+from pagedllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
+from pagedllm.entrypoints.openai.http_guard import (
+    ANTHROPIC_PATHS,
+    COHERE_PATHS,
+    GuardedServer,
+    UnicodeCheckedRoute,
+    add_http_args,
+    serve_config,
+)
+from pagedllm.entrypoints.openai.http_guard import positive as _positive
+from pagedllm.entrypoints.openai.limits import (
+    BYTES_PER_TOKEN_CAP,
+    ServingLimits,
+    add_limit_args,
+    check_tools,
+    serving_limits,
+)
+from pagedllm.entrypoints.openai.metrics import ORCA_FORMATS, ServerMetrics, orca_header
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    LoadLoRAAdapterRequest,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    UnloadLoRAAdapterRequest,
+)
 from pagedllm.entrypoints.openai.protocol_cohere import CohereEmbedRequest
+from pagedllm.entrypoints.openai.protocol_decisions import DecisionRequest, StructuredDecisionRequest
+from pagedllm.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
+from pagedllm.entrypoints.openai.reasoning import ReasoningConfig, get_reasoning_parser, parse_reasoning_config
+from pagedllm.entrypoints.openai.serving import Admission, OverloadedError, RequestFailedError, RequestTimeoutError
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_cohere import CohereServingEmbed
 from pagedllm.entrypoints.openai.serving_cohere_chat import CohereChatOptions, CohereChatRequest, CohereServingChat
-from pagedllm.entrypoints.openai.serving_tokens import ServingTokens, attach_tokens
-from pagedllm.entrypoints.openai.serving_derender import (DerenderChatRequest, DerenderCompletionRequest,
-                                                          derender_chat, derender_completion)
-from pagedllm.entrypoints.openai.serving_render import render_chat, render_completion
-from pagedllm.entrypoints.openai.serving_generative_scoring import (GenerativeScoringRequest,
-                                                                     OpenAIServingGenerativeScoring)
-from pagedllm.entrypoints.openai.protocol_decisions import DecisionRequest, StructuredDecisionRequest
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_decisions import DecisionsUnsupportedError, OpenAIServingDecisions
-from pagedllm.entrypoints.openai.serving_responses import (KEY_INDEX, OpenAIServingResponses, ResponseNotFoundError,
-                                                            ResponseStore)
+from pagedllm.entrypoints.openai.serving_derender import (
+    DerenderChatRequest,
+    DerenderCompletionRequest,
+    derender_chat,
+    derender_completion,
+)
+from pagedllm.entrypoints.openai.serving_generative_scoring import (
+    GenerativeScoringRequest,
+    OpenAIServingGenerativeScoring,
+)
+from pagedllm.entrypoints.openai.serving_models import (
+    RUNTIME_LORA_ENV,
+    LoRAModulePath,
+    ModelNotFoundError,
+    OpenAIServingModels,
+    parse_lora_module,
+    public_name,
+    runtime_lora_updating,
+)
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, check_generates
+from pagedllm.entrypoints.openai.serving_render import render_chat, render_completion
+from pagedllm.entrypoints.openai.serving_responses import (
+    KEY_INDEX,
+    OpenAIServingResponses,
+    ResponseNotFoundError,
+    ResponseStore,
+)
+from pagedllm.entrypoints.openai.serving_tokens import ServingTokens, attach_tokens
+from pagedllm.entrypoints.openai.tool_calls import TOOL_PARSERS, get_tool_parser
 from pagedllm.errors import ValidationError
 
 logger = logging.getLogger("pagedllm.server")

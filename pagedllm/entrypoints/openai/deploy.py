@@ -18,9 +18,9 @@ from typing import Any, Literal
 import pydantic
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException
 from starlette._utils import get_route_path
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -305,8 +305,13 @@ def invocation_types(request: Request) -> list[tuple[type[pydantic.BaseModel], E
     body keys that mark that type). A generating model: chat, then completions; a pooling model: embeddings,
     classification, rerank, score (by its tasks), then /pooling."""
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-    from pagedllm.entrypoints.openai.protocol_pooling import (ClassificationRequest, EmbeddingRequest,
-                                                              PoolingRequest, RerankRequest, ScoreRequest)
+    from pagedllm.entrypoints.openai.protocol_pooling import (
+        ClassificationRequest,
+        EmbeddingRequest,
+        PoolingRequest,
+        RerankRequest,
+        ScoreRequest,
+    )
 
     api = request.app.state.endpoints  # (api_server.py's route functions, set by build_app: no import back up)
     model = request.app.state.config.model

@@ -4,14 +4,23 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler,
-                      StrictBool, StrictInt, model_serializer, model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictInt,
+    model_serializer,
+    model_validator,
+)
 from pydantic import ValidationError as PydanticValidationError
 
 from pagedllm.errors import ValidationError
-
 
 TokenIds = list[StrictInt]
 """A list of token ids: integers only (JSON's true is not token 1)."""
@@ -124,7 +133,7 @@ class CompletionRequest(SamplingFields):
     keeps the prompt's last tokens, "right" its first."""
 
     @model_validator(mode="after")
-    def _a_prompt(self) -> "CompletionRequest":
+    def _a_prompt(self) -> CompletionRequest:
         """A prompt or prompt_embeds (vLLM's words: its clients match them)."""
         if (self.prompt is None or self.prompt == "") and not self.prompt_embeds:
             raise ValidationError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt",
@@ -194,7 +203,7 @@ def _tool_choice(value: object) -> object:
                      '{"name": ...}}')
 
 
-ToolChoice = Annotated[Union[Literal["none", "auto", "required"], NamedToolChoice, None], BeforeValidator(_tool_choice)]
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None, BeforeValidator(_tool_choice)]
 
 
 class ChatCompletionRequest(SamplingFields):

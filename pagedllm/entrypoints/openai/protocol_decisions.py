@@ -51,7 +51,7 @@ class _Question(OpenAIModel):
     """Echoed in the question's answer (null when left out; an explicit null is refused, as vLLM)."""
 
     @model_validator(mode="after")
-    def _named(self) -> "_Question":
+    def _named(self) -> _Question:
         if "name" in self.model_fields_set and self.name is None:
             raise ValidationError("a question's name, when given, must be a string", param="questions.name")
         return self
@@ -75,7 +75,7 @@ class ChoiceQuestion(_Question):
     choices: list[ChoiceOption] = Field(min_length=2, max_length=MAX_CHOICES)
 
     @model_validator(mode="after")
-    def _distinct(self) -> "ChoiceQuestion":
+    def _distinct(self) -> ChoiceQuestion:
         keys = [(type(c.value), c.value) for c in self.choices]
         if len(set(keys)) != len(keys):
             raise ValidationError("a choice question's values must all differ", param="questions.choices")

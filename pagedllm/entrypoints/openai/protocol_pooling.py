@@ -4,9 +4,7 @@ naming it), as everywhere on this server."""
 from __future__ import annotations
 
 import time
-from typing import Literal
-
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, model_validator
 

@@ -12,8 +12,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, model_validator
 
-from pagedllm.entrypoints.openai.protocol import (ChatLogprobs, ChatResponseMessage, DeltaMessage, OpenAIModel,
-                                                  PromptLogprob, StreamOptions, TokenIds, UsageInfo)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatLogprobs,
+    ChatResponseMessage,
+    DeltaMessage,
+    OpenAIModel,
+    PromptLogprob,
+    StreamOptions,
+    TokenIds,
+    UsageInfo,
+)
 from pagedllm.errors import ValidationError
 
 OutputMode = Literal["tokens", "text", "derender"]
@@ -88,7 +96,7 @@ class TokensSamplingParams(OpenAIModel):
     logits_processors: Any = None
 
     @model_validator(mode="after")
-    def _refused(self) -> "TokensSamplingParams":
+    def _refused(self) -> TokensSamplingParams:
         for name, default in UNSUPPORTED_SAMPLING.items():
             if getattr(self, name) != default:
                 raise ValidationError(f"sampling_params.{name} is not supported by this server (it is not ignored: "
@@ -138,7 +146,7 @@ class GenerateRequest(OpenAIModel):
     """Encoder-cache disaggregation: refused."""
 
     @model_validator(mode="after")
-    def _check(self) -> "GenerateRequest":
+    def _check(self) -> GenerateRequest:
         if any(t < 0 for t in self.token_ids):
             raise ValidationError("token_ids must not contain negative values", param="token_ids")
         for name in ("features", "content_parts"):

@@ -48,7 +48,7 @@ class ReasoningParser:
     ends_at: tuple[str, ...] = ()
     """Markers besides ``end`` that end the reasoning and begin the content, which keeps them."""
 
-    def for_request(self, template_kwargs: dict[str, Any], prompt: str) -> "ReasoningParser":
+    def for_request(self, template_kwargs: dict[str, Any], prompt: str) -> ReasoningParser:
         """This parser for one request: its chat template variables and its rendered prompt. The server's parser is
         shared: one that changes returns a copy."""
         return self
@@ -76,7 +76,7 @@ class ReasoningParser:
         content = body[cut + len(marker):].lstrip("\n") if marker == END else body[cut:]
         return ReasoningSplit(reasoning or None, content or None)
 
-    def stream(self) -> "ReasoningStream":
+    def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
 
 

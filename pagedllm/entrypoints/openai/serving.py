@@ -14,12 +14,24 @@ from starlette.requests import Request
 from pagedllm.engine.async_llm import AsyncLLM, RequestStream
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.processor import PromptType
-from pagedllm.errors import QUOTE_CHARS, ValidationError, quoted
-from pagedllm.entrypoints.openai.limits import (BYTES_PER_TOKEN_CAP, ServingLimits, check_constraint,
-                                               check_sampling_limits)
-from pagedllm.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PerRequestMetrics, PromptLogprob,
-                                                  PromptTokensDetails, SamplingFields, StreamOptions, UsageInfo)
+from pagedllm.entrypoints.openai.limits import (
+    BYTES_PER_TOKEN_CAP,
+    ServingLimits,
+    check_constraint,
+    check_sampling_limits,
+)
+from pagedllm.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    PerRequestMetrics,
+    PromptLogprob,
+    PromptTokensDetails,
+    SamplingFields,
+    StreamOptions,
+    UsageInfo,
+)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.errors import QUOTE_CHARS, ValidationError, quoted
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams

@@ -8,22 +8,47 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                                  ChatCompletionStreamResponse, ChatLogprobs, ChatMessage,
-                                                  ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob,
-                                                  CompletionTokensDetails, DeltaMessage, FunctionCall, ToolCall,
-                                                  TopLogprob, UsageInfo, random_id)
-from pagedllm.entrypoints.openai.chat_options import (TemplateOptions, check_reasoning_effort, echoed_text,
-                                                     template_options)
-from pagedllm.entrypoints.openai.reasoning import ReasoningConfig, ReasoningParser, ReasoningSplit, ReasoningStream
-from pagedllm.entrypoints.openai.tool_calls import (ToolParser, call_id, constrained_calls, constraint,
-                                                    tool_functions)
-from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.entrypoints.openai.limits import check_constraint, check_request_tokens, check_tools
-from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, StreamGroup, counted_logprobs,
-                                                 finite_logprob, merge_streams, prompt_logprobs_json, shown_logprobs,
-                                                 sse, token_label)
 from pagedllm.engine.processor import render_chat
+from pagedllm.entrypoints.openai.chat_options import (
+    TemplateOptions,
+    check_reasoning_effort,
+    echoed_text,
+    template_options,
+)
+from pagedllm.entrypoints.openai.limits import check_constraint, check_request_tokens, check_tools
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionTokensDetails,
+    DeltaMessage,
+    FunctionCall,
+    ToolCall,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.reasoning import ReasoningConfig, ReasoningParser, ReasoningSplit, ReasoningStream
+from pagedllm.entrypoints.openai.serving import (
+    SSE_DONE,
+    OpenAIServing,
+    StreamGroup,
+    counted_logprobs,
+    finite_logprob,
+    merge_streams,
+    prompt_logprobs_json,
+    shown_logprobs,
+    sse,
+    token_label,
+)
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.tool_calls import ToolParser, call_id, constrained_calls, constraint, tool_functions
 from pagedllm.errors import ValidationError, quoted
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams, reasoning_token_count
@@ -65,7 +90,7 @@ class OpenAIServingChat(OpenAIServing):
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(completion.model_dump())
 
-    async def start(self, req: ChatCompletionRequest, raw: Request) -> "ChatRun | None":
+    async def start(self, req: ChatCompletionRequest, raw: Request) -> ChatRun | None:
         """Check the request, render its prompt and queue it (None: the client went away meanwhile). The one
         request path of chat completions, and of the Responses and Messages APIs mapped onto it."""
         prep = await self.prepare(req)
@@ -82,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
         run.echo = echoed_text(req.messages, req.add_generation_prompt, self._content) if req.echo else ""
         return run
 
-    async def prepare(self, req: ChatCompletionRequest) -> "ChatPrepared":
+    async def prepare(self, req: ChatCompletionRequest) -> ChatPrepared:
         """Everything a chat request is checked and turned into before it is queued: its model, its rendered
         prompt and its sampling params (400 naming what is wrong). Shared by ``start`` and the render routes."""
         model, lora = self.check_model(req.model)
@@ -117,7 +142,7 @@ class OpenAIServingChat(OpenAIServing):
             self.grammar_after_reasoning(params, reasoning)  # (a thinking budget's forced end, then the grammar)
         return ChatPrepared(model, lora, tools, params, text, list(prompt_ids), reasoning, logprobs)
 
-    async def response(self, run: "ChatRun", raw: Request | None) -> ChatCompletionResponse | None:
+    async def response(self, run: ChatRun, raw: Request | None) -> ChatCompletionResponse | None:
         """The finished reply of a queued request (None: the client disconnected first; ``raw`` None: no client
         waits on it)."""
         outputs = await self.outputs(run.streams, raw)
@@ -145,7 +170,7 @@ class OpenAIServingChat(OpenAIServing):
                                       metrics=self.request_metrics(out, len(out.outputs), completion))
 
     @staticmethod
-    def _shown(run: "ChatRun", choice: ChatChoice | ChatStreamChoice) -> bool:
+    def _shown(run: ChatRun, choice: ChatChoice | ChatStreamChoice) -> bool:
         """Whether a choice (or a streamed one's chunk) still says something once include_reasoning false took out
         its reasoning, and with it its logprobs and token ids (which would show it), as vLLM does."""
         if not run.hide_reasoning:
@@ -155,7 +180,7 @@ class OpenAIServingChat(OpenAIServing):
         choice.logprobs, choice.token_ids = None, None
         return bool(message.content or message.tool_calls or choice.finish_reason)
 
-    def message_of(self, text: str, finish_reason: str | None, tools: "_ToolMode",
+    def message_of(self, text: str, finish_reason: str | None, tools: _ToolMode,
                  reasoning: ReasoningParser | None = None) -> tuple[ChatResponseMessage, str | None]:
         """One finished choice: (its message, its finish_reason: "tool_calls" when it called tools, except a call
         forced by name, which ends with "stop" as OpenAI and vLLM report it; "length", as vLLM, when max_tokens
@@ -235,7 +260,7 @@ class OpenAIServingChat(OpenAIServing):
             self._reasoning_markers = tuple(encode(m, add_special_tokens=False) for m in markers)  # type: ignore
         return self._reasoning_markers
 
-    def _count_reasoning(self, run: "ChatRun", usage: UsageInfo, prompt: list[int], outputs: list[list[int]]) -> None:
+    def _count_reasoning(self, run: ChatRun, usage: UsageInfo, prompt: list[int], outputs: list[list[int]]) -> None:
         """With a reasoning parser, as vLLM: usage.completion_tokens_details.reasoning_tokens, the generated tokens
         inside reasoning sections (counted on the token ids once the reply is done; a reply the request's parser
         reads as starting in its reasoning counts from its first token)."""
@@ -321,7 +346,7 @@ class OpenAIServingChat(OpenAIServing):
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def _whole_choice(self, run: "ChatRun", c: CompletionOutput, text: str, token_ids: list[int] | None
+    def _whole_choice(self, run: ChatRun, c: CompletionOutput, text: str, token_ids: list[int] | None
                       ) -> ChatStreamChoice:
         """A finished choice's reply at once, its tool calls parsed (tool calling holds the reply to its end)."""
         message, finish = self.message_of(text, c.finish_reason, run.tools, run.reasoning)
@@ -330,7 +355,7 @@ class OpenAIServingChat(OpenAIServing):
             content=message.content, reasoning_content=message.reasoning_content, tool_calls=calls or None),
             finish_reason=finish, stop_reason=c.stop_reason, token_ids=token_ids)
 
-    def _delta_choice(self, run: "ChatRun", c: CompletionOutput, parsers: dict[int, ReasoningStream], top_n: int | None,
+    def _delta_choice(self, run: ChatRun, c: CompletionOutput, parsers: dict[int, ReasoningStream], top_n: int | None,
                       ids: bool) -> ChatStreamChoice:
         """A choice's new text as a delta (split into reasoning and content by the reasoning parser, if any)."""
         if run.reasoning is None:
@@ -342,7 +367,7 @@ class OpenAIServingChat(OpenAIServing):
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                 token_ids=list(c.token_ids) if ids else None)
 
-    async def chunks(self, run: "ChatRun", req: ChatCompletionRequest
+    async def chunks(self, run: ChatRun, req: ChatCompletionRequest
                      ) -> AsyncIterator[ChatCompletionStreamResponse]:
         """A queued request's reply as chat completion chunks (the last with the usage, if asked); errors
         raise (the caller turns them into its API's error event)."""
@@ -411,7 +436,7 @@ class ChatRun:
     model: str
     """The model name to answer with."""
     streams: StreamGroup
-    tools: "_ToolMode"
+    tools: _ToolMode
     prompt_tokens: int
     logprobs: int | None
     """How many top alternatives each token's logprobs list (None: no logprobs)."""
@@ -435,7 +460,7 @@ class ChatPrepared:
 
     model: str
     lora: Any
-    tools: "_ToolMode"
+    tools: _ToolMode
     params: SamplingParams
     text: str
     """The rendered prompt."""
@@ -461,7 +486,7 @@ class _ToolMode:
         return self.constraint is not None or self.parser is not None
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest, parser: ToolParser | None) -> "_ToolMode":
+    def of(cls, req: ChatCompletionRequest, parser: ToolParser | None) -> _ToolMode:
         functions = tool_functions(req.tools)
         choice = req.tool_choice
         if choice is None:

@@ -16,8 +16,14 @@ from starlette.types import Message
 
 from pagedllm.entrypoints.openai.http_guard import UnicodeCheckedRoute
 from pagedllm.entrypoints.openai.limits import check_count
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                                  CompletionTokensDetails, PromptTokensDetails, UsageInfo, random_id)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    UsageInfo,
+    random_id,
+)
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_pooling import check_generates
 from pagedllm.errors import ValidationError

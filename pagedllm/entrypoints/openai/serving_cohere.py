@@ -12,8 +12,13 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.embed_chunks import COHERE_EMBEDDING_TYPES, cohere_encode
 from pagedllm.entrypoints.openai.limits import check_count
 from pagedllm.entrypoints.openai.protocol import ChatMessage, ContentPart, random_id
-from pagedllm.entrypoints.openai.protocol_cohere import (CohereBilledUnits, CohereEmbeddings, CohereEmbedRequest,
-                                                         CohereEmbedResponse, CohereMeta)
+from pagedllm.entrypoints.openai.protocol_cohere import (
+    CohereBilledUnits,
+    CohereEmbeddings,
+    CohereEmbedRequest,
+    CohereEmbedResponse,
+    CohereMeta,
+)
 from pagedllm.entrypoints.openai.serving_pooling import GONE, OpenAIServingPooling
 from pagedllm.errors import ValidationError
 from pagedllm.pooling_params import PoolingParams

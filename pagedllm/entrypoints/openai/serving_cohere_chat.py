@@ -24,8 +24,14 @@ from pydantic import Field, StrictBool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatLogprobs, ErrorInfo, OpenAIModel,
-                                                  UsageInfo, random_id)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ErrorInfo,
+    OpenAIModel,
+    UsageInfo,
+    random_id,
+)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_render import render_chat
 from pagedllm.entrypoints.openai.translate import chat_request, check_keys, renamed, string_field

@@ -9,12 +9,26 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.processor import PromptType
 from pagedllm.engine.prompt_embeds import decode_prompt_embeds
-from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                                  CompletionResponse, UsageInfo, random_id)
 from pagedllm.entrypoints.openai.limits import check_count, check_request_tokens, check_samples
-from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, counted_logprobs, finite_logprob,
-                                                 merge_streams, prompt_logprobs_json, shown_logprobs, sse,
-                                                 token_label)
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving import (
+    SSE_DONE,
+    OpenAIServing,
+    counted_logprobs,
+    finite_logprob,
+    merge_streams,
+    prompt_logprobs_json,
+    shown_logprobs,
+    sse,
+    token_label,
+)
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams

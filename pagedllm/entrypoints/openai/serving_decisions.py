@@ -24,17 +24,33 @@ from starlette.responses import JSONResponse, Response
 from pagedllm.engine.processor import PromptType, check_template_kwargs, render_chat
 from pagedllm.entrypoints.openai.limits import check_count
 from pagedllm.entrypoints.openai.protocol import random_id
-from pagedllm.entrypoints.openai.protocol_decisions import (ChoiceAnswer, ChoiceProbability, ChoiceQuestion,
-                                                            DecisionInputTokensDetails, DecisionOutputTokensDetails,
-                                                            DecisionQuestion, DecisionRequest, DecisionResponse,
-                                                            DecisionUsage, PredicateAnswer, PredicateQuestion,
-                                                            QuestionDiagnostics, ScoreAnswer, ScoreProbability,
-                                                            StructuredDecisionRequest, StructuredDecisionResponse,
-                                                            StructuredDecisionUsage)
+from pagedllm.entrypoints.openai.protocol_decisions import (
+    ChoiceAnswer,
+    ChoiceProbability,
+    ChoiceQuestion,
+    DecisionInputTokensDetails,
+    DecisionOutputTokensDetails,
+    DecisionQuestion,
+    DecisionRequest,
+    DecisionResponse,
+    DecisionUsage,
+    PredicateAnswer,
+    PredicateQuestion,
+    QuestionDiagnostics,
+    ScoreAnswer,
+    ScoreProbability,
+    StructuredDecisionRequest,
+    StructuredDecisionResponse,
+    StructuredDecisionUsage,
+)
 from pagedllm.entrypoints.openai.serving import OpenAIServing
-from pagedllm.entrypoints.openai.serving_generative_scoring import (GONE, OpenAIServingGenerativeScoring,
-                                                                     check_cache_salt, check_request_fields,
-                                                                     label_probabilities)
+from pagedllm.entrypoints.openai.serving_generative_scoring import (
+    GONE,
+    OpenAIServingGenerativeScoring,
+    check_cache_salt,
+    check_request_fields,
+    label_probabilities,
+)
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput

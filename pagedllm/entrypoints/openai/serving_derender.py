@@ -19,9 +19,16 @@ from pydantic import Field, StrictBool
 from pydantic import ValidationError as PydanticValidationError
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionResponse, CompletionChoice,
-                                                  CompletionRequest, CompletionResponse, OpenAIModel, TokenIds)
 from pagedllm.entrypoints.openai.limits import check_count
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIModel,
+    TokenIds,
+)
 from pagedllm.entrypoints.openai.translate import chat_request
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams
@@ -87,7 +94,7 @@ def _check_common(req: DerenderChatRequest | DerenderCompletionRequest,
     if req.stream or req.stream_state is not None:
         raise ValidationError("streaming derender (stream: true, stream_state) is not supported by this server: "
                               "derender the whole generate reply", param="stream")
-    for i, response in enumerate(responses):
+    for response in responses:
         if response.output_mode != "tokens":
             raise ValidationError(f"only output_mode 'tokens' replies can be derendered, got "
                                   f"{response.output_mode!r}", param=f"{field}.output_mode")

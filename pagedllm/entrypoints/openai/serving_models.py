@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from pagedllm import envs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.errors import ValidationError, quoted
 from pagedllm.entrypoints.openai.protocol import ModelCard
+from pagedllm.errors import ValidationError, quoted
 from pagedllm.lora_request import ADAPTER_CONFIG_FILE, LoRARequest
 
 

@@ -19,12 +19,28 @@ from pagedllm.entrypoints.openai.chat_options import template_options
 from pagedllm.entrypoints.openai.embed_chunks import combine_chunks, split_chunks
 from pagedllm.entrypoints.openai.limits import BYTES_PER_TOKEN_CAP, check_count
 from pagedllm.entrypoints.openai.protocol import random_id
-from pagedllm.entrypoints.openai.protocol_pooling import (ChatInputFields, ClassificationData, ClassificationRequest,
-                                                          ClassificationResponse, EmbeddingData, EmbeddingRequest,
-                                                          EmbeddingResponse, PoolingData, PoolingInput,
-                                                          PoolingRequest, PoolingResponse, PoolingUsage,
-                                                          RerankDocument, RerankRequest, RerankResponse, RerankResult,
-                                                          RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
+from pagedllm.entrypoints.openai.protocol_pooling import (
+    ChatInputFields,
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingData,
+    PoolingInput,
+    PoolingRequest,
+    PoolingResponse,
+    PoolingUsage,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+)
 from pagedllm.entrypoints.openai.serving import OpenAIServing
 from pagedllm.errors import ValidationError, quoted
 from pagedllm.outputs import PoolingRequestOutput
@@ -69,7 +85,7 @@ def _usage(outputs: list[PoolingRequestOutput]) -> PoolingUsage:
 class OpenAIServingPooling(OpenAIServing):
     """The pooling endpoints (see the module docstring)."""
 
-    chat: "OpenAIServingChat | None" = None
+    chat: OpenAIServingChat | None = None
     """The chat endpoint's renderer (its template, --chat-template, --trust-request-chat-template): ``messages``
     inputs are rendered by it; None: they are refused."""
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.entrypoints.openai.limits import check_count, check_request_tokens, check_samples
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from pagedllm.entrypoints.openai.protocol_tokens import UNSUPPORTED_SAMPLING, TokensSamplingParams
-from pagedllm.entrypoints.openai.limits import check_count, check_request_tokens, check_samples
 from pagedllm.entrypoints.openai.serving import counted_logprobs
 from pagedllm.errors import ValidationError
 from pagedllm.sampling_params import SamplingParams

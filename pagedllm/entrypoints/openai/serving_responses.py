@@ -24,9 +24,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse, ErrorInfo
-from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, function_call_item, message_item,
-                                                            new_id, output_text, reasoning_item, response_object,
-                                                            usage_of)
+from pagedllm.entrypoints.openai.protocol_responses import (
+    ResponsesRequest,
+    function_call_item,
+    message_item,
+    new_id,
+    output_text,
+    reasoning_item,
+    response_object,
+    usage_of,
+)
 from pagedllm.entrypoints.openai.serving import LATE_FAILURES, OverloadedError, late_failure
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagedllm.entrypoints.openai.translate import chat_request, check_keys, format_field, renamed, string_field
@@ -377,7 +384,7 @@ class OpenAIServingResponses:
         return chat_request(fields, PARAM_NAMES)
 
     async def _events(self, req: ResponsesRequest, run: Any, chat_req: ChatCompletionRequest, response_id: str,
-                      created: int, conversation: list[dict], events: "_EventWriter",
+                      created: int, conversation: list[dict], events: _EventWriter,
                       owner: int | None) -> AsyncIterator[str]:
         """The SDK's event sequence, from the chat chunks as they come."""
         state = response_object(response_id, req, run.model, created, [], "in_progress")
@@ -434,7 +441,7 @@ class OpenAIServingResponses:
         for event in self._last_events(req, response, conversation, events, owner):
             yield event
 
-    def _last_events(self, req: ResponsesRequest, response: dict, conversation: list[dict], events: "_EventWriter",
+    def _last_events(self, req: ResponsesRequest, response: dict, conversation: list[dict], events: _EventWriter,
                      owner: int | None) -> list[str]:
         """The stream's end: an empty reply's one (empty) message, as in the non-streamed answer, then
         response.completed (or .incomplete); the response is stored (store=true) first."""
@@ -450,7 +457,7 @@ class OpenAIServingResponses:
 
     @staticmethod
     def _error_events(req: ResponsesRequest, model: str, response_id: str, created: int,
-                      writer: "_EventWriter") -> Callable[[ErrorInfo], list[str]]:
+                      writer: _EventWriter) -> Callable[[ErrorInfo], list[str]]:
         """A failure after the stream began: response.failed, then an error event (the status line was sent)."""
         def events(error: ErrorInfo) -> list[str]:
             failed = response_object(response_id, req, model, created, [], "failed",

@@ -21,17 +21,43 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.http_guard import UnicodeCheckedRoute
-from pagedllm.entrypoints.openai.limits import (check_constraint, check_request_tokens, check_sampling_limits,
-                                               check_tools)
-from pagedllm.entrypoints.openai.protocol import (ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, DeltaMessage,
-                                                  ErrorInfo, ErrorResponse, TopLogprob, UsageInfo)
-from pagedllm.entrypoints.openai.protocol_tokens import (AbortRequestsRequest, GenerateChoice, GenerateLogProb,
-                                                         GenerateLogProbs, GenerateLogProbsContent, GenerateRequest,
-                                                         GenerateResponse, GenerateStreamResponse,
-                                                         TokensSamplingParams)
-from pagedllm.entrypoints.openai.serving import (SSE_DONE, OpenAIServing, RequestTimeoutError, StreamGroup,
-                                                 finite_logprob, merge_streams, prompt_logprobs_json,
-                                                 unless_disconnected)
+from pagedllm.entrypoints.openai.limits import (
+    check_constraint,
+    check_request_tokens,
+    check_sampling_limits,
+    check_tools,
+)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    TopLogprob,
+    UsageInfo,
+)
+from pagedllm.entrypoints.openai.protocol_tokens import (
+    AbortRequestsRequest,
+    GenerateChoice,
+    GenerateLogProb,
+    GenerateLogProbs,
+    GenerateLogProbsContent,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateStreamResponse,
+    TokensSamplingParams,
+)
+from pagedllm.entrypoints.openai.serving import (
+    SSE_DONE,
+    OpenAIServing,
+    RequestTimeoutError,
+    StreamGroup,
+    finite_logprob,
+    merge_streams,
+    prompt_logprobs_json,
+    unless_disconnected,
+)
 from pagedllm.entrypoints.openai.serving_pooling import check_generates
 from pagedllm.errors import ValidationError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -102,7 +128,7 @@ class ServingTokens(OpenAIServing):
 
     tokens_only = False
     """--tokens-only: detokenize is forced off (text mode and stop strings refused)."""
-    chat: "OpenAIServingChat | None" = None
+    chat: OpenAIServingChat | None = None
     """The chat route, whose parsers (--reasoning-parser, --tool-call-parser) output_mode "derender" replies use
     with the request's parse_context (from /v1/chat/completions/render)."""
 

@@ -106,7 +106,7 @@ def hoist_defs(functions: list[dict]) -> tuple[list[dict], dict]:
                 moved[new] = sub
         root: list[str] = []  # the name of the tool's hoisted root, once a reference needs one
 
-        def rename(ref: str) -> str:
+        def rename(ref: str, renames: dict[str, str] = renames, root: list[str] = root, fn: dict = fn) -> str:
             if not ref.startswith("#"):
                 return ref  # not a local reference: check_refs refuses it later, naming it
             parts = ref[2:].split("/", 2)

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from pagedllm.errors import ValidationError
-from pagedllm.platform import heap
 from pagedllm.models.config import ArchConfig, as_id_tuple
+from pagedllm.platform import heap
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gpt2": "GPT2LMHeadModel", "qwen2moe": "Qwen2MoeForCausalLM", "phi3": "Phi3ForCausalLM",

@@ -51,7 +51,7 @@ class HealthPoller:
                 self.failures += not ok
                 time.sleep(0.02)
 
-    def __enter__(self) -> "HealthPoller":
+    def __enter__(self) -> HealthPoller:
         self._thread.start()
         time.sleep(0.2)
         return self

@@ -108,7 +108,7 @@ def test_a_body_over_the_cap_is_a_413_before_it_is_read_whole() -> None:
         scope, receive = _body_of(size, chunks, declared)
         sent: list[dict] = []
 
-        async def send(message: dict) -> None:
+        async def send(message: dict, sent: list[dict] = sent) -> None:
             sent.append(message)
 
         asyncio.run(guard(scope, receive, send))

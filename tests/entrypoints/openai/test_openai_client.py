@@ -75,7 +75,7 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == out.choices[0].text
-    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and len(top) <= 2 and max(top.values()) == pytest.approx(value)  # greedy = top-1
 
 

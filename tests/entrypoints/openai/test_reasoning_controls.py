@@ -77,7 +77,7 @@ def test_enable_thinking_changes_the_rendered_prompt(thinking: RemoteServer, thi
     assert reply.prompt_token_ids == off
     # the reserved names are the request's own: never taken from chat_template_kwargs
     for name in ("messages", "add_generation_prompt", "tools", "chat_template"):
-        _refused(lambda: think_client.chat.completions.create(
+        _refused(lambda name=name: think_client.chat.completions.create(
             model=MODEL, messages=QUESTION, max_tokens=2, extra_body={"chat_template_kwargs": {name: None}}),
             "chat_template_kwargs")
     r = _tokenize(thinking, messages=QUESTION, chat_template_kwargs={"tokenize": True})
@@ -228,7 +228,7 @@ def test_thinking_token_budget_is_refused_without_a_parser(client: openai.OpenAI
         model=MODEL, messages=QUESTION, max_tokens=4, extra_body={"thinking_token_budget": 3}), "thinking_token_budget")
     assert "--reasoning-parser" in message
     for bad in (-2, 1.5, True):
-        _refused(lambda: client.chat.completions.create(
+        _refused(lambda bad=bad: client.chat.completions.create(
             model=MODEL, messages=QUESTION, max_tokens=4, extra_body={"thinking_token_budget": bad}),
             "thinking_token_budget")
 

@@ -54,8 +54,8 @@ def test_another_keys_response_is_as_unknown_as_one_never_stored(keyed: RemoteSe
                        (lambda i: b.responses.delete(i), openai.NotFoundError),
                        (lambda i: b.responses.cancel(i), openai.NotFoundError),
                        (lambda i: _create(b, previous_response_id=i), openai.BadRequestError)):
-        theirs = _error(lambda: call(mine.id), kind, mine.id, unknown)
-        assert theirs == _error(lambda: call(unknown), kind, unknown, unknown)
+        theirs = _error(lambda call=call: call(mine.id), kind, mine.id, unknown)
+        assert theirs == _error(lambda call=call: call(unknown), kind, unknown, unknown)
     unknown_cancel = _error(lambda: b.responses.cancel(unknown), openai.NotFoundError, unknown, unknown)
     assert _error(lambda: b.responses.cancel(running.id), openai.NotFoundError, running.id, unknown) == unknown_cancel
     # nothing B did touched it: A still reads, continues and deletes it

@@ -16,7 +16,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
 from pydantic import BaseModel, Field
 
 from pagedllm.entrypoints.openai.serving_responses import ResponseStore

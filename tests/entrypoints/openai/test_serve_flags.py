@@ -15,8 +15,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from pagedllm.entrypoints.cli import main
 from pagedllm.engine.prompt_embeds import encode_prompt_embeds
+from pagedllm.entrypoints.cli import main
 
 IDS = [(i * 37 + 11) % 400 + 5 for i in range(20)]
 

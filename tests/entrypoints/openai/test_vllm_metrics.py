@@ -13,8 +13,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.engine.messages import EngineStats
 from pagedllm.engine.output_processor import FinishedRequestStats, IterationStats
-from pagedllm.entrypoints.openai.metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS,
-                                                 ServerMetrics, orca_header)
+from pagedllm.entrypoints.openai.metrics import (
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    ServerMetrics,
+    orca_header,
+)
 
 MODEL = "tiny"
 DASHBOARD = Path(__file__).resolve().parents[3] / "docs" / "grafana_dashboard.json"
