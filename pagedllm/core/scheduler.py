@@ -638,13 +638,7 @@ class Scheduler:
         req_id = request.request_id
         if req_id in self._verifying:
             self._take_back_rejected(request, self._verifying[req_id], len(token_ids) - 1)
-        new_tokens: list[int] = []
-        for token_id in token_ids:
-            request.append_output_token(token_id)
-            new_tokens.append(token_id)
-            self.stats.num_generated_tokens += 1
-            if self._check_stop(request, token_id):
-                break
+        new_tokens = self._append_until_stop(request, token_ids)
         prompt_logprobs = None
         if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
@@ -660,6 +654,15 @@ class Scheduler:
             request.spec_token_ids = drafts.get(req_id, [])
             self.kv_cache_manager.trim(request, request.num_tokens + len(request.spec_token_ids))
         return result
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append ``token_ids`` to the request's output up to the first that stops it; the tokens appended."""
+        for n, token_id in enumerate(token_ids, 1):
+            request.append_output_token(token_id)
+            self.stats.num_generated_tokens += 1
+            if self._check_stop(request, token_id):
+                return token_ids[:n]
+        return list(token_ids)
 
     def _take_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The step verified ``num_drafts`` drafts and kept ``num_accepted``: the rejected ones' slots are no

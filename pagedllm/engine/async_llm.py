@@ -11,7 +11,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -19,6 +18,7 @@ from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import CORE_EXIT_TIMEOUT_S, AsyncCoreClient, EngineDeadError, make_async_client
 from pagedllm.engine.dp_client import DPClient
+from pagedllm.engine.front_requests import FrontRequests
 from pagedllm.engine.lifecycle import EnginePausedError
 from pagedllm.engine.messages import (
     Abort,
@@ -32,8 +32,8 @@ from pagedllm.engine.messages import (
     StepOutputs,
     Stop,
 )
-from pagedllm.engine.output_processor import IterationStats, OutputProcessor
-from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.output_processor import IterationStats
+from pagedllm.engine.processor import PromptType
 from pagedllm.engine.serial import decode_error
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
@@ -50,7 +50,7 @@ PAUSE_SETTLE_S = 0.05
 StepCallback = Callable[[EngineStats, IterationStats, int], None]
 
 
-class AsyncLLM:
+class AsyncLLM(FrontRequests):
     """Serves many concurrent callers from one engine core; ``add_request`` returns a RequestStream."""
 
     def __init__(self, client: AsyncCoreClient, on_step: StepCallback | None = None,
@@ -63,11 +63,7 @@ class AsyncLLM:
         self.config = ready.config
         self.tokenizer = client.tokenizer
         self.num_kv_blocks: int = ready.num_kv_blocks
-        self.processor = Processor(self.tokenizer, self.config.model.max_model_len, ready.vocab_size,
-                                   tuple(ready.eos_token_ids), max_logprobs=self.config.model.max_logprobs,
-                                   embeds_hidden_size=(ready.hidden_size if self.config.model.enable_prompt_embeds
-                                                       else None))
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
+        self._init_requests(self.tokenizer, ready, log_stats=True)
         self.dead_error: BaseException | None = None
         self._closing = False
         """Set once shutdown began: nothing more is sent."""
@@ -75,11 +71,9 @@ class AsyncLLM:
         self._replica_stats: dict[int, EngineStats] = {}
         """With data parallelism: each replica's statistics after its last step."""
         self._streams: dict[str, asyncio.Queue] = {}
-        self._beams: set[str] = set()
         self._accepting: dict[str, asyncio.Future] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._seq_counter = itertools.count()
         self._started = False
         self._waiting = 0
         """Requests the core holds that have not run a step yet (as of its last statistics)."""
@@ -160,40 +154,39 @@ class AsyncLLM:
         """Tokenize and send a request (a beam search with BeamSearchParams; with a LoRA adapter:
         ``lora_request``); returns its output stream once the core accepted it (ValidationError if refused)."""
         self._check_running()
-        if request_id in self.output_processor.requests or request_id in self._beams or request_id in self._accepting:
-            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
+        self._check_new_id(request_id, self._accepting)
         accepted = self._accepting[request_id] = asyncio.get_running_loop().create_future()  # (the id is taken)
         self._queued += 1  # waiting from now: load shedding counts it while it tokenizes (until its Accepted)
         sent, seq_ids = False, []
         try:
-            text, request = await self.in_tokenizer_thread(self.processor.core_request, request_id, prompt, params,
-                                                           arrival_time or time.monotonic(), lora_request,
-                                                           self._seq_counter)
+            text, request = await self.in_tokenizer_thread(self._core_request, request_id, prompt, params,
+                                                           arrival_time, lora_request)
             seq_ids = request.seq_ids if isinstance(request, AddRequest) else []
             stream = RequestStream(self, request_id)
             self._check_running()  # (the engine may have died while this request was tokenized)
             self.client.send(request)
             sent = True
-            if isinstance(request, AddRequest):
-                self.output_processor.add_request(request_id, text, request.prompt_ids, request.params, seq_ids,
-                                                  request.arrival_time)
-            else:
-                self._beams.add(request_id)
+            self._track(request_id, text, request)
             self._streams[request_id] = stream.queue
             await accepted
         except BaseException as e:
-            if not sent and self.dead_error is None:
-                self._queued -= 1  # no Accepted will come for it
-            if accepted.done() and not accepted.cancelled():
-                accepted.exception()  # (retrieved: a dead engine's error is raised otherwise)
-            self._streams.pop(request_id, None)
-            self._accepting.pop(request_id, None)
-            self.output_processor.discard(request_id)
-            self._beams.discard(request_id)
-            if sent and not isinstance(e, ValidationError):  # e.g. the client went away: the core may have it
-                self._send_quietly(Abort(request_id=request_id, seq_ids=seq_ids))
+            self._undo_add(request_id, accepted, sent, seq_ids, e)
             raise
         return stream
+
+    def _undo_add(self, request_id: str, accepted: asyncio.Future, sent: bool, seq_ids: list[str],
+                  error: BaseException) -> None:
+        """Forget a request whose add failed (refused, the engine dead, the caller gone); one the core may hold
+        (sent, and not refused by it) is aborted there."""
+        if not sent and self.dead_error is None:
+            self._queued -= 1  # no Accepted will come for it
+        if accepted.done() and not accepted.cancelled():
+            accepted.exception()  # (retrieved: a dead engine's error is raised otherwise)
+        self._streams.pop(request_id, None)
+        self._accepting.pop(request_id, None)
+        self._untrack(request_id)
+        if sent and not isinstance(error, ValidationError):  # e.g. the client went away: the core may have it
+            self._send_quietly(Abort(request_id=request_id, seq_ids=seq_ids))
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -205,13 +198,9 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request: forgotten here at once, its blocks freed by the core before its next step."""
         self._streams.pop(request_id, None)
-        if request_id in self._beams:
-            self._beams.discard(request_id)
-            self._send_quietly(Abort(request_id=request_id, seq_ids=[]))
-        elif request_id in self.output_processor.requests:
-            seq_ids = self.output_processor.seq_ids(request_id)
-            self.output_processor.abort(request_id)
-            self._send_quietly(Abort(request_id=request_id, seq_ids=seq_ids))
+        abort = self._forget(request_id)
+        if abort is not None:
+            self._send_quietly(abort)
 
     # ------------------------------------------------------------------ calls between steps
     async def add_lora(self, lora: LoRARequest) -> bool:

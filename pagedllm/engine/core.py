@@ -31,12 +31,12 @@ from pagedllm.engine.messages import (
     EngineStats,
     StepOutputs,
 )
-from pagedllm.engine.processor import Processor
+from pagedllm.engine.request_factory import RequestFactory
 from pagedllm.errors import ValidationError
 from pagedllm.executor.factory import get_executor_class
 from pagedllm.lora_request import LoRARequest
 from pagedllm.models.config import ArchConfig
-from pagedllm.models.loader import load_eos_token_ids, load_tokenizer
+from pagedllm.models.loader import hand_on_tokenizer, load_eos_token_ids, load_tokenizer
 from pagedllm.outputs import EngineCoreOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import RequestStatus
@@ -78,6 +78,27 @@ def resolve_pooling_params(params: PoolingParams, model: ModelConfig, hidden_siz
     return dataclasses.replace(params, task=run, use_activation=params.use_activation is not False)
 
 
+def _request_factory(config: EngineConfig, arch: ArchConfig, tokenizer: Any, eos: tuple[int, ...]) -> RequestFactory:
+    """The core's request factory; its grammar compiler is the worker's own when that runs in this process (one
+    grammar cache per process)."""
+    grammars = functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(eos),
+                                 config.structured_outputs)
+    return RequestFactory(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars,
+                          max_logprobs=config.model.max_logprobs,
+                          embeds_hidden_size=arch.hidden_size if config.model.enable_prompt_embeds else None)
+
+
+def _scheduler(config: EngineConfig, arch: ArchConfig, num_kv_blocks: int, num_host_blocks: int) -> Scheduler:
+    """The scheduler over the KV pool the workers allocated, with the step-time weights of this model's shape."""
+    spec = config.speculative
+    # a draft model writes its drafts' K/V before they are scheduled: slots past the scheduled tokens
+    lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
+    weights = cost_weights(arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads,
+                           arch.num_kv_heads, arch.head_dim)
+    return Scheduler(config.scheduler, config.cache, num_kv_blocks, num_host_blocks, num_lookahead_tokens=lookahead,
+                     step_cost_weights=weights)
+
+
 class EngineCore:
     """Schedules and runs batches of tokenized requests; see the module docstring."""
 
@@ -87,16 +108,13 @@ class EngineCore:
         self.last_step_features: list[float] = []
         """Scheduler.step_features of the last step (the step-time log of `pagedllm serve --step-log`)."""
         eos = load_eos_token_ids(config.model.model, arch, tokenizer)
-        # the worker's own compiler when it runs in this process (one grammar cache per process)
-        grammars = functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(eos),
-                                     config.structured_outputs)
-        self.processor = Processor(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars,
-                                   max_logprobs=config.model.max_logprobs,
-                                   embeds_hidden_size=arch.hidden_size if config.model.enable_prompt_embeds else None)
-        """Checks requests against the model (and prepares their grammars); prompts come tokenized."""
+        hand_on_tokenizer(config.model.model, tokenizer)  # (the grammar compiler's, loaded once per process)
+        self.request_factory = _request_factory(config, arch, tokenizer, eos)
+        """Checks requests against the model (and prepares their grammars) and makes their Requests; prompts come
+        tokenized (the front's InputProcessor)."""
         check_fits(config, arch)  # weights + KV cache against the memory here, before anything is allocated
         self.executor = get_executor_class(config)(config, arch, eos)
-        try:
+        try:  # the workers' phases after their model loaded (worker/worker.py)
             self.num_kv_blocks = self.executor.determine_num_kv_blocks()
             self.num_host_blocks = self.executor.determine_num_host_blocks()
             self.executor.initialize_cache(self.num_kv_blocks, self.num_host_blocks)
@@ -104,13 +122,7 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        spec = config.speculative
-        # a draft model writes its drafts' K/V before they are scheduled: slots past the scheduled tokens
-        lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
-        weights = cost_weights(arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads,
-                               arch.num_kv_heads, arch.head_dim)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks, self.num_host_blocks,
-                                   num_lookahead_tokens=lookahead, step_cost_weights=weights)
+        self.scheduler = _scheduler(config, arch, self.num_kv_blocks, self.num_host_blocks)
         self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
         self._beam_seq_ids = itertools.count()
         self.loras: dict[int, LoRARequest] = {}
@@ -141,7 +153,7 @@ class EngineCore:
         try:
             if request.lora_request is not None:
                 self.add_lora(request.lora_request)
-            samples = self.processor.make_requests(request.seq_ids, request.prompt_ids, request.params,
+            samples = self.request_factory.make_requests(request.seq_ids, request.prompt_ids, request.params,
                                                    request.arrival_time, request.cache_salt, request.lora_request,
                                                    request.prompt_embeds)
             # the n samples of a prompt fork from the first once its prompt is computed (shared blocks)
@@ -169,7 +181,7 @@ class EngineCore:
             raise ValidationError.bad_value("lora_request", request.lora_request, "None for a pooling model")
         params = resolve_pooling_params(request.params, model, self.hidden_size)
         [seq_id] = request.seq_ids
-        pooled = self.processor.pooling_request(seq_id, request.prompt_ids, params, request.arrival_time,
+        pooled = self.request_factory.pooling_request(seq_id, request.prompt_ids, params, request.arrival_time,
                                                 request.token_type_ids)
         self.scheduler.add_request(pooled)
 
@@ -184,7 +196,7 @@ class EngineCore:
                                   value=request.request_id)
         self._check_generates("beam search")
         self.lifecycle.check_admits()
-        most = self.processor.max_logprobs  # each step ranks 2 x beam_width candidates per beam, as vLLM
+        most = self.request_factory.max_logprobs  # each step ranks 2 x beam_width candidates per beam, as vLLM
         if 2 * params.beam_width > most:
             raise ValidationError.bad_value("beam_width", params.beam_width,
                                             f"<= {most // 2} (half of max_logprobs, --max-logprobs)")
@@ -193,7 +205,7 @@ class EngineCore:
             self.add_lora(request.lora_request)
         # "b": the core's own ids, never equal to a front's ("n:request_id")
         seq_id = f"b{next(self._beam_seq_ids)}:{request.request_id}"
-        first = self.processor.make_requests([seq_id], request.prompt_ids, seq_params, request.arrival_time,
+        first = self.request_factory.make_requests([seq_id], request.prompt_ids, seq_params, request.arrival_time,
                                              lora_request=request.lora_request)[0]
         self.scheduler.add_request(first)
         self.beam_search.add(request.request_id, request.text, first, params)
@@ -319,8 +331,8 @@ class EngineCore:
 
     def ready_message(self) -> CoreReady:
         """What a front needs to know of this core once it is loaded."""
-        return CoreReady(version=PROTOCOL_VERSION, config=self.config, vocab_size=self.processor.vocab_size,
-                         eos_token_ids=list(self.processor.eos_token_ids), num_kv_blocks=self.num_kv_blocks,
+        return CoreReady(version=PROTOCOL_VERSION, config=self.config, vocab_size=self.request_factory.vocab_size,
+                         eos_token_ids=list(self.request_factory.eos_token_ids), num_kv_blocks=self.num_kv_blocks,
                          stats=self.get_stats(), hidden_size=self.hidden_size)
 
     def shutdown(self) -> None:

@@ -163,6 +163,8 @@ class ThreadClient(AsyncCoreClient):
     def __init__(self, args: EngineArgs, step_log: str | None = None) -> None:
         self.core = EngineCore.from_engine_args(args)
         try:
+            # the front's own: it tokenizes in its threads while the core's thread uses the core's (a fast
+            # tokenizer's state is not shared across threads safely)
             self.tokenizer = load_tokenizer(self.core.config.model.model)
             self.ready = self.core.ready_message()
             self._channel = QueueChannel(self._deliver)

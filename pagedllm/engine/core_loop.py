@@ -31,7 +31,7 @@ from pagedllm.engine.messages import (
     StepOutputs,
     Stop,
 )
-from pagedllm.engine.processor import Processor
+from pagedllm.engine.request_factory import RequestFactory
 from pagedllm.engine.serial import encode, encode_error
 from pagedllm.errors import ValidationError
 
@@ -187,9 +187,9 @@ class EngineCoreLoop:
     def _add(self, request: AddRequest | AddBeamSearch) -> None:
         """Queue a request, or first prepare it in the preparation thread (its grammar, its bad words) when
         that has work: the loop keeps stepping the others meanwhile."""
-        if (isinstance(request, AddRequest) and Processor.needs_preparation(request.params)
+        if (isinstance(request, AddRequest) and RequestFactory.needs_preparation(request.params)
                 and request.request_id not in self._preparing):
-            future = self._prepare_pool.submit(self.core.processor.prepare, request.params)
+            future = self._prepare_pool.submit(self.core.request_factory.prepare, request.params)
             self._preparing[request.request_id] = (future, request)
             return
         self._queue(request)

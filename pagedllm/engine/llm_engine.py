@@ -1,18 +1,17 @@
 """The offline front end: tokenize, hand tokenized requests to the engine core in this thread, step, detokenize."""
 from __future__ import annotations
 
-import itertools
 import logging
-import time
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_client import InprocClient
 from pagedllm.engine.dp_sync import SyncDPClient
+from pagedllm.engine.front_requests import FrontRequests
 from pagedllm.engine.messages import Abort, AddRequest, EngineStats
-from pagedllm.engine.output_processor import IterationStats, OutputProcessor
-from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.output_processor import IterationStats
+from pagedllm.engine.processor import PromptType
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.models.loader import load_tokenizer, resolve_model_path
@@ -28,7 +27,7 @@ def get_tokenizer(model: str | None = None) -> Any:
     return load_tokenizer(resolve_model_path(model))
 
 
-class LLMEngine:
+class LLMEngine(FrontRequests):
     """The offline API's engine (``LLM.llm_engine``): ``add_request``, then ``step()`` until done; one step is one
     batch of the engine core, reached through an InprocClient (``engine_core``)."""
 
@@ -39,14 +38,7 @@ class LLMEngine:
         self.config = ready.config
         self.tokenizer = tokenizer
         self.num_kv_blocks = ready.num_kv_blocks
-        self.processor = Processor(tokenizer, self.config.model.max_model_len, ready.vocab_size,
-                                   tuple(ready.eos_token_ids), max_logprobs=self.config.model.max_logprobs,
-                                   embeds_hidden_size=(ready.hidden_size if self.config.model.enable_prompt_embeds
-                                                       else None))
-        self.output_processor = OutputProcessor(tokenizer, log_stats)
-        self._seq_counter = itertools.count()
-        self._beams: set[str] = set()
-        """Beam searches running (their one RequestOutput comes from the core)."""
+        self._init_requests(tokenizer, ready, log_stats)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> LLMEngine:
@@ -66,13 +58,11 @@ class LLMEngine:
         queued."""
         self._check_new_id(request_id)
         params = params if params is not None else SamplingParams()
-        text, request = self.processor.core_request(request_id, prompt, params, arrival_time or time.monotonic(),
-                                                    lora_request, self._seq_counter)
+        text, request = self._core_request(request_id, prompt, params, arrival_time, lora_request)
         assert isinstance(request, AddRequest)
         self.engine_core.add(request)
         try:
-            self.output_processor.add_request(request_id, text, request.prompt_ids, request.params, request.seq_ids,
-                                              request.arrival_time)
+            self._track(request_id, text, request)
         except BaseException:
             self.engine_core.abort(Abort(request_id=request_id, seq_ids=request.seq_ids))  # none of it left queued
             raise
@@ -83,21 +73,14 @@ class LLMEngine:
         if not isinstance(params, BeamSearchParams):
             raise ValidationError.bad_value("params", params, "a BeamSearchParams")
         self._check_new_id(request_id)
-        _, request = self.processor.core_request(request_id, prompt, params, arrival_time or time.monotonic(),
-                                                 lora_request, self._seq_counter)
+        _, request = self._core_request(request_id, prompt, params, arrival_time, lora_request)
         self.engine_core.add(request)
-        self._beams.add(request_id)
-
-    def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.output_processor.requests or request_id in self._beams:
-            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id", value=request_id)
+        self._track(request_id, None, request)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their blocks."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.engine_core.abort(Abort(request_id=request_id, seq_ids=self.output_processor.seq_ids(request_id)))
-            self.output_processor.abort(request_id)
-            self._beams.discard(request_id)
+            self.engine_core.abort(self._forget(request_id) or Abort(request_id=request_id, seq_ids=[]))
 
     def has_unfinished_requests(self) -> bool:
         """Requests still to run: step() has work."""

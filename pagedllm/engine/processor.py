@@ -1,27 +1,22 @@
-"""Turns user input (text, token ids, chat messages) into validated Requests."""
+"""The front end's input processing: user input (text, token ids, chat messages, embeddings) tokenized and checked
+into the messages an engine core takes; ``RequestLimits``, the checks both sides share."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 from pagedllm.config import DEFAULT_MAX_LOGPROBS
-from pagedllm.engine.messages import AddBeamSearch, AddRequest
+from pagedllm.engine.messages import AddBeamSearch, AddRequest, CoreReady
 from pagedllm.engine.prompt_embeds import prompt_embeds_from_tensor
 from pagedllm.errors import ValidationError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.prompt_embeds import PromptEmbeds
-from pagedllm.request import Request
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams, check_refs
-
-if TYPE_CHECKING:
-    from pagedllm.worker.structured_output import GrammarCompiler
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 #: Most top log-probabilities one request may ask for per token by default (EngineArgs.max_logprobs' default).
 MAX_LOGPROBS = DEFAULT_MAX_LOGPROBS
-#: What a pooling request carries as its sampling parameters: it never samples.
-_NO_SAMPLING = SamplingParams(max_tokens=1)
 
 PromptType = str | dict[str, Any]
 
@@ -79,24 +74,85 @@ def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], chat_templat
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-class Processor:
-    """Tokenizes and validates; everything it refuses raises ValidationError naming the parameter."""
+class RequestLimits:
+    """What a request is checked against on both sides of the wire: the model's context length, its vocabulary and
+    end-of-sequence ids, the logprobs bound, the width of prompts given as embeddings. Everything refused raises
+    ValidationError naming the parameter."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 grammars: Callable[[], GrammarCompiler] | None = None, max_logprobs: int = MAX_LOGPROBS,
-                 embeds_hidden_size: int | None = None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 max_logprobs: int = MAX_LOGPROBS, embeds_hidden_size: int | None = None) -> None:
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_logprobs = max_logprobs
+        """Most log-probabilities a request may ask for per token (ModelConfig.max_logprobs: -1 already resolved)."""
         self.embeds_hidden_size = embeds_hidden_size
         """The model's embedding width when prompts may be given as embeddings (enable_prompt_embeds); None: they
         are refused."""
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.max_logprobs = max_logprobs
-        """Most log-probabilities a request may ask for per token (ModelConfig.max_logprobs: -1 already resolved)."""
-        self.eos_token_ids = eos_token_ids
-        self._grammars = grammars
-        """The structured-output compiler (shared with an in-process worker: one cache), made on the first
-        constrained request; None: one of this processor's own."""
+
+    def prompt_embeds(self, value: Any) -> PromptEmbeds:
+        """A prompt's embeddings (a tensor, or PromptEmbeds already checked) checked against this model: enabled,
+        1 .. max_model_len rows of its embedding width, a float dtype (ValidationError naming prompt_embeds)."""
+        if self.embeds_hidden_size is None:
+            raise ValidationError("prompt_embeds needs the engine started with enable_prompt_embeds "
+                                  "(--enable-prompt-embeds)", param="prompt_embeds")
+        embeds = value if isinstance(value, PromptEmbeds) else \
+            prompt_embeds_from_tensor(value, self.max_model_len, self.embeds_hidden_size)
+        if embeds.hidden_size != self.embeds_hidden_size:
+            raise ValidationError(f"prompt_embeds has hidden size {embeds.hidden_size}, but this model's is "
+                                  f"{self.embeds_hidden_size}", param="prompt_embeds", value=embeds.hidden_size)
+        return embeds
+
+    def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The request's max_tokens once its length is checked against max_model_len."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValidationError(
+                f"prompt is {num_prompt_tokens} tokens long but max_model_len is {self.max_model_len} "
+                "(at least one token must be generated)", param="prompt", value=num_prompt_tokens)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValidationError(
+                f"this model's max_model_len is {self.max_model_len} tokens, but the request asks for "
+                f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} prompt + {max_tokens} max_tokens)",
+                param="max_tokens", value=max_tokens)
+        return max_tokens
+
+    def resolve_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with logprobs / prompt_logprobs checked against max_logprobs (400 naming the field, in vLLM's
+        words) and made counts the sampler takes: -1 ("every token", vLLM's) becomes the vocabulary size, a count
+        above it the vocabulary size too (there are no more). A copy when anything changes: the caller's object
+        is never edited."""
+        changes = {}
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(params, name)
+            if value is None or (name == "logprobs" and params.logprob_token_ids is not None):
+                continue  # (logprob_token_ids: their count, bounded by MAX_LOGPROB_TOKEN_IDS)
+            asked = self.vocab_size if value == -1 else value
+            if asked > self.max_logprobs:
+                raise ValidationError(f"Requested {what} logprobs of {asked}, which is greater than max allowed: "
+                                      f"{self.max_logprobs} (the engine's max_logprobs, --max-logprobs; -1 asks for "
+                                      f"the whole vocabulary, {self.vocab_size} tokens)", param=name, value=value)
+            if min(asked, self.vocab_size) != value:
+                changes[name] = min(asked, self.vocab_size)
+        return dataclasses.replace(params, **changes) if changes else params
+
+
+class InputProcessor(RequestLimits):
+    """The front end's half: tokenizes a user's prompt and turns a request into the message its engine core takes
+    (``core_request``); the core's ``RequestFactory`` (engine/request_factory.py) makes the Requests of it."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 max_logprobs: int = MAX_LOGPROBS, embeds_hidden_size: int | None = None) -> None:
+        super().__init__(max_model_len, vocab_size, eos_token_ids, max_logprobs, embeds_hidden_size)
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def for_core(cls, tokenizer: Any, ready: CoreReady) -> InputProcessor:
+        """The processor of a front end whose engine core sent ``ready`` (its model's bounds)."""
+        model = ready.config.model
+        return cls(tokenizer, model.max_model_len, ready.vocab_size, tuple(ready.eos_token_ids),
+                   max_logprobs=model.max_logprobs,
+                   embeds_hidden_size=ready.hidden_size if model.enable_prompt_embeds else None)
 
     def tokenize_prompt(self, prompt: PromptType, truncate: int | None = None) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a string, {"prompt": ...} or {"prompt_token_ids": [...]}.
@@ -160,19 +216,6 @@ class Processor:
                                 prompt_ids=prompt_ids, params=params, arrival_time=arrival_time,
                                 cache_salt=cache_salt, lora_request=lora_request)
 
-    def prompt_embeds(self, value: Any) -> PromptEmbeds:
-        """A prompt's embeddings (a tensor, or PromptEmbeds already checked) checked against this model: enabled,
-        1 .. max_model_len rows of its embedding width, a float dtype (ValidationError naming prompt_embeds)."""
-        if self.embeds_hidden_size is None:
-            raise ValidationError("prompt_embeds needs the engine started with enable_prompt_embeds "
-                                  "(--enable-prompt-embeds)", param="prompt_embeds")
-        embeds = value if isinstance(value, PromptEmbeds) else \
-            prompt_embeds_from_tensor(value, self.max_model_len, self.embeds_hidden_size)
-        if embeds.hidden_size != self.embeds_hidden_size:
-            raise ValidationError(f"prompt_embeds has hidden size {embeds.hidden_size}, but this model's is "
-                                  f"{self.embeds_hidden_size}", param="prompt_embeds", value=embeds.hidden_size)
-        return embeds
-
     def _embeds_request(self, request_id: str, prompt: dict[str, Any], params: Any, arrival_time: float,
                         lora_request: LoRARequest | None, seq_counter: Iterator[int]) -> AddRequest:
         """core_request of {"prompt_embeds": tensor}: the rows stand for the prompt's tokens (placeholder ids)."""
@@ -208,125 +251,3 @@ class Processor:
                 len(types) != len(prompt["prompt_token_ids"]) or any(t not in (0, 1) for t in types):
             raise ValidationError.bad_value("token_type_ids", types, "0s and 1s, one per prompt_token_ids entry")
         return list(types[len(types) - num_tokens:])
-
-    def pooling_request(self, seq_id: str, prompt_ids: list[int], params: PoolingParams, arrival_time: float | None,
-                        token_type_ids: list[int] | None) -> Request:
-        """The Request of a pooling input, checked against max_model_len (a longer one is refused, naming
-        ``input``: truncate_prompt_tokens cuts it instead)."""
-        if len(prompt_ids) > self.max_model_len:
-            raise ValidationError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the input has "
-                f"{len(prompt_ids)} tokens: shorten it, or set truncate_prompt_tokens to cut it",
-                param="input", value=len(prompt_ids))
-        return Request(seq_id, prompt_ids, _NO_SAMPLING, (), 0, arrival_time, pooling_params=params,
-                       token_type_ids=token_type_ids)
-
-    def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The request's max_tokens once its length is checked against max_model_len."""
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValidationError(
-                f"prompt is {num_prompt_tokens} tokens long but max_model_len is {self.max_model_len} "
-                "(at least one token must be generated)", param="prompt", value=num_prompt_tokens)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt_tokens
-        if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise ValidationError(
-                f"this model's max_model_len is {self.max_model_len} tokens, but the request asks for "
-                f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} prompt + {max_tokens} max_tokens)",
-                param="max_tokens", value=max_tokens)
-        return max_tokens
-
-    def resolve_logprobs(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with logprobs / prompt_logprobs checked against max_logprobs (400 naming the field, in vLLM's
-        words) and made counts the sampler takes: -1 ("every token", vLLM's) becomes the vocabulary size, a count
-        above it the vocabulary size too (there are no more). A copy when anything changes: the caller's object
-        is never edited."""
-        changes = {}
-        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
-            value = getattr(params, name)
-            if value is None or (name == "logprobs" and params.logprob_token_ids is not None):
-                continue  # (logprob_token_ids: their count, bounded by MAX_LOGPROB_TOKEN_IDS)
-            asked = self.vocab_size if value == -1 else value
-            if asked > self.max_logprobs:
-                raise ValidationError(f"Requested {what} logprobs of {asked}, which is greater than max allowed: "
-                                      f"{self.max_logprobs} (the engine's max_logprobs, --max-logprobs; -1 asks for "
-                                      f"the whole vocabulary, {self.vocab_size} tokens)", param=name, value=value)
-            if min(asked, self.vocab_size) != value:
-                changes[name] = min(asked, self.vocab_size)
-        return dataclasses.replace(params, **changes) if changes else params
-
-    def check_params(self, params: SamplingParams) -> None:
-        """The request's sampling parameters against the model and this engine's bounds (ValidationError naming
-        the field); its bad words tokenized and its grammar compiled. Its logprobs are checked (and -1 resolved)
-        by resolve_logprobs before, once: make_requests and prepare call it."""
-        if not isinstance(params, SamplingParams):
-            raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
-                          ("allowed_token_ids", params.allowed_token_ids or []),
-                          ("logprob_token_ids", params.logprob_token_ids or []),
-                          ("reasoning_end_token_ids", params.reasoning_end_token_ids or []),
-                          ("reasoning_forced_end_token_ids", params.reasoning_forced_end_token_ids or [])):
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise ValidationError.bad_value(name, bad[0], f"a token id below {self.vocab_size}")
-        if params.bad_words and params.bad_words_token_ids is None:
-            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
-        if params.structured_outputs is not None:  # a bad schema / regex is refused here, before queueing
-            if params.structured_outputs.json is not None:  # here, not in the compiler: never on the step loop
-                check_refs(params.structured_outputs.json)
-            self.grammars().compile(params.structured_outputs)
-
-    def grammars(self) -> GrammarCompiler:
-        """The structured-output compiler (xgrammar is imported on the first constrained request)."""
-        if self._grammars is None:
-            from pagedllm.worker.structured_output import GrammarCompiler
-            compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            self._grammars = lambda: compiler
-        return self._grammars()
-
-    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word's tokens as it would start the text and as it would follow a space (vLLM's way)."""
-        texts = [t for word in words for t in (word.strip(), " " + word.strip())]
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one batched call
-        found: dict[tuple[int, ...], None] = {}  # insertion-ordered set: linear in the number of words
-        for ids in encoded:
-            if ids:
-                found.setdefault(tuple(ids), None)
-        return [list(ids) for ids in found]
-
-    @staticmethod
-    def needs_preparation(params: SamplingParams | Any) -> bool:
-        """Whether ``prepare`` has work for these parameters (a grammar to compile, bad words to tokenize)."""
-        return isinstance(params, SamplingParams) and (
-            params.structured_outputs is not None or (bool(params.bad_words) and params.bad_words_token_ids is None))
-
-    def prepare(self, params: SamplingParams) -> None:
-        """The slow part of a request's checks, meant to run off the step loop (a worker thread): compiles its
-        grammar into the shared cache (ValidationError if it does not compile) and tokenizes its bad words.
-        The checks done when the request is queued then find both ready."""
-        if isinstance(params, SamplingParams):
-            self.resolve_logprobs(params)  # (its logprobs refused here too; make_requests resolves them for good)
-        self.check_params(params)
-
-    def make_requests(self, seq_ids: list[str], prompt_ids: list[int], params: SamplingParams,
-                      arrival_time: float | None = None, cache_salt: str | None = None,
-                      lora_request: LoRARequest | None = None,
-                      prompt_embeds: PromptEmbeds | None = None) -> list[Request]:
-        """One Request per sample (``params.n`` of them, one per id in ``seq_ids``); ``prompt_embeds``: the prompt
-        as embeddings (``prompt_ids`` its placeholders)."""
-        if isinstance(params, SamplingParams):
-            params = self.resolve_logprobs(params)
-        self.check_params(params)
-        if prompt_embeds is not None:
-            prompt_embeds = self.prompt_embeds(prompt_embeds)
-            assert len(prompt_ids) == prompt_embeds.num_tokens, "one placeholder id per embedded row"
-            if params.prompt_logprobs is not None:
-                raise ValidationError("prompt_logprobs is not compatible with prompt_embeds", param="prompt_logprobs",
-                                      value=params.prompt_logprobs)
-        max_tokens = self.check_length(len(prompt_ids), params)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValidationError.bad_value("cache_salt", cache_salt, "a string")
-        assert len(seq_ids) == params.n
-        each = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
-        return [Request(seq_id, prompt_ids, p, self.eos_token_ids, max_tokens, arrival_time, cache_salt, lora_request,
-                        prompt_embeds=prompt_embeds)
-                for seq_id, p in zip(seq_ids, each)]

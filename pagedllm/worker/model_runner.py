@@ -24,7 +24,7 @@ from pagedllm import platform
 from pagedllm.attention.base import AttentionBackend, StepInputs
 from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
-from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
+from pagedllm.core.scheduler_output import ForkedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.layers.sampler import Sampler, gather_token_logprobs
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
@@ -214,13 +214,7 @@ class ModelRunner:
                      failures: StepFailures) -> ModelRunnerOutput:
         """A token (or a run of accepted drafts and one more) for each row that samples, forked samples drawing
         from their parent's row; the grammars advanced; the next drafts proposed."""
-        # forked samples draw from their parent's logits row: the prompt was computed once
-        samplers = [batch.states[i] for i in batch.inputs.sample_rows]
-        row_of = {s.req_id: row for row, s in enumerate(samplers)}
-        rows = list(range(len(samplers)))
-        for fork in out.forked_reqs:
-            samplers.append(self.requests[fork.req_id])
-            rows.append(row_of[fork.parent_id])
+        samplers, rows = self._samplers(out, batch)
         spec = out.scheduled_spec_decode_tokens
         if spec:
             tokens, logprobs = self._sample_with_drafts(samplers, rows, [spec.get(s.req_id, []) for s in samplers],
@@ -235,6 +229,17 @@ class ModelRunner:
         drafts = {} if self.speculator is None else self.speculator.propose(samplers)
         return ModelRunnerOutput(req_ids=[s.req_id for s in samplers], sampled_token_ids=tokens, logprobs=logprobs,
                                  spec_token_ids=drafts)
+
+    def _samplers(self, out: SchedulerOutput, batch: _StepBatch) -> tuple[list[CachedRequestState], list[int]]:
+        """The requests that sample this step and the logits row each reads: forked samples draw from their
+        parent's row (the prompt was computed once)."""
+        samplers = [batch.states[i] for i in batch.inputs.sample_rows]
+        row_of = {s.req_id: row for row, s in enumerate(samplers)}
+        rows = list(range(len(samplers)))
+        for fork in out.forked_reqs:
+            samplers.append(self.requests[fork.req_id])
+            rows.append(row_of[fork.parent_id])
+        return samplers, rows
 
     def _sample(self, samplers: list[CachedRequestState], rows: list[int], hidden: torch.Tensor,
                 logits_indices: torch.Tensor, failures: StepFailures
@@ -324,15 +329,7 @@ class ModelRunner:
             if state is not None and self.speculator is not None:
                 self.speculator.finish(req_id, state.token_ids, state.num_prompt_tokens)
         for new in out.scheduled_new_reqs:
-            prompt = list(new.prompt_token_ids)
-            generator, matcher = self._sampling_state(new.req_id, new.sampling_params, list(new.output_token_ids),
-                                                    failures)
-            self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id, token_ids=prompt + list(new.output_token_ids), num_prompt_tokens=len(prompt),
-                sampling_params=new.sampling_params, generator=generator, block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens, matcher=matcher, lora_request=new.lora_request,
-                pooling_params=new.pooling_params, token_type_ids=new.token_type_ids,
-                prompt_embeds=None if new.prompt_embeds is None else embeds_tensor(new.prompt_embeds))
+            self.requests[new.req_id] = self._new_state(new, failures)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.replace_table:
@@ -343,14 +340,30 @@ class ModelRunner:
             if cached.replace_table and self.speculator is not None:  # a draft's K/V past there may be gone
                 self.speculator.rewind(cached.req_id, cached.num_computed_tokens)
         for fork in out.forked_reqs:
-            parent = self.requests[fork.parent_id]
-            generator, matcher = self._sampling_state(fork.req_id, fork.sampling_params, parent.output_token_ids,
-                                                    failures)
-            self.requests[fork.req_id] = CachedRequestState(
-                req_id=fork.req_id, token_ids=list(parent.token_ids), num_prompt_tokens=parent.num_prompt_tokens,
-                sampling_params=fork.sampling_params, generator=generator, block_ids=list(fork.block_ids),
-                num_computed_tokens=fork.num_computed_tokens, matcher=matcher, lora_request=parent.lora_request,
-                prompt_embeds=parent.prompt_embeds)
+            self.requests[fork.req_id] = self._forked_state(fork, failures)
+
+    def _new_state(self, new: NewRequestData, failures: StepFailures) -> CachedRequestState:
+        """The state of a request joining the batch (new, or resumed after preemption with its output so far)."""
+        prompt = list(new.prompt_token_ids)
+        generator, matcher = self._sampling_state(new.req_id, new.sampling_params, list(new.output_token_ids),
+                                                  failures)
+        return CachedRequestState(
+            req_id=new.req_id, token_ids=prompt + list(new.output_token_ids), num_prompt_tokens=len(prompt),
+            sampling_params=new.sampling_params, generator=generator, block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens, matcher=matcher, lora_request=new.lora_request,
+            pooling_params=new.pooling_params, token_type_ids=new.token_type_ids,
+            prompt_embeds=None if new.prompt_embeds is None else embeds_tensor(new.prompt_embeds))
+
+    def _forked_state(self, fork: ForkedRequestData, failures: StepFailures) -> CachedRequestState:
+        """The state of a sample forked from its parent after the prompt (its own params, seed and blocks)."""
+        parent = self.requests[fork.parent_id]
+        generator, matcher = self._sampling_state(fork.req_id, fork.sampling_params, parent.output_token_ids,
+                                                  failures)
+        return CachedRequestState(
+            req_id=fork.req_id, token_ids=list(parent.token_ids), num_prompt_tokens=parent.num_prompt_tokens,
+            sampling_params=fork.sampling_params, generator=generator, block_ids=list(fork.block_ids),
+            num_computed_tokens=fork.num_computed_tokens, matcher=matcher, lora_request=parent.lora_request,
+            prompt_embeds=parent.prompt_embeds)
 
     def _sampling_state(self, req_id: str, params: SamplingParams, accepted: list[int],
                         failures: StepFailures) -> tuple[Any, Any]:

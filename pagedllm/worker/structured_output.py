@@ -283,8 +283,9 @@ def compiler_for(model_path: str, vocab_size: int, stop_token_ids: tuple[int, ..
                  config: StructuredOutputsConfig = DEFAULT_CONFIG) -> GrammarCompiler:
     """The compiler of a model's tokenizer, one per process (the engine's processor and an in-process worker
     share it, and so its cache); built on first use: most engines never need it."""
-    from pagedllm.models.loader import load_tokenizer
-    return GrammarCompiler(load_tokenizer(model_path), vocab_size, stop_token_ids, config)
+    from pagedllm.models.loader import tokenizer_of
+
+    return GrammarCompiler(tokenizer_of(model_path), vocab_size, stop_token_ids, config)
 
 
 def apply_draft_masks(logits: torch.Tensor, groups: list[tuple[int, Any, list[int], list[int]]]

@@ -92,20 +92,13 @@ class Worker:
         choose the attention backend (its kernels are built or read from the cache here, before any request)
         and check the KV cache's dtype against it."""
         config, info = self.config, self.rank_info
-        tp = config.parallel.tensor_parallel_size
         on_gpu = platform.is_cuda(config.device.device)
         self.device = torch.device("cuda", info.local_rank) if on_gpu else torch.device("cpu")
         if on_gpu:
             torch.cuda.set_device(self.device)
-        if tp > 1:  # before torch starts its thread pools: they inherit the affinity
-            if not on_gpu:
-                self.cores = rank_cores(info.local_rank, info.local_world_size)
-            if self.cores is not None:
-                os.sched_setaffinity(0, self.cores)
-                torch.set_num_threads(len(self.cores))
-            assert info.distributed_init_method is not None, "a tensor-parallel worker needs rank 0's address"
-            init_distributed(info.rank, tp, info.distributed_init_method, info.local_world_size,
-                             backend="nccl" if on_gpu else "gloo")
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1:
+            self._join_group(tp, on_gpu)
         self.num_kv_heads = shard_heads(self.arch.num_heads, self.arch.num_kv_heads, tp, info.rank).num_kv_heads
         backend = get_attention_backend(resolve_backend_name(config.device.attention_backend, config.device.device))
         self.kv_dtype = kv_quant.kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
@@ -116,6 +109,19 @@ class Worker:
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
         self.backend = backend
+
+    def _join_group(self, tp: int, on_gpu: bool) -> None:
+        """A tensor-parallel rank: pinned to its share of the cores (on the CPU, before torch starts its thread
+        pools: they inherit the affinity), then in the process group (gloo; NCCL on GPUs)."""
+        info = self.rank_info
+        if not on_gpu:
+            self.cores = rank_cores(info.local_rank, info.local_world_size)
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)
+            torch.set_num_threads(len(self.cores))
+        assert info.distributed_init_method is not None, "a tensor-parallel worker needs rank 0's address"
+        init_distributed(info.rank, tp, info.distributed_init_method, info.local_world_size,
+                         backend="nccl" if on_gpu else "gloo")
 
     def load_model(self) -> None:
         """Load the weights (and a draft model's), process them, and make the model runner around them."""
@@ -135,11 +141,13 @@ class Worker:
         self.load_report = meter.report(loaded)
         """How loading went: its time, the weights' bytes, the peak RSS (``memory_usage``, ``pagedllm bench``)."""
         if info.rank == 0:
-            logger.info("%s", self.load_report.line())
-        if config.model.quantization and info.rank == 0:
-            described = describe_quantized(model)
-            (logger.warning if described.startswith("no weight") else logger.info)(
-                "quantization=%s: %s", config.model.quantization, described)
+            _log_load(self.load_report, model, config.model.quantization)
+        return self._make_runner(model, backend, lora, speculator)
+
+    def _make_runner(self, model: torch.nn.Module, backend: AttentionBackend, lora: LoRAManager | None,
+                     speculator: Speculator | None) -> ModelRunner:
+        """The runner of the loaded model: a pooling model's (with its pooler) or a generating model's."""
+        config, arch = self.config, self.arch
         if config.model.pooler is not None:
             pooler = Pooler(model, config.model.pooler, arch.problem_type)
             return runner_for(model, pooler)(model, backend, config.cache.block_size, config.model.seed,
@@ -331,6 +339,15 @@ def _process_weights(model: torch.nn.Module, dtype: torch.dtype, quantization: s
                     "more than %d rows run on them; 0 turns them off)", str(dtype).removeprefix("torch."),
                     copied / 2**30, platform.switches().dense_copy, DENSE_ROWS)
     model.eval()
+
+
+def _log_load(report: Any, model: torch.nn.Module, quantization: str | None) -> None:
+    """The start-up lines of a load: its time and memory, and what quantization kept of the weights."""
+    logger.info("%s", report.line())
+    if quantization:
+        described = describe_quantized(model)
+        (logger.warning if described.startswith("no weight") else logger.info)(
+            "quantization=%s: %s", quantization, described)
 
 
 @torch.no_grad()

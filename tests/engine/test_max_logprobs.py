@@ -133,16 +133,16 @@ def test_make_requests_resolves_logprobs_once(monkeypatch: pytest.MonkeyPatch) -
     """make_requests checks and resolves a request's logprobs once (check_params no longer resolves them again);
     -1 still becomes the vocabulary size, and prepare (the preparation thread's early checks) still refuses a
     count over max_logprobs."""
-    from pagedllm.engine.processor import Processor
+    from pagedllm.engine.request_factory import RequestFactory
 
-    processor = Processor(None, 64, VOCAB, (2,), max_logprobs=VOCAB)
+    processor = RequestFactory(None, 64, VOCAB, (2,), max_logprobs=VOCAB)
     calls = []
-    resolve = Processor.resolve_logprobs
-    monkeypatch.setattr(Processor, "resolve_logprobs", lambda self, p: calls.append(p) or resolve(self, p))
+    resolve = RequestFactory.resolve_logprobs
+    monkeypatch.setattr(RequestFactory, "resolve_logprobs", lambda self, p: calls.append(p) or resolve(self, p))
     requests = processor.make_requests(["0:a", "1:a"], PROMPT, SamplingParams(n=2, logprobs=-1, max_tokens=4))
     assert len(calls) == 1
     assert all(r.sampling_params.logprobs == VOCAB for r in requests)
-    small = Processor(None, 64, VOCAB, (2,), max_logprobs=5)
+    small = RequestFactory(None, 64, VOCAB, (2,), max_logprobs=5)
     with pytest.raises(ValidationError) as e:
         small.prepare(SamplingParams(logprobs=6))
     assert e.value.param == "logprobs"

@@ -35,7 +35,8 @@ def test_bad_words_never_appear(llm: LLM) -> None:
     word = tokenizer.decode([plain[1][0]]).strip() or "the"
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, bad_words=[word, "of the"])
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    bad_ids = llm.llm_engine.processor.bad_words_token_ids(params.bad_words)  # as the engine tokenizes them
+    factory = llm.llm_engine.engine_core.core.request_factory
+    bad_ids = factory.bad_words_token_ids(params.bad_words)  # as the engine tokenizes them
     assert [plain[1][0]] in bad_ids
     for tokens in out:
         for bad in bad_ids:

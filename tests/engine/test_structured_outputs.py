@@ -91,7 +91,7 @@ def test_local_refs_are_followed(llm: LLM) -> None:
 def test_the_processor_and_an_in_process_worker_share_one_grammar_cache(llm: LLM) -> None:
     engine = llm.llm_engine
     worker = worker_of(engine)  # the in-process (uni) executor's
-    compiler = engine.engine_core.core.processor.grammars()
+    compiler = engine.engine_core.core.request_factory.grammars()
     assert worker.model_runner.grammars() is compiler
     assert compiler.cache_bytes == engine.config.structured_outputs.grammar_cache_bytes
     llm.generate("Pick:", _params(StructuredOutputsParams(choice=["a fresh choice", "another one"])), use_tqdm=False)
@@ -158,7 +158,7 @@ def test_a_matcher_rebuilt_from_the_output_reads_what_follows_the_reasoning(llm:
     assert reasoning_end([5, *END_THINK, 7], [END_THINK], since=4) is None  # the marker ended before ``since``
     assert reasoning_end([5, END_THINK[0], END_THINK[1]], [END_THINK], since=2) is None  # not whole yet
     assert reasoning_end([5, 8, *END_THINK], [END_THINK], implicit={8}) == (1, 2)  # the first end wins
-    compiler = llm.llm_engine.engine_core.core.processor.grammars()
+    compiler = llm.llm_engine.engine_core.core.request_factory.grammars()
     spec = StructuredOutputsParams(choice=["yes", "no"])
     yes, other = tokenizer.encode("yes", add_special_tokens=False), tokenizer.encode("{", add_special_tokens=False)
     thinking = [5, 6, 7]

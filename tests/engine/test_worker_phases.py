@@ -97,3 +97,13 @@ def test_apply_model_runs_on_the_model(make_llm: Callable[..., Any]) -> None:
 
 def _embedding_sum(model: Any) -> float:
     return float(model.model.embed_tokens.weight.float().sum())
+
+
+def test_the_core_hands_its_tokenizer_on(make_llm: Callable[..., Any]) -> None:
+    """An engine core's process loads its model's tokenizer once: the grammar compiler takes the core's."""
+    from pagedllm.models.loader import tokenizer_of
+
+    llm = make_llm(num_kv_blocks=32)
+    core = llm.llm_engine.engine_core.core
+    assert tokenizer_of(core.config.model.model) is llm.get_tokenizer()
+    llm.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,6 +129,23 @@ def load_eos_token_ids(path: str, arch: ArchConfig, tokenizer: Any) -> tuple[int
     if not is_gguf(path):
         ids += hf_loader.generation_eos_token_ids(path)
     return tuple(dict.fromkeys(ids))  # unique, in order
+
+
+_HANDED_ON: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+"""The tokenizer an engine core of this process loaded, by model path (``hand_on_tokenizer``); gone with it."""
+
+
+def hand_on_tokenizer(path: str, tokenizer: Any) -> None:
+    """Make ``tokenizer`` the one ``tokenizer_of(path)`` returns in this process: an engine core loads its model's
+    tokenizer once and what else needs it there (the grammar compiler) takes that one."""
+    _HANDED_ON[path] = tokenizer
+
+
+def tokenizer_of(path: str) -> Any:
+    """The tokenizer this process's engine core handed on for ``path``, else one loaded now (a process of its
+    own: a tensor-parallel worker's). The thread mode's front end loads its own (engine/core_client.py)."""
+    tokenizer = _HANDED_ON.get(path)
+    return tokenizer if tokenizer is not None else load_tokenizer(path)
 
 
 def load_tokenizer(path: str):  # -> transformers PreTrainedTokenizerBase
