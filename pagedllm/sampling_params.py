@@ -363,6 +363,14 @@ def last_index(tokens: list[int], marker: list[int]) -> int:
     return -1
 
 
+def _forced_written(tokens: list[int], opened: int, forced: list[int]) -> int:
+    """How much of ``forced`` the tokens after position ``opened`` end with (a forced end in progress)."""
+    for k in range(min(len(forced) - 1, len(tokens) - opened), 0, -1):
+        if tokens[len(tokens) - k:] == forced[:k]:
+            return k
+    return 0
+
+
 def thinking_budget_forced_token(tokens: list[int], start: list[int], end: list[int], budget: int,
                                  forced: list[int] | None = None) -> int | None:
     """The token a thinking_token_budget forces after ``tokens`` (prompt + output), or None: inside a reasoning
@@ -376,11 +384,7 @@ def thinking_budget_forced_token(tokens: list[int], start: list[int], end: list[
     opened = last_start + len(start)
     if last_index(tokens[opened:], end) >= 0 or (forced is not end and last_index(tokens[opened:], forced) >= 0):
         return None  # closed (by the model, or by the budget)
-    written = 0  # how much of ``forced`` the tokens end with (a forced end in progress)
-    for k in range(min(len(forced) - 1, len(tokens) - opened), 0, -1):
-        if tokens[len(tokens) - k:] == forced[:k]:
-            written = k
-            break
+    written = _forced_written(tokens, opened, forced)
     if len(tokens) - opened - written < budget:
         return None
     return forced[written]

@@ -251,11 +251,7 @@ class KVCacheManager:
         """
         host = self.req_to_host_blocks[request.request_id]
         if self.sliding_window is not None:  # what fell out of the window meanwhile is not brought back
-            first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
-            for i in range(min(first_needed, len(host) - 1)):
-                if host[i] is not None:
-                    self.host_free.append(host[i])
-                    host[i] = None
+            self._free_host_before_window(host, request.num_computed_tokens)
         live = [h for h in host if h is not None]
         total = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - (len(host) - len(live))
         if max(total, len(live)) > self.block_pool.num_free_blocks:
@@ -267,6 +263,14 @@ class KVCacheManager:
         self.req_to_blocks[request.request_id] = blocks
         self._replaced_tables.add(request.request_id)
         return [(h, b.block_id) for h, b in zip(host, blocks) if h is not None]
+
+    def _free_host_before_window(self, host: list[int | None], num_computed_tokens: int) -> None:
+        """Free the host blocks of a swapped-out table that lie wholly before its sliding window (None in place)."""
+        first_needed = max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+        for i in range(min(first_needed, len(host) - 1)):
+            if host[i] is not None:
+                self.host_free.append(host[i])
+                host[i] = None
 
     def is_swapped(self, request_id: str) -> bool:
         """The request's K/V wait in the host pool (it was preempted by swapping)."""

@@ -559,6 +559,16 @@ class Scheduler:
         return CachedRequestData(req_id=request.request_id, new_block_ids=block_ids,
                                  num_computed_tokens=request.num_computed_tokens, replace_table=replace)
 
+    def _record_estimate(self, plan: _StepPlan) -> None:
+        """With step_time_target: the step's estimated time, and the largest a budgeted prefill step had."""
+        estimate = self.step_time.estimate(plan.prefill_cost, plan.decodes)
+        self.stats.last_step_estimated_s = estimate
+        if plan.prefill_budget is not None and plan.prefill_tokens and not plan.floored:
+            self.stats.max_step_estimated_s = max(self.stats.max_step_estimated_s, estimate)
+            if self.step_time.measured:  # before, the budget was a chunk's units, not seconds
+                self.stats.max_step_estimated_fraction = max(self.stats.max_step_estimated_fraction,
+                                                             estimate / plan.allowed_s)
+
     def _update_after_schedule(self, plan: _StepPlan) -> None:
         out = plan.output
         self._verifying = {req_id: len(drafts) for req_id, drafts in out.scheduled_spec_decode_tokens.items()}
@@ -572,13 +582,7 @@ class Scheduler:
         self.stats.max_step_attended_positions = max(self.stats.max_step_attended_positions, attended)
         self._last_step = (plan.prefill_tokens, plan.prefill_pairs, plan.decodes)
         if self.config.step_time_target is not None and out.num_scheduled_tokens:
-            estimate = self.step_time.estimate(plan.prefill_cost, plan.decodes)
-            self.stats.last_step_estimated_s = estimate
-            if plan.prefill_budget is not None and plan.prefill_tokens and not plan.floored:
-                self.stats.max_step_estimated_s = max(self.stats.max_step_estimated_s, estimate)
-                if self.step_time.measured:  # before, the budget was a chunk's units, not seconds
-                    self.stats.max_step_estimated_fraction = max(self.stats.max_step_estimated_fraction,
-                                                                 estimate / plan.allowed_s)
+            self._record_estimate(plan)
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         self._refresh_gauges()
 
@@ -639,14 +643,7 @@ class Scheduler:
         if req_id in self._verifying:
             self._take_back_rejected(request, self._verifying[req_id], len(token_ids) - 1)
         new_tokens = self._append_until_stop(request, token_ids)
-        prompt_logprobs = None
-        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-        result = EngineCoreOutput(
-            request_id=req_id, new_token_ids=new_tokens, new_logprobs=[] if logprobs is None else
-            logprobs[:len(new_tokens)], finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-            first_scheduled_time=request.first_scheduled_time, num_cached_tokens=max(request.num_cached_tokens, 0),
-            prompt_logprobs=prompt_logprobs)
+        result = _sampled_output(request, new_tokens, [] if logprobs is None else logprobs[:len(new_tokens)])
         if request.is_finished:
             self.running.remove(request)
             self._free_request(request)
@@ -716,3 +713,16 @@ class Scheduler:
         stats.num_waiting = len(self.waiting)
         stats.kv_cache_usage = self.kv_cache_manager.usage()
         stats.max_kv_cache_usage = max(stats.max_kv_cache_usage, stats.kv_cache_usage)
+
+
+def _sampled_output(request: Request, new_tokens: list[int], logprobs: list[TokenLogprobs]) -> EngineCoreOutput:
+    """A sampling request's output of a step: its new tokens (and their logprobs), its finish if it finished, its
+    prompt logprobs with its first output."""
+    prompt_logprobs = None
+    if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+        prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+    return EngineCoreOutput(
+        request_id=request.request_id, new_token_ids=new_tokens, new_logprobs=logprobs,
+        finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+        first_scheduled_time=request.first_scheduled_time, num_cached_tokens=max(request.num_cached_tokens, 0),
+        prompt_logprobs=prompt_logprobs)

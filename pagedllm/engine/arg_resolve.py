@@ -59,12 +59,15 @@ def engine_config(args: EngineOptions) -> tuple[EngineConfig, ArchConfig]:
     model = model_config(args, path, arch, device, pooling)
     config = EngineConfig(
         model=model, cache=cache_config(args, arch, pooling), scheduler=scheduler_config(args, model, lora),
-        parallel=parallel, lora=lora, speculative=speculative, watermark=watermark,
-        device=DeviceConfig(device=device, attention_backend=args.attention_backend,
-                            enforce_eager=args.enforce_eager,
-                            cuda_graph_sizes=parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs)),
+        parallel=parallel, lora=lora, speculative=speculative, watermark=watermark, device=device_config(args, device),
         structured_outputs=structured_outputs_config(args.grammar_cache_memory, args.max_grammar_memory))
     return config, arch
+
+
+def device_config(args: EngineOptions, device: str) -> DeviceConfig:
+    """The resolved device, its attention backend and CUDA graph sizes."""
+    return DeviceConfig(device=device, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                        cuda_graph_sizes=parse_cuda_graph_sizes(args.cuda_graph_sizes, args.max_num_seqs))
 
 
 def model_config(args: EngineOptions, path: str, arch: ArchConfig, device: str, pooling: Pooling) -> ModelConfig:

@@ -132,13 +132,7 @@ class BeamSearchManager:
         survivors = [c for c, end in zip(candidates, ends) if not end][:k]
         group.num_generated += 1
         if group.improvable:
-            for c, end in zip(candidates[:k], ends[:k]):
-                if end:
-                    beam = _Beam("", c.beam.tokens + [c.token], c.score)
-                    score = c.score / group.num_generated ** params.length_penalty
-                    group.finished.append((score, beam, "length" if at_limit and c.token not in self.eos_token_ids
-                                           else "stop"))
-            group.finished = sorted(group.finished, key=lambda f: -f[0])[:k]
+            self._finish_beams(group, candidates[:k], ends[:k], at_limit)
         if len(group.finished) == k and survivors:
             best_live = survivors[0].score / group.num_generated ** params.length_penalty
             group.improvable = group.improvable and best_live > group.finished[-1][0]
@@ -148,6 +142,18 @@ class BeamSearchManager:
             return self._output(group)
         self._continue(group, survivors)
         return None
+
+    def _finish_beams(self, group: _Group, candidates: list[_Candidate], ends: list[bool], at_limit: bool) -> None:
+        """The candidates among the best beam_width that end here join the group's finished beams (the best
+        beam_width kept), scored with the length penalty."""
+        params = group.params
+        for c, end in zip(candidates, ends):
+            if end:
+                beam = _Beam("", c.beam.tokens + [c.token], c.score)
+                score = c.score / group.num_generated ** params.length_penalty
+                group.finished.append((score, beam, "length" if at_limit and c.token not in self.eos_token_ids
+                                       else "stop"))
+        group.finished = sorted(group.finished, key=lambda f: -f[0])[:params.beam_width]
 
     def _top_candidates(self, group: _Group) -> list[_Candidate]:
         candidates = []

@@ -154,8 +154,8 @@ class EngineCore:
             if request.lora_request is not None:
                 self.add_lora(request.lora_request)
             samples = self.request_factory.make_requests(request.seq_ids, request.prompt_ids, request.params,
-                                                   request.arrival_time, request.cache_salt, request.lora_request,
-                                                   request.prompt_embeds)
+                                                         request.arrival_time, request.cache_salt, request.lora_request,
+                                                         request.prompt_embeds)
             # the n samples of a prompt fork from the first once its prompt is computed (shared blocks)
             self.scheduler.add_request(samples[0], samples[1:])
         except BaseException:
@@ -182,12 +182,26 @@ class EngineCore:
         params = resolve_pooling_params(request.params, model, self.hidden_size)
         [seq_id] = request.seq_ids
         pooled = self.request_factory.pooling_request(seq_id, request.prompt_ids, params, request.arrival_time,
-                                                request.token_type_ids)
+                                                      request.token_type_ids)
         self.scheduler.add_request(pooled)
 
     def add_beam_search(self, request: AddBeamSearch) -> None:
         """Queue a beam search; its one RequestOutput (the beam_width best sequences, best first) comes out of
         step() when it ends."""
+        self._check_beam_search(request)
+        seq_params = self.beam_search.sampling_params(request.params)
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
+        # "b": the core's own ids, never equal to a front's ("n:request_id")
+        seq_id = f"b{next(self._beam_seq_ids)}:{request.request_id}"
+        first = self.request_factory.make_requests([seq_id], request.prompt_ids, seq_params, request.arrival_time,
+                                                   lora_request=request.lora_request)[0]
+        self.scheduler.add_request(first)
+        self.beam_search.add(request.request_id, request.text, first, request.params)
+
+    def _check_beam_search(self, request: AddBeamSearch) -> None:
+        """A beam search's own refusals: its params, its id, a model that generates, an engine that admits, a
+        beam_width the logprobs bound allows."""
         params = request.params
         if not isinstance(params, BeamSearchParams):
             raise ValidationError.bad_value("params", params, "a BeamSearchParams")
@@ -200,15 +214,6 @@ class EngineCore:
         if 2 * params.beam_width > most:
             raise ValidationError.bad_value("beam_width", params.beam_width,
                                             f"<= {most // 2} (half of max_logprobs, --max-logprobs)")
-        seq_params = self.beam_search.sampling_params(params)
-        if request.lora_request is not None:
-            self.add_lora(request.lora_request)
-        # "b": the core's own ids, never equal to a front's ("n:request_id")
-        seq_id = f"b{next(self._beam_seq_ids)}:{request.request_id}"
-        first = self.request_factory.make_requests([seq_id], request.prompt_ids, seq_params, request.arrival_time,
-                                             lora_request=request.lora_request)[0]
-        self.scheduler.add_request(first)
-        self.beam_search.add(request.request_id, request.text, first, params)
 
     def abort(self, request: Abort) -> None:
         """Free a request's samples now (or a beam search's beams)."""

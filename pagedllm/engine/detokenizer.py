@@ -56,17 +56,22 @@ class IncrementalDetokenizer:
                 break
             self.num_output_tokens += 1
             if token_id not in self._invisible:
-                self._ids.append(token_id)
-                prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-                text = self._decode(self._ids[self._prefix_offset:])
-                if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
-                    self.output_text += text[len(prefix_text):]
-                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                self._add_text(token_id)
             if self.num_output_tokens <= self.min_tokens:
                 self._stop_check_offset = len(self.output_text)  # stop strings count only after min_tokens
             elif self.stop and (stop := self._find_stop()) is not None:
                 return stop
         return None
+
+    def _add_text(self, token_id: int) -> None:
+        """A visible token's text, added once it decodes to whole characters (a byte-level piece of a character
+        waits for the rest)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset:])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            self.output_text += text[len(prefix_text):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 
     def _find_stop(self) -> str | None:
         """Search the text added since the last check; cut it at the earliest stop string found."""

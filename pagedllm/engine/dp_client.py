@@ -144,6 +144,10 @@ class DPClient(AsyncCoreClient):
             self.launcher.close()
             self._spawner.shutdown(wait=False)
             raise
+        self._all_ready(n)
+
+    def _all_ready(self, n: int) -> None:
+        """Every replica loaded: the combined readiness (the KV blocks of all), the statistics, the router."""
         first = self.replicas[0]
         assert first is not None
         self.ready = dataclasses.replace(first.ready, config=dataclasses.replace(first.ready.config,

@@ -44,22 +44,8 @@ class EngineStats(SchedulerStats):
         if len(parts) == 1:
             return parts[0]
         total = cls()
-        blocks = sum(p.num_kv_blocks for p in parts)
         for f in dataclasses.fields(cls):
-            values = [getattr(p, f.name) for p in parts]
-            if f.name in ("kv_cache_usage", "max_kv_cache_usage"):
-                value = sum(v * p.num_kv_blocks for v, p in zip(values, parts)) / blocks if blocks else 0.0
-            elif f.name == "block_size":
-                value = values[0]
-            elif f.name == "max_num_running":
-                value = sum(values)
-            elif f.name in _PER_REPLICA_MAXIMA:  # each replica steps on its own
-                value = max(values)
-            elif isinstance(values[0], list):  # per-position counts
-                value = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
-            else:
-                value = sum(values)
-            setattr(total, f.name, value)
+            setattr(total, f.name, _combined(f.name, [getattr(p, f.name) for p in parts], parts))
         return total
 
 
@@ -145,6 +131,22 @@ class CoreError:
     message: str
     param: str | None = None
     value: Any = None
+
+
+def _combined(name: str, values: list[Any], parts: list[EngineStats]) -> Any:
+    """One EngineStats field over the replicas (EngineStats.combine)."""
+    if name in ("kv_cache_usage", "max_kv_cache_usage"):
+        blocks = sum(p.num_kv_blocks for p in parts)
+        return sum(v * p.num_kv_blocks for v, p in zip(values, parts)) / blocks if blocks else 0.0
+    if name == "block_size":
+        return values[0]
+    if name == "max_num_running":
+        return sum(values)
+    if name in _PER_REPLICA_MAXIMA:  # each replica steps on its own
+        return max(values)
+    if isinstance(values[0], list):  # per-position counts
+        return [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
+    return sum(values)
 
 
 @dataclasses.dataclass(kw_only=True)

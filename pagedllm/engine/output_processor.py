@@ -151,6 +151,14 @@ class RequestState:
                              self.num_cached_tokens, self.metrics, prompt_logprobs, self.error)
 
 
+def _set_finish(seq: SequenceState, out: EngineCoreOutput, stop: str | None) -> None:
+    """A sample's finish: by the stop string its text reached, else as the core ended it (if it did)."""
+    if stop is not None:
+        seq.finish_reason, seq.stop_reason = "stop", stop
+    elif out.finish_reason is not None:
+        seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+
+
 class OutputProcessor:
     """Detokenizes new tokens, applies stop strings and assembles outputs."""
 
@@ -258,12 +266,9 @@ class OutputProcessor:
             self._add_logprobs(seq, new, out.new_logprobs, state.params.logprobs)
         if out.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = self._prompt_logprobs(state, out.prompt_logprobs)
-        if stop is not None:
-            if out.finish_reason is None:
-                stopped_by_string.append(out.request_id)
-            seq.finish_reason, seq.stop_reason = "stop", stop
-        elif out.finish_reason is not None:
-            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        if stop is not None and out.finish_reason is None:
+            stopped_by_string.append(out.request_id)  # (the core has not seen it end: it is told to stop it)
+        _set_finish(seq, out, stop)
         if seq.finished:
             self._record_finished(state, seq, now)
 

@@ -219,19 +219,7 @@ class InputProcessor(RequestLimits):
     def _embeds_request(self, request_id: str, prompt: dict[str, Any], params: Any, arrival_time: float,
                         lora_request: LoRARequest | None, seq_counter: Iterator[int]) -> AddRequest:
         """core_request of {"prompt_embeds": tensor}: the rows stand for the prompt's tokens (placeholder ids)."""
-        extra = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
-        if extra:
-            raise ValidationError(f"a prompt given as prompt_embeds takes no {extra[0]} (give one or the other)",
-                                  param=extra[0])
-        if isinstance(params, (PoolingParams, BeamSearchParams)):
-            raise ValidationError("prompt_embeds is for sampled generation, not "
-                                  f"{'pooling' if isinstance(params, PoolingParams) else 'beam search'}",
-                                  param="prompt_embeds")
-        if not isinstance(params, SamplingParams):
-            raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
-        if params.prompt_logprobs is not None:
-            raise ValidationError("prompt_logprobs is not compatible with prompt_embeds (the prompt has no token ids "
-                                  "to score)", param="prompt_logprobs", value=params.prompt_logprobs)
+        _check_embeds_request(prompt, params)
         embeds = self.prompt_embeds(prompt["prompt_embeds"])
         params = self.resolve_logprobs(params)
         cache_salt = prompt.get("cache_salt")
@@ -251,3 +239,21 @@ class InputProcessor(RequestLimits):
                 len(types) != len(prompt["prompt_token_ids"]) or any(t not in (0, 1) for t in types):
             raise ValidationError.bad_value("token_type_ids", types, "0s and 1s, one per prompt_token_ids entry")
         return list(types[len(types) - num_tokens:])
+
+
+def _check_embeds_request(prompt: dict[str, Any], params: Any) -> None:
+    """What a prompt given as embeddings refuses: other prompt fields, pooling and beam search (sampled generation
+    only), prompt_logprobs (no token ids to score)."""
+    extra = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
+    if extra:
+        raise ValidationError(f"a prompt given as prompt_embeds takes no {extra[0]} (give one or the other)",
+                              param=extra[0])
+    if isinstance(params, (PoolingParams, BeamSearchParams)):
+        raise ValidationError("prompt_embeds is for sampled generation, not "
+                              f"{'pooling' if isinstance(params, PoolingParams) else 'beam search'}",
+                              param="prompt_embeds")
+    if not isinstance(params, SamplingParams):
+        raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
+    if params.prompt_logprobs is not None:
+        raise ValidationError("prompt_logprobs is not compatible with prompt_embeds (the prompt has no token ids "
+                              "to score)", param="prompt_logprobs", value=params.prompt_logprobs)

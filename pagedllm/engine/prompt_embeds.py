@@ -50,11 +50,8 @@ def prompt_embeds_from_tensor(tensor: Any, max_tokens: int, hidden_size: int | N
     return PromptEmbeds(data=raw, num_tokens=num_tokens, hidden_size=hidden, dtype=name)
 
 
-def decode_prompt_embeds(payload: str | bytes, max_tokens: int, hidden_size: int | None = None,
-                         param: str = "prompt_embeds") -> PromptEmbeds:
-    """A client's base64 text of a ``torch.save``d tensor: loaded with ``weights_only=True`` (no code runs) onto the
-    CPU, a sparse tensor's invariants checked, then prompt_embeds_from_tensor. Anything else is a ValidationError
-    naming ``param``."""
+def _base64_bytes(payload: str | bytes, param: str) -> bytes:
+    """The bytes of a client's base64 text: not empty, valid base64 (else a ValidationError naming ``param``)."""
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError, TypeError):
@@ -62,6 +59,15 @@ def decode_prompt_embeds(payload: str | bytes, max_tokens: int, hidden_size: int
                               param=param) from None
     if not raw:
         raise ValidationError(f"{param} is empty", param=param)
+    return raw
+
+
+def decode_prompt_embeds(payload: str | bytes, max_tokens: int, hidden_size: int | None = None,
+                         param: str = "prompt_embeds") -> PromptEmbeds:
+    """A client's base64 text of a ``torch.save``d tensor: loaded with ``weights_only=True`` (no code runs) onto the
+    CPU, a sparse tensor's invariants checked, then prompt_embeds_from_tensor. Anything else is a ValidationError
+    naming ``param``."""
+    raw = _base64_bytes(payload, param)
     try:
         with torch.sparse.check_sparse_tensor_invariants():
             tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")

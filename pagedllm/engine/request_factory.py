@@ -109,11 +109,7 @@ class RequestFactory(RequestLimits):
             params = self.resolve_logprobs(params)
         self.check_params(params)
         if prompt_embeds is not None:
-            prompt_embeds = self.prompt_embeds(prompt_embeds)
-            assert len(prompt_ids) == prompt_embeds.num_tokens, "one placeholder id per embedded row"
-            if params.prompt_logprobs is not None:
-                raise ValidationError("prompt_logprobs is not compatible with prompt_embeds", param="prompt_logprobs",
-                                      value=params.prompt_logprobs)
+            prompt_embeds = self._checked_embeds(prompt_embeds, len(prompt_ids), params)
         max_tokens = self.check_length(len(prompt_ids), params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValidationError.bad_value("cache_salt", cache_salt, "a string")
@@ -122,3 +118,12 @@ class RequestFactory(RequestLimits):
         return [Request(seq_id, prompt_ids, p, self.eos_token_ids, max_tokens, arrival_time, cache_salt, lora_request,
                         prompt_embeds=prompt_embeds)
                 for seq_id, p in zip(seq_ids, each)]
+
+    def _checked_embeds(self, embeds: PromptEmbeds, num_placeholders: int, params: SamplingParams) -> PromptEmbeds:
+        """A prompt given as embeddings, checked against the model (and against prompt_logprobs: no ids to score)."""
+        embeds = self.prompt_embeds(embeds)
+        assert num_placeholders == embeds.num_tokens, "one placeholder id per embedded row"
+        if params.prompt_logprobs is not None:
+            raise ValidationError("prompt_logprobs is not compatible with prompt_embeds", param="prompt_logprobs",
+                                  value=params.prompt_logprobs)
+        return embeds

@@ -44,16 +44,19 @@ def run(ns: argparse.Namespace) -> int:
     if not levels:
         print("no compiled kernels at this level: torch's own ops serve (the portable path)")
         return 0
-    failed = False
-    for level in levels:
-        if ns.list:
+    if ns.list:
+        for level in levels:
             print(f"  {level}: {_status(level)}")
-            continue
-        result = build.build(level, force=ns.force)
-        if result.path is None:
-            failed = True
-            print(f"  {level}: FAILED: {result.error} (log: {result.log})")
-        else:
-            how = f"built in {result.seconds:.1f} s" if result.seconds else "cached"
-            print(f"  {level}: {how}: {result.path}")
-    return 1 if failed else 0
+        return 0
+    return 1 if not all([_build(level, ns.force) for level in levels]) else 0
+
+
+def _build(level: str, force: bool) -> bool:
+    """Build (or find in the cache) one level's library, saying which; False if it failed."""
+    result = build.build(level, force=force)
+    if result.path is None:
+        print(f"  {level}: FAILED: {result.error} (log: {result.log})")
+        return False
+    how = f"built in {result.seconds:.1f} s" if result.seconds else "cached"
+    print(f"  {level}: {how}: {result.path}")
+    return True

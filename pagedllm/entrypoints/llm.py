@@ -72,16 +72,7 @@ class LLM:
         if not isinstance(prompts, (str, dict, list, tuple)):
             raise ValidationError.bad_value("prompts", prompts, "a prompt or a list of prompts")
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if not all(isinstance(p, SamplingParams) for p in params_list):
-                raise ValidationError.bad_value("sampling_params", sampling_params, "SamplingParams or a list of them")
-            if len(params_list) != len(prompt_list):
-                raise ValidationError(
-                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts",
-                    param="sampling_params", value=len(params_list))
+        params_list = _params_per_prompt(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm, _per_prompt(lora_request, len(prompt_list)))
 
     def chat(self, messages: Conversation | Sequence[Conversation],
@@ -236,16 +227,21 @@ class LLM:
             raise ValidationError("this model does not score pairs: it is not a pooling model with one output "
                                   "(an embedding model or a cross-encoder)", param="model", value=model.model)
         if model.convert == "embed":
-            texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text embedded once
-            vectors = {t: o.outputs.data for t, o in zip(texts, self.encode(texts, params, use_tqdm,
-                                                                             truncate_prompt_tokens))}
-            return [ScoringRequestOutput(str(i), ScoringOutput(cosine(vectors[a], vectors[b])), [])
-                    for i, (a, b) in enumerate(pairs)]
+            return self._cosine_scores(pairs, params, use_tqdm, truncate_prompt_tokens)
         prompts = [pair_prompt(self.get_tokenizer(), a, b, truncate_prompt_tokens, model.max_model_len)
                    for a, b in pairs]
         outputs = self.encode(prompts, params, use_tqdm)
         return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.data[0]), o.prompt_token_ids)
                 for o in outputs]
+
+    def _cosine_scores(self, pairs: list[tuple[str, str]], params: PoolingParams, use_tqdm: bool,
+                       truncate_prompt_tokens: int | None) -> list[ScoringRequestOutput]:
+        """An embedding model's scores: the cosine similarity of each pair's embeddings (each text embedded once)."""
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        vectors = {t: o.outputs.data for t, o in zip(texts, self.encode(texts, params, use_tqdm,
+                                                                         truncate_prompt_tokens))}
+        return [ScoringRequestOutput(str(i), ScoringOutput(cosine(vectors[a], vectors[b])), [])
+                for i, (a, b) in enumerate(pairs)]
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter now (requests naming a new one add it themselves); True if it was new."""
@@ -301,19 +297,13 @@ class LLM:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc=desc, dynamic_ncols=True, disable=not use_tqdm)
-        prompt_tokens = output_tokens = 0
+        tokens = [0, 0]  # prompt, output tokens of the finished requests
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         finished[out.request_id] = out
-                        prompt_tokens += len(out.prompt_token_ids)
-                        output_tokens += 0 if isinstance(out, PoolingRequestOutput) else \
-                            sum(len(o.token_ids) for o in out.outputs)
-                        elapsed = bar.format_dict["elapsed"] or 1e-9
-                        bar.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} toks/s, "
-                                            f"output: {output_tokens / elapsed:.1f} toks/s", refresh=False)
-                        bar.update(1)
+                        _show_progress(bar, out, tokens)
         except BaseException:
             engine.abort_request(ids)
             raise
@@ -345,3 +335,28 @@ def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
         raise ValidationError(f"got {len(lora_request)} lora_request for {count} prompts", param="lora_request",
                               value=len(lora_request))
     return list(lora_request)
+
+
+def _show_progress(bar: Any, out: RequestOutput, tokens: list[int]) -> None:
+    """One more request finished: the bar advanced, with the input and output token rates so far (vLLM's)."""
+    tokens[0] += len(out.prompt_token_ids)
+    tokens[1] += 0 if isinstance(out, PoolingRequestOutput) else sum(len(o.token_ids) for o in out.outputs)
+    elapsed = bar.format_dict["elapsed"] or 1e-9
+    bar.set_postfix_str(f"input: {tokens[0] / elapsed:.1f} toks/s, output: {tokens[1] / elapsed:.1f} toks/s",
+                        refresh=False)
+    bar.update(1)
+
+
+def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                       num_prompts: int) -> list[SamplingParams]:
+    """generate's sampling_params, one per prompt: one for all (default: SamplingParams()), or a list as long as
+    the prompts (ValidationError naming sampling_params otherwise)."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * num_prompts
+    params_list = list(sampling_params)
+    if not all(isinstance(p, SamplingParams) for p in params_list):
+        raise ValidationError.bad_value("sampling_params", sampling_params, "SamplingParams or a list of them")
+    if len(params_list) != num_prompts:
+        raise ValidationError(f"got {len(params_list)} sampling_params for {num_prompts} prompts",
+                              param="sampling_params", value=len(params_list))
+    return params_list

@@ -48,6 +48,15 @@ def classify_activation(logits: torch.Tensor, problem_type: str) -> torch.Tensor
     return torch.softmax(logits, dim=-1)
 
 
+def _gather(hidden: torch.Tensor, seq_lens: list[int], rows: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The hidden states (tokens, hidden) and lengths of sequences ``rows`` only."""
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows]).to(hidden.device)
+    return hidden[index], [seq_lens[i] for i in rows]
+
+
 class Pooler:
     """Turns a step's hidden states into each pooling request's output vector."""
 
@@ -65,14 +74,8 @@ class Pooler:
             rows = [i for i, p in enumerate(params) if p.task == task]
             if not rows:
                 continue
-            if len(rows) == len(params):  # the usual step: one task for every sequence, no gather
-                states, lens = hidden, seq_lens
-            else:
-                starts = [0]
-                for n in seq_lens:
-                    starts.append(starts[-1] + n)
-                index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows]).to(hidden.device)
-                states, lens = hidden[index], [seq_lens[i] for i in rows]
+            # the usual step: one task for every sequence, no gather
+            states, lens = (hidden, seq_lens) if len(rows) == len(params) else _gather(hidden, seq_lens, rows)
             vectors = self._embed(states, lens, [params[i] for i in rows]) if task == "embed" else \
                 self._classify(states, lens, [params[i] for i in rows])
             for i, v in zip(rows, vectors):

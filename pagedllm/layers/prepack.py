@@ -196,6 +196,18 @@ _DENSE_SLICE_ROWS = 4096
 """Rows dequantized at a time by ``add_dense_copies`` (bounds its temporaries)."""
 
 
+def _decoded(quant: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A kept weight decoded whole by the kernels' own decoder, a slice of rows at a time: (rows, cols)."""
+    kernels = quant.kernels
+    assert kernels is not None
+    dense = torch.empty(quant.rows, quant.cols, dtype=dtype)  # (rows, cols)
+    for offset, piece in quant.pieces.items():
+        for start in range(0, piece.rows, _DENSE_SLICE_ROWS):
+            ids = torch.arange(start, min(piece.rows, start + _DENSE_SLICE_ROWS))
+            dense[offset + start:offset + start + len(ids)] = kernels.qrows(piece, ids, dtype)
+    return dense
+
+
 def add_dense_copies(model: torch.nn.Module, dtype: torch.dtype, quantization: str | None, room: int = 0) -> int:
     """After the weights are processed: beside every weight kept quantized, a dense copy where ``wants_dense`` says
     so (``room``: the bytes free once the weights and KV pool are in), in oneDNN's packed layout for bf16 where
@@ -207,13 +219,7 @@ def add_dense_copies(model: torch.nn.Module, dtype: torch.dtype, quantization: s
                                       quantization, nbytes, room):
         return 0
     for quant in weights:
-        kernels = quant.kernels
-        assert kernels is not None
-        dense = torch.empty(quant.rows, quant.cols, dtype=dtype)  # (rows, cols)
-        for offset, piece in quant.pieces.items():
-            for start in range(0, piece.rows, _DENSE_SLICE_ROWS):
-                ids = torch.arange(start, min(piece.rows, start + _DENSE_SLICE_ROWS))
-                dense[offset + start:offset + start + len(ids)] = kernels.qrows(piece, ids, dtype)
+        dense = _decoded(quant, dtype)
         packed = dtype == torch.bfloat16 and _onednn_available()  # 1.2-1.6x F.linear at 48-128 rows (plain)
         quant.dense = torch.ops.mkldnn._reorder_linear_weight(dense) if packed else dense
     return nbytes

@@ -253,8 +253,8 @@ def quant_linear(x: torch.Tensor, quant: QuantWeight, bias: torch.Tensor | None 
     return out if x.dim() == 2 else out.view(*x.shape[:-1], quant.rows)  # (..., rows)
 
 
-def describe_quantized(model: torch.nn.Module) -> str:
-    """One line: how many matrices (and bytes) the model keeps in each GGUF format."""
+def _quantized_sizes(model: torch.nn.Module) -> tuple[dict[str, int], dict[str, int]]:
+    """Matrices kept in each GGUF format, and bytes per format (and per dtype of their dense copies)."""
     count: dict[str, int] = {}
     size: dict[str, int] = {}
     seen: set[int] = set()
@@ -269,6 +269,12 @@ def describe_quantized(model: torch.nn.Module) -> str:
         if quant.dense is not None:
             dense = f"{quant.dense.dtype}".removeprefix("torch.")
             size[dense] = size.get(dense, 0) + quant.dense.numel() * quant.dense.element_size()
+    return count, size
+
+
+def describe_quantized(model: torch.nn.Module) -> str:
+    """One line: how many matrices (and bytes) the model keeps in each GGUF format."""
+    count, size = _quantized_sizes(model)
     if not count:
         return ("no weight kept quantized (no compiled kernels at this level, or no matrix in a kept format): "
                 "every weight dequantized")

@@ -252,6 +252,24 @@ def _ranks(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return row.numel() - torch.searchsorted(ascending, values, right=True) + 1
 
 
+def _top_per_row(logprobs: torch.Tensor, counts: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's top ``counts[row]`` token ids and log-probabilities (rows asking the same count: one topk)."""
+    top_ids: list[list[int]] = [[] for _ in counts]
+    top_vals: list[list[float]] = [[] for _ in counts]
+    distinct = set(counts)
+    if len(distinct) == 1:
+        if counts[0]:
+            top = logprobs.topk(counts[0], dim=-1)
+            top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+        return top_ids, top_vals
+    for k in distinct - {0}:  # a row asking for the whole vocabulary no longer makes every other row rank it too
+        rows = [r for r, c in enumerate(counts) if c == k]
+        top = logprobs[torch.tensor(rows, device=logprobs.device)].topk(k, dim=-1)
+        for r, ids, vals in zip(rows, top.indices.tolist(), top.values.tolist()):
+            top_ids[r], top_vals[r] = ids, vals
+    return top_ids, top_vals
+
+
 def gather_token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top_n: int | list[int]
                           ) -> list[TokenLogprobs]:
     """Per row of ``logprobs`` (rows, vocab): the log-probability and rank of ``tokens[row]`` and the
@@ -260,18 +278,6 @@ def gather_token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, top_n: i
     chosen = logprobs.gather(1, tokens.unsqueeze(1))  # (rows, 1)
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
     counts = top_n if isinstance(top_n, list) else [top_n] * len(ranks)
-    top_ids: list[list[int]] = [[] for _ in ranks]
-    top_vals: list[list[float]] = [[] for _ in ranks]
-    distinct = set(counts)
-    if len(distinct) == 1:
-        if counts[0]:
-            top = logprobs.topk(counts[0], dim=-1)
-            top_ids, top_vals = top.indices.tolist(), top.values.tolist()
-    else:  # a row asking for the whole vocabulary no longer makes every other row rank (and list) it too
-        for k in distinct - {0}:
-            rows = [r for r, c in enumerate(counts) if c == k]
-            top = logprobs[torch.tensor(rows, device=logprobs.device)].topk(k, dim=-1)
-            for r, ids, vals in zip(rows, top.indices.tolist(), top.values.tolist()):
-                top_ids[r], top_vals[r] = ids, vals
+    top_ids, top_vals = _top_per_row(logprobs, counts)
     return [TokenLogprobs(sampled_logprob=c, sampled_rank=r, top_token_ids=ids, top_logprobs=vals)
             for c, r, ids, vals in zip(chosen.squeeze(1).tolist(), ranks, top_ids, top_vals)]

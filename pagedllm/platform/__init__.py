@@ -127,22 +127,26 @@ def _library(level: str) -> KernelLibrary | None:
     first_failure: build.BuildResult | None = None
     for candidate in reversed(LEVELS[1:LEVELS.index(wanted) + 1]):
         result = build.build(candidate)
-        if result.path is not None:
-            try:
-                lib = ctypes.CDLL(str(result.path))
-                lib.pl_level.restype = ctypes.c_char_p
-                built_for = lib.pl_level().decode()
-            except (OSError, AttributeError) as e:
-                built_for = f"nothing: it does not load ({e})"
-            if built_for != candidate:
-                result = build.BuildResult(candidate, None, f"the cached library was built for {built_for}",
-                                           result.path)
+        lib, built_for = _open(result.path) if result.path is not None else (None, "")
+        if result.path is not None and built_for != candidate:
+            result = build.BuildResult(candidate, None, f"the cached library was built for {built_for}",
+                                       result.path)
         if result.path is not None:
             _warn(first_failure, candidate)
             return KernelLibrary(candidate, lib, str(result.path))
         first_failure = first_failure or result
     _warn(first_failure, None)
     return None
+
+
+def _open(path: object) -> tuple[ctypes.CDLL | None, str]:
+    """(the compiled library at ``path``, the level it was built for), or (None, why it does not load)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.pl_level.restype = ctypes.c_char_p
+        return lib, lib.pl_level().decode()
+    except (OSError, AttributeError) as e:
+        return None, f"nothing: it does not load ({e})"
 
 
 def _warn(failure: build.BuildResult | None, taken: str | None) -> None:

@@ -163,6 +163,19 @@ def _parse_cores(spec: str) -> list[int]:
     return cores
 
 
+def _bound_cores(spec: str, local_rank: int, local_world_size: int) -> list[int]:
+    """Rank ``local_rank``'s cores of PAGEDLLM_CPU_OMP_THREADS_BIND ("0-3|4-7": one set per rank on this machine)."""
+    parts = spec.split("|")
+    if len(parts) != local_world_size:
+        raise ValidationError(f"{THREADS_BIND_ENV}={spec!r} names {len(parts)} core sets for "
+                              f"{local_world_size} ranks on this machine", param=THREADS_BIND_ENV, value=spec)
+    try:
+        return _parse_cores(parts[local_rank])
+    except ValueError:
+        raise ValidationError(f"{THREADS_BIND_ENV}={spec!r}: core sets are like 0-3,8 separated by |",
+                              param=THREADS_BIND_ENV, value=spec) from None
+
+
 def rank_cores(local_rank: int, local_world_size: int, environ: dict[str, str] | None = None) -> list[int] | None:
     """The cores local rank ``local_rank`` of ``local_world_size`` binds its threads to (None: no
     binding). Ranks of one machine get disjoint cores so their kernels do not fight over them."""
@@ -171,15 +184,7 @@ def rank_cores(local_rank: int, local_world_size: int, environ: dict[str, str] |
     if spec == "all":
         return None
     if spec:
-        parts = spec.split("|")
-        if len(parts) != local_world_size:
-            raise ValidationError(f"{THREADS_BIND_ENV}={spec!r} names {len(parts)} core sets for "
-                                  f"{local_world_size} ranks on this machine", param=THREADS_BIND_ENV, value=spec)
-        try:
-            return _parse_cores(parts[local_rank])
-        except ValueError:
-            raise ValidationError(f"{THREADS_BIND_ENV}={spec!r}: core sets are like 0-3,8 separated by |",
-                                  param=THREADS_BIND_ENV, value=spec) from None
+        return _bound_cores(spec, local_rank, local_world_size)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < local_world_size:  # more ranks than cores: ranks share them round-robin
         return [cores[local_rank % len(cores)]]

@@ -431,18 +431,10 @@ class SuffixProposer:
             return
         if len(response) > self.max_cached_tokens:
             response = response[-self.max_cached_tokens:]
-        doc = self._next_doc
-        self._next_doc = (doc + 1) % _ROOT_COUNT  # ids fit the int32 columns; live ones are far fewer
-        cache = self.cache
-        cache.docs[doc] = array("i", response)
-        cache.doc_len[doc] = 0
-        frontier = [ROOT]
-        for pos in range(len(response)):
-            frontier = cache.extend(doc, frontier, pos)
-        self.cached_tokens += len(response)
+        self._cache_response(response)
         node_cap = MAX_NODES_PER_TOKEN * self.max_cached_tokens
-        while cache.docs and (len(cache.docs) > self.max_cached_requests
-                              or self.cached_tokens > self.max_cached_tokens or cache.num_nodes > node_cap):
+        while self.cache.docs and (len(self.cache.docs) > self.max_cached_requests
+                                   or self.cached_tokens > self.max_cached_tokens or self.cache.num_nodes > node_cap):
             self._evict_oldest()
         self._epoch += 1
 
@@ -496,6 +488,17 @@ class SuffixProposer:
             start += 1
         request.first = start
         request.frontier = trie.frontier(0, start, n)
+
+    def _cache_response(self, response: Sequence[int]) -> None:
+        """Add a finished response to the global trie as its newest document."""
+        doc = self._next_doc
+        self._next_doc = (doc + 1) % _ROOT_COUNT  # ids fit the int32 columns; live ones are far fewer
+        self.cache.docs[doc] = array("i", response)
+        self.cache.doc_len[doc] = 0
+        frontier = [ROOT]
+        for pos in range(len(response)):
+            frontier = self.cache.extend(doc, frontier, pos)
+        self.cached_tokens += len(response)
 
     def _evict_oldest(self) -> None:
         doc = next(iter(self.cache.docs))

@@ -66,16 +66,19 @@ class DecodeGraphs:
             pool = torch.cuda.graph_pool_handle()  # the sizes share one pool: captured largest first
             make_graph = lambda: CudaGraph(pool)  # noqa: E731
         self.make_graph = make_graph
-        top = self.sizes[-1]
+        self._allocate_inputs(self.sizes[-1], device)
+        self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
+        self.replays: Counter[int] = Counter()
+        """Steps served by the graph of each size."""
+
+    def _allocate_inputs(self, top: int, device: torch.device) -> None:
+        """The static input buffers, at the largest size (the smaller ones view them)."""
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)  # one token per request
-        self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
-        self.replays: Counter[int] = Counter()
-        """Steps served by the graph of each size."""
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -192,11 +192,18 @@ def _row_logits_processors(md: SamplingMetadata, row: int, s: CachedRequestState
     if p.allowed_token_ids:
         md.allowed_token_ids[row] = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
     if p.thinking_token_budget is not None:
-        forced = thinking_budget_forced_token(s.token_ids, p.reasoning_start_token_ids, p.reasoning_end_token_ids,
-                                              p.thinking_token_budget, p.reasoning_forced_end_token_ids)
-        if forced is not None:  # the only token this row may sample
-            md.allowed_token_ids[row] = torch.tensor([forced], dtype=torch.int64, device=device)
-            md.blocked_token_ids.pop(row, None)
+        _force_reasoning_end(md, row, s, device)
+
+
+def _force_reasoning_end(md: SamplingMetadata, row: int, s: CachedRequestState, device: torch.device) -> None:
+    """A spent thinking_token_budget: the reasoning's end marker (its next token) is the only one the row may
+    sample."""
+    p = s.sampling_params
+    forced = thinking_budget_forced_token(s.token_ids, p.reasoning_start_token_ids, p.reasoning_end_token_ids,
+                                          p.thinking_token_budget, p.reasoning_forced_end_token_ids)
+    if forced is not None:
+        md.allowed_token_ids[row] = torch.tensor([forced], dtype=torch.int64, device=device)
+        md.blocked_token_ids.pop(row, None)
 
 
 def _bad_word_tails(words: list[list[int]], output: list[int]) -> list[int]:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import kv_quant
-from pagedllm.config import DEFAULT_KV_CAP, EngineConfig, available_memory_bytes, cgroup_available_bytes
+from pagedllm.config import DEFAULT_KV_CAP, CacheConfig, EngineConfig, available_memory_bytes, cgroup_available_bytes
 from pagedllm.distributed.parallel_state import shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.layers import cpu_ops
@@ -102,6 +102,17 @@ def dense_copy_room(config: EngineConfig, ranks: int) -> int:
     return max(0, (available_memory_bytes() - kv * ranks) // max(1, ranks))
 
 
+def _pool_bytes(cache: CacheConfig, blocks: list[int], tp: int) -> tuple[int, str]:
+    """The device KV pools' bytes over the ranks (``blocks``: each rank's bytes per block), and how they were asked."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks * sum(blocks), f"num_kv_blocks={cache.num_kv_blocks}"
+    if cache.kv_cache_memory is not None:
+        # each rank's blocks of its budget (worker.determine_num_kv_blocks)
+        kv = sum(cache.kv_cache_memory // b * b for b in blocks)
+        return kv, f"kv_cache_memory={cache.kv_cache_memory / GIB:.2f} GiB" + (f" x {tp} ranks" if tp > 1 else "")
+    return 2 * sum(blocks), "at least 2 blocks; by default a share of what the weights leave"
+
+
 def requested_kv_bytes(config: EngineConfig, arch: ArchConfig, draft: ArchConfig | None) -> tuple[int, str]:
     """Bytes of KV cache (and host swap space) every rank together asks for, and how it was asked: num_kv_blocks,
     kv_cache_memory, or by default the least the worker accepts (2 blocks: its default pool is a share of what
@@ -112,14 +123,7 @@ def requested_kv_bytes(config: EngineConfig, arch: ArchConfig, draft: ArchConfig
     kv_dtype = kv_quant.kv_cache_torch_dtype(cache.cache_dtype, getattr(torch, config.model.dtype))
     blocks = [kv_block_bytes(arch, shard_heads(arch.num_heads, arch.num_kv_heads, tp, rank).num_kv_heads,
                              cache.block_size, kv_dtype, draft) for rank in range(tp)]
-    if cache.num_kv_blocks is not None:
-        kv, how = cache.num_kv_blocks * sum(blocks), f"num_kv_blocks={cache.num_kv_blocks}"
-    elif cache.kv_cache_memory is not None:
-        # each rank's blocks of its budget (worker.determine_num_kv_blocks)
-        kv = sum(cache.kv_cache_memory // b * b for b in blocks)
-        how = f"kv_cache_memory={cache.kv_cache_memory / GIB:.2f} GiB" + (f" x {tp} ranks" if tp > 1 else "")
-    else:
-        kv, how = 2 * sum(blocks), "at least 2 blocks; by default a share of what the weights leave"
+    kv, how = _pool_bytes(cache, blocks, tp)
     if config.scheduler.preemption_mode == "swap":
         kv += sum(int(cache.swap_space * GIB) // b * b for b in blocks)
         how += f", swap_space={cache.swap_space} GiB" + (f" x {tp} ranks" if tp > 1 else "")

@@ -102,6 +102,12 @@ DEFAULT_CONFIG = StructuredOutputsConfig()
 """structured_outputs_config's defaults (frozen: one shared instance)."""
 
 
+def _control_tokens(decoded_vocab: list[bytes], stops: set[int]) -> torch.Tensor:
+    """The ids whose bytes hold a control character (below 0x20), stop tokens aside."""
+    return torch.tensor([i for i, b in enumerate(decoded_vocab) if i not in stops and any(byte < 0x20 for byte in b)],
+                        dtype=torch.long)
+
+
 class GrammarCompiler:
     """One tokenizer's compiler and its cache of compiled grammars (at most ``config.grammar_cache_bytes`` as
     measured, least recently used out; thread-safe)."""
@@ -122,12 +128,9 @@ class GrammarCompiler:
         self.cache_bytes = config.grammar_cache_bytes
         self.max_grammar_bytes = config.max_grammar_bytes
         self.vocab_size = vocab_size
-        # JSON forbids raw control characters (RFC 8259), xgrammar's string rule lets them through, and
-        # compact JSON needs none outside strings: tokens holding one are banned under a JSON constraint
-        stops = set(stop_token_ids)
-        self.control_token_ids = torch.tensor(
-            [i for i, b in enumerate(self.info.decoded_vocab[:vocab_size])
-             if i not in stops and any(byte < 0x20 for byte in b)], dtype=torch.long)
+        self.control_token_ids = _control_tokens(self.info.decoded_vocab[:vocab_size], set(stop_token_ids))
+        """Tokens banned under a JSON constraint: JSON forbids raw control characters (RFC 8259), xgrammar's
+        string rule lets them through, and compact JSON needs none outside strings."""
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec`` (from the cache when it is there); a bad schema, regex or grammar, or
@@ -338,8 +341,11 @@ def apply_masks(logits: torch.Tensor, matchers: dict[int, Any]) -> torch.Tensor:
         if tokens is not None:
             logits[row, tokens.to(logits.device)] = float("-inf")
     live = {row: m for row, m in matchers.items() if not getattr(m, "reasoning", False) and not m.is_terminated()}
-    if not live:
-        return logits
+    return _apply_live_masks(logits, live) if live else logits
+
+
+def _apply_live_masks(logits: torch.Tensor, live: dict[int, Any]) -> torch.Tensor:
+    """apply_masks for the rows whose grammar is live: one bitmask for them all, then each one's banned tokens."""
     xgr = _xgrammar()
     logits = logits.float() if logits.dtype != torch.float32 else logits
     rows = sorted(live)

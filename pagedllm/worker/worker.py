@@ -93,19 +93,13 @@ class Worker:
         and check the KV cache's dtype against it."""
         config, info = self.config, self.rank_info
         on_gpu = platform.is_cuda(config.device.device)
-        self.device = torch.device("cuda", info.local_rank) if on_gpu else torch.device("cpu")
-        if on_gpu:
-            torch.cuda.set_device(self.device)
+        self.device = _claim_device(on_gpu, info.local_rank)
         tp = config.parallel.tensor_parallel_size
         if tp > 1:
             self._join_group(tp, on_gpu)
         self.num_kv_heads = shard_heads(self.arch.num_heads, self.arch.num_kv_heads, tp, info.rank).num_kv_heads
         backend = get_attention_backend(resolve_backend_name(config.device.attention_backend, config.device.device))
-        self.kv_dtype = kv_quant.kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
-        if self.kv_dtype == torch.int8 and not backend.supports_int8_kv:
-            where = "on a GPU no backend reads it yet" if on_gpu else f"the {backend.name!r} backend does not read it"
-            raise ValidationError(f"kv_cache_dtype='int8' is read by the cpu and torch attention backends (CPU only): "
-                                  f"{where}", param="kv_cache_dtype", value=config.cache.cache_dtype)
+        self.kv_dtype = _kv_dtype(config.cache.cache_dtype, self.dtype, backend, on_gpu)
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
         self.backend = backend
@@ -197,22 +191,28 @@ class Worker:
         kv_cache_memory is per rank (as vLLM's per device); the default shares this machine's
         free memory between the ranks on it. The executor takes the smallest answer of all ranks.
         """
-        cache, sched = self.config.cache, self.config.scheduler
+        cache = self.config.cache
         if self.config.model.encoder_only:  # bidirectional attention over whole inputs: nothing is cached
             return 0
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        budget = cache.kv_cache_memory
-        if budget is None and platform.is_cuda(self.device):
-            budget = self._gpu_kv_budget()
-        elif budget is None:
-            budget = default_kv_budget(self.kv_block_bytes(), cache.block_size, sched.max_num_seqs,
-                                       sched.max_model_len, self.rank_info.local_world_size)
+        budget = self._kv_budget()
         num_blocks = budget // self.kv_block_bytes()
         if num_blocks < 2:
             raise ValidationError.bad_value("kv_cache_memory", budget,
                                             f"at least 2 KV blocks ({2 * self.kv_block_bytes()} bytes)")
         return num_blocks
+
+    def _kv_budget(self) -> int:
+        """Bytes for this rank's KV pool: kv_cache_memory, else what a GPU leaves (a profiling step), else the
+        CPU default (a share of this machine's free memory)."""
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory
+        if platform.is_cuda(self.device):
+            return self._gpu_kv_budget()
+        return default_kv_budget(self.kv_block_bytes(), cache.block_size, sched.max_num_seqs, sched.max_model_len,
+                                 self.rank_info.local_world_size)
 
     def _gpu_kv_budget(self) -> int:
         """gpu_memory_utilization of the GPU, less the weights, the peak activations of a forward pass
@@ -339,6 +339,25 @@ def _process_weights(model: torch.nn.Module, dtype: torch.dtype, quantization: s
                     "more than %d rows run on them; 0 turns them off)", str(dtype).removeprefix("torch."),
                     copied / 2**30, platform.switches().dense_copy, DENSE_ROWS)
     model.eval()
+
+
+def _claim_device(on_gpu: bool, local_rank: int) -> torch.device:
+    """This rank's device: its GPU (made current) or the CPU."""
+    if not on_gpu:
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _kv_dtype(cache_dtype: str, dtype: torch.dtype, backend: AttentionBackend, on_gpu: bool) -> torch.dtype:
+    """The KV pool's dtype for kv_cache_dtype, refused where the attention backend cannot read it."""
+    kv_dtype = kv_quant.kv_cache_torch_dtype(cache_dtype, dtype)
+    if kv_dtype == torch.int8 and not backend.supports_int8_kv:
+        where = "on a GPU no backend reads it yet" if on_gpu else f"the {backend.name!r} backend does not read it"
+        raise ValidationError(f"kv_cache_dtype='int8' is read by the cpu and torch attention backends (CPU only): "
+                              f"{where}", param="kv_cache_dtype", value=cache_dtype)
+    return kv_dtype
 
 
 def _log_load(report: Any, model: torch.nn.Module, quantization: str | None) -> None:

@@ -361,6 +361,16 @@ def _response_format(config: dict | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
+def _budget_tokens(budget: object, max_tokens: int | None) -> int:
+    """thinking.budget_tokens within Anthropic's bounds: an integer of at least 1024, under max_tokens."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+        raise ValidationError.bad_value("thinking.budget_tokens", budget, "an integer >= 1024")
+    if max_tokens is not None and budget >= max_tokens:
+        raise ValidationError("thinking.budget_tokens must be less than max_tokens",
+                              param="thinking.budget_tokens", value=budget)
+    return budget
+
+
 def _thinking_budget(thinking: dict | None, max_tokens: int | None) -> int | None:
     """Extended thinking, as vLLM maps it: {"type": "enabled", "budget_tokens": N} caps the reasoning at N tokens
     (chat's thinking_token_budget: it needs --reasoning-parser; Anthropic's bounds: at least 1024, under
@@ -372,12 +382,7 @@ def _thinking_budget(thinking: dict | None, max_tokens: int | None) -> int | Non
         return None
     if kind != "enabled":
         raise ValidationError.bad_value("thinking.type", kind, "'enabled', 'adaptive' or 'disabled'")
-    budget = thinking.get("budget_tokens")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
-        raise ValidationError.bad_value("thinking.budget_tokens", budget, "an integer >= 1024")
-    if max_tokens is not None and budget >= max_tokens:
-        raise ValidationError("thinking.budget_tokens must be less than max_tokens",
-                              param="thinking.budget_tokens", value=budget)
+    budget = _budget_tokens(thinking.get("budget_tokens"), max_tokens)
     unknown = sorted(set(thinking) - {"type", "budget_tokens", "display"})
     if unknown:
         raise ValidationError(f"thinking.{unknown[0]} is not supported", param=f"thinking.{unknown[0]}")

