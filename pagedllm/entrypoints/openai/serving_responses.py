@@ -156,7 +156,7 @@ class _Running:
     task: asyncio.Task | None = None
 
 
-async def _check_starting_after(stream: bool, starting_after: int | None) -> None:
+def _check_starting_after(stream: bool, starting_after: int | None) -> None:
     """GET's starting_after: a sequence number (at least 0), with stream=true only."""
     if starting_after is not None and (not stream or starting_after < 0):
         raise ValidationError("starting_after needs stream=true" if not stream else
@@ -164,7 +164,7 @@ async def _check_starting_after(stream: bool, starting_after: int | None) -> Non
                               param="starting_after", value=starting_after)
 
 
-def _follow(running: _Running, after: int | None) -> AsyncIterator[str]:
+async def _follow(running: _Running, after: int | None) -> AsyncIterator[str]:
     """A streamed background response's events after sequence number ``after`` (all of them: None), then each as
     it comes, until it ends (a client that stops reading stops only this)."""
     assert running.events is not None and running.task is not None
