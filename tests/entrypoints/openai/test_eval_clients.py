@@ -161,11 +161,18 @@ def test_guidellm_synchronous_benchmark(smollm2_server: RemoteServer, tokenizer_
     # one worker process, and its polling loops slowed from 0.1 ms: on two cores they would starve the server
     env = {**os.environ, "GUIDELLM__MAX_WORKER_PROCESSES": "1", "GUIDELLM__DEFAULT_ASYNC_LOOP_SLEEP": "0.01",
            "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "WARNING"}
-    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    [bench] = json.loads(out.read_text())["benchmarks"]
-    metrics = bench["metrics"]
-    assert metrics["request_totals"] == {"successful": n, "errored": 0, "incomplete": 0, "total": n}
+    every = {"successful": n, "errored": 0, "incomplete": 0, "total": n}
+    for _ in range(2):
+        run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        [bench] = json.loads(out.read_text())["benchmarks"]
+        metrics = bench["metrics"]
+        # one rerun when guidellm's own tally lost a request (successful and total n - 1, nothing failed): its
+        # worker group ignores a "completed" update that overtakes the request's "in_progress" one, which a loaded
+        # 2-core make test saw three times; the run that counts must still show every request complete
+        if metrics["request_totals"] != {**every, "successful": n - 1, "total": n - 1}:
+            break
+    assert metrics["request_totals"] == every
     ttft = metrics["time_to_first_token_ms"]["successful"]
     print(route, f"TTFT mean {ttft['mean']:.1f} ms, median {ttft['median']:.1f} ms; request latency mean "
           f"{metrics['request_latency']['successful']['mean'] * 1000:.0f} ms")
