@@ -165,6 +165,9 @@ class SamplingParams:
     """What a spent thinking_token_budget forces instead, when it is not reasoning_end_token_ids (vLLM's
     --reasoning-config reasoning_end_str: a phrase that leads up to the end marker); the section is closed once
     these or reasoning_end_token_ids are written. None: reasoning_end_token_ids."""
+    stream_interval: int = 1
+    """Streamed (DELTA) outputs: a choice's news is handed out once this many new tokens gathered (its first
+    token and its end at once), as vLLM's stream_interval; fewer, larger chunks for a client that pays per chunk."""
     grammar_after_reasoning: bool = False
     """The reply starts inside a reasoning section, and structured_outputs holds only after it ends (as vLLM's
     structured outputs with a reasoning parser): until the output holds reasoning_end_token_ids (or
@@ -193,7 +196,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(name, value, "a number")
-        for name in ("n", "top_k", "min_tokens"):
+        for name in ("n", "top_k", "min_tokens", "stream_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, value, "an integer")
@@ -274,6 +277,8 @@ class SamplingParams:
         bad = ValidationError.bad_value
         if self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
+        if self.stream_interval < 1:
+            raise bad("stream_interval", self.stream_interval, "an integer >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

@@ -41,6 +41,20 @@ class IncrementalDetokenizer:
         # without bound and make every step decode the whole run again)
         self._invisible = _special_ids(tokenizer) if params.skip_special_tokens else frozenset()
 
+    def carried(self) -> tuple[list[int], int, int, int]:
+        """What a client carries between the calls of a streamed derender (entrypoints/openai/derender_stream.py):
+        (the decode window, the tokens' read offset in it, the output tokens so far, where the stop string search
+        resumes); with ``output_text``, ``resume`` rebuilds this detokenizer from it."""
+        window = self._ids[self._prefix_offset:]
+        return window, self._read_offset - self._prefix_offset, self.num_output_tokens, self._stop_check_offset
+
+    def resume(self, window: list[int], read_offset: int, num_output_tokens: int, text: str,
+               stop_check_offset: int) -> None:
+        """Carry on from ``carried()``'s figures and the text so far (checked by the caller: offsets within
+        the window and the text)."""
+        self._ids, self._prefix_offset, self._read_offset = list(window), 0, read_offset
+        self.num_output_tokens, self.output_text, self._stop_check_offset = num_output_tokens, text, stop_check_offset
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 

@@ -90,8 +90,9 @@ class SequenceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def completion(self, kind: RequestOutputKind) -> CompletionOutput | None:
-        """The sequence as a CompletionOutput; for DELTA only what is new (None if nothing is)."""
+    def completion(self, kind: RequestOutputKind, interval: int = 1) -> CompletionOutput | None:
+        """The sequence as a CompletionOutput; for DELTA only what is new (None if nothing is, or if fewer than
+        ``interval`` new tokens gathered since the last one handed out, its first and its end excepted)."""
         text = self.detokenizer.text_for_stream(self.finished)  # never shows what a stop string may cut
         if kind != RequestOutputKind.DELTA:
             return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
@@ -100,6 +101,8 @@ class SequenceState:
         if (len(text) == self.sent_text and len(self.token_ids) == self.sent_tokens
                 and self.finished == self.sent_finish):
             return None
+        if not self.finished and self.sent_tokens and len(self.token_ids) - self.sent_tokens < interval:
+            return None  # stream_interval: gathered into the next chunk
         delta = CompletionOutput(self.index, text[self.sent_text:], self.token_ids[self.sent_tokens:],
                                  self.cumulative_logprob,
                                  None if self.logprobs is None else self.logprobs[self.sent_tokens:],
@@ -140,7 +143,8 @@ class RequestState:
         if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
         ordered = sorted(self.sequences.values(), key=lambda s: s.index)
-        completions = [c for c in (s.completion(kind) for s in ordered) if c is not None]
+        interval = self.params.stream_interval
+        completions = [c for c in (s.completion(kind, interval) for s in ordered) if c is not None]
         if not completions:
             return None
         prompt_logprobs = self.prompt_logprobs

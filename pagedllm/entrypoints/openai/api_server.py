@@ -45,6 +45,16 @@ from pagedllm.entrypoints.openai.deploy import (
     deploy_options,
     sagemaker_lora_router,
 )
+from pagedllm.entrypoints.openai.derender_stream import (
+    STREAMED,
+    WHOLE,
+    ChatDerenderBody,
+    CompletionDerenderBody,
+    DerenderChatStreamRequest,
+    DerenderCompletionStreamRequest,
+    derender_chat_stream,
+    derender_completion_stream,
+)
 from pagedllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode
 from pagedllm.entrypoints.openai.http_guard import (
     ANTHROPIC_PATHS,
@@ -94,12 +104,7 @@ from pagedllm.entrypoints.openai.serving_cohere import CohereServingEmbed
 from pagedllm.entrypoints.openai.serving_cohere_chat import CohereChatOptions, CohereChatRequest, CohereServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_decisions import DecisionsUnsupportedError, OpenAIServingDecisions
-from pagedllm.entrypoints.openai.serving_derender import (
-    DerenderChatRequest,
-    DerenderCompletionRequest,
-    derender_chat,
-    derender_completion,
-)
+from pagedllm.entrypoints.openai.serving_derender import derender_chat, derender_completion
 from pagedllm.entrypoints.openai.serving_generative_scoring import (
     GenerativeScoringRequest,
     OpenAIServingGenerativeScoring,
@@ -222,7 +227,7 @@ class APIKeyMiddleware:
 
 
 def _field_name(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [str(p) for p in loc if p != "body" and p not in (WHOLE, STREAMED)]  # (derender's form tags)
     if not parts or parts[0].isdigit():  # a JSON syntax error reports a character position
         return None
     name = parts[0]
@@ -495,14 +500,20 @@ async def chat_render(req: ChatCompletionRequest, raw: Request) -> dict:
 
 
 @render_router.post("/v1/chat/completions/derender")
-async def chat_derender(req: DerenderChatRequest, raw: Request) -> dict:
-    """A generate reply's tokens as the chat completion the coupled route would answer (serving_derender.py)."""
+async def chat_derender(req: ChatDerenderBody, raw: Request) -> dict:
+    """A generate reply's tokens as the chat completion the coupled route would answer (serving_derender.py); with
+    stream: true, one generate chunk's as the chunk it would stream, and the state for the next (derender_stream.py)."""
+    if isinstance(req, DerenderChatStreamRequest):
+        return await derender_chat_stream(_chat(raw), req)
     return await derender_chat(_chat(raw), req)
 
 
 @render_router.post("/v1/completions/derender")
-async def completion_derender(req: DerenderCompletionRequest, raw: Request) -> dict:
-    """Generate replies' tokens (one per prompt) as the completions reply the coupled route would answer."""
+async def completion_derender(req: CompletionDerenderBody, raw: Request) -> dict:
+    """Generate replies' tokens (one per prompt) as the completions reply the coupled route would answer; with
+    stream: true, one generate chunk's as the chunk it would stream, and the state for the next."""
+    if isinstance(req, DerenderCompletionStreamRequest):
+        return await derender_completion_stream(_completion(raw), req)
     return await derender_completion(_completion(raw), req)
 
 
@@ -651,7 +662,7 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
               trust_request_chat_template: bool = False, deploy: DeployOptions | None = None,
               force_include_usage: bool = False, reasoning_config: ReasoningConfig | None = None,
               per_request_metrics: bool = False, cohere: CohereChatOptions | None = None,
-              enable_scale_out: bool = False, tokens_only: bool = False) -> FastAPI:
+              enable_scale_out: bool = False, tokens_only: bool = False, stream_interval: int = 1) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
     here (ValidationError if one does not fit). ``prompt_tokens_details``: chat and completions usage report the
     prompt's prefix-cache hits (--enable-prompt-tokens-details); ``return_tokens_as_token_ids``: their logprobs
@@ -660,7 +671,8 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     usage in every chunk whatever their stream_options (--enable-force-include-usage); ``reasoning_config``:
     --reasoning-config's strings for thinking_token_budget; ``per_request_metrics``: chat and completions replies of
     one choice carry vLLM's timing ``metrics`` (--enable-per-request-metrics); ``cohere``: /cohere/v2/chat's flags;
-    ``enable_scale_out`` / ``tokens_only``: vLLM's token-in/token-out routes (serving_tokens.py)."""
+    ``enable_scale_out`` / ``tokens_only``: vLLM's token-in/token-out routes (serving_tokens.py);
+    ``stream_interval``: the fewest tokens a streamed chunk gathers (--stream-interval)."""
     models = OpenAIServingModels(engine, served_model_names, model_aliases)
     models.add_static(lora_modules or [])
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
@@ -676,6 +688,7 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
         serving.prompt_tokens_details = prompt_tokens_details
         serving.return_tokens_as_token_ids = return_tokens_as_token_ids
         serving.force_include_usage = force_include_usage
+        serving.stream_interval = stream_interval
         serving.per_request_metrics = per_request_metrics
         serving.on_refused = metrics.on_refused
         serving.admission = admission
@@ -806,6 +819,9 @@ def _add_reply_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="chat and completions logprobs name each token 'token_id:<id>' rather than its text "
                              "(a request's return_tokens_as_token_ids overrides it), as vLLM's flag")
+    parser.add_argument("--stream-interval", type=_positive(int), default=1, metavar="N",
+                        help="streamed replies send a chunk once N new tokens gathered (the first and last at once), "
+                             "as vLLM's flag; a request's stream_interval may ask for more, never fewer")
     parser.add_argument("--enable-force-include-usage", action="store_true",
                         help="include usage on every request: each chunk of a streamed chat or completions reply "
                              "carries the usage so far and a last chunk the whole, as if its stream_options asked "
@@ -956,7 +972,8 @@ def app_from_args(ns: argparse.Namespace, engine: AsyncLLM, metrics: ServerMetri
                      deploy=deploy_options(ns), force_include_usage=ns.enable_force_include_usage,
                      reasoning_config=ns.reasoning_config, per_request_metrics=ns.enable_per_request_metrics,
                      cohere=CohereChatOptions(ns.cohere_is_reasoning_model),
-                     enable_scale_out=ns.enable_scale_out, tokens_only=ns.tokens_only)
+                     enable_scale_out=ns.enable_scale_out, tokens_only=ns.tokens_only,
+                     stream_interval=ns.stream_interval)
 
 
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:

@@ -71,6 +71,9 @@ class SamplingFields(OpenAIModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    stream_interval: int | None = Field(default=None, ge=1)
+    """vLLM's: a streamed reply's chunks gather this many tokens each (its first and last at once); raised to
+    the server's --stream-interval when below it."""
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

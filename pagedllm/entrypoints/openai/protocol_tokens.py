@@ -33,7 +33,7 @@ MAX_REQUEST_ID_CHARS = 1024
 """Longest request_id (and X-Request-Id) taken: it is kept while the request runs and echoed in every chunk."""
 
 UNSUPPORTED_SAMPLING = {
-    "watermarking": None, "prompt_logprob_token_ids": None, "prompt_logprob_start": None, "stream_interval": None,
+    "watermarking": None, "prompt_logprob_token_ids": None, "prompt_logprob_start": None,
     "skip_clone": False, "extra_args": None, "skip_reading_prefix_cache": None, "thinking_token_budget": None,
     "repetition_detection": None, "routed_experts_prompt_start": 0, "trace_decode_token_ids": None,
     "truncate_prompt_tokens": None, "output_text_buffer_length": 0, "logits_processors": None,
@@ -83,7 +83,8 @@ class TokensSamplingParams(OpenAIModel):
     watermarking: Any = None
     prompt_logprob_token_ids: Any = None
     prompt_logprob_start: Any = None
-    stream_interval: Any = None
+    stream_interval: int | None = Field(default=None, ge=1)
+    """Streamed: each chunk gathers this many tokens (the first and last at once); at least --stream-interval."""
     skip_clone: Any = False
     extra_args: Any = None
     skip_reading_prefix_cache: Any = None

@@ -116,6 +116,13 @@ class ReasoningStream:
         self.text = ""
         self.sent = ReasoningSplit("", "")
 
+    def resume(self, text: str) -> None:
+        """Carry on after ``text`` was sent (a streamed derender's earlier calls): what a stream fed it piece by
+        piece would hold, since a split depends only on the text so far."""
+        self.text = text
+        now = self.parser.split(text, False)
+        self.sent = ReasoningSplit(now.reasoning or "", now.content or "")
+
     def delta(self, new_text: str, finished: bool) -> ReasoningSplit:
         self.text += new_text
         now = self.parser.split(self.text, finished)

@@ -132,6 +132,8 @@ class OpenAIServing:
         """--enable-prompt-tokens-details: usage blocks carry prompt_tokens_details.cached_tokens."""
         self.return_tokens_as_token_ids = False
         """--return-tokens-as-token-ids: logprobs name tokens "token_id:<id>" unless a request says otherwise."""
+        self.stream_interval = 1
+        """--stream-interval: the fewest tokens a streamed chunk gathers (a request may ask for more)."""
         self.force_include_usage = False
         """--enable-force-include-usage: every streamed reply carries usage (see force_usage)."""
         self.per_request_metrics = False
@@ -263,8 +265,12 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, logprob_token_ids=req.logprob_token_ids,
             structured_outputs=self.constraint(req), speculate=req.speculate,
-            watermarking=req.watermarking is not False,
+            watermarking=req.watermarking is not False, stream_interval=self.interval_of(req.stream_interval),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+
+    def interval_of(self, asked: int | None) -> int:
+        """A request's stream_interval, raised to the server's --stream-interval (vLLM's clamp)."""
+        return max(asked or 1, self.stream_interval)
 
     async def add_all(self, request_id: str, prompts: list[PromptType], params: SamplingParams | BeamSearchParams,
                       lora_request: LoRARequest | None = None, raw: Request | None = None) -> StreamGroup | None:

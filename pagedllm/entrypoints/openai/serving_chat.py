@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.chat_options import (
     echoed_text,
     template_options,
 )
+from pagedllm.entrypoints.openai.chat_stream import ChoiceDeltas
 from pagedllm.entrypoints.openai.limits import check_constraint, check_request_tokens, check_tools
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -34,7 +35,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagedllm.entrypoints.openai.reasoning import ReasoningConfig, ReasoningParser, ReasoningSplit, ReasoningStream
+from pagedllm.entrypoints.openai.reasoning import ReasoningConfig, ReasoningParser, ReasoningSplit
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE,
     OpenAIServing,
@@ -153,11 +154,11 @@ class OpenAIServingChat(OpenAIServing):
         for c in out.outputs:
             message, finish = self.message_of(c.text, c.finish_reason, run.tools, run.reasoning)
             choices.append(ChatChoice(index=c.index, message=message,
-                                      logprobs=self._logprobs(c, run.logprobs, run.as_ids),
+                                      logprobs=self.logprobs_of(c, run.logprobs, run.as_ids),
                                       finish_reason=finish, stop_reason=c.stop_reason,
                                       token_ids=None if run.prompt_ids is None else list(c.token_ids)))
         for choice in choices:  # include_reasoning false, echo
-            self._shown(run, choice)
+            self.shown(run, choice)
             if run.echo:
                 choice.message.content = run.echo + (choice.message.content or "")
         completion = sum(len(c.token_ids) for c in out.outputs)
@@ -170,7 +171,7 @@ class OpenAIServingChat(OpenAIServing):
                                       metrics=self.request_metrics(out, len(out.outputs), completion))
 
     @staticmethod
-    def _shown(run: ChatRun, choice: ChatChoice | ChatStreamChoice) -> bool:
+    def shown(run: ChatRun, choice: ChatChoice | ChatStreamChoice) -> bool:
         """Whether a choice (or a streamed one's chunk) still says something once include_reasoning false took out
         its reasoning, and with it its logprobs and token ids (which would show it), as vLLM does."""
         if not run.hide_reasoning:
@@ -329,7 +330,7 @@ class OpenAIServingChat(OpenAIServing):
             texts.append(part.text)
         return "".join(texts)
 
-    def _logprobs(self, c: CompletionOutput, top_n: int | None, as_ids: bool = False) -> ChatLogprobs | None:
+    def logprobs_of(self, c: CompletionOutput, top_n: int | None, as_ids: bool = False) -> ChatLogprobs | None:
         """OpenAI's logprobs of a choice's tokens; ``as_ids`` (return_tokens_as_token_ids): each token named
         "token_id:<id>" (its bytes stay its text's, as vLLM's)."""
         if c.logprobs is None or top_n is None:
@@ -346,33 +347,11 @@ class OpenAIServingChat(OpenAIServing):
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def _whole_choice(self, run: ChatRun, c: CompletionOutput, text: str, token_ids: list[int] | None
-                      ) -> ChatStreamChoice:
-        """A finished choice's reply at once, its tool calls parsed (tool calling holds the reply to its end)."""
-        message, finish = self.message_of(text, c.finish_reason, run.tools, run.reasoning)
-        calls = [ToolCall(index=i, **call.model_dump(exclude={"index"})) for i, call in enumerate(message.tool_calls)]
-        return ChatStreamChoice(index=c.index, delta=DeltaMessage(
-            content=message.content, reasoning_content=message.reasoning_content, tool_calls=calls or None),
-            finish_reason=finish, stop_reason=c.stop_reason, token_ids=token_ids)
-
-    def _delta_choice(self, run: ChatRun, c: CompletionOutput, parsers: dict[int, ReasoningStream], top_n: int | None,
-                      ids: bool) -> ChatStreamChoice:
-        """A choice's new text as a delta (split into reasoning and content by the reasoning parser, if any)."""
-        if run.reasoning is None:
-            delta = DeltaMessage(content=c.text)
-        else:
-            piece = parsers.setdefault(c.index, run.reasoning.stream()).delta(c.text, c.finish_reason is not None)
-            delta = DeltaMessage(content=piece.content, reasoning_content=piece.reasoning)
-        return ChatStreamChoice(index=c.index, delta=delta, logprobs=self._logprobs(c, top_n, run.as_ids),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                token_ids=list(c.token_ids) if ids else None)
-
     async def chunks(self, run: ChatRun, req: ChatCompletionRequest
                      ) -> AsyncIterator[ChatCompletionStreamResponse]:
         """A queued request's reply as chat completion chunks (the last with the usage, if asked); errors
         raise (the caller turns them into its API's error event)."""
-        request_id, model, streams, tools = run.request_id, run.model, run.streams, run.tools
-        prompt_tokens, top_n = run.prompt_tokens, run.logprobs
+        request_id, model, streams, prompt_tokens = run.request_id, run.model, run.streams, run.prompt_tokens
         every_chunk = req.stream_options is not None and req.stream_options.every_chunk
         generated: dict[int, int] = {}  # per choice, its tokens so far (continuous usage)
         completion_tokens, cached_tokens = 0, 0
@@ -383,16 +362,13 @@ class OpenAIServingChat(OpenAIServing):
 
         ids = run.prompt_ids is not None  # return_token_ids
         for index in range(req.n):  # the first chunk of each choice names the role (the very first: the prompt ids)
-            first = chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
-                                           token_ids=[] if ids else None))
+            first = chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             if index == 0:
                 first.prompt_token_ids = run.prompt_ids
             yield first
         for index in range(req.n if run.echo else 0):  # echo: the last message's text, then the reply
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=run.echo)))
-        parsers: dict[int, ReasoningStream] = {}
-        texts: dict[int, str] = {}  # per choice, the reply so far (tool calling sends it whole)
-        held: dict[int, list[int]] = {}  # per choice, its token ids so far (tool calling sends them whole)
+        deltas = {index: ChoiceDeltas(self, run, hold_ids=True) for index in range(req.n)}
         generated_ids: dict[int, list[int]] = {}  # per choice, its token ids (a reasoning parser counts them)
         prompt_ids: list[int] = []
         last = None  # the request's last output (its timing: --enable-per-request-metrics)
@@ -405,14 +381,8 @@ class OpenAIServingChat(OpenAIServing):
                     generated_ids.setdefault(c.index, []).extend(c.token_ids)
                 completion_tokens += len(c.token_ids)
                 generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
-                if tools.active:  # tool calls are known once the reply is: it is sent whole, at its end
-                    texts[c.index] = texts.get(c.index, "") + c.text
-                    held.setdefault(c.index, []).extend(c.token_ids)
-                    choice = None if c.finish_reason is None else \
-                        self._whole_choice(run, c, texts[c.index], held[c.index] if ids else None)
-                else:
-                    choice = self._delta_choice(run, c, parsers, top_n, ids)
-                if choice is not None and self._shown(run, choice):
+                choice = deltas[c.index].next(c, ids)
+                if choice is not None and self.shown(run, choice):
                     yield chunk(choice)
         if req.stream_options and req.stream_options.include_usage:
             usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)

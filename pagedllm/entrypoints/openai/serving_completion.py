@@ -195,14 +195,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_ids: list[int] | None = None, as_ids: bool = False) -> CompletionChoice:
         """One finished choice; ``prompt_ids`` (return_token_ids): its prompt's and its own token ids added;
         ``as_ids``: its logprobs name tokens by id."""
-        lp = None if c.logprobs is None else self._logprobs(c, self._end(echoed, len(echo)), logprobs or 0, echoed,
+        lp = None if c.logprobs is None else self.logprobs_of(c, self.end_of(echoed, len(echo)), logprobs or 0, echoed,
                                                             as_ids)
         return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs_json(prompt_logprobs),
                                 prompt_token_ids=None if prompt_ids is None else list(prompt_ids),
                                 token_ids=None if prompt_ids is None else list(c.token_ids))
 
-    def _logprobs(self, c: CompletionOutput, offset: int, top_n: int,
+    def logprobs_of(self, c: CompletionOutput, offset: int, top_n: int,
                   before: CompletionLogprobs | None = None, as_ids: bool = False) -> CompletionLogprobs:
         """OpenAI's logprobs of the generated tokens, after ``before`` (the echoed prompt's) when given."""
         out = CompletionLogprobs() if before is None else before.model_copy(deep=True)
@@ -243,7 +243,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return echoed
 
     @staticmethod
-    def _end(echoed: CompletionLogprobs | None, default: int) -> int:
+    def end_of(echoed: CompletionLogprobs | None, default: int) -> int:
         """The text offset after the echoed prompt's tokens (``default`` without them)."""
         return default if echoed is None or not echoed.tokens else echoed._end
 
@@ -281,9 +281,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 echoed.add(index)
                 lp = None
                 if c.logprobs is not None:
-                    start = offsets.get(index, self._end(before, len(echo)))
-                    lp = self._logprobs(c, start, shown_logprobs(req, req.logprobs) or 0, before, as_ids)
-                    offsets[index] = self._end(lp, start)
+                    start = offsets.get(index, self.end_of(before, len(echo)))
+                    lp = self.logprobs_of(c, start, shown_logprobs(req, req.logprobs) or 0, before, as_ids)
+                    offsets[index] = self.end_of(lp, start)
                 choice = CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason,
                                           stop_reason=c.stop_reason)
                 if req.return_token_ids:  # the prompt's ids with a choice's first chunk, then each chunk's own

@@ -7,15 +7,17 @@ variables), the same finish_reason rewrite. The original request comes along (``
 ``completion_request``, as /render read it); it is checked as its route checks it and its prompt rendered again,
 so the parsers see what the coupled route saw.
 
-Refused with a 400 naming the field, not ignored: the streaming form (``stream: true`` with ``stream_state``),
-a generate reply in another output_mode, and choices' ``logprobs`` (vLLM resolves them against the tokenizer:
-not done here)."""
+The streamed form (``stream: true``: one generate chunk a call, with the ``stream_state`` the last call returned)
+is derender_stream.py's. A choice's ``logprobs`` (generate's, by token id) come back in the coupled route's shape,
+each token and candidate decoded as it decodes them. Refused with a 400 naming the field, not ignored: a generate
+reply in another output_mode, ``stream_state`` without ``stream``, logprobs that are not one entry per token."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, StrictBool
+from pydantic import Field, StrictBool, StrictInt
 from pydantic import ValidationError as PydanticValidationError
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -29,25 +31,47 @@ from pagedllm.entrypoints.openai.protocol import (
     OpenAIModel,
     TokenIds,
 )
+from pagedllm.entrypoints.openai.serving import EVERY_LISTED, shown_logprobs
 from pagedllm.entrypoints.openai.translate import chat_request
 from pagedllm.errors import ValidationError
+from pagedllm.outputs import CompletionOutput, Logprob
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+    from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
     from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 
-class DerenderChoice(OpenAIModel):
-    """One choice of a generate reply: its token ids and how it ended (other keys of the reply are read by
-    nothing)."""
+class LogprobIn(OpenAIModel):
+    """One candidate of a generate reply's logprobs (its GenerateLogProb), read back."""
 
     model_config = {"extra": "ignore"}
-    index: int = 0
-    token_ids: TokenIds = Field(max_length=1 << 20)
+    token_id: StrictInt
+    logprob: float
+    rank: int | None = Field(default=None, ge=1)
+
+
+class LogprobsContentIn(LogprobIn):
+    """One position: its sampled token, then the candidates (the sampled one first, then by rank)."""
+
+    top_logprobs: list[LogprobIn] = Field(default_factory=list, max_length=1 << 16)
+
+
+class LogprobsIn(OpenAIModel):
+    model_config = {"extra": "ignore"}
+    content: list[LogprobsContentIn] | None = Field(default=None, max_length=1 << 20)
+
+
+class DerenderChoice(OpenAIModel):
+    """One choice of a generate reply (streamed: of one chunk): its token ids, how it ended and their logprobs
+    (other keys of the reply are read by nothing)."""
+
+    model_config = {"extra": "ignore"}
+    index: int = Field(default=0, ge=0, le=1 << 20)
+    token_ids: TokenIds = Field(default_factory=list, max_length=1 << 20)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: Any = None
+    logprobs: LogprobsIn | None = None
 
 
 class DerenderGenerateResponse(OpenAIModel):
@@ -70,7 +94,8 @@ class DerenderChatRequest(OpenAIModel):
     generate_response: DerenderGenerateResponse
     prompt_tokens: int | None = Field(default=None, ge=0)
     prompt_token_ids: TokenIds | None = None
-    chat_request: dict[str, Any]
+    chat_request: dict[str, Any] | None = None
+    """The original request; omitted (only on a server without a reasoning or tool parser): plain detokenizing."""
 
 
 class DerenderCompletionRequest(OpenAIModel):
@@ -89,60 +114,173 @@ class DerenderCompletionRequest(OpenAIModel):
     defaults, the model's name from ``model``."""
 
 
-def _check_common(req: DerenderChatRequest | DerenderCompletionRequest,
-                  responses: list[DerenderGenerateResponse], field: str) -> None:
-    if req.stream or req.stream_state is not None:
-        raise ValidationError("streaming derender (stream: true, stream_state) is not supported by this server: "
-                              "derender the whole generate reply", param="stream")
-    for response in responses:
-        if response.output_mode != "tokens":
-            raise ValidationError(f"only output_mode 'tokens' replies can be derendered, got "
-                                  f"{response.output_mode!r}", param=f"{field}.output_mode")
-        for j, choice in enumerate(response.choices):
-            if choice.logprobs is not None:
-                raise ValidationError("logprobs cannot be derendered by this server (send the reply without them)",
-                                      param=f"{field}.choices[{j}].logprobs")
+@dataclass
+class ChatContext:
+    """What a derender call needs of the original chat request: the model's name, the sampling params its text was
+    made under, how its replies are parsed and shown (a ChatRun with no streams), its rendered prompt's ids."""
+
+    model: str
+    params: SamplingParams
+    run: ChatRun
+    prompt_ids: list[int]
+    return_ids: bool
+    """return_token_ids."""
 
 
-def _check_sizes(responses: list[DerenderGenerateResponse], n: int, max_model_len: int, field: str) -> None:
-    """Every size the client sent bounded by what the original request could have generated, before any work: at
-    most ``n`` choices a reply, each at most max_model_len tokens (400 naming the field)."""
-    for i, response in enumerate(responses):
-        where = field if len(responses) == 1 else f"{field}[{i}]"
-        if len(response.choices) > n:
-            raise ValidationError(f"{where}.choices has {len(response.choices)} choices; the request asks for n={n}",
-                                  param=f"{where}.choices", value=len(response.choices))
-        for j, choice in enumerate(response.choices):
-            if len(choice.token_ids) > max_model_len:
-                raise ValidationError(f"{where}.choices[{j}].token_ids has {len(choice.token_ids)} tokens, more than "
-                                      f"max_model_len ({max_model_len})", param=f"{where}.choices[{j}].token_ids",
-                                      value=len(choice.token_ids))
-        if response.prompt_token_ids is not None and len(response.prompt_token_ids) > max_model_len:
-            raise ValidationError(f"{where}.prompt_token_ids is longer than max_model_len ({max_model_len})",
-                                  param=f"{where}.prompt_token_ids", value=len(response.prompt_token_ids))
+@dataclass
+class CompletionContext:
+    """The same of a completions request: its model's name, params, n, logprobs shown and flags."""
+
+    model: str
+    params: SamplingParams
+    n: int
+    top_n: int
+    as_ids: bool
+    return_ids: bool
 
 
-def _check_prompt_ids(given: list[list[int] | None], max_model_len: int, field: str) -> None:
-    for i, ids in enumerate(given):
-        if ids is not None and len(ids) > max_model_len:
-            where = field if len(given) == 1 else f"{field}[{i}]"
-            raise ValidationError(f"{where} is longer than max_model_len ({max_model_len})", param=where,
-                                  value=len(ids))
+def _needs_parsing(chat: OpenAIServingChat) -> bool:
+    return chat.reasoning_parser is not None or chat.tool_parser is not None
+
+
+async def chat_context(chat: OpenAIServingChat, fields: dict[str, Any] | None, model: str | None) -> ChatContext:
+    """The original chat request checked as its route checks it and its prompt rendered again (the parsers read
+    it); None: plain detokenizing under default params, refused where a parser would have read the reply."""
+    from pagedllm.entrypoints.openai.serving_chat import ChatRun
+
+    if fields is None:
+        return _plain_context(chat, model)
+    try:
+        req = chat_request(dict(fields), {})
+        prep = await chat.prepare(req)  # (rendered: the parsers read the prompt)
+    except ValidationError as e:
+        raise _within("chat_request", e) from None
+    run = ChatRun("", prep.model, None, prep.tools, len(prep.prompt_ids),
+                  EVERY_LISTED if prep.logprobs is None else shown_logprobs(req, prep.logprobs),
+                  as_ids=chat.as_token_ids(req), reasoning=prep.reasoning,
+                  hide_reasoning=not req.include_reasoning and chat.reasoning_parser is not None)
+    return ChatContext(prep.model, prep.params, run, list(prep.prompt_ids), bool(req.return_token_ids))
+
+
+def _plain_context(chat: OpenAIServingChat, model: str | None) -> ChatContext:
+    """No original request: plain detokenizing under default params, refused where a parser would read the reply."""
+    from pagedllm.entrypoints.openai.serving_chat import ChatRun, _ToolMode
+
+    if _needs_parsing(chat):
+        raise ValidationError("chat_request is required on a server with a tool or reasoning parser: plain "
+                              "detokenizing would leave the parsers' markup in the content", param="chat_request")
+    name, _ = chat.check_model(model)
+    return ChatContext(name, SamplingParams(), ChatRun("", name, None, _ToolMode(), 0, EVERY_LISTED), [], False)
+
+
+def completion_context(completion: OpenAIServingCompletion, fields: dict[str, Any] | None,
+                       model: str | None) -> CompletionContext:
+    """The original completions request checked as its route checks it (omitted: its defaults)."""
+    try:
+        req = CompletionRequest(**(fields or {"model": model, "prompt": "-"}))
+        if req.echo:
+            raise ValidationError("echo cannot be derendered (the reply would start with the prompt)", param="echo")
+        name, _ = completion.check_model(req.model)
+        completion.check_limits(req)
+        params = completion.sampling_params(req, req.max_tokens, None, False)
+    except PydanticValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise ValidationError(f"completion_request.{where}: {first.get('msg')}",
+                              param=f"completion_request.{where}") from None
+    except ValidationError as e:
+        raise _within("completion_request", e) from None
+    top_n = EVERY_LISTED if req.logprobs is None else shown_logprobs(req, req.logprobs) or 0
+    return CompletionContext(name, params, req.n or 1, top_n, completion.as_token_ids(req),
+                             bool(req.return_token_ids))
+
+
+def check_output_mode(mode: str, field: str) -> None:
+    if mode != "tokens":
+        raise ValidationError(f"only output_mode 'tokens' replies can be derendered, got {mode!r}",
+                              param=f"{field}.output_mode")
+
+
+def check_choice(choice: DerenderChoice, where: str, max_tokens: int, vocab: int, max_logprobs: int) -> None:
+    """A choice's sizes and ids bounded before any work (400 naming the field): at most ``max_tokens`` tokens, each
+    in the vocabulary; logprobs, if any, one entry per token, that token first, at most 1 + max_logprobs
+    candidates."""
+    ids = choice.token_ids
+    if len(ids) > max_tokens:
+        raise ValidationError(f"{where}.token_ids has {len(ids)} tokens, more than max_model_len leaves room for "
+                              f"({max_tokens})", param=f"{where}.token_ids", value=len(ids))
+    check_vocab(ids, vocab, f"{where}.token_ids")
+    content = None if choice.logprobs is None else choice.logprobs.content
+    if content is not None:
+        _check_logprobs(ids, content, where, vocab, max_logprobs)
+
+
+def _check_logprobs(ids: list[int], content: list[LogprobsContentIn], where: str, vocab: int,
+                    max_logprobs: int) -> None:
+    if len(content) != len(ids):
+        raise ValidationError(f"{where}.logprobs.content has {len(content)} entries for {len(ids)} token_ids (one "
+                              f"per token)", param=f"{where}.logprobs.content", value=len(content))
+    for i, (token_id, entry) in enumerate(zip(ids, content)):
+        at = f"{where}.logprobs.content[{i}]"
+        if entry.token_id != token_id:
+            raise ValidationError(f"{at}.token_id is {entry.token_id}, not the token at that position ({token_id})",
+                                  param=f"{at}.token_id", value=entry.token_id)
+        if len(entry.top_logprobs) > 1 + max_logprobs:
+            raise ValidationError(f"{at}.top_logprobs has {len(entry.top_logprobs)} entries, more than the sampled "
+                                  f"token and max_logprobs ({max_logprobs})", param=f"{at}.top_logprobs",
+                                  value=len(entry.top_logprobs))
+        check_vocab([t.token_id for t in entry.top_logprobs], vocab, f"{at}.top_logprobs")
+
+
+def check_vocab(ids: list[int], vocab: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValidationError(f"{param} contains token id {bad}, outside the vocabulary [0, {vocab})", param=param,
+                              value=bad)
+
+
+def stop_params(params: SamplingParams, choice: DerenderChoice, eos_ids: tuple[int, ...]
+                ) -> tuple[SamplingParams, bool]:
+    """(the params the choice's text is cut under: the stop string generate reports added, even where the request's
+    own list is not sent; whether its last token is an EOS or stop token whose text is left out)."""
+    ids = choice.token_ids
+    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    if isinstance(choice.stop_reason, str) and choice.stop_reason not in stops:
+        params = dataclasses.replace(params, stop=[*stops, choice.stop_reason])
+    stop_ids = set(eos_ids) | set(params.stop_token_ids or ())
+    by_token = choice.finish_reason == "stop" and bool(ids) and ids[-1] in stop_ids and \
+        not isinstance(choice.stop_reason, str)
+    return params, by_token
+
+
+def logprob_entries(tokenizer: Any, logprobs: LogprobsIn | None) -> list[dict[int, Logprob]] | None:
+    """Generate's logprobs (by token id) as the engine's: per position, token id -> Logprob with the token decoded
+    as the engine decodes it; a candidate without a rank is ranked by its logprob among those listed."""
+    if logprobs is None or logprobs.content is None:
+        return None
+    decoded: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in decoded:
+            decoded[token_id] = tokenizer.decode([token_id])
+        return decoded[token_id]
+
+    entries = []
+    for e in logprobs.content:
+        by_value = sorted({t.token_id: t.logprob for t in e.top_logprobs}.items(), key=lambda item: -item[1])
+        order = {token_id: rank for rank, (token_id, _) in enumerate(by_value, 1)}
+        entry = {t.token_id: Logprob(t.logprob, t.rank or order[t.token_id], text(t.token_id)) for t in e.top_logprobs}
+        entry.setdefault(e.token_id, Logprob(e.logprob, e.rank, text(e.token_id)))
+        entries.append(entry)
+    return entries
 
 
 def _text(tokenizer: Any, eos_ids: tuple[int, ...], prompt_ids: list[int], params: SamplingParams,
           choice: DerenderChoice) -> str:
     """The text the coupled route gives for the choice's tokens: the same incremental detokenizer, fed them."""
-    ids = list(choice.token_ids)
-    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-    if isinstance(choice.stop_reason, str) and choice.stop_reason not in stops:
-        # (the stop string generate reports: cut there even where the request's own list is not sent)
-        params = dataclasses.replace(params, stop=[*stops, choice.stop_reason])
-    stop_ids = set(eos_ids) | set(params.stop_token_ids or ())
-    by_token = choice.finish_reason == "stop" and bool(ids) and ids[-1] in stop_ids and \
-        not isinstance(choice.stop_reason, str)
+    params, by_token = stop_params(params, choice, eos_ids)
     detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params)
-    detokenizer.update(ids, by_token)
+    detokenizer.update(list(choice.token_ids), by_token)
     return detokenizer.output_text
 
 
@@ -152,86 +290,106 @@ def _within(field: str, error: ValidationError) -> ValidationError:
     return ValidationError(f"{field}: {error.message}", param=param, value=error.value)
 
 
-def _prompt_tokens(given: int | None, response: DerenderGenerateResponse) -> int:
+def prompt_tokens_of(given: int | None, usage: dict[str, Any] | None) -> int:
+    """The prompt's token count for the usage: the one sent, else the generate reply's own."""
     if given is not None:
         return given
-    usage = response.usage or {}
-    value = usage.get("prompt_tokens")
+    value = (usage or {}).get("prompt_tokens")
     return value if isinstance(value, int) and value >= 0 else 0
+
+
+def _check_whole(req: DerenderChatRequest | DerenderCompletionRequest, responses: list[DerenderGenerateResponse],
+                 n: int, serving: Any, field: str) -> None:
+    """The non-streamed form's checks, before any work: no stream_state, every reply in output_mode "tokens" with
+    at most ``n`` choices, each bounded (check_choice), the prompt's ids at most max_model_len."""
+    if req.stream_state is not None:
+        raise ValidationError("stream_state goes with stream: true (one generate chunk a call)", param="stream_state")
+    max_len, limits = serving.max_model_len, serving.limits
+    vocab = serving.engine.processor.vocab_size
+    for i, response in enumerate(responses):
+        where = field if len(responses) == 1 else f"{field}[{i}]"
+        check_output_mode(response.output_mode, where)
+        if len(response.choices) > n:
+            raise ValidationError(f"{where}.choices has {len(response.choices)} choices; the request asks for n={n}",
+                                  param=f"{where}.choices", value=len(response.choices))
+        for j, choice in enumerate(response.choices):
+            check_choice(choice, f"{where}.choices[{j}]", max_len, vocab, limits.max_logprobs)
+        if response.prompt_token_ids is not None and len(response.prompt_token_ids) > max_len:
+            raise ValidationError(f"{where}.prompt_token_ids is longer than max_model_len ({max_len})",
+                                  param=f"{where}.prompt_token_ids", value=len(response.prompt_token_ids))
+
+
+def check_prompt_ids(given: list[list[int] | None], max_model_len: int, field: str) -> None:
+    for i, ids in enumerate(given):
+        if ids is not None and len(ids) > max_model_len:
+            where = field if len(given) == 1 else f"{field}[{i}]"
+            raise ValidationError(f"{where} is longer than max_model_len ({max_model_len})", param=where,
+                                  value=len(ids))
+
+
+def _output(choice: DerenderChoice, text: str, tokenizer: Any) -> CompletionOutput:
+    """A choice as the engine's output: its text, tokens and logprobs decoded."""
+    return CompletionOutput(choice.index, text, list(choice.token_ids), None,
+                            logprob_entries(tokenizer, choice.logprobs), choice.finish_reason, choice.stop_reason)
 
 
 async def derender_chat(chat: OpenAIServingChat, req: DerenderChatRequest) -> dict[str, Any]:
     """The chat completion reply of a generate reply's tokens (vLLM's ChatCompletionResponse)."""
     response = req.generate_response
-    _check_common(req, [response], "generate_response")
-    try:
-        chat_req = chat_request(dict(req.chat_request), {})
-        prep = await chat.prepare(chat_req)  # (checked as the route checks it; rendered: the parsers read the prompt)
-    except ValidationError as e:
-        raise _within("chat_request", e) from None
-    _check_sizes([response], chat_req.n or 1, chat.max_model_len, "generate_response")
-    _check_prompt_ids([req.prompt_token_ids], chat.max_model_len, "prompt_token_ids")
-    prompt_ids = list(req.prompt_token_ids or response.prompt_token_ids or prep.prompt_ids)
-    eos = chat.engine.processor.eos_token_ids
-    texts = await chat.engine.in_tokenizer_thread(  # (never on the event loop: up to n x max_model_len tokens)
-        lambda: [_text(chat.tokenizer, eos, prompt_ids, prep.params, c) for c in response.choices])
-    hide = not chat_req.include_reasoning and chat.reasoning_parser is not None
+    context = await chat_context(chat, req.chat_request, req.model)
+    _check_whole(req, [response], context.params.n, chat, "generate_response")
+    check_prompt_ids([req.prompt_token_ids], chat.max_model_len, "prompt_token_ids")
+    prompt_ids = list(req.prompt_token_ids or response.prompt_token_ids or context.prompt_ids)
+    eos, run = chat.engine.processor.eos_token_ids, context.run
+    outputs = await chat.engine.in_tokenizer_thread(  # (never on the event loop: up to n x max_model_len tokens)
+        lambda: [_output(c, _text(chat.tokenizer, eos, prompt_ids, context.params, c), chat.tokenizer)
+                 for c in response.choices])
     choices = []
-    for choice, text in zip(response.choices, texts):
-        message, finish = chat.message_of(text, choice.finish_reason, prep.tools, prep.reasoning)
-        shown_ids = None if hide or not chat_req.return_token_ids else list(choice.token_ids)
-        if hide:
-            message.reasoning_content = None
-        choices.append(ChatChoice(index=choice.index, message=message, finish_reason=finish,
-                                  stop_reason=choice.stop_reason, token_ids=shown_ids))
+    for c in outputs:
+        message, finish = chat.message_of(c.text, c.finish_reason, run.tools, run.reasoning)
+        choice = ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
+                            logprobs=chat.logprobs_of(c, run.logprobs, run.as_ids),
+                            token_ids=list(c.token_ids) if context.return_ids else None)
+        chat.shown(run, choice)  # (include_reasoning false: no reasoning, nor what would show it)
+        choices.append(choice)
     completion = sum(len(c.token_ids) for c in response.choices)
-    usage = chat.usage(_prompt_tokens(req.prompt_tokens, response), completion)
-    return ChatCompletionResponse(id=f"chatcmpl-{response.request_id or 'derender'}", model=prep.model,
-                                  choices=choices, usage=usage,
-                                  prompt_token_ids=prompt_ids if chat_req.return_token_ids else None).model_dump()
+    usage = chat.usage(prompt_tokens_of(req.prompt_tokens, response.usage), completion)
+    shown_ids = prompt_ids if context.return_ids and not run.hide_reasoning else None
+    return ChatCompletionResponse(id=f"chatcmpl-{response.request_id or 'derender'}", model=context.model,
+                                  choices=choices, usage=usage, prompt_token_ids=shown_ids).model_dump()
 
 
 async def derender_completion(completion: OpenAIServingCompletion, req: DerenderCompletionRequest) -> dict[str, Any]:
     """The completions reply of the generate replies' tokens, one per prompt (vLLM's CompletionResponse)."""
     responses = req.generate_responses
-    _check_common(req, responses, "generate_responses")
     for name, given in (("prompt_tokens", req.prompt_tokens), ("prompt_token_ids", req.prompt_token_ids)):
         if given is not None and len(given) != len(responses):
             raise ValidationError(f"{name} has {len(given)} entries for {len(responses)} generate_responses",
                                   param=name)
-    try:
-        comp_req = CompletionRequest(**(req.completion_request or {"model": req.model, "prompt": "-"}))
-        if comp_req.echo:
-            raise ValidationError("echo cannot be derendered (the reply would start with the prompt)", param="echo")
-        model, _ = completion.check_model(comp_req.model)
-        completion.check_limits(comp_req)
-        params = completion.sampling_params(comp_req, comp_req.max_tokens, None, False)
-    except PydanticValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise ValidationError(f"completion_request.{where}: {first.get('msg')}",
-                              param=f"completion_request.{where}") from None
-    except ValidationError as e:
-        raise _within("completion_request", e) from None
-    n = comp_req.n or 1
+    context = completion_context(completion, req.completion_request, req.model)
     check_count(responses, completion.limits.max_prompts, "generate_responses", "--max-prompts")
-    _check_sizes(responses, n, completion.max_model_len, "generate_responses")
-    _check_prompt_ids(req.prompt_token_ids or [], completion.max_model_len, "prompt_token_ids")
+    _check_whole(req, responses, context.n, completion, "generate_responses")
+    check_prompt_ids(req.prompt_token_ids or [], completion.max_model_len, "prompt_token_ids")
     prompts = [list((None if req.prompt_token_ids is None else req.prompt_token_ids[i]) or
                     response.prompt_token_ids or []) for i, response in enumerate(responses)]
-    eos = completion.engine.processor.eos_token_ids
-    texts = await completion.engine.in_tokenizer_thread(  # (never on the event loop)
-        lambda: [[_text(completion.tokenizer, eos, p, params, c) for c in r.choices]
+    eos, tokenizer = completion.engine.processor.eos_token_ids, completion.tokenizer
+    outputs = await completion.engine.in_tokenizer_thread(  # (never on the event loop)
+        lambda: [[_output(c, _text(tokenizer, eos, p, context.params, c), tokenizer) for c in r.choices]
                  for p, r in zip(prompts, responses)])
-    choices, prompt_total, generated = [], 0, 0
-    for i, (response, prompt_ids) in enumerate(zip(responses, prompts)):
-        prompt_total += _prompt_tokens(None if req.prompt_tokens is None else req.prompt_tokens[i], response)
-        for choice, text in zip(response.choices, texts[i]):
-            generated += len(choice.token_ids)
-            ids = list(choice.token_ids) if comp_req.return_token_ids else None
-            choices.append(CompletionChoice(index=i * n + choice.index, text=text, finish_reason=choice.finish_reason,
-                                            stop_reason=choice.stop_reason, token_ids=ids,
-                                            prompt_token_ids=prompt_ids if comp_req.return_token_ids else None))
+    choices = [_completion_choice(completion, context, i * context.n, c, prompt_ids)
+               for i, prompt_ids in enumerate(prompts) for c in outputs[i]]
+    prompt_total = sum(prompt_tokens_of(None if req.prompt_tokens is None else req.prompt_tokens[i], r.usage)
+                       for i, r in enumerate(responses))
+    generated = sum(len(c.token_ids) for r in responses for c in r.choices)
     first = responses[0].request_id or "derender"
-    return CompletionResponse(id=f"cmpl-{first}", model=model, choices=choices,
+    return CompletionResponse(id=f"cmpl-{first}", model=context.model, choices=choices,
                               usage=completion.usage(prompt_total, generated)).model_dump()
+
+
+def _completion_choice(completion: OpenAIServingCompletion, context: CompletionContext, first_index: int,
+                       c: CompletionOutput, prompt_ids: list[int]) -> CompletionChoice:
+    """One derendered choice of a prompt whose choices are numbered from ``first_index``."""
+    lp = None if c.logprobs is None else completion.logprobs_of(c, 0, context.top_n, None, context.as_ids)
+    return CompletionChoice(index=first_index + c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason, token_ids=list(c.token_ids) if context.return_ids else None,
+                            prompt_token_ids=prompt_ids if context.return_ids else None)

@@ -20,6 +20,7 @@ from pydantic import ValidationError as PydanticValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pagedllm.entrypoints.openai.chat_stream import ChoiceDeltas
 from pagedllm.entrypoints.openai.http_guard import UnicodeCheckedRoute
 from pagedllm.entrypoints.openai.limits import (
     check_constraint,
@@ -175,7 +176,7 @@ class ServingTokens(OpenAIServing):
             del self.running[request_id]
             return Response(status_code=499)  # the client went away while its request was prepared
         if req.stream:
-            return StreamingResponse(self.with_error_events(self._stream(req, request_id, streams, aborted)),
+            return StreamingResponse(self.with_error_events(self._stream(req, request_id, streams, aborted, parsing)),
                                      media_type="text/event-stream")
         try:
             gathered = await unless_disconnected(self._gather(req, streams, aborted), raw)
@@ -216,9 +217,6 @@ class ServingTokens(OpenAIServing):
         if self.tokens_only and req.output_mode != "tokens":
             raise ValidationError(f"output_mode={req.output_mode!r} requires a tokenizer, but this server does not "
                                   "detokenize (--tokens-only); use output_mode='tokens'", param="output_mode")
-        if req.output_mode == "derender" and self.has_parser and req.stream:
-            raise ValidationError("a streamed output_mode='derender' on a server with a tool or reasoning parser is "
-                                  "not supported: use stream=false, or 'text' / 'tokens'", param="output_mode")
         if req.output_mode == "derender" and self.has_parser and req.parse_context is None:
             raise ValidationError("output_mode='derender' on a server with a tool or reasoning parser needs "
                                   "parse_context (as /v1/chat/completions/render answers it)", param="parse_context")
@@ -299,7 +297,7 @@ class ServingTokens(OpenAIServing):
                 include_stop_str_in_output=sp.include_stop_str_in_output,
                 skip_special_tokens=sp.skip_special_tokens, logit_bias=sp.logit_bias,
                 allowed_token_ids=sp.allowed_token_ids, bad_words=sp.bad_words, structured_outputs=constraint,
-                output_kind=RequestOutputKind.DELTA)
+                stream_interval=self.interval_of(sp.stream_interval), output_kind=RequestOutputKind.DELTA)
 
     # ------------------------------------------------------------------ outputs
     async def _outputs(self, streams: StreamGroup, aborted: asyncio.Event) -> AsyncIterator[RequestOutput]:
@@ -347,8 +345,9 @@ class ServingTokens(OpenAIServing):
         return prompt_logprobs, list(choices.values()), cached
 
     async def _stream(self, req: GenerateRequest, request_id: str, streams: StreamGroup,
-                      aborted: asyncio.Event) -> AsyncIterator[str]:
+                      aborted: asyncio.Event, parsing: _Parsing | None = None) -> AsyncIterator[str]:
         n = req.sampling_params.n
+        deltas = None if parsing is None else {index: self._deltas(parsing) for index in range(n)}
         generated = [0] * n
         finished = [False] * n
         prompt_tokens, cached = len(req.token_ids), 0
@@ -365,6 +364,8 @@ class ServingTokens(OpenAIServing):
                         continue
                     choice = self._choice(req, c.index, c.token_ids, c.logprobs or [], c.text, c.finish_reason,
                                           c.stop_reason)
+                    if deltas is not None and not self._parsed(choice, deltas[c.index], c, parsing):
+                        continue
                     if choice.delta is not None and not role_sent[c.index]:
                         choice.delta.role, role_sent[c.index] = "assistant", True
                     usage = (self.usage(prompt_tokens, generated[c.index], cached)
@@ -374,6 +375,9 @@ class ServingTokens(OpenAIServing):
             for index in range(n):  # aborted: each unfinished choice says so, with no new tokens
                 if not finished[index]:
                     choice = self._choice(req, index, [], [], "", "abort", None)
+                    if deltas is not None:
+                        self._parsed(choice, deltas[index], CompletionOutput(index, "", [], None, None, "abort"),
+                                     parsing)
                     if choice.delta is not None and not role_sent[index]:
                         choice.delta.role = "assistant"
                     yield self._chunk(req, request_id, [choice], None, prompt_ids)
@@ -386,6 +390,25 @@ class ServingTokens(OpenAIServing):
             yield SSE_DONE
         finally:
             self.running.pop(request_id, None)
+
+    def _deltas(self, parsing: _Parsing) -> ChoiceDeltas:
+        """One choice's streamed derender deltas on a server with parsers: the chat route's (chat_stream.py)."""
+        from pagedllm.entrypoints.openai.serving_chat import ChatRun
+
+        run = ChatRun("", "", None, parsing.tools, 0, None, reasoning=parsing.reasoning, hide_reasoning=parsing.hide)
+        return ChoiceDeltas(self.chat, run, hold_ids=False)
+
+    @staticmethod
+    def _parsed(choice: GenerateChoice, deltas: ChoiceDeltas, c: CompletionOutput, parsing: _Parsing) -> bool:
+        """A streamed derender choice parsed as the chat route streams it: reasoning split from content, tool calls
+        whole at the end (finish_reason "tool_calls" when it called one); False: nothing left to send
+        (include_reasoning false and only reasoning in this chunk)."""
+        parsed = deltas.next(c, ids=True)
+        choice.delta, choice.finish_reason = parsed.delta, parsed.finish_reason
+        if not parsing.hide:
+            return True
+        choice.delta.reasoning_content, choice.logprobs, choice.token_ids = None, None, None
+        return bool(choice.delta.content or choice.delta.tool_calls or choice.finish_reason)
 
     def _chunk(self, req: GenerateRequest, request_id: str, choices: list[GenerateChoice], usage: UsageInfo | None,
                prompt_ids: list[int] | None) -> str:

@@ -328,9 +328,12 @@ def test_completion_derender_is_the_coupled_reply(scale_out: RemoteServer) -> No
 
 
 @pytest.mark.parametrize("change, param", [
-    ({"stream": True}, "stream"),
+    ({"stream_state": {}}, "stream_state"),  # (the streamed form's: stream true)
     ({"generate_response": {"choices": [{"token_ids": [5], "logprobs": {"content": []}}]}},
-     "generate_response.choices[0].logprobs"),
+     "generate_response.choices[0].logprobs.content"),  # (one entry per token)
+    ({"generate_response": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"token_id": 6, "logprob": 0}]}}]}},
+     "generate_response.choices[0].logprobs.content[0].token_id"),
+    ({"generate_response": {"choices": [{"token_ids": [1 << 30]}]}}, "generate_response.choices[0].token_ids"),
     ({"generate_response": {"choices": [{"token_ids": [5]}], "output_mode": "text"}}, "generate_response.output_mode"),
     ({"chat_request": {"model": "tiny", "messages": []}}, "chat_request.messages"),
     ({"chat_request": {"model": "tiny", "messages": CHAT, "top_k": -5}}, "chat_request.top_k"),
