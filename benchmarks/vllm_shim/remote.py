@@ -43,6 +43,8 @@ class RemoteOpenAIServer:
     """``pagedllm serve`` in place of ``vllm serve``: same constructor and client helpers as vLLM's."""
 
     DUMMY_API_KEY = "token-abc123"
+    COMMAND = ["serve"]
+    """The pagedllm command that stands for vLLM's."""
 
     def __init__(self, model: str, vllm_serve_args: list[str], *, env_dict: dict[str, str] | None = None,
                  seed: int | None = 0, auto_port: bool = True, max_wait_seconds: float | None = None,
@@ -62,7 +64,7 @@ class RemoteOpenAIServer:
         self.host = "127.0.0.1"
         self.port = get_open_port()
         self.show_hidden_metrics = False
-        argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", command.model, "--host", self.host,
+        argv = [sys.executable, "-m", "pagedllm.entrypoints.cli", *self.COMMAND, command.model, "--host", self.host,
                 "--port", str(self.port), "--uvicorn-log-level", "warning", *command.args]
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"server-{len(STARTS):03d}.log"
@@ -175,10 +177,9 @@ class RemoteOpenAIServerCustom(RemoteOpenAIServer):
 
 
 class RemoteLaunchRenderServer(RemoteOpenAIServer):
-    """``vllm launch render`` (a GPU-less render-only server): skipped, pagedllm has no such server."""
+    """``vllm launch render`` (a GPU-less render-only server): ``pagedllm launch render``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pytest.skip(f"{TAG_SHIM} `vllm launch render` (render-only server) has no pagedllm counterpart")
+    COMMAND = ["launch", "render"]
 
 
 def _skip_mark(why: str) -> pytest.MarkDecorator:

@@ -55,6 +55,26 @@ def _serve(ns: argparse.Namespace) -> int:
     return run_server(ns, engine_args_from(ns))
 
 
+def _launch_render(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_render_server
+
+    return run_render_server(ns, engine_args_from(ns))
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    """`pagedllm launch render` (vLLM's `vllm launch render`): the serve command's flags, no engine."""
+    from pagedllm.entrypoints.openai.api_server import add_serve_args
+
+    launch = sub.add_parser("launch", help="servers of a disaggregated deployment")
+    render = launch.add_subparsers(dest="launch_command", required=True).add_parser(
+        "render", help="a render-only server: render, derender and tokenizer routes from the model's configuration "
+                       "and tokenizer (no weights loaded, no KV cache, nothing generated)")
+    add_serve_args(render)
+    add_engine_args(render)
+    render.set_defaults(**SERVE_DEFAULTS)
+    render.set_defaults(func=_launch_render)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference with PagedAttention")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         action.help = (action.help or "").replace(f"(default: {action.default})", f"(default: {value})")
     serve.set_defaults(**SERVE_DEFAULTS)
     serve.set_defaults(func=_serve)
+    _add_launch(sub)
     build_kernels.add_parser(sub)
     from pagedllm.entrypoints import cli_clients, run_batch
 
@@ -152,7 +173,7 @@ def entry() -> None:
     """The `pagedllm` command (pyproject's [project.scripts]): main's status; a server, once it has shut down
     (its engine core stopped, its socket file removed), exits without the interpreter's teardown (~1 s)."""
     code = main()
-    if sys.argv[1:2] == ["serve"]:
+    if sys.argv[1:2] in (["serve"], ["launch"]):
         exit_now(code)
     sys.exit(code)
 

@@ -524,6 +524,13 @@ async def messages_render(req: MessagesRequest, raw: Request) -> dict:
     return await raw.app.state.messages.render(req)
 
 
+@render_router.post("/v1/responses/render")
+async def responses_render(req: ResponsesRequest, raw: Request) -> dict:
+    """A Responses request rendered, not run: the generate request of the chat request it maps onto."""
+    _generates(raw)
+    return await raw.app.state.responses.render(req)
+
+
 @render_router.post("/v1/completions/render")
 async def completion_render(req: CompletionRequest, raw: Request) -> list[dict]:
     """A completion request rendered, not run: one generate request per prompt."""
@@ -662,7 +669,8 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
               trust_request_chat_template: bool = False, deploy: DeployOptions | None = None,
               force_include_usage: bool = False, reasoning_config: ReasoningConfig | None = None,
               per_request_metrics: bool = False, cohere: CohereChatOptions | None = None,
-              enable_scale_out: bool = False, tokens_only: bool = False, stream_interval: int = 1) -> FastAPI:
+              enable_scale_out: bool = False, tokens_only: bool = False, stream_interval: int = 1,
+              render_only: bool = False) -> FastAPI:
     """The FastAPI application around a (not yet started) async engine; ``lora_modules`` are read and checked
     here (ValidationError if one does not fit). ``prompt_tokens_details``: chat and completions usage report the
     prompt's prefix-cache hits (--enable-prompt-tokens-details); ``return_tokens_as_token_ids``: their logprobs
@@ -672,7 +680,8 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     --reasoning-config's strings for thinking_token_budget; ``per_request_metrics``: chat and completions replies of
     one choice carry vLLM's timing ``metrics`` (--enable-per-request-metrics); ``cohere``: /cohere/v2/chat's flags;
     ``enable_scale_out`` / ``tokens_only``: vLLM's token-in/token-out routes (serving_tokens.py);
-    ``stream_interval``: the fewest tokens a streamed chunk gathers (--stream-interval)."""
+    ``stream_interval``: the fewest tokens a streamed chunk gathers (--stream-interval); ``render_only``: only the
+    render, derender and tokenizer routes, for an engine with no core (`pagedllm launch render`)."""
     models = OpenAIServingModels(engine, served_model_names, model_aliases)
     models.add_static(lora_modules or [])
     chat = OpenAIServingChat(engine, models, get_reasoning_parser(reasoning_parser), get_tool_parser(tool_call_parser),
@@ -695,9 +704,28 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     store = ResponseStore(limits.max_stored_responses, limits.max_stored_response_bytes, max(1, len(api_keys)))
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     _set_state(app, engine, limits, metrics, models, servings, store, cohere)
-    _include_routes(app, servings.tokens, api_keys, allow_runtime_lora_updating=allow_runtime_lora_updating,
-                    enable_scale_out=enable_scale_out, tokens_only=tokens_only, deploy=deploy)
+    if render_only:
+        _include_render_routes(app, api_keys)
+    else:
+        _include_routes(app, servings.tokens, api_keys, allow_runtime_lora_updating=allow_runtime_lora_updating,
+                        enable_scale_out=enable_scale_out, tokens_only=tokens_only, deploy=deploy)
     return app
+
+
+RENDER_SERVER_PATHS = frozenset({"/health", "/ping", "/version", "/v1/models", "/tokenize", "/detokenize"})
+"""The main router's routes a render-only server keeps (besides the render and derender routes): what needs no
+engine."""
+
+
+def _include_render_routes(app: FastAPI, api_keys: list[str]) -> None:
+    """A render-only server's routes (vLLM's `launch render`): health, models, tokenizer, render and derender;
+    every generation route is absent (404)."""
+    app.router.routes.extend(r for r in router.routes if isinstance(r, APIRoute) and r.path in RENDER_SERVER_PATHS)
+    app.include_router(render_router)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    for exc_class, handler in EXCEPTION_HANDLERS.items():
+        app.add_exception_handler(exc_class, handler)
 
 
 def _include_routes(app: FastAPI, tokens: ServingTokens, api_keys: list[str], *, allow_runtime_lora_updating: bool,
@@ -961,7 +989,8 @@ def server_setup(ns: argparse.Namespace, engine_args: EngineArgs) -> ServerSetup
     return ServerSetup(names, aliases, keys, allow_lora_updating)
 
 
-def app_from_args(ns: argparse.Namespace, engine: AsyncLLM, metrics: ServerMetrics, setup: ServerSetup) -> FastAPI:
+def app_from_args(ns: argparse.Namespace, engine: AsyncLLM, metrics: ServerMetrics, setup: ServerSetup,
+                  render_only: bool = False) -> FastAPI:
     """build_app with everything a `pagedllm serve` command line sets (the server's and run-batch's one app)."""
     return build_app(engine, metrics, setup.names, setup.keys, ns.reasoning_parser, ns.tool_call_parser,
                      ns.lora_modules, ns.chat_template, serving_limits(ns),
@@ -973,7 +1002,24 @@ def app_from_args(ns: argparse.Namespace, engine: AsyncLLM, metrics: ServerMetri
                      reasoning_config=ns.reasoning_config, per_request_metrics=ns.enable_per_request_metrics,
                      cohere=CohereChatOptions(ns.cohere_is_reasoning_model),
                      enable_scale_out=ns.enable_scale_out, tokens_only=ns.tokens_only,
-                     stream_interval=ns.stream_interval)
+                     stream_interval=ns.stream_interval, render_only=render_only)
+
+
+def run_render_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    """`pagedllm launch render`: serve the render, derender and tokenizer routes with no engine (the model's
+    configuration and tokenizer only: no weights, no KV cache) until SIGINT/SIGTERM; returns the exit status."""
+    from pagedllm.engine.render_client import RenderOnlyClient
+
+    setup = server_setup(ns, engine_args)
+    engine = AsyncLLM(RenderOnlyClient(engine_args))
+    app = app_from_args(ns, engine, ServerMetrics(setup.names[0]), setup, render_only=True)
+    config, guard = serve_config(app, ns)
+    try:
+        _Server(config, guard, ns.shutdown_timeout).run()
+    finally:
+        engine.close()
+        remove_socket_file(ns.uds)
+    return 0
 
 
 def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:

@@ -369,6 +369,24 @@ class OpenAIServingResponses:
             earlier = found[1]
         return earlier + _input_messages(req.input)
 
+    async def render(self, req: ResponsesRequest) -> dict[str, Any]:
+        """vLLM's /v1/responses/render: the /inference/v1/generate request of the chat request ``req`` maps onto
+        (serving_render.py), nothing run or stored; its id ``resp_...``. The conversation is the request's own
+        input: a stored response is not read (previous_response_id is a 400, as vLLM; so is background)."""
+        from pagedllm.entrypoints.openai.serving_render import render_chat
+
+        for name in ("previous_response_id", "background"):
+            if getattr(req, name):
+                raise ValidationError(f"{name} cannot be rendered: a render reads no stored response and runs "
+                                      "nothing (send the whole conversation as input)", param=name,
+                                      value=getattr(req, name))
+        chat_req = self._chat_request(req, _input_messages(req.input))
+        try:
+            generate = await render_chat(self.chat, chat_req)
+        except ValidationError as e:
+            raise renamed(e, PARAM_NAMES) from None
+        return {**generate, "request_id": new_id("resp")}
+
     def _chat_request(self, req: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
         """The chat completion request this Responses request maps onto (400 naming what cannot be)."""
         _refuse_unsupported(req)
