@@ -36,12 +36,13 @@ class RemoteServer:
     """`pagedllm serve MODEL --port P ...` in a subprocess; ready once /health answers 200."""
 
     def __init__(self, model: Path, *args: str, env: dict | None = None, log: Path | None = None,
-                 preexec_fn: Callable[[], None] | None = None) -> None:
+                 preexec_fn: Callable[[], None] | None = None, command: tuple[str, ...] = ("serve",)) -> None:
         """``log``: a file for the server's output (a long run would fill a pipe nobody reads); ``preexec_fn``:
-        run in the child before the server starts (e.g. to lower its resource limits)."""
+        run in the child before the server starts (e.g. to lower its resource limits); ``command``: the pagedllm
+        command that serves (``("launch", "render")``: a render-only server)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(model), "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", *command, str(model), "--host", "127.0.0.1",
                "--port", str(self.port), "--dtype", "float32", "--uvicorn-log-level", "warning", *args]
         out = subprocess.PIPE if log is None else open(log, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,

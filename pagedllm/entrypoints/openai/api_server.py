@@ -496,7 +496,7 @@ async def cohere_chat_render(req: CohereChatRequest, raw: Request) -> dict:
 async def chat_render(req: ChatCompletionRequest, raw: Request) -> dict:
     """A chat completion request rendered, not run (vLLM's GenerateRequest)."""
     _generates(raw)
-    return await render_chat(_chat(raw), req)
+    return await render_chat(_chat(raw), req, raw)
 
 
 @render_router.post("/v1/chat/completions/derender")
@@ -535,7 +535,7 @@ async def responses_render(req: ResponsesRequest, raw: Request) -> dict:
 async def completion_render(req: CompletionRequest, raw: Request) -> list[dict]:
     """A completion request rendered, not run: one generate request per prompt."""
     _generates(raw)
-    return await render_completion(_completion(raw), req)
+    return await render_completion(_completion(raw), req, raw)
 
 
 @router.post("/tokenize")

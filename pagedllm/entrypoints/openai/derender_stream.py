@@ -213,8 +213,8 @@ async def derender_chat_stream(chat: OpenAIServingChat, req: DerenderChatStreamR
         raise ValidationError("prompt_token_ids is required on a server with a tool or reasoning parser (whether "
                               "the prompt left the reasoning open)", param="prompt_token_ids")
     chunk, state, choices = req.generate_chunk, req.stream_state or DerenderStreamState(), []
+    prompt_ids = list(req.prompt_token_ids or chunk.prompt_token_ids or context.prompt_ids)
     if chunk.choices:
-        prompt_ids = list(req.prompt_token_ids or chunk.prompt_token_ids or context.prompt_ids)
         before, c, state = await _decoded(chat, context.params, prompt_ids, req.stream_state, chunk.choices[0])
         deltas = ChoiceDeltas(chat, context.run, hold_ids=False)
         deltas.resume(before)
@@ -223,8 +223,10 @@ async def derender_chat_stream(chat: OpenAIServingChat, req: DerenderChatStreamR
             if not state.role_sent:
                 out.delta.role, state.role_sent = "assistant", True
             choices.append(out)
+    first = req.stream_state is None and context.return_ids and not context.run.hide_reasoning
     body = ChatCompletionStreamResponse(id=f"chatcmpl-{chunk.request_id or 'derender'}", model=context.model,
-                                        choices=choices, usage=_usage(chat, req.prompt_tokens, chunk.usage))
+                                        choices=choices, usage=_usage(chat, req.prompt_tokens, chunk.usage),
+                                        prompt_token_ids=prompt_ids if first else None)  # (the first chunk's)
     return {"chunk": body.model_dump(), "stream_state": state.model_dump()}
 
 

@@ -71,6 +71,9 @@ class SamplingFields(OpenAIModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    request_id: str | None = Field(default=None, max_length=1024)
+    """vLLM's: the reply's id is "<prefix>-<request_id>" (an X-Request-Id header wins); the engine's own ids stay
+    the server's, so two clients' equal ids never collide."""
     stream_interval: int | None = Field(default=None, ge=1)
     """vLLM's: a streamed reply's chunks gather this many tokens each (its first and last at once); raised to
     the server's --stream-interval when below it."""
@@ -325,6 +328,9 @@ class CompletionResponse(_OmitsNoneKeys):
     metrics: PerRequestMetrics | None = None
     """--enable-per-request-metrics (one prompt, n = 1): the request's timing (streamed: on the usage chunk); no key
     without it."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Only a derendered reply's: the generate reply's own, passed through (no key otherwise, as vLLM)."""
+    _omitted_if_none: ClassVar[tuple[str, ...]] = ("metrics", "kv_transfer_params")
 
 
 class TopLogprob(BaseModel):
@@ -422,6 +428,9 @@ class ChatCompletionResponse(_OmitsNoneKeys):
     """With return_token_ids: the rendered conversation's token ids."""
     metrics: PerRequestMetrics | None = None
     """--enable-per-request-metrics (n = 1): the request's timing; no key without it."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Only a derendered reply's: the generate reply's own, passed through (no key otherwise, as vLLM)."""
+    _omitted_if_none: ClassVar[tuple[str, ...]] = ("metrics", "kv_transfer_params")
 
 
 class DeltaMessage(BaseModel):

@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
     SamplingFields,
     StreamOptions,
     UsageInfo,
+    random_id,
 )
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.errors import QUOTE_CHARS, ValidationError, quoted
@@ -267,6 +268,17 @@ class OpenAIServing:
             structured_outputs=self.constraint(req), speculate=req.speculate,
             watermarking=req.watermarking is not False, stream_interval=self.interval_of(req.stream_interval),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+
+    @staticmethod
+    def reply_id(prefix: str, raw: Request | None, asked: str | None) -> str:
+        """A reply's id, as vLLM makes it: "<prefix>-" and the X-Request-Id header's id, else the request's own
+        request_id, else a random one (the engine's request ids are made apart: see SamplingFields.request_id)."""
+        base = (None if raw is None else raw.headers.get("X-Request-Id")) or asked
+        if base is None:
+            return random_id(prefix)
+        if len(base) > 1024:
+            raise ValidationError("X-Request-Id is over 1024 characters", param="request_id")
+        return f"{prefix}-{base}"
 
     def interval_of(self, asked: int | None) -> int:
         """A request's stream_interval, raised to the server's --stream-interval (vLLM's clamp)."""

@@ -95,12 +95,12 @@ class OpenAIServingChat(OpenAIServing):
         """Check the request, render its prompt and queue it (None: the client went away meanwhile). The one
         request path of chat completions, and of the Responses and Messages APIs mapped onto it."""
         prep = await self.prepare(req)
-        request_id = random_id("chatcmpl")
-        streams = await self.add_all(request_id, [{"prompt_token_ids": prep.prompt_ids, "prompt": prep.text}],
-                                     prep.params, prep.lora, raw)
+        shown_id = self.reply_id("chatcmpl", raw, req.request_id)
+        streams = await self.add_all(random_id("chatcmpl"), [{"prompt_token_ids": prep.prompt_ids,
+                                                              "prompt": prep.text}], prep.params, prep.lora, raw)
         if streams is None:
             return None
-        run = ChatRun(request_id, prep.model, streams, prep.tools, len(prep.prompt_ids),
+        run = ChatRun(shown_id, prep.model, streams, prep.tools, len(prep.prompt_ids),
                       shown_logprobs(req, prep.logprobs), list(prep.prompt_ids) if req.return_token_ids else None,
                       as_ids=self.as_token_ids(req), prompt_logprobs=req.prompt_logprobs is not None)
         run.hide_reasoning = not req.include_reasoning and self.reasoning_parser is not None

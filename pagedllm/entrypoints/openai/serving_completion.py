@@ -69,8 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
                              req.n, req.stream,
                              None if req.use_beam_search else counted_logprobs(req, req.logprobs), lengths,
                              prompt_logprobs)
-        request_id = random_id("cmpl")
-        streams = await self.add_all(request_id, prompts, params, lora, raw)
+        request_id = self.reply_id("cmpl", raw, req.request_id)  # (the reply's; the engine's are made apart)
+        streams = await self.add_all(random_id("cmpl"), prompts, params, lora, raw)
         if streams is None:
             return Response(status_code=499)  # the client went away while its request was prepared
         if req.stream:

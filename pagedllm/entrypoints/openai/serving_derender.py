@@ -14,6 +14,7 @@ reply in another output_mode, ``stream_state`` without ``stream``, logprobs that
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     OpenAIModel,
+    PromptLogprob,
     TokenIds,
 )
 from pagedllm.entrypoints.openai.serving import EVERY_LISTED, shown_logprobs
@@ -62,6 +64,13 @@ class LogprobsIn(OpenAIModel):
     content: list[LogprobsContentIn] | None = Field(default=None, max_length=1 << 20)
 
 
+class PromptLogprobIn(OpenAIModel):
+    model_config = {"extra": "ignore"}
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class DerenderChoice(OpenAIModel):
     """One choice of a generate reply (streamed: of one chunk): its token ids, how it ended and their logprobs
     (other keys of the reply are read by nothing)."""
@@ -83,6 +92,10 @@ class DerenderGenerateResponse(OpenAIModel):
     prompt_token_ids: TokenIds | None = None
     usage: dict[str, Any] | None = None
     output_mode: str = "tokens"
+    prompt_logprobs: list[dict[str, PromptLogprobIn] | None] | None = Field(default=None, max_length=1 << 20)
+    """Passed through, each null decoded_token filled as the engine decodes it."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Passed through."""
 
 
 class DerenderChatRequest(OpenAIModel):
@@ -217,9 +230,10 @@ def check_choice(choice: DerenderChoice, where: str, max_tokens: int, vocab: int
 
 def _check_logprobs(ids: list[int], content: list[LogprobsContentIn], where: str, vocab: int,
                     max_logprobs: int) -> None:
-    if len(content) != len(ids):
+    if len(content) > len(ids):
         raise ValidationError(f"{where}.logprobs.content has {len(content)} entries for {len(ids)} token_ids (one "
-                              f"per token)", param=f"{where}.logprobs.content", value=len(content))
+                              f"per token at most, from the first)", param=f"{where}.logprobs.content",
+                              value=len(content))
     for i, (token_id, entry) in enumerate(zip(ids, content)):
         at = f"{where}.logprobs.content[{i}]"
         if entry.token_id != token_id:
@@ -275,6 +289,27 @@ def logprob_entries(tokenizer: Any, logprobs: LogprobsIn | None) -> list[dict[in
     return entries
 
 
+def prompt_logprobs_of(tokenizer: Any, vocab: int, given: list[dict[str, PromptLogprobIn] | None] | None
+                       ) -> list[dict[int, PromptLogprob] | None] | None:
+    """A generate reply's prompt_logprobs passed through, each null decoded_token decoded (an id outside the
+    vocabulary: ""); keys that are not token ids are a 400 naming the field."""
+    if given is None:
+        return None
+    out: list[dict[int, PromptLogprob] | None] = []
+    for i, entry in enumerate(given):
+        if entry is None:
+            out.append(None)
+            continue
+        if any(not key.lstrip("-").isdigit() for key in entry):
+            raise ValidationError(f"generate_response.prompt_logprobs[{i}] has a key that is not a token id",
+                                  param=f"generate_response.prompt_logprobs[{i}]")
+        out.append({int(key): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token if
+                                            lp.decoded_token is not None else
+                                            tokenizer.decode([int(key)]) if 0 <= int(key) < vocab else "")
+                    for key, lp in entry.items()})
+    return out
+
+
 def _text(tokenizer: Any, eos_ids: tuple[int, ...], prompt_ids: list[int], params: SamplingParams,
           choice: DerenderChoice) -> str:
     """The text the coupled route gives for the choice's tokens: the same incremental detokenizer, fed them."""
@@ -313,6 +348,9 @@ def _check_whole(req: DerenderChatRequest | DerenderCompletionRequest, responses
             raise ValidationError(f"{where}.choices has {len(response.choices)} choices; the request asks for n={n}",
                                   param=f"{where}.choices", value=len(response.choices))
         for j, choice in enumerate(response.choices):
+            if not choice.token_ids:  # (as vLLM: a whole reply has tokens; a streamed chunk may have none)
+                raise ValidationError(f"{where}.choices[{j}].token_ids is empty",
+                                      param=f"{where}.choices[{j}].token_ids")
             check_choice(choice, f"{where}.choices[{j}]", max_len, vocab, limits.max_logprobs)
         if response.prompt_token_ids is not None and len(response.prompt_token_ids) > max_len:
             raise ValidationError(f"{where}.prompt_token_ids is longer than max_model_len ({max_len})",
@@ -355,8 +393,12 @@ async def derender_chat(chat: OpenAIServingChat, req: DerenderChatRequest) -> di
     completion = sum(len(c.token_ids) for c in response.choices)
     usage = chat.usage(prompt_tokens_of(req.prompt_tokens, response.usage), completion)
     shown_ids = prompt_ids if context.return_ids and not run.hide_reasoning else None
+    prompt_logprobs = await chat.engine.in_tokenizer_thread(
+        prompt_logprobs_of, chat.tokenizer, chat.engine.processor.vocab_size, response.prompt_logprobs)
     return ChatCompletionResponse(id=f"chatcmpl-{response.request_id or 'derender'}", model=context.model,
-                                  choices=choices, usage=usage, prompt_token_ids=shown_ids).model_dump()
+                                  choices=choices, usage=usage, prompt_token_ids=shown_ids,
+                                  prompt_logprobs=prompt_logprobs,
+                                  kv_transfer_params=response.kv_transfer_params).model_dump()
 
 
 async def derender_completion(completion: OpenAIServingCompletion, req: DerenderCompletionRequest) -> dict[str, Any]:
@@ -382,8 +424,11 @@ async def derender_completion(completion: OpenAIServingCompletion, req: Derender
                        for i, r in enumerate(responses))
     generated = sum(len(c.token_ids) for r in responses for c in r.choices)
     first = responses[0].request_id or "derender"
+    kv_params = {json.dumps(r.kv_transfer_params, sort_keys=True) for r in responses}
     return CompletionResponse(id=f"cmpl-{first}", model=context.model, choices=choices,
-                              usage=completion.usage(prompt_total, generated)).model_dump()
+                              usage=completion.usage(prompt_total, generated),  # (the replies' own, if they agree)
+                              kv_transfer_params=responses[0].kv_transfer_params if len(kv_params) == 1 else None
+                              ).model_dump()
 
 
 def _completion_choice(completion: OpenAIServingCompletion, context: CompletionContext, first_index: int,

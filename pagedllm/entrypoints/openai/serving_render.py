@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from starlette.requests import Request
+
 from pagedllm.entrypoints.openai.limits import check_count, check_request_tokens, check_samples
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, random_id
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.protocol_tokens import UNSUPPORTED_SAMPLING, TokensSamplingParams
 from pagedllm.entrypoints.openai.serving import counted_logprobs
 from pagedllm.errors import ValidationError
@@ -51,7 +53,8 @@ def generate_sampling(params: SamplingParams, max_tokens: int) -> dict[str, Any]
     return out
 
 
-async def render_chat(chat: OpenAIServingChat, req: ChatCompletionRequest) -> dict[str, Any]:
+async def render_chat(chat: OpenAIServingChat, req: ChatCompletionRequest, raw: Request | None = None
+                      ) -> dict[str, Any]:
     """The generate request of a chat completion request (vLLM's GenerateRequest): the prompt's token ids, the
     sampling params, ``reasoning_ended`` (null without a reasoning parser; false where the reply starts inside the
     reasoning) and vLLM's ``parse_context`` (what a derenderer would parse the reply with)."""
@@ -61,7 +64,7 @@ async def render_chat(chat: OpenAIServingChat, req: ChatCompletionRequest) -> di
     max_tokens = chat.engine.processor.check_length(len(prep.prompt_ids), params)  # (as the engine checks it)
     reasoning_ended = None if prep.reasoning is None else not params.grammar_after_reasoning
     return {
-        "request_id": random_id("chatcmpl"), "token_ids": prep.prompt_ids,
+        "request_id": chat.reply_id("chatcmpl", raw, req.request_id), "token_ids": prep.prompt_ids,
         "sampling_params": generate_sampling(params, max_tokens), "model": prep.model,
         "reasoning_ended": reasoning_ended, "stream": bool(req.stream),
         "stream_options": req.stream_options.model_dump() if req.stream and req.stream_options else None,
@@ -69,11 +72,13 @@ async def render_chat(chat: OpenAIServingChat, req: ChatCompletionRequest) -> di
         "parse_context": {
             "tools": req.tools, "tool_choice": req.tool_choice, "parallel_tool_calls": req.parallel_tool_calls,
             "include_reasoning": req.include_reasoning,
-            "return_tokens_as_token_ids": req.return_tokens_as_token_ids,
+            **({} if req.return_tokens_as_token_ids is None else  # (null: the server's default, left out as vLLM)
+               {"return_tokens_as_token_ids": req.return_tokens_as_token_ids}),
             "chat_template_kwargs": req.chat_template_kwargs or {}}}
 
 
-async def render_completion(completion: OpenAIServingCompletion, req: CompletionRequest) -> list[dict[str, Any]]:
+async def render_completion(completion: OpenAIServingCompletion, req: CompletionRequest,
+                            raw: Request | None = None) -> list[dict[str, Any]]:
     """The generate requests of a completion request, one per prompt (vLLM's list of GenerateRequest); ids
     ``cmpl-<id>``, with ``-<i>`` per prompt where there are several."""
     _refuse_unrendered(req)
@@ -99,7 +104,7 @@ async def render_completion(completion: OpenAIServingCompletion, req: Completion
     filled = [completion.engine.processor.check_length(n, params) for n in lengths]  # (as the engine checks it)
     check_request_tokens(completion.limits, completion.max_model_len, filled, req.n, req.stream,
                          counted_logprobs(req, req.logprobs), lengths, req.prompt_logprobs)
-    base = random_id("cmpl")
+    base = completion.reply_id("cmpl", raw, req.request_id)
     stream_options = req.stream_options.model_dump() if req.stream and req.stream_options else None
     return [{"request_id": base if len(prompts) == 1 else f"{base}-{i}", "token_ids": list(p["prompt_token_ids"]),
              "sampling_params": generate_sampling(params, max_tokens), "model": req.model, "stream": bool(req.stream),

@@ -329,8 +329,10 @@ def test_completion_derender_is_the_coupled_reply(scale_out: RemoteServer) -> No
 
 @pytest.mark.parametrize("change, param", [
     ({"stream_state": {}}, "stream_state"),  # (the streamed form's: stream true)
-    ({"generate_response": {"choices": [{"token_ids": [5], "logprobs": {"content": []}}]}},
-     "generate_response.choices[0].logprobs.content"),  # (one entry per token)
+    ({"generate_response": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"token_id": 5, "logprob": 0}]
+                                                                        * 2}}]}},
+     "generate_response.choices[0].logprobs.content"),  # (one entry per token at most)
+    ({"generate_response": {"choices": [{"token_ids": []}]}}, "generate_response.choices[0].token_ids"),
     ({"generate_response": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"token_id": 6, "logprob": 0}]}}]}},
      "generate_response.choices[0].logprobs.content[0].token_id"),
     ({"generate_response": {"choices": [{"token_ids": [1 << 30]}]}}, "generate_response.choices[0].token_ids"),
