@@ -236,6 +236,12 @@ class AsyncLLM(FrontRequests):
         await self._call("sleep", level, mode)
         await self._after_pause(mode)
 
+    async def release_kv_cache_memory(self) -> None:
+        """vLLM's: release the KV cache (what runs is aborted; new requests wait), the weights kept; wake_up with
+        ["kv_cache"] brings it back."""
+        await self._call("release_kv_cache_memory")
+        await self._after_pause("abort")
+
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back what sleep released (None: all); True once the engine is fully awake (and serving)."""
         return await self._call("wake_up", tags)

@@ -252,6 +252,10 @@ class EngineCore:
         """Pause, then release the KV pool (level 1) and the weights (level 2); the finishes "abort" made."""
         return self.lifecycle.sleep(level, mode)
 
+    def release_kv_cache_memory(self) -> list[EngineCoreOutput]:
+        """vLLM's: sleep level 1, only the KV cache asleep (the weights kept); the finishes the abort made."""
+        return self.lifecycle.release_kv_cache()
+
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back what sleep released (``tags``: "weights", "kv_cache"; None: all); True once fully awake."""
         return self.lifecycle.wake_up(tags)

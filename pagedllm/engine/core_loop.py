@@ -42,9 +42,9 @@ IDLE_POLL_S = 1.0
 PREPARE_POLL_S = 0.005
 """While a request is being prepared and nothing runs, the loop looks for its end this often."""
 CALLS = ("add_lora", "remove_lora", "list_loras", "kv_state", "rank_memory_usage", "get_stats", "pause", "resume",
-         "is_paused", "sleep", "wake_up", "is_sleeping", "collective_rpc")
+         "is_paused", "sleep", "release_kv_cache_memory", "wake_up", "is_sleeping", "collective_rpc")
 """What a front may call between steps (by name: nothing else can be run)."""
-PAUSING_CALLS = ("pause", "sleep")
+PAUSING_CALLS = ("pause", "sleep", "release_kv_cache_memory")
 """Calls answered once the pause they start completes (engine/lifecycle.py: "wait" drains the running requests
 first)."""
 KV_SAMPLE_INTERVAL_S = 1.0

@@ -491,7 +491,7 @@ class DPClient(AsyncCoreClient):
             result = [row for rows in ordered for row in rows]
         elif fan.method == "wake_up":  # fully awake: every replica
             result = all(ordered)
-        elif fan.method in ("pause", "resume", "sleep"):
+        elif fan.method in ("pause", "resume", "sleep", "release_kv_cache_memory"):
             result = None
         elif fan.method == "list_loras":
             result = sorted(set.intersection(*(set(r) for r in ordered)))

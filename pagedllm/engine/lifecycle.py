@@ -5,6 +5,7 @@ between rollouts), on the core's own state.
   the running ones finish first; "keep" freezes them where they are (no step runs) until ``resume``. After
   "abort" and "wait" a new request is refused (EnginePausedError: HTTP 503, retry after resume); after "keep"
   it waits. ``clear_cache`` empties the prefix cache once drained ("keep" ignores it, as vLLM).
+- ``release_kv_cache()``: sleep level 1 with only "kv_cache" asleep (vLLM's release_kv_cache_memory).
 - ``sleep(level, mode)``: a pause whose new requests wait (as vLLM's), then level 1 releases the KV pool and
   the prefix cache, level 2 the weights too (worker/sleep.py); kept requests recompute after waking.
   ``wake_up(tags)`` brings back "weights" and/or "kv_cache" (all when None) and resumes once nothing sleeps.
@@ -70,6 +71,8 @@ class Lifecycle:
         """A pause not completed yet: (clear the prefix cache, sleep level) to apply once nothing runs."""
         self.asleep: set[str] = set()
         """Tags released by sleep and not woken yet."""
+        self.kv_only = False
+        """The pending level-1 sleep is release_kv_cache's: only "kv_cache" falls asleep (the weights stay)."""
         self.level = 0
 
     # ------------------------------------------------------------------ state
@@ -131,7 +134,7 @@ class Lifecycle:
         if level >= 1:
             core.scheduler.drop_kv()  # nothing may point into the pool the workers release
             core.executor.collective_rpc("sleep", (level,))
-            self.asleep = set(SLEEP_TAGS)
+            self.asleep |= {"kv_cache"} if self.kv_only and level == 1 else set(SLEEP_TAGS)
             self.level = max(level, self.level)
             self.frozen = True
         elif clear:
@@ -155,7 +158,15 @@ class Lifecycle:
             raise ValidationError(f"sleep level {level} releases memory only in an engine started with "
                                   "enable_sleep_mode (--enable-sleep-mode); level 0 pauses scheduling",
                                   param="level", value=level)
+        self.kv_only = False
         return self.pause(mode, clear_cache=level >= 1, reject=None, level=level)
+
+    def release_kv_cache(self) -> list[EngineCoreOutput]:
+        """vLLM's release_kv_cache_memory: sleep level 1 (what runs is aborted), the KV cache alone asleep; the
+        weights were kept, so wake_up(["kv_cache"]) wakes the engine."""
+        outputs = self.sleep(1, "abort")
+        self.kv_only = self.draining is not None and self.draining[1] == 1
+        return outputs
 
     def wake_up(self, tags: list[str] | None) -> bool:
         """Bring back ``tags`` (None: all) and resume once nothing sleeps; whether the engine is fully awake."""

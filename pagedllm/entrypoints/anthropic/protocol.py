@@ -23,7 +23,9 @@ class AnthropicModel(BaseModel):
 
 
 class AnthropicMessage(AnthropicModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
+    """"system" (vLLM's extension; Anthropic takes only the top-level ``system``): its text joins the system
+    prompt, after ``system``'s."""
     content: str | list[dict[str, Any]]
     """A string, or blocks: text, tool_use (assistant), tool_result (user), thinking (ignored)."""
 

@@ -252,9 +252,13 @@ def _chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     blocks tool messages (before the user's text, as Anthropic orders them); thinking blocks are dropped, as
     chat templates drop earlier turns' thinking."""
     out: list[dict[str, Any]] = []
-    if req.system is not None:
-        out.append({"role": "system", "content": _text_of(req.system, "system")})
+    inline = [_text_of(m.content, f"messages[{i}].content") for i, m in enumerate(req.messages) if m.role == "system"]
+    if req.system is not None or inline:  # (inline system messages merge into it, as vLLM's: chat templates
+        # take a system message only first)
+        out.append({"role": "system", "content": "".join([_text_of(req.system or "", "system"), *inline])})
     for i, message in enumerate(req.messages):
+        if message.role == "system":
+            continue
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue

@@ -2,6 +2,8 @@
 PAGEDLLM_SERVER_DEV_MODE=1): the RL frameworks' controls of the engine between rollouts. Without the variable
 they do not exist (404), as in vLLM: /collective_rpc runs any method of the workers.
 
+- ``POST /release_kv_cache_memory`` -> {"status": "kv_cache_released"}: sleep level 1 (the KV cache released,
+  the weights kept), as vLLM's.
 - ``POST /sleep?level=0|1|2&mode=abort|wait|keep`` -> {"status": "sleeping", "level"}; levels 1 and 2 need
   --enable-sleep-mode. ``POST /wake_up[?tags=weights&tags=kv_cache]`` -> {"status": "awake"|"sleeping",
   "tags"}; ``GET /is_sleeping`` -> {"is_sleeping"}. Requests that arrive asleep wait for the wake-up.
@@ -93,6 +95,16 @@ async def sleep(raw: Request) -> JSONResponse:
     await raw.app.state.engine.sleep(level, mode)
     raw.app.state.metrics.record_sleep_state(True, level)
     return JSONResponse({"status": "sleeping", "level": level})
+
+
+@router.post("/release_kv_cache_memory")
+async def release_kv_cache_memory(raw: Request) -> JSONResponse:
+    """vLLM's: the KV cache's memory released, the weights kept (sleep level 1: what runs is aborted, new requests
+    wait); ``POST /wake_up?tags=kv_cache`` brings it back."""
+    _reset_connector(raw)
+    await raw.app.state.engine.release_kv_cache_memory()
+    raw.app.state.metrics.record_sleep_state(True, 1)
+    return JSONResponse({"status": "kv_cache_released"})
 
 
 @router.post("/wake_up")

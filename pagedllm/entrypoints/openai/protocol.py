@@ -71,6 +71,9 @@ class SamplingFields(OpenAIModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    return_token_offsets: StrictBool = False
+    """The render routes' (vLLM's): each prompt token's [start, end) characters in the prompt's text (chat: the
+    templated prompt's); a 400 on the routes that run a request."""
     request_id: str | None = Field(default=None, max_length=1024)
     """vLLM's: the reply's id is "<prefix>-<request_id>" (an X-Request-Id header wins); the engine's own ids stay
     the server's, so two clients' equal ids never collide."""

@@ -270,6 +270,13 @@ class OpenAIServing:
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
     @staticmethod
+    def check_runnable(req: SamplingFields) -> None:
+        """What only a render route takes, refused where a request runs (400 naming it)."""
+        if req.return_token_offsets:
+            raise ValidationError("return_token_offsets is for the render routes (/v1/chat/completions/render, "
+                                  "/v1/completions/render)", param="return_token_offsets", value=True)
+
+    @staticmethod
     def reply_id(prefix: str, raw: Request | None, asked: str | None) -> str:
         """A reply's id, as vLLM makes it: "<prefix>-" and the X-Request-Id header's id, else the request's own
         request_id, else a random one (the engine's request ids are made apart: see SamplingFields.request_id)."""

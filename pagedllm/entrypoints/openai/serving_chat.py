@@ -94,6 +94,7 @@ class OpenAIServingChat(OpenAIServing):
     async def start(self, req: ChatCompletionRequest, raw: Request) -> ChatRun | None:
         """Check the request, render its prompt and queue it (None: the client went away meanwhile). The one
         request path of chat completions, and of the Responses and Messages APIs mapped onto it."""
+        self.check_runnable(req)
         prep = await self.prepare(req)
         shown_id = self.reply_id("chatcmpl", raw, req.request_id)
         streams = await self.add_all(random_id("chatcmpl"), [{"prompt_token_ids": prep.prompt_ids,

@@ -46,7 +46,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of != req.n:
             raise ValidationError("best_of other than n is not supported", param="best_of", value=req.best_of)
         self.check_prompt_size(req.prompt, "prompt")
-        keep = self._kept_tokens(req.truncate_prompt_tokens)
+        self.check_runnable(req)
+        keep = self.kept_tokens(req.truncate_prompt_tokens)
         embedded = self._check_embeds(req)
         prompts = [] if req.prompt is None or req.prompt == "" else self.prompts_of(req.prompt)
         check_samples(len(embedded) + len(prompts), max(req.n or 1, req.best_of or 1), self.limits)
@@ -60,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self._check_waiting(embedded + prompts)  # (a full queue sheds it before it is tokenized)
         prompts = await self.tokenized(prompts)
         if keep is not None:
-            echoes = self._truncate(prompts, keep, req.truncation_side or "left", echoes if req.echo else None)
+            echoes = self.truncate(prompts, keep, req.truncation_side or "left", echoes if req.echo else None)
         # prompts given as embeddings first (their choices lead, as vLLM's), then the text and token-id ones
         prompts = await self._decoded_embeds(embedded) + prompts
         lengths = [p["prompt_embeds"].num_tokens if "prompt_embeds" in p else len(p["prompt_token_ids"])
@@ -144,7 +145,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                 length_penalty=req.length_penalty)
 
-    def _kept_tokens(self, tokens: int | None) -> int | None:
+    def kept_tokens(self, tokens: int | None) -> int | None:
         """truncate_prompt_tokens as the count each prompt keeps (None: no truncation): 1 to max_model_len, or -1
         for max_model_len - 1 (as vLLM: a token of the context is left for the reply)."""
         if tokens is None:
@@ -160,7 +161,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                             "a positive integer, or -1 for max_model_len - 1")
         return tokens
 
-    def _truncate(self, prompts: list[dict], keep: int, side: str, echoes: list[str] | None) -> list[str]:
+    def truncate(self, prompts: list[dict], keep: int, side: str, echoes: list[str] | None) -> list[str]:
         """Cut each tokenized prompt to its ``keep`` last ("left") or first ("right") tokens, in place; the echoed
         texts (``echoes``, None without echo) of the cut ones become their kept tokens' text."""
         shown = list(echoes) if echoes is not None else [""] * len(prompts)

@@ -63,12 +63,14 @@ async def render_chat(chat: OpenAIServingChat, req: ChatCompletionRequest, raw: 
     params = prep.params
     max_tokens = chat.engine.processor.check_length(len(prep.prompt_ids), params)  # (as the engine checks it)
     reasoning_ended = None if prep.reasoning is None else not params.grammar_after_reasoning
+    offsets = None if not req.return_token_offsets else await chat.engine.in_tokenizer_thread(
+        token_offsets, chat.tokenizer, prep.text, prep.prompt_ids, False)  # (in the templated prompt's text)
     return {
         "request_id": chat.reply_id("chatcmpl", raw, req.request_id), "token_ids": prep.prompt_ids,
         "sampling_params": generate_sampling(params, max_tokens), "model": prep.model,
         "reasoning_ended": reasoning_ended, "stream": bool(req.stream),
         "stream_options": req.stream_options.model_dump() if req.stream and req.stream_options else None,
-        "return_token_ids": req.return_token_ids,
+        "return_token_ids": req.return_token_ids, "token_offsets": offsets,
         "parse_context": {
             "tools": req.tools, "tool_choice": req.tool_choice, "parallel_tool_calls": req.parallel_tool_calls,
             "include_reasoning": req.include_reasoning,
@@ -84,10 +86,10 @@ async def render_completion(completion: OpenAIServingCompletion, req: Completion
     _refuse_unrendered(req)
     for name, value, why in (("echo", req.echo, "the reply starts with the prompt"),
                              ("suffix", req.suffix, "not supported"),
-                             ("prompt_embeds", req.prompt_embeds, "generate takes token ids"),
-                             ("truncate_prompt_tokens", req.truncate_prompt_tokens, "render the kept prompt")):
+                             ("prompt_embeds", req.prompt_embeds, "generate takes token ids")):
         if value not in (None, False, [], ""):
             raise ValidationError(f"{name} cannot be rendered ({why})", param=name, value=value)
+    keep = completion.kept_tokens(req.truncate_prompt_tokens)
     if req.best_of is not None and req.best_of != req.n:
         raise ValidationError("best_of other than n is not supported", param="best_of", value=req.best_of)
     completion.check_model(req.model)
@@ -98,6 +100,10 @@ async def render_completion(completion: OpenAIServingCompletion, req: Completion
     if req.prompt is None or req.prompt == "":
         raise ValidationError("prompt is required (and not empty)", param="prompt")
     prompts = await completion.tokenized(completion.prompts_of(req.prompt))
+    offsets = await _completion_offsets(completion, prompts) if req.return_token_offsets else [None] * len(prompts)
+    if keep is not None:  # (the kept tokens' offsets with them)
+        offsets = [_cut(o, keep, req.truncation_side or "left") if o is not None else None for o in offsets]
+        completion.truncate(prompts, keep, req.truncation_side or "left", None)
     check_samples(len(prompts), req.n or 1, completion.limits)
     params = completion.sampling_params(req, req.max_tokens, req.logprobs, req.stream, req.prompt_logprobs)
     lengths = [len(p["prompt_token_ids"]) for p in prompts]
@@ -108,8 +114,35 @@ async def render_completion(completion: OpenAIServingCompletion, req: Completion
     stream_options = req.stream_options.model_dump() if req.stream and req.stream_options else None
     return [{"request_id": base if len(prompts) == 1 else f"{base}-{i}", "token_ids": list(p["prompt_token_ids"]),
              "sampling_params": generate_sampling(params, max_tokens), "model": req.model, "stream": bool(req.stream),
-             "stream_options": stream_options, "return_token_ids": req.return_token_ids}
-            for i, (p, max_tokens) in enumerate(zip(prompts, filled))]
+             "stream_options": stream_options, "return_token_ids": req.return_token_ids, "token_offsets": o}
+            for i, (p, max_tokens, o) in enumerate(zip(prompts, filled, offsets))]
+
+
+def token_offsets(tokenizer: Any, text: str, ids: list[int], add_special_tokens: bool) -> list[list[int]] | None:
+    """Each of ``ids``' [start, end) characters in ``text`` (the tokenizer's offset mapping; a special token it
+    added: [0, 0]), where it tokenizes ``text`` to exactly ``ids``; None where it cannot say (a slow tokenizer)."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    except NotImplementedError:  # (transformers' slow tokenizers have no offset mapping)
+        return None
+    if list(encoded["input_ids"]) != list(ids):
+        return None
+    return [list(span) for span in encoded["offset_mapping"]]
+
+
+async def _completion_offsets(completion: OpenAIServingCompletion, prompts: list[dict[str, Any]]
+                              ) -> list[list[list[int]] | None]:
+    """return_token_offsets: each text prompt's token offsets in its text (a prompt of token ids has no text:
+    None), in the tokenizer thread."""
+    def work() -> list[list[list[int]] | None]:
+        return [None if p["prompt"] is None else
+                token_offsets(completion.tokenizer, p["prompt"], p["prompt_token_ids"], True) for p in prompts]
+
+    return await completion.engine.in_tokenizer_thread(work)
+
+
+def _cut(offsets: list[list[int]], keep: int, side: str) -> list[list[int]]:
+    return offsets if len(offsets) <= keep else offsets[-keep:] if side == "left" else offsets[:keep]
 
 
 def _refuse_unrendered(req: ChatCompletionRequest | CompletionRequest) -> None:

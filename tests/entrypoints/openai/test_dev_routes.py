@@ -80,7 +80,7 @@ def sleep_metric(srv: RemoteServer, state: str) -> float:
 
 
 def test_routes_exist_only_in_dev_mode(server: RemoteServer) -> None:
-    for path in ("/sleep", "/wake_up", "/pause", "/resume", "/collective_rpc"):
+    for path in ("/sleep", "/release_kv_cache_memory", "/wake_up", "/pause", "/resume", "/collective_rpc"):
         assert post(server, path).status_code == 404
     assert httpx.get(f"{server.url}/is_sleeping", timeout=10).status_code == 404
 
@@ -103,6 +103,13 @@ def test_sleep_frees_the_pool_and_requests_wait_for_the_wake_up(dev: RemoteServe
     thread.join(30)
     assert waiting and waiting[0].status_code == 200, waiting
     assert usage_of_rank0(dev)["kv_cache_bytes"] == kv and sleep_metric(dev, "awake") == 1
+
+    weights = usage_of_rank0(dev)["weights_bytes"]
+    assert post(dev, "/release_kv_cache_memory").json() == {"status": "kv_cache_released"}  # vLLM's level 1
+    assert get(dev, "/is_sleeping") == {"is_sleeping": True}
+    assert usage_of_rank0(dev)["kv_cache_bytes"] == 0 and usage_of_rank0(dev)["weights_bytes"] == weights
+    assert post(dev, "/wake_up", params={"tags": ["kv_cache"]}).json()["status"] == "awake"
+    assert complete(dev).status_code == 200
 
     assert post(dev, "/sleep", params={"level": "2"}).status_code == 200  # the weights go too
     assert usage_of_rank0(dev)["weights_bytes"] == 0

@@ -128,3 +128,42 @@ def test_derender_passes_prompt_logprobs_and_transfer_params_through(render_serv
     assert body["prompt_logprobs"][0] is None and body["prompt_logprobs"][2]["9999999"]["decoded_token"] == ""
     assert body["prompt_logprobs"][1]["400"]["decoded_token"]
     assert len(body["choices"][0]["logprobs"]["content"]) == 1
+
+
+def test_render_token_offsets(render_server: RemoteServer, full: Any) -> None:
+    """return_token_offsets (vLLM's): each prompt token's [start, end) in the prompt's text, cut with the tokens by
+    truncate_prompt_tokens; null without it; a 400 naming it on the routes that run a request."""
+    url = render_server.url
+    text = "The quick brown fox jumps over the lazy dog."
+    body = {"model": "tiny", "prompt": [text, "Hello, world."], "return_token_offsets": True}
+    for got, prompt in zip(httpx.post(url + "/v1/completions/render", json=body, timeout=30).json(), body["prompt"]):
+        spans = got["token_offsets"]
+        assert len(spans) == len(got["token_ids"]) and spans[-1][1] == len(prompt)
+        assert all(0 <= a <= b <= len(prompt) for a, b in spans)
+    cut = httpx.post(url + "/v1/completions/render", json={**body, "prompt": text, "truncate_prompt_tokens": 4,
+                                                            "truncation_side": "left"}, timeout=30).json()[0]
+    assert len(cut["token_ids"]) == len(cut["token_offsets"]) == 4
+    assert cut["token_offsets"][-1][1] == len(text) and cut["token_offsets"][0][0] > 0
+    chat = httpx.post(url + "/v1/chat/completions/render", json={"model": "tiny", "messages": ASK,
+                                                                 "return_token_offsets": True}, timeout=30).json()
+    assert len(chat["token_offsets"]) == len(chat["token_ids"])
+    plain = httpx.post(url + "/v1/chat/completions/render", json={"model": "tiny", "messages": ASK}, timeout=30)
+    assert plain.json()["token_offsets"] is None
+    for path, extra in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": text})):
+        r = full.post(path, json={"model": "tiny", "max_tokens": 2, "return_token_offsets": True, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "return_token_offsets", r.text
+
+
+def test_messages_render_merges_inline_system_messages(render_server: RemoteServer) -> None:
+    """A "system" message inside Messages' messages (vLLM's extension) joins the system prompt: the same prompt as
+    the request with it merged by hand."""
+    url, turns = render_server.url, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"}]
+    inline = httpx.post(url + "/v1/messages/render", json={
+        "model": "tiny", "max_tokens": 8, "system": "Be kind.",
+        "messages": [*turns, {"role": "system", "content": [{"type": "text", "text": " Be brief."}]},
+                     {"role": "user", "content": "2 + 2?"}]}, timeout=30)
+    merged = httpx.post(url + "/v1/messages/render", json={
+        "model": "tiny", "max_tokens": 8, "system": "Be kind. Be brief.",
+        "messages": [*turns, {"role": "user", "content": "2 + 2?"}]}, timeout=30)
+    assert inline.status_code == 200, inline.text
+    assert inline.json()["token_ids"] == merged.json()["token_ids"]
