@@ -269,7 +269,8 @@ def stop_params(params: SamplingParams, choice: DerenderChoice, eos_ids: tuple[i
 
 def logprob_entries(tokenizer: Any, logprobs: LogprobsIn | None) -> list[dict[int, Logprob]] | None:
     """Generate's logprobs (by token id) as the engine's: per position, token id -> Logprob with the token decoded
-    as the engine decodes it; a candidate without a rank is ranked by its logprob among those listed."""
+    as the engine decodes it; the candidates listed are the top_logprobs shown (a candidate without a rank is
+    ranked by its logprob among them)."""
     if logprobs is None or logprobs.content is None:
         return None
     decoded: dict[int, str] = {}
@@ -284,7 +285,8 @@ def logprob_entries(tokenizer: Any, logprobs: LogprobsIn | None) -> list[dict[in
         by_value = sorted({t.token_id: t.logprob for t in e.top_logprobs}.items(), key=lambda item: -item[1])
         order = {token_id: rank for rank, (token_id, _) in enumerate(by_value, 1)}
         entry = {t.token_id: Logprob(t.logprob, t.rank or order[t.token_id], text(t.token_id)) for t in e.top_logprobs}
-        entry.setdefault(e.token_id, Logprob(e.logprob, e.rank, text(e.token_id)))
+        # (the sampled token, when the candidates leave it out, is not one of the shown top_logprobs: no rank)
+        entry.setdefault(e.token_id, Logprob(e.logprob, None, text(e.token_id)))
         entries.append(entry)
     return entries
 
