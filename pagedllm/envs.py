@@ -158,8 +158,9 @@ SAGEMAKER_STATEFUL_SESSIONS: EnvVar[bool] = EnvVar(
         "--enable-sagemaker-sessions).")
 SERVER_DEV_MODE: EnvVar[bool] = EnvVar(
     name="PAGEDLLM_SERVER_DEV_MODE", default="0", parse=_true_or_false,
-    doc="1 or true: `pagedllm serve` adds vLLM's development routes: /sleep, /wake_up, /is_sleeping, /pause, "
-        "/resume, /is_paused and /collective_rpc (which runs any worker method: trusted networks only).")
+    doc="1 or true: `pagedllm serve` adds vLLM's development routes: /sleep, /release_kv_cache_memory, /wake_up, "
+        "/is_sleeping, /pause, /resume, /is_paused and /collective_rpc (which runs any worker method: trusted "
+        "networks only).")
 VLLM_SERVER_DEV_MODE: EnvVar[bool] = EnvVar(
     name="VLLM_SERVER_DEV_MODE", default="0", parse=_true_or_false,
     doc="vLLM's own variable, 1 or true: as PAGEDLLM_SERVER_DEV_MODE.")
