@@ -130,6 +130,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self._stack: CpuDecoderStack | None | bool = False  # False: not built yet (weights and caches come later)
 
+    def caches_bound(self) -> None:
+        """The KV caches were (re)allocated (start-up, a wake-up after sleep): the compiled stack, which holds their
+        addresses, is built again at the next forward (never one that writes into a freed pool)."""
+        self._stack = False
+
     @staticmethod
     def make_mlp(cfg: ArchConfig, dtype: torch.dtype, index: int) -> nn.Module | None:
         """Layer ``index``'s feed-forward block; None: the dense gated MLP (mixture-of-experts models override)."""

@@ -118,6 +118,13 @@ class ModelRunner:
             if num_host_blocks:
                 self.host_kv_caches.append(torch.zeros((shape[0], num_host_blocks, *shape[2:]), dtype=dtype,
                                                        pin_memory=pinned))
+        for module in self._with_caches():  # (what kept the old pools' addresses lets them go)
+            module.caches_bound()
+
+    def _with_caches(self) -> list[nn.Module]:
+        """The modules that hold the KV pools' addresses (models/llama.py's compiled stack), told when they change."""
+        models = [self.model, *self.speculator.models()] if self.speculator is not None else [self.model]
+        return [m for model in models for m in model.modules() if callable(getattr(m, "caches_bound", None))]
 
     def _attention_layers(self) -> list[Attention]:
         """Every attention layer with a KV tensor: the model's, then a draft model's (same block ids)."""

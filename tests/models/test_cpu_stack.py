@@ -79,3 +79,23 @@ def test_stack_with_weights_on_amx_tiles(models: dict[str, Path], variant: str) 
     stack.run = lambda hidden, positions: served.append(hidden.shape[0]) or run(hidden, positions)
     assert_stack_equals_the_layers(llm)
     assert served and max(served) <= 32, served  # the decodes ran in the stack, the 60-row prefill did not
+
+
+def test_the_stack_follows_the_pools_through_sleep_and_wake(kernels, models: dict[str, Path]) -> None:
+    """A wake-up after sleep allocates new KV pools: the stack (which holds the pools' addresses) is built again
+    for them, never left writing into the freed ones; the same tokens as before the sleep."""
+    import torch
+
+    llm = LLM(str(models["llama-gqa-untied"]), dtype="bfloat16", num_kv_blocks=64, enable_sleep_mode=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    before = llm.generate(["Hello there, how are"], params, use_tqdm=False)[0].outputs[0].token_ids
+    model = model_of(llm).model
+    assert model._stack, "the stack served"
+    llm.sleep(1)
+    taken = [torch.ones(n) for n in (1024, 4096, 16384, 65536, 262144) for _ in range(200)]  # the freed memory
+    llm.wake_up()
+    after = llm.generate(["Hello there, how are"], params, use_tqdm=False)[0].outputs[0].token_ids
+    pool = model.layers[0].self_attn.attn.kv_cache
+    assert model._stack and model._stack.plan.layer[0].k_cache == pool[0].data_ptr()
+    assert after == before and all(t.eq(1).all() for t in taken)  # (nothing wrote into what the pools had)
+    llm.shutdown()
