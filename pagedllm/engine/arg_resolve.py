@@ -189,7 +189,8 @@ def check_prompt_embeds(arch: ArchConfig, runner: str, speculative: SpeculativeC
                               "prompt's token ids)", param="enable_prompt_embeds", value=True)
     if not getattr(get_model_class(arch), "supports_prompt_embeds", False):
         raise ValidationError(f"enable_prompt_embeds: {arch.architecture} does not take prompt embeddings (the "
-                              "Llama-family models do: pagedllm models)", param="enable_prompt_embeds", value=True)
+                              "Llama-family models, GPT-2 and OPT do: pagedllm models)", param="enable_prompt_embeds",
+                              value=True)
 
 
 def check_flag(name: str, value: object) -> bool:

@@ -85,7 +85,7 @@ def _request_factory(config: EngineConfig, arch: ArchConfig, tokenizer: Any, eos
                                  config.structured_outputs)
     return RequestFactory(tokenizer, config.model.max_model_len, arch.vocab_size, eos, grammars,
                           max_logprobs=config.model.max_logprobs,
-                          embeds_hidden_size=arch.hidden_size if config.model.enable_prompt_embeds else None)
+                          embeds_hidden_size=arch.embeds_width if config.model.enable_prompt_embeds else None)
 
 
 def _scheduler(config: EngineConfig, arch: ArchConfig, num_kv_blocks: int, num_host_blocks: int) -> Scheduler:
@@ -105,6 +105,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, arch: ArchConfig, tokenizer: Any) -> None:
         self.config = config
         self.hidden_size = arch.hidden_size
+        self.embeds_width = arch.embeds_width
         self.last_step_features: list[float] = []
         """Scheduler.step_features of the last step (the step-time log of `pagedllm serve --step-log`)."""
         eos = load_eos_token_ids(config.model.model, arch, tokenizer)
@@ -342,7 +343,7 @@ class EngineCore:
         """What a front needs to know of this core once it is loaded."""
         return CoreReady(version=PROTOCOL_VERSION, config=self.config, vocab_size=self.request_factory.vocab_size,
                          eos_token_ids=list(self.request_factory.eos_token_ids), num_kv_blocks=self.num_kv_blocks,
-                         stats=self.get_stats(), hidden_size=self.hidden_size)
+                         stats=self.get_stats(), hidden_size=self.embeds_width)
 
     def shutdown(self) -> None:
         """Stop the executor's workers (processes, Ray actors); idempotent. What start-up froze goes back to the

@@ -25,7 +25,7 @@ class RenderOnlyClient(AsyncCoreClient):
         eos = load_eos_token_ids(config.model.model, arch, self.tokenizer)
         self.ready = CoreReady(version=PROTOCOL_VERSION, config=config, vocab_size=arch.vocab_size,
                                eos_token_ids=list(eos), num_kv_blocks=0,
-                               stats=EngineStats(block_size=config.cache.block_size), hidden_size=arch.hidden_size)
+                               stats=EngineStats(block_size=config.cache.block_size), hidden_size=arch.embeds_width)
         self._started = self._closed = False
 
     def start(self, on_message: Callable[[CoreMessage], None],

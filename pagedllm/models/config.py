@@ -89,6 +89,11 @@ class ArchConfig:
     """ModernBERT classifiers: the head's activation."""
 
     @property
+    def embeds_width(self) -> int:
+        """The width of the token embeddings a prompt given as embeddings has (OPT's word_embed_proj_dim)."""
+        return self.word_embed_proj_dim or self.hidden_size
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

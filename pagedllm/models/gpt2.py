@@ -79,13 +79,22 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
         self.lm_head.tie(self.transformer.wte)  # always tied in GPT-2
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(tokens,) ids and positions -> (tokens, hidden)."""
+    supports_prompt_embeds = True
+    """forward takes ``inputs_embeds`` (a prompt given as embeddings, enable_prompt_embeds)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """(tokens,) ids and positions -> (tokens, hidden); ``inputs_embeds`` (tokens, hidden): the token embeddings
+        instead of the ids' (the position embeddings are added to them all the same, as transformers' GPT-2)."""
         t = self.transformer
-        hidden = t.wte(input_ids) + t.wpe(positions)
+        hidden = (t.wte(input_ids) if inputs_embeds is None else inputs_embeds) + t.wpe(positions)
         for block in t.h:
             hidden = block(hidden)
         return t.ln_f(hidden)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(tokens,) ids -> (tokens, hidden): the token embeddings (wte), the space a prompt's own are given in."""
+        return self.transformer.wte(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """(rows, hidden) -> (rows, vocab) float32 (in the model's dtype with ``keep_dtype``)."""

@@ -61,8 +61,9 @@ class OPTDecoder(nn.Module):
         if cfg.final_norm:
             self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if hasattr(self, "project_in"):
             hidden = self.project_in(hidden)
         hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
@@ -84,9 +85,19 @@ class OPTForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.word_embed_proj_dim or cfg.hidden_size, dtype)
         self.lm_head.tie(self.model.decoder.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(tokens,) ids and positions -> (tokens, hidden)."""
-        return self.model.decoder(input_ids, positions)
+    supports_prompt_embeds = True
+    """forward takes ``inputs_embeds`` (a prompt given as embeddings, enable_prompt_embeds)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """(tokens,) ids and positions -> (tokens, hidden); ``inputs_embeds`` (tokens, word_embed_proj_dim or
+        hidden): the token embeddings instead of the ids' (projected in and given position embeddings all the same,
+        as transformers' OPT)."""
+        return self.model.decoder(input_ids, positions, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(tokens,) ids -> the token embeddings (embed_tokens, before project_in): a prompt's own are given so."""
+        return self.model.decoder.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """(rows, hidden) -> (rows, vocab) float32 (in the model's dtype with ``keep_dtype``)."""

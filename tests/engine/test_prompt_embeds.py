@@ -148,3 +148,24 @@ def test_the_option_is_refused_where_it_cannot_work(make_llm: Any) -> None:
     with pytest.raises(ValidationError, match="speculative_config") as e:
         make_llm(enable_prompt_embeds=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert e.value.param == "enable_prompt_embeds"
+
+
+@pytest.mark.parametrize("variant, table", [("gpt2", "transformer.wte.weight"),
+                                            ("opt-350m-style", "model.decoder.embed_tokens.weight")])
+def test_models_with_position_embeddings_take_prompt_embeds(tiny_model: Any, variant: str, table: str) -> None:
+    """GPT-2 and OPT (vLLM's prompt-embeds test model): the token embeddings of some ids (OPT-350m's before its
+    projection in, of word_embed_proj_dim) generate what the ids do; the positions' own embeddings are added to them
+    as to the ids'."""
+    from pagedllm import LLM
+
+    folder = tiny_model(variant)
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, enable_prompt_embeds=True)
+    ids = [(i * 37 + 11) % 400 + 5 for i in range(20)]
+    embeds = load_file(str(folder / "model.safetensors"))[table][torch.tensor(ids)].float()
+    if variant.startswith("opt"):
+        assert embeds.shape[1] == 32  # (word_embed_proj_dim, not hidden_size)
+    [want, got] = llm.generate([{"prompt_token_ids": ids}, {"prompt_embeds": embeds}], GREEDY, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValidationError, match="prompt_embeds"):  # the hidden width where the embeddings' is asked
+        llm.generate({"prompt_embeds": torch.zeros(4, embeds.shape[1] + 1)}, GREEDY, use_tqdm=False)
+    llm.shutdown()
