@@ -7,13 +7,34 @@ whole with its calls (they are known only then; finish_reason "tool_calls" when 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from pagedllm.entrypoints.openai.protocol import ChatStreamChoice, DeltaMessage, ToolCall
+from pagedllm.entrypoints.openai.protocol import (
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    ToolCall,
+)
 from pagedllm.outputs import CompletionOutput
 
-if TYPE_CHECKING:
-    from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
+
+class ChatFormatter(Protocol):
+    """What of the chat route the deltas use (OpenAIServingChat; a protocol: the route imports this module)."""
+
+    def message_of(self, text: str, finish_reason: str | None, tools: Any, reasoning: Any = None
+                   ) -> tuple[ChatResponseMessage, str | None]: ...
+
+    def logprobs_of(self, c: CompletionOutput, top_n: int | None, as_ids: bool = False) -> ChatLogprobs | None: ...
+
+
+class ChatRunView(Protocol):
+    """What of a request's ChatRun (serving_chat.py) the deltas read."""
+
+    tools: Any
+    reasoning: Any
+    logprobs: int | None
+    as_ids: bool
 
 
 class ChoiceDeltas:
@@ -21,7 +42,7 @@ class ChoiceDeltas:
     (the chat route's own stream); else each delta carries its own, and a held one is sent as an empty delta (the
     derender routes: a client maps each generate chunk to one delta)."""
 
-    def __init__(self, chat: OpenAIServingChat, run: ChatRun, hold_ids: bool) -> None:
+    def __init__(self, chat: ChatFormatter, run: ChatRunView, hold_ids: bool) -> None:
         self.chat, self.run, self.hold_ids = chat, run, hold_ids
         self.text = ""
         """The reply so far (tool calling sends it whole)."""
