@@ -88,8 +88,8 @@ class GenerateChunk(OpenAIModel):
     output_mode: str = "tokens"
 
 
-class DerenderChatStreamRequest(OpenAIModel):
-    """POST /v1/chat/completions/derender with stream: true (vLLM's DerenderChatStreamRequest)."""
+class _StreamedDerender(OpenAIModel):
+    """What both streamed derender requests carry: one generate chunk, the last call's state, the prompt."""
 
     stream: Literal[True]
     model: str | None = None
@@ -97,19 +97,18 @@ class DerenderChatStreamRequest(OpenAIModel):
     stream_state: DerenderStreamState | None = None
     prompt_tokens: int | None = Field(default=None, ge=0)
     prompt_token_ids: TokenIds | None = None
-    """Needed on a server with a reasoning or tool parser (whether the prompt left the reasoning open)."""
+    """Needed on a chat server with a reasoning or tool parser (whether the prompt left the reasoning open)."""
+
+
+class DerenderChatStreamRequest(_StreamedDerender):
+    """POST /v1/chat/completions/derender with stream: true (vLLM's DerenderChatStreamRequest)."""
+
     chat_request: dict[str, Any] | None = None
 
 
-class DerenderCompletionStreamRequest(OpenAIModel):
+class DerenderCompletionStreamRequest(_StreamedDerender):
     """POST /v1/completions/derender with stream: true (vLLM's DerenderCompletionStreamRequest)."""
 
-    stream: Literal[True]
-    model: str | None = None
-    generate_chunk: GenerateChunk
-    stream_state: DerenderStreamState | None = None
-    prompt_tokens: int | None = Field(default=None, ge=0)
-    prompt_token_ids: TokenIds | None = None
     completion_request: dict[str, Any] | None = None
 
 
