@@ -40,10 +40,12 @@ from pagedllm.entrypoints.openai.chat_options import template_options
 from pagedllm.entrypoints.openai.deploy import (
     ANSWERING_ROUTE,
     DeployOptions,
+    RequestIdMiddleware,
     add_deploy_args,
     attach_deploy,
     deploy_options,
     sagemaker_lora_router,
+    tokenizer_info_router,
 )
 from pagedllm.entrypoints.openai.derender_stream import (
     STREAMED,
@@ -705,7 +707,7 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, served_model_names: list
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan)
     _set_state(app, engine, limits, metrics, models, servings, store, cohere)
     if render_only:
-        _include_render_routes(app, api_keys)
+        _include_render_routes(app, api_keys, deploy)
     else:
         _include_routes(app, servings.tokens, api_keys, allow_runtime_lora_updating=allow_runtime_lora_updating,
                         enable_scale_out=enable_scale_out, tokens_only=tokens_only, deploy=deploy)
@@ -717,13 +719,21 @@ RENDER_SERVER_PATHS = frozenset({"/health", "/ping", "/version", "/v1/models", "
 engine."""
 
 
-def _include_render_routes(app: FastAPI, api_keys: list[str]) -> None:
+def _include_render_routes(app: FastAPI, api_keys: list[str], deploy: DeployOptions | None) -> None:
     """A render-only server's routes (vLLM's `launch render`): health, models, tokenizer, render and derender;
-    every generation route is absent (404)."""
+    every generation route is absent (404). Of the deployment flags: --root-path, --enable-request-id-headers,
+    --enable-tokenizer-info-endpoint (run_render_server refuses the others)."""
     app.router.routes.extend(r for r in router.routes if isinstance(r, APIRoute) and r.path in RENDER_SERVER_PATHS)
     app.include_router(render_router)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    deploy = deploy or DeployOptions()
+    if deploy.enable_tokenizer_info_endpoint:
+        app.include_router(tokenizer_info_router)
+    if deploy.root_path:
+        app.root_path = deploy.root_path
+    if deploy.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)  # (after the key check: a refused request carries its id too)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
 
@@ -1010,6 +1020,13 @@ def run_render_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     configuration and tokenizer only: no weights, no KV cache) until SIGINT/SIGTERM; returns the exit status."""
     from pagedllm.engine.render_client import RenderOnlyClient
 
+    for flag, value in (("lora_modules", ns.lora_modules), ("allow_runtime_lora_updating",
+                                                             ns.allow_runtime_lora_updating),
+                        ("enable_sagemaker_sessions", ns.enable_sagemaker_sessions),
+                        ("enable_server_load_tracking", ns.enable_server_load_tracking)):
+        if value:  # (what needs an engine or a generation route: refused, not silently dropped)
+            raise ValidationError(f"--{flag.replace('_', '-')} is not served by a render-only server "
+                                  "(pagedllm launch render): it runs no engine", param=flag)
     setup = server_setup(ns, engine_args)
     engine = AsyncLLM(RenderOnlyClient(engine_args))
     app = app_from_args(ns, engine, ServerMetrics(setup.names[0]), setup, render_only=True)

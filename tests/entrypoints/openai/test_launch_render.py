@@ -167,3 +167,14 @@ def test_messages_render_merges_inline_system_messages(render_server: RemoteServ
         "messages": [*turns, {"role": "user", "content": "2 + 2?"}]}, timeout=30)
     assert inline.status_code == 200, inline.text
     assert inline.json()["token_ids"] == merged.json()["token_ids"]
+
+
+def test_flags_a_render_server_cannot_serve_are_refused(tiny_llm_dir: Path) -> None:
+    """What needs an engine or a generation route is refused at start-up naming the flag, never dropped."""
+    import subprocess
+    import sys
+
+    for flag in ("--enable-server-load-tracking", "--allow-runtime-lora-updating"):
+        done = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "launch", "render", str(tiny_llm_dir),
+                               flag], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and flag in done.stderr and "render-only" in done.stderr, done.stderr
