@@ -448,14 +448,16 @@ class DeltaMessage(BaseModel):
         return _with_both_reasoning_names(handler(self))
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_OmitsNoneKeys):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    """With return_token_ids: the token ids this chunk adds."""
+    """With return_token_ids: the token ids this chunk adds; no key otherwise, nor in the role's first chunk (as
+    vLLM's, whose SDK clients test for the key)."""
+    _omitted_if_none: ClassVar[tuple[str, ...]] = ("token_ids",)
 
 
 class ChatCompletionStreamResponse(_OmitsNoneKeys):
