@@ -17,7 +17,10 @@ PROMPT_CONTEXT_TOKENS = 5
 
 @functools.lru_cache(maxsize=8)
 def _special_ids(tokenizer: Any) -> frozenset[int]:
-    return frozenset(tokenizer.all_special_ids)
+    """The ids skip_special_tokens leaves out: the named special tokens and every added token marked special
+    (SmolLM2's <file_sep>, <repo_name> ... are not in all_special_ids, yet decode to nothing)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
 
 
 class IncrementalDetokenizer:

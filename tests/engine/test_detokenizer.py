@@ -79,6 +79,12 @@ def test_skipped_special_tokens_never_grow_the_decode_window(tokenizer: Any) -> 
     shown = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), SamplingParams(skip_special_tokens=False))
     shown.update([tokenizer.eos_token_id], stopped_by_token=False)
     assert shown.output_text == tokenizer.eos_token
+    # added tokens marked special but not in all_special_ids (SmolLM2's <file_sep>): skipped alike, no window growth
+    file_sep = tokenizer.convert_tokens_to_ids("<file_sep>")
+    assert file_sep not in tokenizer.all_special_ids and tokenizer.decode([file_sep], skip_special_tokens=True) == ""
+    run = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), SamplingParams())
+    run.update(hello + [file_sep] * 300 + tokenizer.encode(" world"), stopped_by_token=False)
+    assert run.output_text == " hello world" and len(run.carried()[0]) < 20
 
 
 def test_a_reply_cut_inside_a_character_ends_with_the_last_whole_one(tokenizer: Any) -> None:
