@@ -357,6 +357,20 @@ def _check_whole(req: DerenderChatRequest | DerenderCompletionRequest, responses
         if response.prompt_token_ids is not None and len(response.prompt_token_ids) > max_len:
             raise ValidationError(f"{where}.prompt_token_ids is longer than max_model_len ({max_len})",
                                   param=f"{where}.prompt_token_ids", value=len(response.prompt_token_ids))
+        _check_prompt_logprobs(response.prompt_logprobs or [], f"{where}.prompt_logprobs", max_len,
+                               limits.max_logprobs)
+
+
+def _check_prompt_logprobs(entries: list[dict | None], where: str, max_len: int, max_logprobs: int) -> None:
+    """Passed-through prompt_logprobs bounded as the engine would make them (each entry decoded): one per prompt
+    position, each the prompt token and at most max_logprobs others."""
+    if len(entries) > max_len:
+        raise ValidationError(f"{where} has {len(entries)} entries, more than max_model_len ({max_len})",
+                              param=where, value=len(entries))
+    for i, entry in enumerate(entries):
+        if entry is not None and len(entry) > 1 + max_logprobs:
+            raise ValidationError(f"{where}[{i}] has {len(entry)} entries, more than the prompt token and "
+                                  f"max_logprobs ({max_logprobs})", param=f"{where}[{i}]", value=len(entry))
 
 
 def check_prompt_ids(given: list[list[int] | None], max_model_len: int, field: str) -> None:

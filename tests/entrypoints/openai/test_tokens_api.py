@@ -333,6 +333,11 @@ def test_completion_derender_is_the_coupled_reply(scale_out: RemoteServer) -> No
                                                                         * 2}}]}},
      "generate_response.choices[0].logprobs.content"),  # (one entry per token at most)
     ({"generate_response": {"choices": [{"token_ids": []}]}}, "generate_response.choices[0].token_ids"),
+    # passed-through prompt_logprobs bounded as the engine makes them (each key is decoded)
+    ({"generate_response": {"choices": [{"token_ids": [5]}], "prompt_logprobs": [None] * 257}},
+     "generate_response.prompt_logprobs"),
+    ({"generate_response": {"choices": [{"token_ids": [5]}], "prompt_logprobs": [
+        {str(i): {"logprob": -1.0} for i in range(30)}]}}, "generate_response.prompt_logprobs[0]"),
     ({"generate_response": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"token_id": 6, "logprob": 0}]}}]}},
      "generate_response.choices[0].logprobs.content[0].token_id"),
     ({"generate_response": {"choices": [{"token_ids": [1 << 30]}]}}, "generate_response.choices[0].token_ids"),
