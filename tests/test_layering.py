@@ -156,8 +156,9 @@ def test_one_class_runs_the_step_loop_and_both_server_modes_use_it() -> None:
 
 
 def test_only_the_platform_layer_tests_for_cuda() -> None:
-    """CPU-or-GPU is the platform layer's answer (``platform.is_cuda``): no module elsewhere compares a device
-    with "cuda" (making a device, ``torch.device("cuda", rank)``, is not a test of one)."""
+    """CPU-or-GPU is the platform layer's answer (``platform.is_cuda``, ``platform.is_cpu``): no module elsewhere
+    compares a device with "cuda" or "cpu" (making a device, ``torch.device("cuda", rank)``, is not a test of one;
+    a tuple of allowed option values is not either)."""
     found = []
     for module, path in _modules():
         if _in_package(module, "pagedllm.platform"):
@@ -166,9 +167,28 @@ def test_only_the_platform_layer_tests_for_cuda() -> None:
             if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
                                                      for op in node.ops):
                 operands = [node.left, *node.comparators]
-                if any(isinstance(o, ast.Constant) and o.value == "cuda" for o in operands):
+                if any(isinstance(o, ast.Constant) and o.value in ("cuda", "cpu") for o in operands):
                     found.append(f"{path}:{node.lineno}")
-    assert not found, "compare devices through platform.is_cuda:\n" + "\n".join(found)
+    assert not found, "compare devices through platform.is_cuda / is_cpu:\n" + "\n".join(found)
+
+
+def test_the_gemm_choice_has_one_home() -> None:
+    """Which GEMM a bf16 weight runs (PAGEDLLM_GEMM, the amx level) is ``platform.bf16_gemm``'s answer alone: no
+    module outside the platform layer reads the switch or compares the level with "amx" (the kernel library of
+    a level, layers/cpu_ops.py ``_kernels``, is told its level, not asked for the process's)."""
+    found = []
+    for module, path in _modules():
+        if _in_package(module, "pagedllm.platform"):
+            continue
+        text = path.read_text()
+        if ".gemm ==" in text or ".gemm !=" in text or "switches().gemm" in text:
+            found.append(f"{path}: reads PAGEDLLM_GEMM")
+        for node in ast.walk(ast.parse(text)):
+            asked = isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) and \
+                getattr(node.left.func, "attr", getattr(node.left.func, "id", None)) in ("active_level", "isa_level")
+            if asked and any(isinstance(o, ast.Constant) and o.value == "amx" for o in node.comparators):
+                found.append(f"{path}:{node.lineno}: asks the level")
+    assert not found, "ask platform.bf16_gemm:\n" + "\n".join(found)
 
 
 def test_tests_and_benchmarks_reach_workers_through_collective_rpc() -> None:

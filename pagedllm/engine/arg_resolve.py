@@ -101,7 +101,7 @@ def model_config(args: EngineOptions, path: str, arch: ArchConfig, device: str, 
 def quantization_of(args: EngineOptions, path: str, arch: ArchConfig, device: str) -> str | None:
     """quantization "auto": a GGUF file's quantized matrices stay so where the kernels run them."""
     if args.quantization == "auto":
-        keep = (device == "cpu" and args.load_format == "auto" and cpu_ops.active() is not None
+        keep = (args.load_format == "auto" and cpu_ops.kernels_for(device) is not None  # the layers' own answer
                 and quantized_formats(path, arch))
         return "gguf" if keep else None
     if args.quantization is not None and platform.is_cuda(device):

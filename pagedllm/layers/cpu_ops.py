@@ -146,7 +146,7 @@ class CpuKernels:
 
     def gemm_suits(self, weight: torch.Tensor) -> bool:
         """True for a 2-D CPU weight whose shape and dtype the GEMM packs."""
-        if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in DTYPE_CODES:
+        if weight.dim() != 2 or not platform.is_cpu(weight.device) or weight.dtype not in DTYPE_CODES:
             return False
         layout = self._layouts[weight.dtype]
         out_features, in_features = weight.shape
@@ -433,11 +433,11 @@ def torch_ops_only() -> Iterator[None]:
         _torch_only = before
 
 
-def kernels_for(device: torch.device, dtype: torch.dtype | None = None) -> CpuKernels | None:
+def kernels_for(device: torch.device | str, dtype: torch.dtype | None = None) -> CpuKernels | None:
     """The kernels a layer on ``device`` running ``dtype`` (None: any of DTYPE_CODES) binds: the active level's
     where ``device`` is the CPU, the kernels exist and are on (PAGEDLLM_FUSED_OPS), outside ``torch_ops_only``;
     else None (its torch expressions serve). Asked once per layer, when the model loads (layers/custom_op.py)."""
-    if _torch_only or device.type != "cpu" or (dtype is not None and dtype not in DTYPE_CODES):
+    if _torch_only or not platform.is_cpu(device) or (dtype is not None and dtype not in DTYPE_CODES):
         return None
     if not platform.switches().fused_ops:
         return None

@@ -63,8 +63,7 @@ def _own_gemm(weight: torch.Tensor) -> CpuKernels | None:
     ops = fused_ops(weight)
     if ops is None or not ops.gemm_suits(weight):
         return None
-    if weight.dtype == torch.bfloat16 and _onednn_available() and (
-            platform.switches().gemm == "onednn" or platform.active_level() == "amx"):
+    if weight.dtype == torch.bfloat16 and _onednn_available() and platform.bf16_gemm() != "ours":
         return None  # AMX tiles (or an A/B run) for bf16
     return ops
 
@@ -73,7 +72,7 @@ def _amx_gemm(weight: torch.Tensor) -> CpuKernels | None:
     """The "amx" level's kernels for a bf16 weight whose shape their AMX GEMM takes (K a multiple of 32, N of 16),
     else None (also with PAGEDLLM_GEMM=onednn)."""
     ops = fused_ops(weight)
-    if ops is None or not ops.amx or weight.dtype != torch.bfloat16 or platform.switches().gemm == "onednn":
+    if ops is None or not ops.amx or weight.dtype != torch.bfloat16 or platform.bf16_gemm() != "amx":
         return None
     return ops if amx_takes(*weight.shape) else None
 
@@ -85,7 +84,7 @@ def amx_takes(rows: int, cols: int) -> bool:
 
 def can_prepack(weight: torch.Tensor) -> bool:
     """True for a 2-D CPU weight one of the packers takes."""
-    if weight.device.type != "cpu" or weight.dim() != 2:
+    if not platform.is_cpu(weight.device) or weight.dim() != 2:
         return False
     return (_own_gemm(weight) is not None or _amx_gemm(weight) is not None
             or (weight.dtype == torch.bfloat16 and _onednn_available()))

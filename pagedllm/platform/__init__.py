@@ -32,9 +32,9 @@ from pagedllm.errors import ValidationError
 from pagedllm.platform import build
 from pagedllm.platform.cpu import ISA_ENV, LEVELS, CpuInfo, check_level, cpu_info, is_forced, isa_level, native_bf16
 
-__all__ = ["ISA_ENV", "LEVELS", "CpuInfo", "KernelLibrary", "Switches", "active_level", "check_level", "cpu_info",
-           "default_dtype", "describe", "is_cuda", "is_forced", "isa_level", "kernel_library", "native_bf16",
-           "resolve_device", "switches", "use_level"]
+__all__ = ["ISA_ENV", "LEVELS", "CpuInfo", "KernelLibrary", "Switches", "active_level", "bf16_gemm", "check_level",
+           "cpu_info", "default_dtype", "describe", "is_cpu", "is_cuda", "is_forced", "isa_level", "kernel_library",
+           "native_bf16", "resolve_device", "switches", "use_level"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,22 @@ def is_cuda(device: object) -> bool:
     """Whether ``device`` (a resolved device name, or a ``torch.device``) is a CUDA GPU: the one test of it
     outside this module's own (tests/test_layering.py)."""
     return getattr(device, "type", device) == "cuda"
+
+
+def is_cpu(device: object) -> bool:
+    """Whether ``device`` (a resolved device name, or a ``torch.device``) is the CPU: the one test of it outside this
+    module's own (tests/test_layering.py)."""
+    return getattr(device, "type", device) == "cpu"
+
+
+def bf16_gemm() -> str:
+    """Who multiplies a bf16 weight at the active level, the one reading of PAGEDLLM_GEMM (layers/prepack.py and
+    the memory plan ask it): "onednn" (oneDNN's packed matmul for every bf16 weight: PAGEDLLM_GEMM=onednn), "amx"
+    (the amx level: our AMX GEMM over the plain weight at few rows where its shape suits, oneDNN's otherwise) or
+    "ours" (our packed GEMM). oneDNN is asked only where torch has it (layers/prepack.py)."""
+    if switches().gemm == "onednn":
+        return "onednn"
+    return "amx" if active_level() == "amx" else "ours"
 
 
 def kernel_library(level: str | None = None) -> KernelLibrary | None:

@@ -14,6 +14,7 @@ import time
 import torch
 from torch import nn
 
+from pagedllm import platform
 from pagedllm.attention import kv_quant
 from pagedllm.config import DEFAULT_KV_CAP, CacheConfig, EngineConfig, available_memory_bytes, cgroup_available_bytes
 from pagedllm.distributed.parallel_state import shard_heads
@@ -55,7 +56,7 @@ def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> 
         model = get_model_class(arch)(arch, dtype, config.model.max_model_len)
     quantization = config.model.quantization
     kept_elements, kept_bytes, embedding_kept = 0, 0, False
-    kernels = cpu_ops.active() if config.device.device == "cpu" else None
+    kernels = cpu_ops.kernels_for(config.device.device)  # what the layers will bind (None: not the CPU, or off)
     if quantization == "gguf" and path.endswith(".gguf") and kernels is not None:  # else dequantized at load
         from pagedllm.models.loader.gguf_loader import kept_tensors
 
@@ -75,7 +76,7 @@ def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> 
                 rows, cols = weight.shape
                 final += kernels.qpacked_bytes(GGML_TYPES["Q8_0"], rows, cols) - weight.numel() * weight.element_size()
     for module in model.modules():
-        if getattr(module, "tied", False) and config.device.device == "cpu" and not embedding_kept \
+        if getattr(module, "tied", False) and platform.is_cpu(config.device.device) and not embedding_kept \
                 and not (quantization == "int8" and kernels is not None):  # (else the head shares the table's rows)
             if not (dtype == torch.bfloat16 and _plain_on_amx(module.weight)):  # AMX reads it plain
                 final += module.weight.numel() * module.weight.element_size()  # the LM head's packed copy
@@ -135,7 +136,7 @@ def check_fits(config: EngineConfig, arch: ArchConfig) -> None:
 
     Checked on a CPU whose ranks all run on this machine (one process, or one per rank): a GPU holds both in its
     own memory (sized there by a profiling step), and Ray may place ranks on other machines."""
-    if config.device.device != "cpu" or config.parallel.distributed_executor_backend not in ("uni", "mp"):
+    if not platform.is_cpu(config.device.device) or config.parallel.distributed_executor_backend not in ("uni", "mp"):
         return
     spec = config.speculative
     draft = None
@@ -167,10 +168,9 @@ def check_fits(config: EngineConfig, arch: ArchConfig) -> None:
 
 def _plain_on_amx(weight: torch.Tensor) -> bool:
     """The weight would stay plain for the AMX GEMM at the "amx" level (layers/prepack.py): no packed copy."""
-    from pagedllm import platform
     from pagedllm.layers.prepack import amx_takes
 
-    return platform.active_level() == "amx" and platform.switches().gemm != "onednn" and amx_takes(*weight.shape)
+    return platform.bf16_gemm() == "amx" and amx_takes(*weight.shape)
 
 
 # ------------------------------------------------------------------------------------------------ measuring a load

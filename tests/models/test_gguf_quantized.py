@@ -284,6 +284,31 @@ def test_portable_level_dequantizes(quantized: dict[str, Path]) -> None:
     assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
 
 
+def test_fused_ops_off_resolves_auto_to_dequantized(kernels, monkeypatch: pytest.MonkeyPatch,
+                                                    quantized: dict[str, Path]) -> None:
+    """PAGEDLLM_FUSED_OPS=0: the layers bind no kernels, so quantization "auto" resolves to None (as the layers
+    would dequantize), and the fits-in-memory estimate counts the dequantized weights the engine holds (both ask
+    ``cpu_ops.kernels_for``, the layers' own question)."""
+    from pagedllm import platform
+    from pagedllm.worker import memory_fit
+
+    path = str(quantized["Q4_K"])
+    assert EngineArgs(model=path, num_kv_blocks=16).create_engine_config()[0].model.quantization == "gguf"
+    try:
+        monkeypatch.setenv("PAGEDLLM_FUSED_OPS", "0")
+        platform.switches.cache_clear()
+        config, arch = EngineArgs(model=path, dtype="float32", num_kv_blocks=16).create_engine_config()
+        assert config.model.quantization is None
+        llm = LLM(path, dtype="float32", num_kv_blocks=16)
+        assert model_of(llm).lm_head.quant is None
+        held = llm.llm_engine.rank_memory_usage()[0]["weights_bytes"]
+        assert memory_fit.estimate_weight_bytes(path, arch, config).final == held
+        llm.shutdown()
+    finally:
+        monkeypatch.undo()
+        platform.switches.cache_clear()
+
+
 def test_quantization_option_is_checked(tiny_llm_dir: Path, quantized: dict[str, Path]) -> None:
     with pytest.raises(ValidationError, match="quantization") as err:
         LLM(str(tiny_llm_dir), quantization="gguf")

@@ -239,7 +239,7 @@ def kv_blocks(args: EngineArgs) -> tuple[int, int]:
     """(KV blocks of the pool the options give, max_model_len), as the engine would size them (one rank)."""
 
     config, arch = args.create_engine_config()
-    if config.parallel.tensor_parallel_size != 1 or config.device.device != "cpu":
+    if config.parallel.tensor_parallel_size != 1 or not platform.is_cpu(config.device.device):
         raise ValidationError("pagedllm plan models one CPU rank: tensor_parallel_size 1 on the CPU",
                               param="tensor_parallel_size", value=config.parallel.tensor_parallel_size)
     if config.scheduler.preemption_mode != "recompute":
