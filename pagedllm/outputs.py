@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -40,6 +41,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     """Request -> (position of the first scored prompt token, one entry per prompt token this step
     scored): for requests with prompt_logprobs, the prompt tokens their chunk predicts."""
+    prompt_id_scores: dict[str, tuple[int, list[list[float]]]] = field(default_factory=dict)
+    """Request -> (its first scored row this step, per row the log-probabilities of its prompt_logprob_token_ids;
+    -inf for a -1 pad)."""
     failed: dict[str, str] = field(default_factory=dict)
     """Request -> why its own preparation or sampling failed this step (its seed, grammar): the scheduler
     finishes it with an error; the other requests of the step are not touched."""
@@ -64,6 +68,8 @@ class EngineCoreOutput:
     """Prompt tokens whose K/V came from the prefix cache."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """With a request's first token: the log-probabilities of prompt tokens 1 .. P-1 (prompt_logprobs)."""
+    prompt_token_id_logprobs: list[list[float]] | None = None
+    """With a request's first token: prompt_logprob_token_ids' scores, a row per scored prompt row."""
     error: str | None = None
     """With finish_reason "error": what failed (this request alone; the engine goes on)."""
     pooling_output: list[float] | None = None
@@ -115,6 +121,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """With SamplingParams.prompt_logprobs: per prompt position, the prompt token's and the top-N
     log-probabilities (None for the first position, which nothing predicts)."""
+    prompt_token_id_logprobs: Any = None
+    """With SamplingParams.prompt_logprob_token_ids: a float32 numpy array [rows, ids] of those tokens'
+    log-probabilities at each scored prompt row (vLLM's; -inf where a row was padded with -1)."""
     error: str | None = None
     """Set when handling this request failed inside the engine (its samples finish with finish_reason
     "error"); the server answers it as an error, other requests are not disturbed."""

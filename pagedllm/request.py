@@ -91,6 +91,10 @@ class Request:
         self.prompt_logprobs: list | None = (
             None if sampling_params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1))
         """With prompt_logprobs: the TokenLogprobs of prompt tokens 1 .. P-1 as the workers score them."""
+        rows = sampling_params.prompt_logprob_token_ids
+        self.prompt_id_scores: list | None = None if rows is None else [None] * len(rows)
+        """With prompt_logprob_token_ids: per scored row, the log-probabilities of its ids as the workers score
+        them (sent with prompt_logprobs)."""
         self.prompt_logprobs_sent = False
         self.spec_token_ids: list[int] = []
         """Draft tokens the proposer offered after the last step (verified in the next one, if scheduled)."""

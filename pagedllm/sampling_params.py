@@ -129,6 +129,14 @@ class SamplingParams:
     """Return this many top log-probabilities per prompt token (plus the prompt token's own; -1: every token of
     the vocabulary, at most the engine's max_logprobs); a request asking for them computes its whole prompt (no
     prefix-cache hit)."""
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    """vLLM's: per scored prompt row (row i predicts prompt token ``prompt_logprob_start + i + 1``), the token ids
+    whose log-probabilities it returns (``RequestOutput.prompt_token_id_logprobs``, shaped [rows, ids]; -1 pads a
+    row and scores -inf); exactly as many rows as the prompt has scored rows, at most max_logprobs ids a row. Like
+    prompt_logprobs, the whole prompt is computed (no prefix-cache hit)."""
+    prompt_logprob_start: int | None = None
+    """vLLM's: the first prompt row scored by prompt_logprobs and prompt_logprob_token_ids (the prompt tokens
+    before row start + 1 get None); needs one of them."""
     logprob_token_ids: list[int] | None = None
     """vLLM's: the log-probabilities of exactly these tokens (and the sampled one) at each generated position,
     instead of the top ``logprobs`` (which becomes their count); at most MAX_LOGPROB_TOKEN_IDS."""
@@ -200,7 +208,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, value, "an integer")
-        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed", "prompt_logprob_start"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise bad(name, value, "an integer or None")
@@ -302,6 +310,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and getattr(self, name) < -1:
                 raise bad(name, getattr(self, name), "an integer >= 0, or -1 for the whole vocabulary")
+        self._verify_prompt_scoring()
         if self.logit_bias and any(not -100.0 <= b <= 100.0 or t < 0 for t, b in self.logit_bias.items()):
             raise bad("logit_bias", self.logit_bias, "non-negative token ids with biases in [-100, 100]")
         # sample i of n runs with seed + i: every one of them must fit a 64-bit generator seed (the words name the
@@ -311,6 +320,31 @@ class SamplingParams:
         if self.seed is not None and self.seed > SEED_MAX - (self.n - 1):
             raise bad("seed", self.seed, f"<= {SEED_MAX - (self.n - 1)} (less_than_equal: with n={self.n}, samples use "
                       "seed, seed + 1, ... seed + n - 1: each a signed 64-bit integer)")
+
+    def _verify_prompt_scoring(self) -> None:
+        """prompt_logprob_token_ids' shape and values (its bounds against the model: engine/processor.py, before it
+        is padded) and prompt_logprob_start's."""
+        rows, name = self.prompt_logprob_token_ids, "prompt_logprob_token_ids"
+        if getattr(rows, "ndim", None) == 2 and getattr(getattr(rows, "dtype", None), "kind", None) in ("i", "u"):
+            rows = self.prompt_logprob_token_ids = rows.tolist()  # a numpy integer array, as vLLM takes one
+        if rows is not None:
+            if not isinstance(rows, list) or not rows or any(not isinstance(r, list) for r in rows) \
+                    or not any(rows):
+                raise ValidationError("prompt_logprob_token_ids must be a non-empty integer array of shape "
+                                      "[num_rows, num_ids]", param=name)
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < -1 for r in rows for t in r):
+                raise ValidationError("prompt_logprob_token_ids must contain token ids (-1 pads a row)", param=name)
+        start = self.prompt_logprob_start
+        if start is not None and rows is None and self.prompt_logprobs is None:
+            raise ValidationError("prompt_logprob_start requires prompt_logprobs or prompt_logprob_token_ids",
+                                  param="prompt_logprob_start", value=start)
+        if start is not None and start < 0:
+            raise ValidationError.bad_value("prompt_logprob_start", start, "an integer >= 0")
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's rows are scored (prompt_logprobs or prompt_logprob_token_ids): every row computed."""
+        return self.prompt_logprobs is not None or self.prompt_logprob_token_ids is not None
 
     @property
     def greedy(self) -> bool:

@@ -196,7 +196,7 @@ class Scheduler:
             for sample in samples:
                 self.requests[sample.request_id] = sample
                 self._leader_of[sample.request_id] = request.request_id
-                sample.prompt_logprobs = None  # the shared prompt is scored once, by the leader
+                sample.prompt_logprobs = sample.prompt_id_scores = None  # the shared prompt: scored by the leader
 
     def _check_fits(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
@@ -438,7 +438,8 @@ class Scheduler:
                 request.num_computed_tokens = request.num_cached_tokens = 0
                 return request.num_tokens, []
         hits, num_hit = kv.get_computed_blocks(request)
-        if request.prompt_logprobs is not None or request.pooling_params is not None:  # every token computed
+        if request.prompt_logprobs is not None or request.prompt_id_scores is not None \
+                or request.pooling_params is not None:  # every token computed
             hits, num_hit = [], 0
         num_new = self._num_tokens_to_schedule(request, num_hit, plan)
         if num_new == 0:  # over the attention budget: admission stops here this step
@@ -605,6 +606,7 @@ class Scheduler:
         results = [self._fail(req_id, why) for req_id, why in runner_output.failed.items() if req_id in self.requests]
         results += self._update_pooled(runner_output.pooler_output)
         self._update_prompt_logprobs(runner_output.prompt_logprobs)
+        self._update_prompt_id_scores(runner_output.prompt_id_scores)
         for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                runner_output.logprobs):
             request = self.requests.get(req_id)
@@ -634,6 +636,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is not None and request.prompt_logprobs is not None:  # a recompute scores them again
                 request.prompt_logprobs[start - 1:start - 1 + len(entries)] = entries
+
+    def _update_prompt_id_scores(self, found: dict[str, tuple[int, list[list[float]]]]) -> None:
+        """prompt_logprob_token_ids' scores a step's chunk made, put in place by scored row."""
+        for req_id, (first_row, rows) in found.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.prompt_id_scores is not None:
+                request.prompt_id_scores[first_row:first_row + len(rows)] = rows
 
     def _update_sampled(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
                         drafts: dict[str, list[int]]) -> EngineCoreOutput:
@@ -718,11 +727,12 @@ class Scheduler:
 def _sampled_output(request: Request, new_tokens: list[int], logprobs: list[TokenLogprobs]) -> EngineCoreOutput:
     """A sampling request's output of a step: its new tokens (and their logprobs), its finish if it finished, its
     prompt logprobs with its first output."""
-    prompt_logprobs = None
-    if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-        prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+    prompt_logprobs = id_scores = None
+    if not request.prompt_logprobs_sent:
+        prompt_logprobs, id_scores = request.prompt_logprobs, request.prompt_id_scores
+        request.prompt_logprobs_sent = True
     return EngineCoreOutput(
         request_id=request.request_id, new_token_ids=new_tokens, new_logprobs=logprobs,
         finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
         first_scheduled_time=request.first_scheduled_time, num_cached_tokens=max(request.num_cached_tokens, 0),
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, prompt_token_id_logprobs=id_scores)

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import (
     CompletionOutput,
@@ -124,6 +126,8 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_reported: bool = False
+    prompt_id_scores: Any = None
+    """prompt_logprob_token_ids' scores once the engine sent them: float32 [rows, ids] (numpy)."""
     error: str | None = None
     """Why the request failed (one of its samples' handling raised): every sample then ends with "error"."""
     pooled: list[float] | None = None
@@ -147,12 +151,12 @@ class RequestState:
         completions = [c for c in (s.completion(kind, interval) for s in ordered) if c is not None]
         if not completions:
             return None
-        prompt_logprobs = self.prompt_logprobs
+        prompt_logprobs, id_scores = self.prompt_logprobs, self.prompt_id_scores
         if kind == RequestOutputKind.DELTA and self.prompt_logprobs_reported:
-            prompt_logprobs = None  # a stream carries them once
-        self.prompt_logprobs_reported = self.prompt_logprobs is not None
+            prompt_logprobs = id_scores = None  # a stream carries them once
+        self.prompt_logprobs_reported = self.prompt_logprobs is not None or self.prompt_id_scores is not None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             self.num_cached_tokens, self.metrics, prompt_logprobs, self.error)
+                             self.num_cached_tokens, self.metrics, prompt_logprobs, id_scores, self.error)
 
 
 def _set_finish(seq: SequenceState, out: EngineCoreOutput, stop: str | None) -> None:
@@ -270,6 +274,8 @@ class OutputProcessor:
             self._add_logprobs(seq, new, out.new_logprobs, state.params.logprobs)
         if out.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = self._prompt_logprobs(state, out.prompt_logprobs)
+        if out.prompt_token_id_logprobs is not None and state.prompt_id_scores is None:
+            state.prompt_id_scores = np.asarray(out.prompt_token_id_logprobs, dtype=np.float32)  # (rows, ids)
         if stop is not None and out.finish_reason is None:
             stopped_by_string.append(out.request_id)  # (the core has not seen it end: it is told to stop it)
         _set_finish(seq, out, stop)
@@ -329,10 +335,12 @@ class OutputProcessor:
 
     def _prompt_logprobs(self, state: RequestState, scored: list[TokenLogprobs | None]
                          ) -> list[dict[int, Logprob] | None]:
-        """[None (the first token), then per prompt token: it and the top-N, as Logprob entries]."""
-        top_n = state.params.prompt_logprobs or 0
-        assert all(lp is not None for lp in scored), "every prompt token is scored before the first output token"
-        return [None, *(self._entry(t, lp, top_n) for t, lp in zip(state.prompt_token_ids[1:], scored))]
+        """[None (the first token), then per prompt token: it and the top-N, as Logprob entries (None before
+        prompt_logprob_start + 1)]."""
+        top_n, start = state.params.prompt_logprobs or 0, state.params.prompt_logprob_start or 0
+        assert all(lp is not None for lp in scored[start:]), "every prompt row is scored before the first output"
+        return [None, *(None if lp is None else self._entry(t, lp, top_n)
+                        for t, lp in zip(state.prompt_token_ids[1:], scored))]
 
     def _entry(self, token_id: int, lp: TokenLogprobs, top_n: int) -> dict[int, Logprob]:
         """One position: the top-N tokens and the token itself (with its rank), decoded."""

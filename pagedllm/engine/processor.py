@@ -104,11 +104,13 @@ class RequestLimits:
         return embeds
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The request's max_tokens once its length is checked against max_model_len."""
+        """The request's max_tokens once its length is checked against max_model_len (and the prompt rows it
+        scores against the prompt)."""
         if num_prompt_tokens >= self.max_model_len:
             raise ValidationError(
                 f"prompt is {num_prompt_tokens} tokens long but max_model_len is {self.max_model_len} "
                 "(at least one token must be generated)", param="prompt", value=num_prompt_tokens)
+        _check_scored_rows(num_prompt_tokens, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt_tokens
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise ValidationError(
@@ -134,7 +136,25 @@ class RequestLimits:
                                       f"the whole vocabulary, {self.vocab_size} tokens)", param=name, value=value)
             if min(asked, self.vocab_size) != value:
                 changes[name] = min(asked, self.vocab_size)
+        if params.prompt_logprob_token_ids is not None:
+            changes["prompt_logprob_token_ids"] = self._id_rows(params.prompt_logprob_token_ids)
         return dataclasses.replace(params, **changes) if changes else params
+
+    def _id_rows(self, rows: list[list[int]]) -> list[list[int]]:
+        """prompt_logprob_token_ids bounded by the model (rows, ids per row, the vocabulary; in vLLM's words), then
+        padded with -1 to one width (only after the bounds: the padded array is rows x widest row)."""
+        name, width = "prompt_logprob_token_ids", max(map(len, rows))
+        if len(rows) > self.max_model_len - 1:
+            raise ValidationError(f"prompt_logprob_token_ids has {len(rows)} rows, but a prompt has at most "
+                                  f"{self.max_model_len - 1} scored rows (max_model_len - 1)", param=name,
+                                  value=len(rows))
+        if width > self.max_logprobs:
+            raise ValidationError(f"Requested {width} token ids per row in prompt_logprob_token_ids, which is greater "
+                                  f"than max allowed: {self.max_logprobs} (--max-logprobs)", param=name, value=width)
+        if any(t >= self.vocab_size for row in rows for t in row):
+            raise ValidationError("prompt_logprob_token_ids contain out-of-vocab token ids (-1 pads a row). "
+                                  f"Vocabulary size: {self.vocab_size}", param=name)
+        return [row + [-1] * (width - len(row)) for row in rows]
 
 
 class InputProcessor(RequestLimits):
@@ -241,6 +261,20 @@ class InputProcessor(RequestLimits):
         return list(types[len(types) - num_tokens:])
 
 
+def _check_scored_rows(num_prompt_tokens: int, params: SamplingParams) -> None:
+    """prompt_logprob_start inside the prompt's scored rows, and one prompt_logprob_token_ids row for each of them
+    (vLLM's checks and words)."""
+    start = params.prompt_logprob_start or 0
+    if start and start >= num_prompt_tokens - 1:
+        raise ValidationError(f"prompt_logprob_start must be less than prompt_len - 1 ({num_prompt_tokens - 1}) so at "
+                              "least one prompt row is scored", param="prompt_logprob_start", value=start)
+    rows = params.prompt_logprob_token_ids
+    if rows is not None and len(rows) != max(num_prompt_tokens - 1 - start, 0):
+        raise ValidationError(f"prompt_logprob_token_ids has {len(rows)} rows, but the prompt has "
+                              f"{max(num_prompt_tokens - 1 - start, 0)} scored rows (prompt_len - 1 - "
+                              "prompt_logprob_start)", param="prompt_logprob_token_ids", value=len(rows))
+
+
 def _check_embeds_request(prompt: dict[str, Any], params: Any) -> None:
     """What a prompt given as embeddings refuses: other prompt fields, pooling and beam search (sampled generation
     only), prompt_logprobs (no token ids to score)."""
@@ -254,6 +288,7 @@ def _check_embeds_request(prompt: dict[str, Any], params: Any) -> None:
                               param="prompt_embeds")
     if not isinstance(params, SamplingParams):
         raise ValidationError.bad_value("sampling_params", params, "a SamplingParams")
-    if params.prompt_logprobs is not None:
-        raise ValidationError("prompt_logprobs is not compatible with prompt_embeds (the prompt has no token ids "
-                              "to score)", param="prompt_logprobs", value=params.prompt_logprobs)
+    if params.scores_prompt:
+        name = "prompt_logprobs" if params.prompt_logprobs is not None else "prompt_logprob_token_ids"
+        raise ValidationError(f"{name} is not compatible with prompt_embeds (the prompt has no token ids to score)",
+                              param=name)

@@ -123,7 +123,7 @@ class RequestFactory(RequestLimits):
         """A prompt given as embeddings, checked against the model (and against prompt_logprobs: no ids to score)."""
         embeds = self.prompt_embeds(embeds)
         assert num_placeholders == embeds.num_tokens, "one placeholder id per embedded row"
-        if params.prompt_logprobs is not None:
-            raise ValidationError("prompt_logprobs is not compatible with prompt_embeds", param="prompt_logprobs",
-                                  value=params.prompt_logprobs)
+        if params.scores_prompt:
+            name = "prompt_logprobs" if params.prompt_logprobs is not None else "prompt_logprob_token_ids"
+            raise ValidationError(f"{name} is not compatible with prompt_embeds", param=name)
         return embeds

@@ -174,14 +174,15 @@ class ModelRunner:
         batch = self._prepare_inputs(out)
         hidden = self._forward(batch)
         states = batch.states
-        prompt_logprobs = {} if all(s.sampling_params.prompt_logprobs is None for s in states) else \
+        scored = ({}, {}) if not any(s.sampling_params.scores_prompt for s in states) else \
             self._prompt_logprobs(states, batch.counts, batch.inputs.query_start_loc, hidden)
         count_computed(batch)
         if not batch.inputs.sample_rows:
-            return ModelRunnerOutput(req_ids=batch.inputs.req_ids, sampled_token_ids=[[] for _ in states],
-                                     logprobs=[None] * len(states), prompt_logprobs=prompt_logprobs)
-        result = self._sample_step(out, batch, hidden, failures)
-        result.prompt_logprobs = prompt_logprobs
+            result = ModelRunnerOutput(req_ids=batch.inputs.req_ids, sampled_token_ids=[[] for _ in states],
+                                       logprobs=[None] * len(states))
+        else:
+            result = self._sample_step(out, batch, hidden, failures)
+        result.prompt_logprobs, result.prompt_id_scores = scored
         return result
 
     def _prepare_inputs(self, out: SchedulerOutput) -> _StepBatch:
@@ -309,24 +310,43 @@ class ModelRunner:
         return tokens, logprobs
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], starts: torch.Tensor,
-                         hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-        """For requests with prompt_logprobs: the log-probabilities of the prompt tokens this step's
-        rows predict (row at position p scores prompt token p + 1), with the top-N of each."""
+                         hidden: torch.Tensor) -> tuple[dict, dict]:
+        """For requests that score their prompt: the log-probabilities of the prompt tokens this step's rows predict
+        (row at position p scores prompt token p + 1; from prompt_logprob_start on), with the top-N of each
+        (prompt_logprobs: {request: (first token scored, entries)}), and of each row's prompt_logprob_token_ids
+        ({request: (first scored row, scores)})."""
         found: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        id_found: dict[str, tuple[int, list[list[float]]]] = {}
         for i, (state, n) in enumerate(zip(states, counts)):
-            top_n = state.sampling_params.prompt_logprobs
-            first = state.num_computed_tokens  # this chunk's first position (not advanced yet)
-            last = min(first + n, state.num_prompt_tokens - 1)
-            if top_n is None or last <= first:
+            params = state.sampling_params
+            chunk = state.num_computed_tokens  # this chunk's first position (not advanced yet)
+            start = params.prompt_logprob_start or 0
+            first, last = max(chunk, start), min(chunk + n, state.num_prompt_tokens - 1)
+            if not params.scores_prompt or last <= first:
                 continue
-            row, entries = int(starts[i]), []
-            for lo in range(first, last, PROMPT_LOGPROBS_ROWS):  # a slice of rows at a time: see the constant
-                hi = min(lo + PROMPT_LOGPROBS_ROWS, last)
-                logprobs = self.model.compute_logits(hidden[row + lo - first:row + hi - first]).log_softmax(-1)
+            entries, scores = self._score_rows(state, hidden[int(starts[i]) + first - chunk:], first, last, start)
+            if params.prompt_logprobs is not None:
+                found[state.req_id] = (first + 1, entries)
+            if params.prompt_logprob_token_ids is not None:
+                id_found[state.req_id] = (first - start, scores)
+        return found, id_found
+
+    def _score_rows(self, state: CachedRequestState, hidden: torch.Tensor, first: int, last: int, start: int
+                    ) -> tuple[list[TokenLogprobs], list[list[float]]]:
+        """Prompt rows ``first`` .. ``last`` - 1 of one request (``hidden`` starts at row ``first``): its
+        prompt_logprobs entries and its prompt_logprob_token_ids scores (rows counted from ``start``)."""
+        params, entries, scores = state.sampling_params, [], []
+        for lo in range(first, last, PROMPT_LOGPROBS_ROWS):  # a slice of rows at a time: see the constant
+            hi = min(lo + PROMPT_LOGPROBS_ROWS, last)
+            logprobs = self.model.compute_logits(hidden[lo - first:hi - first]).log_softmax(-1)  # (rows, vocab)
+            if params.prompt_logprobs is not None:
                 targets = torch.tensor(state.token_ids[lo + 1:hi + 1], dtype=torch.long, device=logprobs.device)
-                entries += gather_token_logprobs(logprobs, targets, top_n)
-            found[state.req_id] = (first + 1, entries)
-        return found
+                entries += gather_token_logprobs(logprobs, targets, params.prompt_logprobs)
+            if params.prompt_logprob_token_ids is not None:
+                ids = torch.tensor(params.prompt_logprob_token_ids[lo - start:hi - start], device=logprobs.device)
+                picked = logprobs.float().gather(1, ids.clamp_min(0))  # (rows, ids); -1 pads score -inf
+                scores += picked.masked_fill(ids < 0, float("-inf")).tolist()
+        return entries, scores
 
     def _update_states(self, out: SchedulerOutput, failures: StepFailures) -> None:
         """The requests finished, joining, resumed or forked in this step, as the scheduler tells (a new request

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, StrictBool, model_validator
+from pydantic import BaseModel, Field, StrictBool, StrictInt, model_validator
 
 from pagedllm.entrypoints.openai.protocol import (
     ChatLogprobs,
@@ -33,7 +33,7 @@ MAX_REQUEST_ID_CHARS = 1024
 """Longest request_id (and X-Request-Id) taken: it is kept while the request runs and echoed in every chunk."""
 
 UNSUPPORTED_SAMPLING = {
-    "watermarking": None, "prompt_logprob_token_ids": None, "prompt_logprob_start": None,
+    "watermarking": None,
     "skip_clone": False, "extra_args": None, "skip_reading_prefix_cache": None, "thinking_token_budget": None,
     "repetition_detection": None, "routed_experts_prompt_start": 0, "trace_decode_token_ids": None,
     "truncate_prompt_tokens": None, "output_text_buffer_length": 0, "logits_processors": None,
@@ -81,8 +81,10 @@ class TokensSamplingParams(OpenAIModel):
     structured_outputs: dict | None = None
     """One of {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ebnf}, {"json_object": true}."""
     watermarking: Any = None
-    prompt_logprob_token_ids: Any = None
-    prompt_logprob_start: Any = None
+    prompt_logprob_token_ids: list[list[StrictInt]] | None = None
+    """Per scored prompt row, the token ids whose log-probabilities it returns (``prompt_token_id_logprobs``)."""
+    prompt_logprob_start: int | None = None
+    """The first prompt row scored by prompt_logprobs and prompt_logprob_token_ids."""
     stream_interval: int | None = Field(default=None, ge=1)
     """Streamed: each chunk gathers this many tokens (the first and last at once); at least --stream-interval."""
     skip_clone: Any = False
@@ -173,6 +175,9 @@ class GenerateRequest(OpenAIModel):
             raise ValidationError("stream_options can only be given with stream=true", param="stream_options")
         if self.stream and self.sampling_params.prompt_logprobs is not None:
             raise ValidationError("prompt_logprobs cannot be streamed", param="sampling_params.prompt_logprobs")
+        if self.stream and self.sampling_params.prompt_logprob_token_ids is not None:
+            raise ValidationError("prompt_logprob_token_ids cannot be streamed",
+                                  param="sampling_params.prompt_logprob_token_ids")
         if self.output_mode == "text" and not self.sampling_params.spaces_between_special_tokens:
             raise ValidationError("sampling_params.spaces_between_special_tokens=false is not supported with "
                                   "output_mode='text'", param="sampling_params.spaces_between_special_tokens")

@@ -9,12 +9,15 @@ disconnect, the request timeout) stops at once, frees its KV blocks, and its cho
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from fastapi import APIRouter, FastAPI
 from pydantic import ValidationError as PydanticValidationError
 from starlette.requests import Request
@@ -187,12 +190,13 @@ class ServingTokens(OpenAIServing):
             self.running.pop(request_id, None)
         if gathered is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        prompt_logprobs, choices, cached = gathered
+        prompt_logprobs, id_scores, choices, cached = gathered
         body = GenerateResponse(
             request_id=request_id, model=model, created=int(time.time()), output_mode=req.output_mode,
             usage=self.usage(prompt_len, sum(len(c.token_ids) for c in choices), cached),
             prompt_logprobs=prompt_logprobs_json(prompt_logprobs) if sp.prompt_logprobs is not None else None,
             prompt_token_ids=list(req.token_ids) if req.return_token_ids else None,
+            prompt_token_id_logprobs=None if id_scores is None else _numpy_base64(id_scores),
             choices=[self._choice(req, c.index, c.token_ids, c.logprobs, c.text, c.finish_reason or "stop",
                                   c.stop_reason, parsing) for c in choices])
         return JSONResponse(body.model_dump(exclude={"choices": {"__all__": self._left_out(req)}}))
@@ -294,6 +298,7 @@ class ServingTokens(OpenAIServing):
                 top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
                 ignore_eos=sp.ignore_eos, max_tokens=max_tokens, min_tokens=sp.min_tokens, logprobs=sp.logprobs,
                 prompt_logprobs=sp.prompt_logprobs, logprob_token_ids=sp.logprob_token_ids,
+                prompt_logprob_token_ids=sp.prompt_logprob_token_ids, prompt_logprob_start=sp.prompt_logprob_start,
                 include_stop_str_in_output=sp.include_stop_str_in_output,
                 skip_special_tokens=sp.skip_special_tokens, logit_bias=sp.logit_bias,
                 allowed_token_ids=sp.allowed_token_ids, bad_words=sp.bad_words, structured_outputs=constraint,
@@ -328,21 +333,22 @@ class ServingTokens(OpenAIServing):
                 stream.abort()
 
     async def _gather(self, req: GenerateRequest, streams: StreamGroup, aborted: asyncio.Event
-                      ) -> tuple[list | None, list[_Choice], int]:
-        """(the prompt's logprobs, the choices by index, the prompt's prefix-cache hits) of a whole request
-        (aborted before its first output: no tokens)."""
-        prompt_logprobs = None
+                      ) -> tuple[list | None, Any, list[_Choice], int]:
+        """(the prompt's logprobs, prompt_logprob_token_ids' scores, the choices by index, the prompt's prefix-cache
+        hits) of a whole request (aborted before its first output: no tokens)."""
+        prompt_logprobs = id_scores = None
         choices = {i: _Choice(i) for i in range(req.sampling_params.n)}
         cached = 0
         async for out in self._outputs(streams, aborted):
             prompt_logprobs = prompt_logprobs if out.prompt_logprobs is None else out.prompt_logprobs
+            id_scores = id_scores if out.prompt_token_id_logprobs is None else out.prompt_token_id_logprobs
             cached = max(cached, out.num_cached_tokens)
             for c in out.outputs:
                 choices[c.index].add(c)
         for c in choices.values():
             if c.finish_reason is None:  # (aborted)
                 c.finish_reason = "abort"
-        return prompt_logprobs, list(choices.values()), cached
+        return prompt_logprobs, id_scores, list(choices.values()), cached
 
     async def _stream(self, req: GenerateRequest, request_id: str, streams: StreamGroup,
                       aborted: asyncio.Event, parsing: _Parsing | None = None) -> AsyncIterator[str]:
@@ -549,3 +555,11 @@ def attach_tokens(app: FastAPI, serving: ServingTokens, enable_scale_out: bool, 
     app.include_router(router)
     if tokens_only:
         app.include_router(legacy_router)
+
+
+def _numpy_base64(array: Any) -> str:
+    """An array as vLLM's generate answers one (``prompt_token_id_logprobs``): the base64 text of its ``np.save``
+    bytes, which ``np.load`` reads back with its shape and dtype."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(array), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -100,6 +100,35 @@ def test_stream_and_logprobs(scale_out: RemoteServer) -> None:
     assert isinstance(text_lp["token"], str) and isinstance(text_lp["bytes"], list)
 
 
+def test_prompt_token_id_logprobs(scale_out: RemoteServer) -> None:
+    """vLLM's prompt_logprob_token_ids / prompt_logprob_start: the scores come back as the base64 of an np.save'd
+    float32 [rows, ids] array, row i the ids' log-probabilities as the next token after position start + i (equal
+    to prompt_logprobs' entry of a prompt token asked for), -inf for a -1 pad; not streamed; rows counted."""
+    import base64
+    import io
+
+    import numpy as np
+
+    rows = [[PROMPT[2]], [PROMPT[3], 100], [PROMPT[4], -1], [PROMPT[5]]]
+    sampling = {"max_tokens": 1, "prompt_logprobs": 0, "prompt_logprob_token_ids": rows, "prompt_logprob_start": 1}
+    r = httpx.post(scale_out.url + GENERATE, json=_body(**sampling), timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    scores = np.load(io.BytesIO(base64.b64decode(data["prompt_token_id_logprobs"])))
+    assert scores.shape == (4, 2) and scores.dtype == np.float32
+    assert data["prompt_logprobs"][:2] == [None, None]
+    for row, target in enumerate(PROMPT[2:]):
+        assert scores[row, 0] == pytest.approx(data["prompt_logprobs"][row + 2][str(target)]["logprob"], abs=1e-3)
+    assert np.isneginf(scores[[0, 3], 1]).all() and np.isneginf(scores[2, 1]) and np.isfinite(scores[1, 1])
+    plain = httpx.post(scale_out.url + GENERATE, json=_body(max_tokens=1), timeout=60).json()
+    assert plain["prompt_token_id_logprobs"] is None
+    for body, words in ((_body(max_tokens=1, prompt_logprob_token_ids=rows) | {"stream": True}, "cannot be streamed"),
+                        (_body(**{**sampling, "prompt_logprob_token_ids": rows[:2]}), "scored rows")):
+        r = httpx.post(scale_out.url + GENERATE, json=body, timeout=60)
+        assert r.status_code == 400 and words in r.text, r.text
+        assert r.json()["error"]["param"] == "sampling_params.prompt_logprob_token_ids", r.text
+
+
 def test_abort_ends_the_stream_and_frees_its_blocks(scale_out: RemoteServer) -> None:
     """abort_requests names a running stream by its request_id: its last chunk says "abort", it stops early and no
     block stays used; an unknown id is fine (200), a bad body a 400; the legacy /abort_requests needs
