@@ -60,10 +60,7 @@ class AsyncLLM(FrontRequests):
         self.on_dead = on_dead
         """Called once (on the event loop) when the core dies: e.g. the server exits non-zero."""
         ready = client.ready
-        self.config = ready.config
-        self.tokenizer = client.tokenizer
-        self.num_kv_blocks: int = ready.num_kv_blocks
-        self._init_requests(self.tokenizer, ready, log_stats=True)
+        super().__init__(client.tokenizer, ready, log_stats=True)
         self.dead_error: BaseException | None = None
         self._closing = False
         """Set once shutdown began: nothing more is sent."""

@@ -20,8 +20,11 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 class FrontRequests:
     """The request bookkeeping of a front end (the base of LLMEngine and AsyncLLM)."""
 
-    def _init_requests(self, tokenizer: Any, ready: CoreReady, log_stats: bool) -> None:
-        """Called by the front end's constructor once its core is ready."""
+    def __init__(self, tokenizer: Any, ready: CoreReady, log_stats: bool) -> None:
+        """The bookkeeping of a front end whose core is ready (``ready``: what the core said at start)."""
+        self.config = ready.config
+        self.tokenizer = tokenizer
+        self.num_kv_blocks: int = ready.num_kv_blocks
         self.processor = InputProcessor.for_core(tokenizer, ready)
         """Tokenizes and checks prompts into the core's messages (the server reads its bounds too)."""
         self.output_processor = OutputProcessor(tokenizer, log_stats)

@@ -35,10 +35,7 @@ class LLMEngine(FrontRequests):
         """``core``: the engine core to step in this thread, or data-parallel replicas (engine/dp_sync.py)."""
         self.engine_core: InprocClient | SyncDPClient = core if isinstance(core, SyncDPClient) else InprocClient(core)
         ready = core.ready if isinstance(core, SyncDPClient) else core.ready_message()
-        self.config = ready.config
-        self.tokenizer = tokenizer
-        self.num_kv_blocks = ready.num_kv_blocks
-        self._init_requests(tokenizer, ready, log_stats)
+        super().__init__(tokenizer, ready, log_stats)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> LLMEngine:
