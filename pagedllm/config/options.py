@@ -81,9 +81,16 @@ class EngineOptions:
     (--dequantize on the command line): every weight dequantized to dtype."""
     tensor_parallel_size: int = 1
     """Ranks per layer (each holds its share of the heads, MLP columns and vocabulary, and of the KV cache)."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (vLLM's --pipeline-parallel-size): the layers split into this many stages, each a worker
+    holding its layers' weights and KV cache (a model bigger than one worker may hold); mp executor, Llama-family
+    models."""
+    pp_layer_partition: str | None = None
+    """Layers per pipeline stage, comma separated ("14,16"; vLLM's VLLM_PP_LAYER_PARTITION); default: an even split
+    (the first stages one longer)."""
     distributed_executor_backend: str | None = None
-    """"mp" (worker processes on this machine; the default at tensor_parallel_size > 1), "ray" (Ray
-    actors, several machines) or "uni" (in process; tensor_parallel_size 1 only)."""
+    """"mp" (worker processes on this machine; the default with more than one rank), "ray" (Ray
+    actors, several machines) or "uni" (in process; one rank only)."""
     data_parallel_size: int = 1
     """Engine replicas behind one front (vLLM's --data-parallel-size): each its own KV pool, scheduler and
     tensor-parallel group; requests are routed between them (data_parallel_routing)."""

@@ -93,9 +93,14 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     """Ranks that share each layer (Megatron-style: heads and MLP columns split, all-reduce after)."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are split into, each a worker (or a tensor-parallel group of them) holding its layers'
+    weights and KV cache; hidden states pass from stage to stage."""
+    pp_layer_partition: str | None = None
+    """Layers per stage, comma separated ("14,16"; vLLM's VLLM_PP_LAYER_PARTITION); None: an even split."""
     distributed_executor_backend: str | None = None
     """"uni" (one worker in the engine's process), "mp" (a worker process per rank on this machine)
-    or "ray" (a Ray actor per rank, any number of machines); None: "uni" at tp=1, else "mp"."""
+    or "ray" (a Ray actor per rank, any number of machines); None: "uni" for one rank, else "mp"."""
 
     data_parallel_size: int = 1
     """Engine cores (replicas), each with its own KV pool, scheduler and tensor-parallel group, behind one front."""
@@ -118,6 +123,12 @@ class ParallelConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValidationError.bad_value("tensor_parallel_size", tp, "a positive integer")
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValidationError.bad_value("pipeline_parallel_size", pp, "a positive integer")
+        if self.pp_layer_partition is not None and (not isinstance(self.pp_layer_partition, str) or pp == 1):
+            raise ValidationError.bad_value("pp_layer_partition", self.pp_layer_partition,
+                                            "layer counts per stage, with pipeline_parallel_size > 1")
         dp = self.data_parallel_size
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
             raise ValidationError.bad_value("data_parallel_size", dp, "a positive integer")
@@ -130,12 +141,22 @@ class ParallelConfig:
             raise ValidationError.bad_value("data_parallel_restart", self.data_parallel_restart, "true or false")
         backend = self.distributed_executor_backend
         if backend is None:
-            object.__setattr__(self, "distributed_executor_backend", "uni" if tp == 1 else "mp")
+            object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
         elif backend not in ("uni", "mp", "ray"):
             raise ValidationError.bad_value("distributed_executor_backend", backend, "'uni', 'mp' or 'ray'")
-        elif backend == "uni" and tp > 1:
-            raise ValidationError.bad_value("distributed_executor_backend", backend,
-                                            "'mp' or 'ray' with tensor_parallel_size > 1 (uni runs one rank)")
+        elif backend == "uni" and self.world_size > 1:
+            raise ValidationError.bad_value("distributed_executor_backend", backend, "'mp' or 'ray' with "
+                                            "tensor_parallel_size or pipeline_parallel_size > 1 (uni runs one rank)")
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def answering_rank(self) -> int:
+        """The worker whose step results the scheduler takes: the last pipeline stage's first rank (it samples)."""
+        return self.world_size - self.tensor_parallel_size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,8 @@
-"""Which tensor-parallel rank this process is, and how layer dimensions split across ranks.
+"""Which tensor-parallel rank and pipeline stage this process is, and how layers and their dimensions split.
 
-At tp=1 (no process group) every process is rank 0 of 1. Workers of a tensor-parallel engine
-call ``init_distributed`` before they build the model: the layers read their rank when they
-are constructed.
+At tp=1 and pp=1 (no process group) every process is rank 0 of 1. Workers of a parallel engine call
+``init_distributed`` before they build the model: the layers read their rank, and the model its stage's layers
+(``get_pp_stage``), when they are constructed. Global rank = stage * tp + tensor-parallel rank.
 """
 from __future__ import annotations
 
@@ -18,27 +18,64 @@ _shm: ShmCommunicator | None = None
 """This process's shared-memory collectives, when every rank of its group is on this machine."""
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineStage:
+    """This process's pipeline stage: which of the model's layers it holds, [start, end)."""
+
+    rank: int
+    size: int
+    start: int
+    end: int
+
+    @property
+    def is_first(self) -> bool:
+        """It embeds the tokens."""
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        """It holds the final norm and the LM head, and samples."""
+        return self.rank == self.size - 1
+
+
+_pp: PipelineStage | None = None
+"""Set by ``init_distributed`` at pipeline_parallel_size > 1 (None: the whole model here)."""
+_tp_size = 1
+
+
 def get_tp_world_size() -> int:
     """Ranks that share each layer."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return _tp_size if dist.is_available() and dist.is_initialized() else 1
 
 
 def get_tp_rank() -> int:
     """This process's rank among them."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() % _tp_size if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_pp_stage() -> PipelineStage | None:
+    """This process's pipeline stage (None at pipeline_parallel_size 1: every layer is here)."""
+    return _pp
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, local_world_size: int = 1,
-                     backend: str = "gloo", timeout_s: float = 600.0) -> None:
-    """Join the tensor-parallel group (``init_method``: "tcp://host:port", rank 0 hosts the store).
+                     backend: str = "gloo", timeout_s: float = 600.0,
+                     stages: list[tuple[int, int]] | None = None) -> None:
+    """Join the process group (``init_method``: "tcp://host:port", rank 0 hosts the store). ``stages``: at
+    pipeline_parallel_size > 1, each stage's layers [start, end) (``layer_partition``); the ranks are then
+    ``len(stages)`` stages of ``world_size / len(stages)`` tensor-parallel ranks.
 
-    When all ``world_size`` ranks are on this machine (``local_world_size``), the collectives go
+    When all the ranks of a tensor-parallel group are on this machine (``local_world_size``), its collectives go
     through shared memory (distributed/shm_comm.py) instead of gloo's TCP.
     """
-    global _shm
+    global _shm, _pp, _tp_size
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    if backend == "gloo" and shm_usable(world_size, local_world_size):  # CPU tensors only
+    _tp_size = world_size // len(stages) if stages else world_size
+    if stages:
+        stage = rank // _tp_size
+        _pp = PipelineStage(stage, len(stages), *stages[stage])
+    if backend == "gloo" and _pp is None and shm_usable(world_size, local_world_size):  # CPU tensors only
         _shm = ShmCommunicator(rank, world_size)
 
 
@@ -49,12 +86,35 @@ def get_shm_communicator() -> ShmCommunicator | None:
 
 def destroy_distributed() -> None:
     """Leave the group (no-op when there is none)."""
-    global _shm
+    global _shm, _pp, _tp_size
+    _pp, _tp_size = None, 1
     if _shm is not None:
         _shm.close()
         _shm = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def layer_partition(num_layers: int, pp: int, partition: str | None = None) -> list[tuple[int, int]]:
+    """Each pipeline stage's layers [start, end): ``partition`` ("8,8,7,7": layers per stage, vLLM's
+    VLLM_PP_LAYER_PARTITION) or an even split, the first stages one longer where it does not divide (ValidationError
+    naming pp_layer_partition or pipeline_parallel_size where it cannot be done)."""
+    if partition is None:
+        if pp > num_layers:
+            raise ValidationError(f"pipeline_parallel_size {pp} exceeds the model's {num_layers} layers (each stage "
+                                  "holds at least one)", param="pipeline_parallel_size", value=pp)
+        counts = [split_evenly(num_layers, pp, i)[1] for i in range(pp)]
+    else:
+        try:
+            counts = [int(part) for part in partition.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) != pp or any(n < 1 for n in counts) or sum(counts) != num_layers:
+            raise ValidationError(f"pp_layer_partition must be {pp} positive layer counts, one per stage and comma "
+                                  f"separated, that sum to the model's {num_layers} layers", param="pp_layer_partition",
+                                  value=partition)
+    starts = [sum(counts[:i]) for i in range(pp)]
+    return [(start, start + n) for start, n in zip(starts, counts)]
 
 
 def divide(numerator: int, denominator: int) -> int:

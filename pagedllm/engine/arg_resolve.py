@@ -29,13 +29,13 @@ from pagedllm.config import (
     parse_memory,
 )
 from pagedllm.config.options import EngineOptions
-from pagedllm.distributed.parallel_state import shard_heads
+from pagedllm.distributed.parallel_state import layer_partition, shard_heads
 from pagedllm.errors import ValidationError
 from pagedllm.layers import cpu_ops
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.loader import load_arch_config, matryoshka_dimensions, quantized_formats, resolve_model_path
 from pagedllm.models.loader.sentence_transformers import read_sentence_transformers_config, read_task_prompts
-from pagedllm.models.registry import get_model_class
+from pagedllm.models.registry import get_model_class, supported_models
 from pagedllm.worker.extension import worker_class
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ def parallel_layout(args: EngineOptions) -> ParallelConfig:
     the rest against the model)."""
     return ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend=args.distributed_executor_backend,
+        pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
         data_parallel_size=args.data_parallel_size, data_parallel_backend=args.data_parallel_backend,
         data_parallel_routing=args.data_parallel_routing, data_parallel_restart=args.data_parallel_restart,
         worker_extension_cls=args.worker_extension_cls)
@@ -128,7 +129,37 @@ def parallel_config(args: EngineOptions, arch: ArchConfig) -> ParallelConfig:
         worker_class(parallel.worker_extension_cls)
     for rank in range(parallel.tensor_parallel_size):
         shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
+    if parallel.pipeline_parallel_size > 1:
+        check_pipeline(args, parallel, arch)
     return parallel
+
+
+def check_pipeline(args: EngineOptions, parallel: ParallelConfig, arch: ArchConfig) -> None:
+    """pipeline_parallel_size > 1: the model splits so (its stages' layers, ``layer_partition``), and nothing is
+    asked for that the stages do not run yet (each refused naming it)."""
+    pp = parallel.pipeline_parallel_size
+    _check_stage_architecture(arch, pp)
+    layer_partition(arch.num_layers, pp, parallel.pp_layer_partition)
+    refused = [("tensor_parallel_size", parallel.tensor_parallel_size != 1, "1 (stages of tensor-parallel groups "
+                "are not run yet)"),
+               ("distributed_executor_backend", parallel.distributed_executor_backend != "mp", "'mp'"),
+               ("device", platform.is_cuda(platform.resolve_device(args.device)), "'cpu'"),
+               ("speculative_config", args.speculative_config is not None, "None"),
+               ("enable_prompt_embeds", bool(args.enable_prompt_embeds), "false"),
+               ("runner", args.runner == "pooling", "'generate'")]
+    for name, asked, allowed in refused:
+        if asked:
+            raise ValidationError(f"{name} must be {allowed} with pipeline_parallel_size {pp} (not run in pipeline "
+                                  "stages yet)", param=name, value=getattr(args, name))
+
+
+def _check_stage_architecture(arch: ArchConfig, pp: int) -> None:
+    """The architecture runs in pipeline stages (models/registry.py), else a ValidationError naming those that do."""
+    models = supported_models()
+    if not getattr(models.get(arch.architecture), "pipeline_parallel", False):
+        able = ", ".join(name for name, entry in models.items() if entry.pipeline_parallel)
+        raise ValidationError(f"{arch.architecture} does not run in pipeline stages; the architectures that do: "
+                              f"{able}", param="pipeline_parallel_size", value=pp)
 
 
 def watermark_config(args: EngineOptions, speculative: SpeculativeConfig | None) -> WatermarkConfig | None:

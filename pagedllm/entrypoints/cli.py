@@ -40,7 +40,7 @@ def _generate(ns: argparse.Namespace) -> int:
 def _models(ns: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import supported_models
 
-    features = ("gguf", "tensor_parallel", "sliding_window", "moe", "lora")
+    features = ("gguf", "tensor_parallel", "pipeline_parallel", "sliding_window", "moe", "lora")
     print("| architecture | families | " + " | ".join(features) + " |")
     print("|---|---|" + "---|" * len(features))
     for name, entry in sorted(supported_models().items()):

@@ -1,11 +1,13 @@
-"""One worker process per tensor-parallel rank on this machine (``distributed_executor_backend="mp"``).
+"""One worker process per rank on this machine (``distributed_executor_backend="mp"``): tensor-parallel ranks, or
+pipeline stages (distributed/pipeline.py).
 
 Workers are started with spawn and join a gloo group through a TCP store on 127.0.0.1. Each
 step's SchedulerOutput is pickled once and the same bytes are written to every worker's pipe
 (pipes, not a shared-memory ring: measured in docs/BENCHMARKS.md, "Tensor parallelism"); only
-rank 0 answers a step. A worker that dies, raises or stops answering fails the engine with an
-error naming its rank, and every worker is stopped; a worker whose engine process is gone
-exits on its own (EOF on its pipe, and the kernel's parent-death signal).
+the rank that samples (rank 0; with pipeline stages, the last stage's first) answers a step. A
+worker that dies, raises or stops answering fails the engine with an error naming its rank, and
+every worker is stopped; a worker whose engine process is gone exits on its own (EOF on its
+pipe, and the kernel's parent-death signal).
 """
 from __future__ import annotations
 
@@ -63,17 +65,18 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
         from pagedllm.worker.worker import RankInfo  # the engine process itself loads no model code
         self._timeout = execute_timeout()  # read once: a step's deadline
-        tp = config.parallel.tensor_parallel_size
+        world = config.parallel.world_size
+        self._answering = config.parallel.answering_rank  # the rank that samples: the last pipeline stage's first
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         level = logging.getLogger("pagedllm").getEffectiveLevel()
         super().__init__()
         self._closing = False
         self.workers: list[_WorkerHandle] = []
-        for rank in range(tp):
+        for rank in range(world):
             cmd_read, cmd_write = ctx.Pipe(duplex=False)
             res_read, res_write = ctx.Pipe(duplex=False)
-            info = RankInfo(rank=rank, local_rank=rank, local_world_size=tp, distributed_init_method=init_method)
+            info = RankInfo(rank=rank, local_rank=rank, local_world_size=world, distributed_init_method=init_method)
             proc = ctx.Process(target=_worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
                                args=(config, arch, eos_token_ids, info, cmd_read, res_write, level))
             proc.start()
@@ -82,7 +85,7 @@ class MultiprocExecutor(Executor):
             self.workers.append(_WorkerHandle(rank, proc, cmd_write, res_read))
         self._finalizer = weakref.finalize(self, _stop_workers, self.workers)
         try:
-            self._collect(range(tp), STARTUP_TIMEOUT_S, "start")
+            self._collect(range(world), STARTUP_TIMEOUT_S, "start")
         except BaseException:
             self.shutdown()
             raise
@@ -97,7 +100,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast("execute_model", (scheduler_output,), reply=False)
-        return self._collect((0,), self._timeout, "execute_model")[0]
+        return self._collect((self._answering,), self._timeout, "execute_model")[self._answering]
 
     def shutdown(self) -> None:
         self._closing = True
@@ -197,7 +200,8 @@ def _kill_workers(workers: list[_WorkerHandle]) -> None:
 # ------------------------------------------------------------------- in the worker process
 def _worker_main(config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...], info: Any,
                  commands: Connection, results: Connection, log_level: int) -> None:
-    """A worker process: load this rank's shard, then run what the engine sends until told to stop."""
+    """A worker process: load this rank's shard, then run what the engine sends until told to stop (a step's
+    result sent by the answering rank alone)."""
     parent = mp.parent_process()
     _die_with_parent(parent.pid if parent is not None else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine decides
@@ -222,7 +226,7 @@ def _worker_main(config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[in
             except BaseException:
                 results.send(("error", traceback.format_exc()))
                 continue
-            if reply or info.rank == 0:
+            if reply or info.rank == config.parallel.answering_rank:
                 results.send(("ok", value))
     finally:
         worker.shutdown()

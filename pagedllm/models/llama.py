@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from pagedllm.attention.layer import Attention
+from pagedllm.distributed.parallel_state import get_pp_stage
+from pagedllm.distributed.pipeline import recv_from_previous_stage, send_to_next_stage
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -20,6 +22,7 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ArchConfig
 from pagedllm.models.cpu_stack import CpuDecoderStack
+from pagedllm.models.pipeline import PPMissingLayer
 from pagedllm.models.weights import load_into
 
 # checkpoint name part -> (packed module name part, shard id)
@@ -122,13 +125,20 @@ class LlamaModel(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_position: int) -> None:
+        """At pipeline_parallel_size > 1, only this stage's layers (models/pipeline.py)."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.stage = stage = get_pp_stage()
+        first, last = stage is None or stage.is_first, stage is None or stage.is_last
+        start, end = (0, cfg.num_layers) if stage is None else (stage.start, stage.end)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype) if first else \
+            PPMissingLayer()
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(self.layer_cls(cfg, rotary, dtype, self.make_mlp(cfg, dtype, index), index)
-                                    for index in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self._stack: CpuDecoderStack | None | bool = False  # False: not built yet (weights and caches come later)
+                                    if start <= index < end else PPMissingLayer() for index in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else PPMissingLayer()
+        self.width, self.dtype = cfg.hidden_size, dtype
+        # False: not built yet (weights and caches come later); a stage runs its layers one by one
+        self._stack: CpuDecoderStack | None | bool = False if stage is None else None
 
     def caches_bound(self) -> None:
         """The KV caches were (re)allocated (start-up, a wake-up after sleep): the compiled stack, which holds their
@@ -146,6 +156,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if self.stage is not None:
+            return self._stage_forward(input_ids, positions, inputs_embeds)
         if self._stack is False:
             self._stack = CpuDecoderStack.build(self)
         hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
@@ -154,6 +166,25 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """This pipeline stage's layers: from the embeddings (the first stage) or the previous stage's hidden
+        states and residual; to the next stage (what is returned then is not used), or through the final norm
+        (the last stage)."""
+        stage = self.stage
+        if stage.is_first:
+            hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        else:
+            hidden, residual = recv_from_previous_stage(positions.shape[0], self.width, self.dtype)
+        for layer in self.layers[stage.start:stage.end]:
+            hidden, residual = layer(positions, hidden, residual)
+        if not stage.is_last:
+            send_to_next_stage(hidden, residual)
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -167,8 +198,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = self.model_cls(cfg, dtype, max(max_position, cfg.max_position_embeddings))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
-        if cfg.tie_word_embeddings:
+        self.stage = stage = get_pp_stage()
+        # a pipeline's last stage holds the head alone: a tied one is loaded from the embedding table's tensor
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype) if stage is None or stage.is_last \
+            else PPMissingLayer()
+        if cfg.tie_word_embeddings and stage is None:
             self.lm_head.tie(self.model.embed_tokens)
 
     supports_prompt_embeds = True
@@ -197,15 +231,18 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; every parameter must be filled exactly once."""
         tied = self.config.tie_word_embeddings
+        head_of_stage = tied and self.stage is not None and self.stage.is_last
 
         def targets() -> Iterable[tuple[str, torch.Tensor, object]]:
             for name, tensor in weights:
                 if "rotary_emb.inv_freq" in name or (name.startswith("lm_head") and tied):
                     continue
+                if head_of_stage and name == "model.embed_tokens.weight":
+                    name = "lm_head.weight"  # (the table itself is the first stage's)
                 target, shard = _target(name)
                 yield target, tensor, shard
 
-        load_into(self, targets(), may_be_missing=["lm_head.weight"] if tied else [])
+        load_into(self, targets(), may_be_missing=["lm_head.weight"] if tied and not head_of_stage else [])
 
 
 class LlamaForSequenceClassification(nn.Module):

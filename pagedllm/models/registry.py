@@ -21,6 +21,8 @@ class ModelEntry:
     gguf: bool = False
     """Loads from llama.cpp's GGUF files too."""
     tensor_parallel: bool = True
+    pipeline_parallel: bool = False
+    """Runs split into pipeline stages (pipeline_parallel_size > 1)."""
     sliding_window: bool = False
     """Sliding-window attention (paged: blocks outside the window are freed)."""
     moe: bool = False
@@ -32,16 +34,16 @@ _LLAMA = "pagedllm.models.llama:LlamaForCausalLM"
 _LLAMA_CLS = "pagedllm.models.llama:LlamaForSequenceClassification"
 _BERT = "pagedllm.models.bert"
 _MODELS: dict[str, ModelEntry] = {
-    "LlamaForCausalLM": ModelEntry(_LLAMA, "Llama 2/3, SmolLM2", gguf=True, lora=True),
-    "MistralForCausalLM": ModelEntry(_LLAMA, "Mistral", sliding_window=True, lora=True),
-    "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2, Qwen2.5", gguf=True, lora=True),
-    "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3", gguf=True, lora=True),
+    "LlamaForCausalLM": ModelEntry(_LLAMA, "Llama 2/3, SmolLM2", gguf=True, lora=True, pipeline_parallel=True),
+    "MistralForCausalLM": ModelEntry(_LLAMA, "Mistral", sliding_window=True, lora=True, pipeline_parallel=True),
+    "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2, Qwen2.5", gguf=True, lora=True, pipeline_parallel=True),
+    "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3", gguf=True, lora=True, pipeline_parallel=True),
     "Phi3ForCausalLM": ModelEntry("pagedllm.models.phi3:Phi3ForCausalLM", "Phi-3 (LongRoPE)", gguf=True,
-                                  sliding_window=True, lora=True),
+                                  sliding_window=True, lora=True, pipeline_parallel=True),
     "MixtralForCausalLM": ModelEntry("pagedllm.models.mixtral:MixtralForCausalLM", "Mixtral", gguf=True, moe=True,
-                                     lora=True),
+                                     lora=True, pipeline_parallel=True),
     "Qwen2MoeForCausalLM": ModelEntry("pagedllm.models.qwen2_moe:Qwen2MoeForCausalLM", "Qwen1.5-MoE, Qwen2-MoE",
-                                      gguf=True, moe=True, lora=True),
+                                      gguf=True, moe=True, lora=True, pipeline_parallel=True),
     "Gemma2ForCausalLM": ModelEntry("pagedllm.models.gemma2:Gemma2ForCausalLM", "Gemma 2", gguf=True,
                                     sliding_window=True),
     "Gemma3ForCausalLM": ModelEntry("pagedllm.models.gemma2:Gemma2ForCausalLM", "Gemma 3 (text-only)",

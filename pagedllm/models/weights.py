@@ -11,12 +11,17 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, objec
               may_be_missing: Iterable[str] = ()) -> None:
     """Copy each (parameter name, tensor, shard id) into the model (through the parameter's
     ``weight_loader`` when it has one: tensor-parallel slices, packed projections); every parameter
-    must be filled exactly once, except ``may_be_missing`` (e.g. a tied LM head)."""
+    must be filled exactly once, except ``may_be_missing`` (e.g. a tied LM head). A tensor of a module another
+    pipeline stage holds is skipped (models/pipeline.py)."""
     from pagedllm.layers.quant import QuantTensor
+    from pagedllm.models.pipeline import held_elsewhere, missing_prefixes
 
     params = dict(model.named_parameters())
     unfilled = set(params)
+    elsewhere = missing_prefixes(model)
     for name, tensor, shard in weights:
+        if elsewhere and name not in params and held_elsewhere(name, elsewhere):
+            continue
         assert name in params, f"checkpoint tensor {name} has no parameter in the model"
         param = params[name]
         if isinstance(tensor, QuantTensor) and not getattr(param, "takes_quantized", False):

@@ -28,11 +28,12 @@ GIB = 1024**3
 
 
 def kv_block_bytes(arch: ArchConfig, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype,
-                   draft: ArchConfig | None = None) -> int:
+                   draft: ArchConfig | None = None, num_layers: int | None = None) -> int:
     """Bytes of one KV block of one rank holding ``num_kv_heads`` of the model's KV heads (K and V of every
-    layer; an int8 cache's scales included), a draft model's layers included (its K/V sit in the same blocks,
-    all its heads on every rank)."""
-    total = 2 * arch.num_layers * num_kv_heads * kv_quant.head_block_bytes(block_size, arch.head_dim, kv_dtype)
+    layer, or of ``num_layers``: a pipeline stage's; an int8 cache's scales included), a draft model's layers
+    included (its K/V sit in the same blocks, all its heads on every rank)."""
+    layers = arch.num_layers if num_layers is None else num_layers
+    total = 2 * layers * num_kv_heads * kv_quant.head_block_bytes(block_size, arch.head_dim, kv_dtype)
     if draft is not None:
         total += 2 * draft.num_layers * draft.num_kv_heads * kv_quant.head_block_bytes(block_size, draft.head_dim,
                                                                                       kv_dtype)

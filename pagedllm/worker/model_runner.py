@@ -25,6 +25,8 @@ from pagedllm.attention.base import AttentionBackend, StepInputs
 from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import ForkedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.distributed.parallel_state import get_pp_stage
+from pagedllm.distributed.pipeline import share_from_last_stage
 from pagedllm.layers.sampler import Sampler, gather_token_logprobs
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
@@ -98,6 +100,8 @@ class ModelRunner:
         self.host_kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         """Captured decode graphs (capture_model), or None: every step eager."""
+        self.stage = get_pp_stage()
+        """This worker's pipeline stage (None: the whole model here): only the last one samples."""
 
     def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype, num_host_blocks: int = 0) -> None:
         """Allocate one (2, num_blocks, kv_heads, block_size, head_dim) tensor of ``dtype`` per layer (int8:
@@ -170,9 +174,21 @@ class ModelRunner:
 
     def _run(self, out: SchedulerOutput, failures: StepFailures) -> ModelRunnerOutput:
         """A generating step: inputs prepared, the forward pass, the prompt rows' logprobs, then a sample per request
-        that needs one (and the drafts proposed after it)."""
+        that needs one (and the drafts proposed after it). A pipeline stage other than the last takes the tokens
+        the last one sampled and shares (``_follow_last_stage``); only the last stage's answer reaches the
+        scheduler."""
         batch = self._prepare_inputs(out)
         hidden = self._forward(batch)
+        if self.stage is not None and not self.stage.is_last:
+            return self._follow_last_stage(batch)
+        result = self._score_and_sample(out, batch, hidden, failures)
+        if self.stage is not None:  # the other stages' request states take the tokens too
+            share_from_last_stage([(r, t) for r, t in zip(result.req_ids, result.sampled_token_ids) if t])
+        return result
+
+    def _score_and_sample(self, out: SchedulerOutput, batch: _StepBatch, hidden: torch.Tensor,
+                          failures: StepFailures) -> ModelRunnerOutput:
+        """After the forward pass: the prompt rows' logprobs, then the samples (``_sample_step``)."""
         states = batch.states
         scored = ({}, {}) if not any(s.sampling_params.scores_prompt for s in states) else \
             self._prompt_logprobs(states, batch.counts, batch.inputs.query_start_loc, hidden)
@@ -184,6 +200,19 @@ class ModelRunner:
             result = self._sample_step(out, batch, hidden, failures)
         result.prompt_logprobs, result.prompt_id_scores = scored
         return result
+
+    def _follow_last_stage(self, batch: _StepBatch) -> ModelRunnerOutput:
+        """A pipeline stage's step after its layers ran: the tokens the last stage sampled, taken into the request
+        states as if sampled here (the next step's input ids come from them)."""
+        count_computed(batch)
+        sampled = share_from_last_stage(None)
+        for req_id, tokens in sampled:
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.token_ids.extend(tokens)
+                state.num_computed_tokens = len(state.token_ids) - 1
+        return ModelRunnerOutput(req_ids=[r for r, _ in sampled], sampled_token_ids=[t for _, t in sampled],
+                                 logprobs=[None] * len(sampled))
 
     def _prepare_inputs(self, out: SchedulerOutput) -> _StepBatch:
         """The scheduled requests in the order the backend wants, their flat inputs, the rows of each LoRA
@@ -311,10 +340,9 @@ class ModelRunner:
 
     def _prompt_logprobs(self, states: list[CachedRequestState], counts: list[int], starts: torch.Tensor,
                          hidden: torch.Tensor) -> tuple[dict, dict]:
-        """For requests that score their prompt: the log-probabilities of the prompt tokens this step's rows predict
-        (row at position p scores prompt token p + 1; from prompt_logprob_start on), with the top-N of each
-        (prompt_logprobs: {request: (first token scored, entries)}), and of each row's prompt_logprob_token_ids
-        ({request: (first scored row, scores)})."""
+        """For requests that score their prompt, the rows this step predicts (row p scores prompt token p + 1; from
+        prompt_logprob_start on): ({request: (first token scored, prompt_logprobs' entries)}, {request: (first
+        scored row, its prompt_logprob_token_ids' scores)})."""
         found: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         id_found: dict[str, tuple[int, list[list[float]]]] = {}
         for i, (state, n) in enumerate(zip(states, counts)):

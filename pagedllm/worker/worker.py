@@ -14,9 +14,15 @@ from tqdm.auto import tqdm
 from pagedllm import platform
 from pagedllm.attention import kv_quant
 from pagedllm.attention.base import AttentionBackend, get_attention_backend, resolve_backend_name
-from pagedllm.config import EngineConfig, default_kv_budget
+from pagedllm.config import EngineConfig, ParallelConfig, default_kv_budget
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.distributed.parallel_state import destroy_distributed, init_distributed, shard_heads
+from pagedllm.distributed.parallel_state import (
+    destroy_distributed,
+    get_pp_stage,
+    init_distributed,
+    layer_partition,
+    shard_heads,
+)
 from pagedllm.errors import ValidationError
 from pagedllm.layers.custom_op import bind_ops
 from pagedllm.layers.norm import GemmaRMSNorm
@@ -46,10 +52,11 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RankInfo:
-    """Where a worker sits among the tensor-parallel ranks (plain data: executors send it)."""
+    """Where a worker sits among the ranks (plain data: executors send it)."""
 
     rank: int = 0
-    """Its rank in the group (0 returns the sampled tokens)."""
+    """Its rank in the group: pipeline stage x tensor_parallel_size + its tensor-parallel rank
+    (ParallelConfig.answering_rank returns the sampled tokens)."""
     local_rank: int = 0
     """Its index among the ranks on the same machine (picks its cores)."""
     local_world_size: int = 1
@@ -95,18 +102,19 @@ class Worker:
         on_gpu = platform.is_cuda(config.device.device)
         self.device = _claim_device(on_gpu, info.local_rank)
         tp = config.parallel.tensor_parallel_size
-        if tp > 1:
-            self._join_group(tp, on_gpu)
-        self.num_kv_heads = shard_heads(self.arch.num_heads, self.arch.num_kv_heads, tp, info.rank).num_kv_heads
+        if config.parallel.world_size > 1:
+            self._join_group(config.parallel, on_gpu)
+        self.num_kv_heads = shard_heads(self.arch.num_heads, self.arch.num_kv_heads, tp, info.rank % tp).num_kv_heads
         backend = get_attention_backend(resolve_backend_name(config.device.attention_backend, config.device.device))
         self.kv_dtype = _kv_dtype(config.cache.cache_dtype, self.dtype, backend, on_gpu)
         if info.rank == 0:
             logger.info("%s; attention backend %s", platform.describe(config.model.dtype), backend.name)
         self.backend = backend
 
-    def _join_group(self, tp: int, on_gpu: bool) -> None:
-        """A tensor-parallel rank: pinned to its share of the cores (on the CPU, before torch starts its thread
-        pools: they inherit the affinity), then in the process group (gloo; NCCL on GPUs)."""
+    def _join_group(self, parallel: ParallelConfig, on_gpu: bool) -> None:
+        """A tensor-parallel rank or pipeline stage: pinned to its share of the cores (on the CPU, before torch
+        starts its thread pools: they inherit the affinity), then in the process group (gloo; NCCL on GPUs), with its
+        stage's layers at pipeline_parallel_size > 1."""
         info = self.rank_info
         if not on_gpu:
             self.cores = rank_cores(info.local_rank, info.local_world_size)
@@ -114,8 +122,10 @@ class Worker:
             os.sched_setaffinity(0, self.cores)
             torch.set_num_threads(len(self.cores))
         assert info.distributed_init_method is not None, "a tensor-parallel worker needs rank 0's address"
-        init_distributed(info.rank, tp, info.distributed_init_method, info.local_world_size,
-                         backend="nccl" if on_gpu else "gloo")
+        pp = parallel.pipeline_parallel_size
+        stages = None if pp == 1 else layer_partition(self.arch.num_layers, pp, parallel.pp_layer_partition)
+        init_distributed(info.rank, parallel.world_size, info.distributed_init_method, info.local_world_size,
+                         backend="nccl" if on_gpu else "gloo", stages=stages)
 
     def load_model(self) -> None:
         """Load the weights (and a draft model's), process them, and make the model runner around them."""
@@ -182,8 +192,10 @@ class Worker:
     def kv_block_bytes(self) -> int:
         """Bytes of one block across all layers (K and V; an int8 cache's scales included), a draft model's
         layers included (its K/V sit in the same blocks)."""
+        stage = get_pp_stage()
+        layers = None if stage is None else stage.end - stage.start  # a pipeline stage's: its own layers'
         return kv_block_bytes(self.arch, self.num_kv_heads, self.config.cache.block_size, self.kv_dtype,
-                              self.draft_arch)
+                              self.draft_arch, layers)
 
     def determine_num_kv_blocks(self) -> int:
         """num_kv_blocks if given, else kv_cache_memory (or the default) / bytes per block.
@@ -241,8 +253,8 @@ class Worker:
         assert self.model_runner is not None, "load_model comes before initialize_cache"
         self._kv_blocks = (num_blocks, num_host_blocks)
         self.model_runner.initialize_kv_cache(num_blocks, self.kv_dtype, num_host_blocks)
-        tp = self.config.parallel.tensor_parallel_size
-        where = "" if tp == 1 else f"rank {self.rank_info.rank}/{tp} (pid {os.getpid()}): "
+        world = self.config.parallel.world_size
+        where = "" if world == 1 else f"rank {self.rank_info.rank}/{world} (pid {os.getpid()}): "
         cores = "" if self.cores is None else f" on cores {_core_ranges(self.cores)}"
         logger.info("%sdevice %s, %d threads%s; KV cache %d blocks of %d tokens, %d KV heads, %s (%.2f GiB)", where,
                     self.device, torch.get_num_threads(), cores, num_blocks, self.config.cache.block_size,
