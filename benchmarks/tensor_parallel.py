@@ -8,7 +8,7 @@ runs a shape of benchmarks/big_models.py (smollm2-1.7b, llama-8b) with load_form
 default model's tokenizer are written once under ~/.cache/pagedllm-bench/<shape>/config-only.
 
     .venv/bin/python benchmarks/tensor_parallel.py --num-prompts 64 --rounds 2 [--dtype auto]
-        [--configs tp=1 "tp=2 mp" "tp=2 ray" "tp=2 mp gloo" "pp=2 mp"]
+        [--configs tp=1 "tp=2 mp" "tp=2 ray" "tp=2 mp gloo" "pp=2 mp" "pp=2 tp=2 mp"]
     .venv/bin/python benchmarks/tensor_parallel.py --shape smollm2-1.7b --num-prompts 16 --latency \
         --configs tp=1 "tp=2 mp" "pp=2 mp"
 """
@@ -27,7 +27,8 @@ TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend"]
 #: name -> (flags, environment overrides)
 CONFIGS = {"tp=1": ([], {}), "tp=2 mp": ([*TP2, "mp"], {}), "tp=2 ray": ([*TP2, "ray"], {}),
            "tp=2 mp gloo": ([*TP2, "mp"], {"PAGEDLLM_CPU_SHM_ALLREDUCE": "0"}),  # collectives over gloo's TCP
-           "pp=2 mp": (["--pipeline-parallel-size", "2"], {})}
+           "pp=2 mp": (["--pipeline-parallel-size", "2"], {}),
+           "pp=2 tp=2 mp": (["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"], {})}
 
 
 def shape_folder(shape: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pagedllm.distributed.parallel_state import get_shm_communicator, get_tp_world_size
+from pagedllm.distributed.parallel_state import get_shm_communicator, get_tp_group, get_tp_world_size
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -14,7 +14,7 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     shm = get_shm_communicator()
     if shm is not None:
         return shm.all_reduce(x)
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=get_tp_group())
     return x
 
 
@@ -27,5 +27,5 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     if shm is not None:
         return shm.all_gather(x, dim)
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=get_tp_group())
     return torch.cat(parts, dim=dim)

@@ -41,6 +41,8 @@ class PipelineStage:
 _pp: PipelineStage | None = None
 """Set by ``init_distributed`` at pipeline_parallel_size > 1 (None: the whole model here)."""
 _tp_size = 1
+_tp_group: dist.ProcessGroup | None = None
+"""This stage's tensor-parallel group (None: the default group, every rank: no pipeline)."""
 
 
 def get_tp_world_size() -> int:
@@ -51,6 +53,11 @@ def get_tp_world_size() -> int:
 def get_tp_rank() -> int:
     """This process's rank among them."""
     return dist.get_rank() % _tp_size if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_tp_group() -> dist.ProcessGroup | None:
+    """The group the tensor-parallel collectives run in (None: the default group)."""
+    return _tp_group
 
 
 def get_pp_stage() -> PipelineStage | None:
@@ -68,15 +75,18 @@ def init_distributed(rank: int, world_size: int, init_method: str, local_world_s
     When all the ranks of a tensor-parallel group are on this machine (``local_world_size``), its collectives go
     through shared memory (distributed/shm_comm.py) instead of gloo's TCP.
     """
-    global _shm, _pp, _tp_size
+    global _shm, _pp, _tp_size, _tp_group
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     _tp_size = world_size // len(stages) if stages else world_size
+    first = rank - rank % _tp_size  # this tensor-parallel group's first global rank
     if stages:
-        stage = rank // _tp_size
-        _pp = PipelineStage(stage, len(stages), *stages[stage])
-    if backend == "gloo" and _pp is None and shm_usable(world_size, local_world_size):  # CPU tensors only
-        _shm = ShmCommunicator(rank, world_size)
+        _pp = PipelineStage(rank // _tp_size, len(stages), *stages[rank // _tp_size])
+        if _tp_size > 1:  # every rank makes every group, in the same order (torch's rule)
+            groups = [dist.new_group(list(range(s * _tp_size, (s + 1) * _tp_size))) for s in range(len(stages))]
+            _tp_group = groups[_pp.rank]
+    if backend == "gloo" and _tp_size > 1 and local_world_size == world_size and shm_usable(_tp_size, _tp_size):
+        _shm = ShmCommunicator(rank - first, _tp_size, _tp_group, first)  # CPU tensors only, one machine
 
 
 def get_shm_communicator() -> ShmCommunicator | None:
@@ -86,8 +96,8 @@ def get_shm_communicator() -> ShmCommunicator | None:
 
 def destroy_distributed() -> None:
     """Leave the group (no-op when there is none)."""
-    global _shm, _pp, _tp_size
-    _pp, _tp_size = None, 1
+    global _shm, _pp, _tp_size, _tp_group
+    _pp, _tp_size, _tp_group = None, 1, None
     if _shm is not None:
         _shm.close()
         _shm = None

@@ -41,7 +41,9 @@ def shm_usable(world_size: int, local_world_size: int) -> bool:
 class ShmCommunicator:
     """The shared buffer of one tensor-parallel group (every rank constructs it, collectively)."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None = None, first: int = 0) -> None:
+        """``rank`` of ``world_size``: this process's place in its group (``group``: None, the default one; else a
+        pipeline stage's tensor-parallel group, whose first global rank is ``first``)."""
         self.rank, self.world = rank, world_size
         flags_bytes = world_size * _FLAG_STRIDE * 8
         size = flags_bytes + 2 * world_size * SLOT_BYTES
@@ -49,14 +51,14 @@ class ShmCommunicator:
         if rank == 0:
             fd = os.open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, size)
-        dist.broadcast_object_list(name, src=0)
+        dist.broadcast_object_list(name, src=first, group=group)
         if rank != 0:
             fd = os.open(name[0], os.O_RDWR)
         try:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        dist.barrier()  # every rank has it mapped: the name can go
+        dist.barrier(group=group)  # every rank has it mapped: the name can go
         if rank == 0:
             os.unlink(name[0])
         self.flags = np.frombuffer(self._map, dtype=np.int64, count=world_size * _FLAG_STRIDE)[::_FLAG_STRIDE]

@@ -115,14 +115,14 @@ class Worker:
         """A tensor-parallel rank or pipeline stage: pinned to its share of the cores (on the CPU, before torch
         starts its thread pools: they inherit the affinity), then in the process group (gloo; NCCL on GPUs), with its
         stage's layers at pipeline_parallel_size > 1."""
-        info = self.rank_info
-        if not on_gpu:
-            self.cores = rank_cores(info.local_rank, info.local_world_size)
+        info, pp, tp = self.rank_info, parallel.pipeline_parallel_size, parallel.tensor_parallel_size
+        if not on_gpu:  # pipeline stages share the cores (one runs at a time): 53.7 -> 96.1 tok/s at pp=2, 2 cores
+            self.cores = rank_cores(info.local_rank % tp, max(1, info.local_world_size // pp)) if pp > 1 else \
+                rank_cores(info.local_rank, info.local_world_size)
         if self.cores is not None:
             os.sched_setaffinity(0, self.cores)
             torch.set_num_threads(len(self.cores))
         assert info.distributed_init_method is not None, "a tensor-parallel worker needs rank 0's address"
-        pp = parallel.pipeline_parallel_size
         stages = None if pp == 1 else layer_partition(self.arch.num_layers, pp, parallel.pp_layer_partition)
         init_distributed(info.rank, parallel.world_size, info.distributed_init_method, info.local_world_size,
                          backend="nccl" if on_gpu else "gloo", stages=stages)

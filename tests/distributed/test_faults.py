@@ -102,16 +102,18 @@ def _assert_gone(procs: list[psutil.Process]) -> None:
     assert not left, [(p.pid, p.name()) for p in left]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_killed_worker_fails_the_server(tiny_llm_dir: Path, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "layout"), [*((b, "tensor") for b in BACKENDS), ("mp", "pipeline")])
+def test_killed_worker_fails_the_server(tiny_llm_dir: Path, backend: str, layout: str) -> None:
+    """Two ranks, or two pipeline stages (the first one killed: the last waits on it for hidden states)."""
     shm_before = shm_segments()
-    srv = RemoteServer(tiny_llm_dir, "--tensor-parallel-size", "2", "--distributed-executor-backend", backend)
+    srv = RemoteServer(tiny_llm_dir, f"--{layout}-parallel-size", "2", "--distributed-executor-backend", backend)
     try:
-        workers = _workers(srv.proc.pid, backend)
+        workers = sorted(_workers(srv.proc.pid, backend), key=lambda p: p.create_time())
         assert len(workers) == 2, workers
         everything = psutil.Process(srv.proc.pid).children(recursive=True)
-        victim = workers[-1].pid
-        dead = kill_under_load(srv, workers[-1])
+        target = workers[0] if layout == "pipeline" else workers[-1]
+        victim = target.pid
+        dead = kill_under_load(srv, target)
         output, errors, killed_at = dead.output, dead.errors, dead.killed_at
         assert dead.code != 0, output
         assert 503 in dead.health, (dead.health, output)

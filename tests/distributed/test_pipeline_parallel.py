@@ -55,6 +55,20 @@ def test_pp2_matches_pp1(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, referen
     assert [shape[1] for rank in llm.collective_rpc("kv_cache_shapes") for shape in rank] == [20, 20]
 
 
+def test_stages_of_two_tensor_parallel_ranks(tp_llm: Callable[..., LLM], tiny_llm_dir: Path,
+                                             reference: dict) -> None:
+    """pipeline_parallel_size 2 x tensor_parallel_size 2: four workers, each stage a tensor-parallel group (its own
+    collectives: shared memory within the group), each rank half of its stage's KV heads."""
+    llm = tp_llm(tiny_llm_dir, pipeline_parallel_size=2, tensor_parallel_size=2, max_num_batched_tokens=32,
+                 **SMALL_POOL)
+    got = _run(llm)
+    for key in ("greedy", "shared", "sampled", "beams"):
+        assert got[key] == reference[key], key
+    assert llm.collective_rpc("kv_cache_shapes") == [[(2, 20, 1, 16, 16)]] * 4  # 1 layer, 1 of 2 KV heads each
+    tokens = llm.collective_rpc("request_token_ids")
+    assert all(rank == tokens[0] for rank in tokens)
+
+
 @pytest.mark.parametrize(("pp", "partition", "layers"),
                          [(2, None, [3, 2]), (2, "1,4", [1, 4]), (3, "2,2,1", [2, 2, 1])])
 def test_stages_hold_their_layers(tp_llm: Callable[..., LLM], deep_model: Path, pp: int, partition: str | None,
@@ -113,7 +127,6 @@ def test_aborted_requests_leave_every_stage(tp_llm: Callable[..., LLM], tiny_llm
     (dict(pipeline_parallel_size=2, pp_layer_partition="2,0"), "pp_layer_partition"),
     (dict(pipeline_parallel_size=2, pp_layer_partition="1,x"), "pp_layer_partition"),
     (dict(pp_layer_partition="1,1"), "pp_layer_partition"),  # (no pipeline)
-    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"), "distributed_executor_backend"),
     (dict(pipeline_parallel_size=2, distributed_executor_backend="ray"), "distributed_executor_backend"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram"}), "speculative_config"),
