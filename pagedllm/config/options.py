@@ -83,8 +83,8 @@ class EngineOptions:
     """Ranks per layer (each holds its share of the heads, MLP columns and vocabulary, and of the KV cache)."""
     pipeline_parallel_size: int = 1
     """Pipeline stages (vLLM's --pipeline-parallel-size): the layers split into this many stages, each a worker
-    holding its layers' weights and KV cache (a model bigger than one worker may hold); mp executor, Llama-family
-    models."""
+    holding its layers' weights and KV cache (a model bigger than one worker may hold); mp or ray executor,
+    Llama-family models."""
     pp_layer_partition: str | None = None
     """Layers per pipeline stage, comma separated ("14,16"; vLLM's VLLM_PP_LAYER_PARTITION); default: an even split
     (the first stages one longer)."""

@@ -53,6 +53,9 @@ class RayCluster:
         self.local = False
         """The cluster is one this process started, on 127.0.0.1."""
         self.placement_group: Any = None
+        self._environ: dict[str, str] | None = None
+        """The process's environment before it connected: ray.init adds to it (a local cluster's RAY_AUTH_MODE=token,
+        ...), which a later connection in this process would inherit; close puts it back."""
         if not ray.is_initialized():
             self._connect(sum(b.get("CPU", 0.0) for b in bundles))
         try:
@@ -67,6 +70,7 @@ class RayCluster:
             raise
 
     def _connect(self, cpus: float) -> None:
+        self._environ = dict(os.environ)
         address = envs.RAY_ADDRESS.read()
         if address:
             logger.info("joining the Ray cluster at %s", address)
@@ -93,3 +97,7 @@ class RayCluster:
         if self.connected:
             self.connected = False
             self.ray.shutdown()
+        if self._environ is not None:
+            for key in set(os.environ) - set(self._environ):
+                del os.environ[key]
+            self._environ = None

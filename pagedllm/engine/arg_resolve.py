@@ -140,8 +140,7 @@ def check_pipeline(args: EngineOptions, parallel: ParallelConfig, arch: ArchConf
     pp = parallel.pipeline_parallel_size
     _check_stage_architecture(arch, pp)
     layer_partition(arch.num_layers, pp, parallel.pp_layer_partition)
-    refused = [("distributed_executor_backend", parallel.distributed_executor_backend != "mp", "'mp'"),
-               ("device", platform.is_cuda(platform.resolve_device(args.device)), "'cpu'"),
+    refused = [("device", platform.is_cuda(platform.resolve_device(args.device)), "'cpu'"),
                ("speculative_config", args.speculative_config is not None, "None"),
                ("enable_prompt_embeds", bool(args.enable_prompt_embeds), "false"),
                ("runner", args.runner == "pooling", "'generate'")]

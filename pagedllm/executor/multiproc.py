@@ -65,7 +65,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
         from pagedllm.worker.worker import RankInfo  # the engine process itself loads no model code
         self._timeout = execute_timeout()  # read once: a step's deadline
-        world = config.parallel.world_size
+        world, tp = config.parallel.world_size, config.parallel.tensor_parallel_size
         self._answering = config.parallel.answering_rank  # the rank that samples: the last pipeline stage's first
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -76,7 +76,8 @@ class MultiprocExecutor(Executor):
         for rank in range(world):
             cmd_read, cmd_write = ctx.Pipe(duplex=False)
             res_read, res_write = ctx.Pipe(duplex=False)
-            info = RankInfo(rank=rank, local_rank=rank, local_world_size=world, distributed_init_method=init_method)
+            info = RankInfo(rank=rank, local_rank=rank, local_world_size=world, distributed_init_method=init_method,
+                            core_share=(rank % tp, tp))  # (a stage's ranks split the cores; stages share them)
             proc = ctx.Process(target=_worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
                                args=(config, arch, eos_token_ids, info, cmd_read, res_write, level))
             proc.start()

@@ -1,4 +1,5 @@
-"""One Ray actor per tensor-parallel rank, on any number of machines (``distributed_executor_backend="ray"``).
+"""One Ray actor per rank (tensor-parallel ranks, pipeline stages), on any number of machines
+(``distributed_executor_backend="ray"``).
 
 The actors run the same ``Worker`` as the multiprocess executor. They are placed by a placement
 group with one bundle per rank (``PAGEDLLM_RAY_PLACEMENT_STRATEGY``: PACK by default, SPREAD or
@@ -40,6 +41,8 @@ class RayWorker:
     def __init__(self, log_level: int) -> None:
         self.worker: Any = None
         self.rank = -1
+        self.answers = False
+        """It is the rank whose step results the scheduler takes (ParallelConfig.answering_rank)."""
         self.log_level = log_level
 
     def node(self) -> tuple[str, str, int]:
@@ -59,12 +62,13 @@ class RayWorker:
         from pagedllm.worker.extension import make_worker
         setup_worker_logging(info.rank, self.log_level)
         self.rank = info.rank
+        self.answers = info.rank == config.parallel.answering_rank
         self.worker = make_worker(config, arch, eos_token_ids, info)
 
     def execute_method(self, method: str, reply: bool, args: bytes) -> Any:
-        """Run ``Worker.<method>(*pickle.loads(args))``; rank 0 (or every rank with ``reply``) answers."""
+        """Run ``Worker.<method>(*pickle.loads(args))``; the answering rank (or every rank with ``reply``) answers."""
         value = getattr(self.worker, method)(*pickle.loads(args))
-        return value if reply or self.rank == 0 else None
+        return value if reply or self.answers else None
 
     def watch(self) -> None:
         """Never returns while the actor lives: the engine's monitor learns of its death through it."""
@@ -76,7 +80,8 @@ class RayDistributedExecutor(Executor):
 
     def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
         from pagedllm.worker.worker import RankInfo
-        tp = config.parallel.tensor_parallel_size
+        world, tp = config.parallel.world_size, config.parallel.tensor_parallel_size
+        self._answering = config.parallel.answering_rank
         strategy = envs.RAY_PLACEMENT_STRATEGY.read()
         self._timeout = execute_timeout()  # read once: a step's deadline
         super().__init__()
@@ -84,8 +89,8 @@ class RayDistributedExecutor(Executor):
         self.actors: list[Any] = []
         self.pids: list[int] = []  # of each rank's actor process
         self.node_ids: list[str] = []  # of each rank's Ray node
-        self.cluster = RayCluster("distributed_executor_backend", [{"CPU": 1.0} for _ in range(tp)], strategy,
-                                  f"{tp} bundles of 1 CPU ({strategy})", WorkerError)
+        self.cluster = RayCluster("distributed_executor_backend", [{"CPU": 1.0} for _ in range(world)], strategy,
+                                  f"{world} bundles of 1 CPU ({strategy})", WorkerError)
         ray = self.ray = self.cluster.ray
         try:
             env = forwarded_env()
@@ -93,7 +98,7 @@ class RayDistributedExecutor(Executor):
             level = logging.getLogger("pagedllm").getEffectiveLevel()
             self.actors = [actor_cls.options(
                 scheduling_strategy=self.cluster.bundle(rank), runtime_env={"env_vars": env}).remote(level)
-                for rank in range(tp)]
+                for rank in range(world)]
             nodes = ray.get([a.node.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
             self.pids = [pid for _, _, pid in nodes]
             port = ray.get(self.actors[0].free_port.remote())
@@ -101,8 +106,10 @@ class RayDistributedExecutor(Executor):
             infos = []
             for rank, (node_id, _, _) in enumerate(nodes):
                 same = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
+                at_once = [r for r in same if r // tp == rank // tp]  # its stage's ranks here split the cores
                 infos.append(RankInfo(rank=rank, local_rank=same.index(rank), local_world_size=len(same),
-                                      distributed_init_method=init_method))
+                                      distributed_init_method=init_method,
+                                      core_share=(at_once.index(rank), len(at_once))))
             logger.info("Ray actors: %s", ", ".join(f"rank {r} on {ip} (pid {pid})"
                                                     for r, (_, ip, pid) in enumerate(nodes)))
             self.node_ids = [n for n, _, _ in nodes]
@@ -120,7 +127,7 @@ class RayDistributedExecutor(Executor):
         return self._call(method, args, reply=True)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", (scheduler_output,), reply=False)[0]
+        return self._call("execute_model", (scheduler_output,), reply=False)[self._answering]
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group; if this engine called ray.init, disconnect (which

@@ -63,6 +63,10 @@ class RankInfo:
     """Ranks on the same machine (they share its cores and memory)."""
     distributed_init_method: str | None = None
     """"tcp://host:port" of rank 0's store; None at tp=1."""
+    core_share: tuple[int, int] | None = None
+    """(its index, how many) among the ranks of this machine that compute at the same time, which split its cores
+    (pipeline stages run one at a time: a stage's ranks split them, the stages share them); None: every local
+    rank (local_rank, local_world_size)."""
 
 
 class Worker:
@@ -115,10 +119,9 @@ class Worker:
         """A tensor-parallel rank or pipeline stage: pinned to its share of the cores (on the CPU, before torch
         starts its thread pools: they inherit the affinity), then in the process group (gloo; NCCL on GPUs), with its
         stage's layers at pipeline_parallel_size > 1."""
-        info, pp, tp = self.rank_info, parallel.pipeline_parallel_size, parallel.tensor_parallel_size
+        info, pp = self.rank_info, parallel.pipeline_parallel_size
         if not on_gpu:  # pipeline stages share the cores (one runs at a time): 53.7 -> 96.1 tok/s at pp=2, 2 cores
-            self.cores = rank_cores(info.local_rank % tp, max(1, info.local_world_size // pp)) if pp > 1 else \
-                rank_cores(info.local_rank, info.local_world_size)
+            self.cores = rank_cores(*(info.core_share or (info.local_rank, info.local_world_size)))
         if self.cores is not None:
             os.sched_setaffinity(0, self.cores)
             torch.set_num_threads(len(self.cores))

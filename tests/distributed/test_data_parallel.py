@@ -20,7 +20,7 @@ from pagedllm.engine.local_core import CORE_MODULE
 from pagedllm.errors import ValidationError
 from tests.distributed.test_faults import _assert_gone
 from tests.distributed.test_ray_cluster import two_node_cluster  # noqa: F401  (a fixture)
-from tests.distributed.utils import shm_segments
+from tests.distributed.utils import ray_auth_disabled, shm_segments
 from tests.entrypoints.openai.test_kv_page import CHROMIUM
 from tests.utils import RemoteServer
 
@@ -43,7 +43,7 @@ def reference(tiny_llm_dir: Path) -> list[list[int]]:
 def test_offline_replicas_give_one_engines_tokens_in_input_order(tiny_llm_dir: Path, reference: list, backend: str,
                                                                  tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """dp=2 (each replica with its own tensor-parallel group at tp=2) gives one engine's greedy tokens."""
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray_auth_disabled(monkeypatch)
     llm = LLM(str(tiny_llm_dir), dtype="float32", data_parallel_size=2, data_parallel_backend=backend,
               tensor_parallel_size=tp, num_kv_blocks=24)
     try:

@@ -96,6 +96,15 @@ def test_structured_outputs_and_prompt_logprobs_at_pp2(tp_llm: Callable[..., LLM
         assert abs(a[token].logprob - b[token].logprob) < 1e-4
 
 
+def test_stages_as_ray_actors(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
+    """distributed_executor_backend "ray": each stage a Ray actor (a local cluster here), one worker's tokens."""
+    prompts = PROMPTS[:4]
+    want = [o.outputs[0].token_ids for o in tp_llm(tiny_llm_dir).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = tp_llm(tiny_llm_dir, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert _layers(llm) == [1, 1]
+
+
 def test_data_parallel_replicas_of_two_stages(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
     """data_parallel_size 2 x pipeline_parallel_size 2: four workers, one worker's greedy tokens."""
     want = [o.outputs[0].token_ids for o in tp_llm(tiny_llm_dir).generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -128,7 +137,6 @@ def test_aborted_requests_leave_every_stage(tp_llm: Callable[..., LLM], tiny_llm
     (dict(pipeline_parallel_size=2, pp_layer_partition="1,x"), "pp_layer_partition"),
     (dict(pp_layer_partition="1,1"), "pp_layer_partition"),  # (no pipeline)
     (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"), "distributed_executor_backend"),
-    (dict(pipeline_parallel_size=2, distributed_executor_backend="ray"), "distributed_executor_backend"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram"}), "speculative_config"),
     (dict(pipeline_parallel_size=2, enable_prompt_embeds=True), "enable_prompt_embeds"),
     (dict(pipeline_parallel_size=2, enable_lora=True), "enable_lora"),

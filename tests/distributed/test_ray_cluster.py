@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.distributed.utils import ray_auth_disabled
 from tests.utils import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -40,13 +41,29 @@ def two_node_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     address = re.search(r"ray start --address='([^']+)'", head).group(1)
     try:
         _ray("start", "--address", address, "--num-cpus", "1", "--disable-usage-stats")
-        for key in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED"):
-            monkeypatch.setenv(key, ENV[key])
+        monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", ENV["RAY_USAGE_STATS_ENABLED"])
+        ray_auth_disabled(monkeypatch)  # (as the cluster's nodes run: ENV)
         monkeypatch.setenv("RAY_ADDRESS", address)
         monkeypatch.setenv("PAGEDLLM_RAY_PLACEMENT_STRATEGY", "STRICT_SPREAD")
         yield address
     finally:
         subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+
+
+def test_pipeline_stages_on_two_nodes(two_node_cluster: str, tiny_llm_dir: Path) -> None:
+    """pipeline_parallel_size 2 on a cluster of two nodes (`ray start --head` + `ray start --address`): one stage
+    per node, the hidden states crossing between them over gloo's TCP; one worker's tokens."""
+    prompts = [f"Two stages, prompt {i}" for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0)
+    ref = LLM(str(tiny_llm_dir), dtype="float32")
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_llm_dir), dtype="float32", pipeline_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        assert len(set(llm.llm_engine.engine_core.core.executor.node_ids)) == 2  # one stage per node
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        assert [len(shapes) for shapes in llm.collective_rpc("kv_cache_shapes")] == [1, 1]
+    finally:
+        llm.shutdown()
 
 
 def test_ranks_on_two_nodes(two_node_cluster: str, tiny_llm_dir: Path) -> None:
