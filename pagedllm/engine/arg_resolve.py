@@ -51,7 +51,7 @@ def engine_config(args: EngineOptions) -> tuple[EngineConfig, ArchConfig]:
         logger.info("config.json overridden by hf_overrides: %s", json.dumps(overrides, sort_keys=True))
     device = platform.resolve_device(args.device)
     pooling = pooling_setup(args, path, arch, overrides)
-    parallel = parallel_config(args, arch)
+    parallel = parallel_config(args, arch, pooling.runner)
     lora = lora_config(args, parallel)
     speculative = speculative_config(args.speculative_config, parallel, arch)
     watermark = watermark_config(args, speculative)
@@ -121,7 +121,7 @@ def parallel_layout(args: EngineOptions) -> ParallelConfig:
         worker_extension_cls=args.worker_extension_cls)
 
 
-def parallel_config(args: EngineOptions, arch: ArchConfig) -> ParallelConfig:
+def parallel_config(args: EngineOptions, arch: ArchConfig, runner: str = "generate") -> ParallelConfig:
     """The parallel layout, refused before any worker starts if the model cannot be split so or the worker
     extension cannot be mixed in."""
     parallel = parallel_layout(args)
@@ -130,20 +130,20 @@ def parallel_config(args: EngineOptions, arch: ArchConfig) -> ParallelConfig:
     for rank in range(parallel.tensor_parallel_size):
         shard_heads(arch.num_heads, arch.num_kv_heads, parallel.tensor_parallel_size, rank)
     if parallel.pipeline_parallel_size > 1:
-        check_pipeline(args, parallel, arch)
+        check_pipeline(args, parallel, arch, runner)
     return parallel
 
 
-def check_pipeline(args: EngineOptions, parallel: ParallelConfig, arch: ArchConfig) -> None:
+def check_pipeline(args: EngineOptions, parallel: ParallelConfig, arch: ArchConfig, runner: str) -> None:
     """pipeline_parallel_size > 1: the model splits so (its stages' layers, ``layer_partition``), and nothing is
-    asked for that the stages do not run yet (each refused naming it)."""
+    asked for that the stages do not run yet (each refused naming it; ``runner``: the resolved one)."""
     pp = parallel.pipeline_parallel_size
     _check_stage_architecture(arch, pp)
     layer_partition(arch.num_layers, pp, parallel.pp_layer_partition)
     refused = [("device", platform.is_cuda(platform.resolve_device(args.device)), "'cpu'"),
                ("speculative_config", args.speculative_config is not None, "None"),
                ("enable_prompt_embeds", bool(args.enable_prompt_embeds), "false"),
-               ("runner", args.runner == "pooling", "'generate'")]
+               ("runner", runner == "pooling", "'generate' (a pooling model: runner or convert)")]
     for name, asked, allowed in refused:
         if asked:
             raise ValidationError(f"{name} must be {allowed} with pipeline_parallel_size {pp} (not run in pipeline "

@@ -1,10 +1,12 @@
-"""pipeline_parallel_size > 1 (mp executor): the layers split into stages, each a worker process holding its layers'
-weights and KV cache, gives what one worker gives on the same weights.
+"""pipeline_parallel_size > 1 (mp and ray executors): the layers split into stages, each a worker process holding
+its layers' weights and KV cache, gives what one worker gives on the same weights.
 
 Greedy tokens under preemption (a small KV pool) with chunked prefill, prefix-cache hits, n > 1 seeded samples,
-beam search, structured outputs and prompt logprobs; an even split and a given partition (``pp_layer_partition``)
-of a deeper model with tied embeddings (the last stage's head loaded from the table's tensor); every stage holds
-only its own layers' KV; what the stages do not run yet is refused naming the option; shutdown leaves no process.
+beam search, structured outputs and prompt logprobs; stages of two tensor-parallel ranks; an even split and a
+given partition (``pp_layer_partition``) of a deeper model with tied embeddings (the last stage's head loaded from
+the table's tensor); every stage holds only its own layers' KV (aborts leave every stage, two Ray nodes hold one
+stage each, a killed stage fails the server: test_tensor_parallel.py, test_ray_cluster.py, test_faults.py); what
+the stages do not run yet is refused naming the option; shutdown leaves no process.
 """
 from __future__ import annotations
 
@@ -14,9 +16,15 @@ from typing import Any
 
 import pytest
 
-from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ValidationError
-from tests.distributed.test_tensor_parallel import GREEDY, PROMPTS, SMALL_POOL, _run
+from tests.distributed.test_tensor_parallel import (
+    GREEDY,
+    PROMPTS,
+    SMALL_POOL,
+    _run,
+    check_structured_outputs_and_prompt_logprobs,
+)
 from tests.distributed.utils import descendants
 from tests.tiny_tokenizer import save_word_tokenizer
 from tests.utils import save_tiny_model
@@ -86,14 +94,7 @@ def test_stages_hold_their_layers(tp_llm: Callable[..., LLM], deep_model: Path, 
 
 def test_structured_outputs_and_prompt_logprobs_at_pp2(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
     """The last stage masks and samples; every prompt row it scores is one worker's."""
-    params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=4, prompt_logprobs=1,
-                            structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))
-    one = tp_llm(tiny_llm_dir).generate("Color:", params, use_tqdm=False)[0]
-    two = tp_llm(tiny_llm_dir, pipeline_parallel_size=2).generate("Color:", params, use_tqdm=False)[0]
-    assert [c.text for c in two.outputs] == [c.text for c in one.outputs]
-    assert all(c.text in ("red", "green", "blue") for c in two.outputs)
-    for a, b, token in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], one.prompt_token_ids[1:]):
-        assert abs(a[token].logprob - b[token].logprob) < 1e-4
+    check_structured_outputs_and_prompt_logprobs(tp_llm, tiny_llm_dir, pipeline_parallel_size=2)
 
 
 def test_stages_as_ray_actors(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
@@ -113,23 +114,6 @@ def test_data_parallel_replicas_of_two_stages(tp_llm: Callable[..., LLM], tiny_l
     assert _layers(llm) == [1, 1, 1, 1]
 
 
-def test_aborted_requests_leave_every_stage(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
-    llm = tp_llm(tiny_llm_dir, pipeline_parallel_size=2)
-    engine = llm.llm_engine
-    for i in range(3):
-        engine.add_request(f"drop{i}", PROMPTS[i], SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.step()
-    engine.step()
-    first, last = llm.collective_rpc("request_token_ids")
-    assert len(first) == 3 and first == last  # the first stage took the last one's sampled tokens
-    engine.abort_request([f"drop{i}" for i in range(3)])
-    assert engine.get_stats().kv_cache_usage == 0.0
-    engine.add_request("next", PROMPTS[4], SamplingParams(max_tokens=2))
-    engine.step()  # the workers hear of the aborts with the next step
-    assert [sorted(req.split(":", 1)[1] for req in rank) for rank in llm.collective_rpc("request_token_ids")] == \
-        [["next"], ["next"]]
-
-
 @pytest.mark.parametrize(("options", "param"), [
     (dict(pipeline_parallel_size=3), "pipeline_parallel_size"),  # 2 layers
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
@@ -140,6 +124,7 @@ def test_aborted_requests_leave_every_stage(tp_llm: Callable[..., LLM], tiny_llm
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram"}), "speculative_config"),
     (dict(pipeline_parallel_size=2, enable_prompt_embeds=True), "enable_prompt_embeds"),
     (dict(pipeline_parallel_size=2, enable_lora=True), "enable_lora"),
+    (dict(pipeline_parallel_size=2, runner="pooling"), "runner"),
 ])
 def test_what_stages_do_not_run_is_refused(tiny_llm_dir: Path, options: dict, param: str) -> None:
     """Before any worker starts (no process is left), a ValidationError naming the option."""

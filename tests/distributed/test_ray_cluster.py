@@ -50,33 +50,22 @@ def two_node_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True, timeout=120)
 
 
-def test_pipeline_stages_on_two_nodes(two_node_cluster: str, tiny_llm_dir: Path) -> None:
-    """pipeline_parallel_size 2 on a cluster of two nodes (`ray start --head` + `ray start --address`): one stage
-    per node, the hidden states crossing between them over gloo's TCP; one worker's tokens."""
-    prompts = [f"Two stages, prompt {i}" for i in range(6)]
-    params = SamplingParams(max_tokens=16, temperature=0)
-    ref = LLM(str(tiny_llm_dir), dtype="float32")
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(tiny_llm_dir), dtype="float32", pipeline_parallel_size=2, distributed_executor_backend="ray")
-    try:
-        assert len(set(llm.llm_engine.engine_core.core.executor.node_ids)) == 2  # one stage per node
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
-        assert [len(shapes) for shapes in llm.collective_rpc("kv_cache_shapes")] == [1, 1]
-    finally:
-        llm.shutdown()
-
-
-def test_ranks_on_two_nodes(two_node_cluster: str, tiny_llm_dir: Path) -> None:
+@pytest.mark.parametrize("layout", ["tensor", "pipeline"])
+def test_ranks_on_two_nodes(two_node_cluster: str, tiny_llm_dir: Path, layout: str) -> None:
+    """Two ranks, or two pipeline stages, on a cluster of two nodes (`ray start --head` + `ray start --address`):
+    one per node, their all-reduces (or the hidden states between the stages) over gloo's TCP; one worker's tokens."""
     prompts = [f"Two nodes, prompt {i}" for i in range(8)]
     params = SamplingParams(max_tokens=16, temperature=0)
     ref = LLM(str(tiny_llm_dir), dtype="float32")
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(tiny_llm_dir), dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray")
+    llm = LLM(str(tiny_llm_dir), dtype="float32", distributed_executor_backend="ray", **{f"{layout}_parallel_size": 2})
     try:
         executor = llm.llm_engine.engine_core.core.executor
         assert len(set(executor.node_ids)) == 2  # one rank per node
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want
+        layers = [len(shapes) for shapes in llm.collective_rpc("kv_cache_shapes")]
+        assert layers == ([1, 1] if layout == "pipeline" else [2, 2])  # a stage holds its layer; a rank every one
     finally:
         llm.shutdown()
     import ray

@@ -96,28 +96,37 @@ def test_shutdown_leaves_no_process(tp_llm: Callable[..., LLM], tiny_llm_dir: Pa
     assert not left, [(p.pid, p.name()) for p in left]
 
 
-def test_aborted_requests_leave_every_rank(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
-    llm = tp_llm(tiny_llm_dir, tensor_parallel_size=2)
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_aborted_requests_leave_every_rank(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, option: str) -> None:
+    """Two ranks, or two pipeline stages (the first takes the tokens the last sampled: every rank's the same)."""
+    llm = tp_llm(tiny_llm_dir, **{option: 2})
     engine = llm.llm_engine
     for i in range(3):
         engine.add_request(f"drop{i}", PROMPTS[i], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert all(len(rank) == 3 for rank in engine.engine_core.core.executor.collective_rpc("request_token_ids"))
+    engine.step()
+    first, second = llm.collective_rpc("request_token_ids")
+    assert len(first) == 3 and first == second
     engine.abort_request([f"drop{i}" for i in range(3)])
     assert engine.get_stats().kv_cache_usage == 0.0  # the one pool every rank's blocks mirror
     engine.add_request("next", PROMPTS[4], SamplingParams(max_tokens=2))
     engine.step()  # the workers hear of the aborts with the next step
-    assert [sorted(req.split(":", 1)[1] for req in rank) for rank in engine.engine_core.core.executor.collective_rpc(
-        "request_token_ids")] == [["next"], ["next"]]
+    assert [sorted(req.split(":", 1)[1] for req in rank) for rank in llm.collective_rpc("request_token_ids")] == \
+        [["next"], ["next"]]
 
 
 def test_structured_outputs_and_prompt_logprobs_at_tp2(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:
     """Every rank masks with its own matcher (the same tokens), and prompt rows are scored across ranks."""
+    check_structured_outputs_and_prompt_logprobs(tp_llm, tiny_llm_dir, tensor_parallel_size=2)
+
+
+def check_structured_outputs_and_prompt_logprobs(tp_llm: Callable[..., LLM], path: Path, **options: Any) -> None:
+    """Seeded samples under a choice grammar and prompt logprobs of an engine with ``options``: one worker's."""
     from pagedllm import StructuredOutputsParams
     params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=4, prompt_logprobs=1,
                             structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))
-    one = tp_llm(tiny_llm_dir).generate("Color:", params, use_tqdm=False)[0]
-    two = tp_llm(tiny_llm_dir, tensor_parallel_size=2).generate("Color:", params, use_tqdm=False)[0]
+    one = tp_llm(path).generate("Color:", params, use_tqdm=False)[0]
+    two = tp_llm(path, **options).generate("Color:", params, use_tqdm=False)[0]
     assert [c.text for c in two.outputs] == [c.text for c in one.outputs]
     assert all(c.text in ("red", "green", "blue") for c in two.outputs)
     for a, b, token in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], one.prompt_token_ids[1:]):

@@ -106,3 +106,18 @@ def test_calibrate_from_a_served_step_log(tmp_path: Path) -> None:
     np.testing.assert_allclose(json.loads(cost.read_text())["coef"], truth, rtol=1e-6)
     log.write_text("not json\n")
     assert main(["plan", "--calibrate-from", str(log), "--cost-model", str(cost), "--num-kv-blocks", "64"]) == 2
+
+
+def test_plan_models_one_rank_and_says_which_option_is_not(tiny_llm_dir: Path) -> None:
+    """A planned engine of several ranks (tensor or pipeline) is refused naming the option (nothing is started)."""
+    import pytest
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.bench.plan import kv_blocks
+    from pagedllm.errors import ValidationError
+
+    for option in ("tensor_parallel_size", "pipeline_parallel_size"):
+        with pytest.raises(ValidationError, match="one CPU rank") as err:
+            kv_blocks(EngineArgs(model=str(tiny_llm_dir), num_kv_blocks=16, **{option: 2}))
+        assert err.value.param == option
+    assert kv_blocks(EngineArgs(model=str(tiny_llm_dir), num_kv_blocks=16))[0] == 16

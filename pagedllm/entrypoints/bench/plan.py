@@ -239,9 +239,11 @@ def kv_blocks(args: EngineArgs) -> tuple[int, int]:
     """(KV blocks of the pool the options give, max_model_len), as the engine would size them (one rank)."""
 
     config, arch = args.create_engine_config()
-    if config.parallel.tensor_parallel_size != 1 or not platform.is_cpu(config.device.device):
-        raise ValidationError("pagedllm plan models one CPU rank: tensor_parallel_size 1 on the CPU",
-                              param="tensor_parallel_size", value=config.parallel.tensor_parallel_size)
+    parallel = config.parallel
+    if parallel.world_size != 1 or not platform.is_cpu(config.device.device):
+        param = "pipeline_parallel_size" if parallel.pipeline_parallel_size != 1 else "tensor_parallel_size"
+        raise ValidationError("pagedllm plan models one CPU rank: tensor_parallel_size and pipeline_parallel_size 1 "
+                              "on the CPU", param=param, value=getattr(parallel, param))
     if config.scheduler.preemption_mode != "recompute":
         raise ValidationError("pagedllm plan models preemption by recompute only", param="preemption_mode",
                               value=config.scheduler.preemption_mode)
