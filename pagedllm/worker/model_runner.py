@@ -25,8 +25,6 @@ from pagedllm.attention.base import AttentionBackend, StepInputs
 from pagedllm.attention.context import forward_context
 from pagedllm.attention.layer import Attention
 from pagedllm.core.scheduler_output import ForkedRequestData, NewRequestData, SchedulerOutput
-from pagedllm.distributed.parallel_state import get_pp_stage
-from pagedllm.distributed.pipeline import share_from_last_stage
 from pagedllm.layers.sampler import Sampler, gather_token_logprobs
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.outputs import ModelRunnerOutput, TokenLogprobs
@@ -100,8 +98,6 @@ class ModelRunner:
         self.host_kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         """Captured decode graphs (capture_model), or None: every step eager."""
-        self.stage = get_pp_stage()
-        """This worker's pipeline stage (None: the whole model here): only the last one samples."""
 
     def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype, num_host_blocks: int = 0) -> None:
         """Allocate one (2, num_blocks, kv_heads, block_size, head_dim) tensor of ``dtype`` per layer (int8:
@@ -174,17 +170,9 @@ class ModelRunner:
 
     def _run(self, out: SchedulerOutput, failures: StepFailures) -> ModelRunnerOutput:
         """A generating step: inputs prepared, the forward pass, the prompt rows' logprobs, then a sample per request
-        that needs one (and the drafts proposed after it). A pipeline stage other than the last takes the tokens
-        the last one sampled and shares (``_follow_last_stage``); only the last stage's answer reaches the
-        scheduler."""
+        that needs one (and the drafts proposed after it)."""
         batch = self._prepare_inputs(out)
-        hidden = self._forward(batch)
-        if self.stage is not None and not self.stage.is_last:
-            return self._follow_last_stage(batch)
-        result = self._score_and_sample(out, batch, hidden, failures)
-        if self.stage is not None:  # the other stages' request states take the tokens too
-            share_from_last_stage([(r, t) for r, t in zip(result.req_ids, result.sampled_token_ids) if t])
-        return result
+        return self._score_and_sample(out, batch, self._forward(batch), failures)
 
     def _score_and_sample(self, out: SchedulerOutput, batch: _StepBatch, hidden: torch.Tensor,
                           failures: StepFailures) -> ModelRunnerOutput:
@@ -200,19 +188,6 @@ class ModelRunner:
             result = self._sample_step(out, batch, hidden, failures)
         result.prompt_logprobs, result.prompt_id_scores = scored
         return result
-
-    def _follow_last_stage(self, batch: _StepBatch) -> ModelRunnerOutput:
-        """A pipeline stage's step after its layers ran: the tokens the last stage sampled, taken into the request
-        states as if sampled here (the next step's input ids come from them)."""
-        count_computed(batch)
-        sampled = share_from_last_stage(None)
-        for req_id, tokens in sampled:
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.token_ids.extend(tokens)
-                state.num_computed_tokens = len(state.token_ids) - 1
-        return ModelRunnerOutput(req_ids=[r for r, _ in sampled], sampled_token_ids=[t for _, t in sampled],
-                                 logprobs=[None] * len(sampled))
 
     def _prepare_inputs(self, out: SchedulerOutput) -> _StepBatch:
         """The scheduled requests in the order the backend wants, their flat inputs, the rows of each LoRA
@@ -259,8 +234,7 @@ class ModelRunner:
         else:
             tokens, logprobs = self._sample(samplers, rows, hidden, batch.inputs.logits_indices, failures)
         for state, new in zip(samplers, tokens):
-            state.token_ids.extend(new)
-            state.num_computed_tokens = len(state.token_ids) - 1  # rejected drafts are not computed tokens
+            take_tokens(state, new)
             if state.matcher is not None:
                 _advance_grammar(state, new, failures)
         drafts = {} if self.speculator is None else self.speculator.propose(samplers)
@@ -445,6 +419,12 @@ class ModelRunner:
 
 def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     return torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
+
+
+def take_tokens(state: CachedRequestState, tokens: list[int]) -> None:
+    """A request's new tokens appended; every token before the last is computed (rejected drafts are not)."""
+    state.token_ids.extend(tokens)
+    state.num_computed_tokens = len(state.token_ids) - 1
 
 
 def count_computed(batch: _StepBatch) -> None:

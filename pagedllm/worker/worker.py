@@ -43,6 +43,7 @@ from pagedllm.worker.memory_fit import LoadMeter, dense_copy_room, kv_block_byte
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.pooling_runner import runner_for
 from pagedllm.worker.sleep import sleep_worker, wake_worker
+from pagedllm.worker.stage_runner import StageRunner
 from pagedllm.worker.structured_output import compiler_for
 from pagedllm.worker.user_calls import destroy_extension, user_call
 from pagedllm.worker.watermark import GumbelWatermark
@@ -153,7 +154,8 @@ class Worker:
 
     def _make_runner(self, model: torch.nn.Module, backend: AttentionBackend, lora: LoRAManager | None,
                      speculator: Speculator | None) -> ModelRunner:
-        """The runner of the loaded model: a pooling model's (with its pooler) or a generating model's."""
+        """The runner of the loaded model: a pooling model's (with its pooler), a generating model's, or a pipeline
+        stage's (worker/stage_runner.py)."""
         config, arch = self.config, self.arch
         if config.model.pooler is not None:
             pooler = Pooler(model, config.model.pooler, arch.problem_type)
@@ -161,9 +163,10 @@ class Worker:
                                              self._eos_token_ids, self.device, pooler, lora)
         grammars = functools.partial(compiler_for, config.model.model, arch.vocab_size, tuple(self._eos_token_ids),
                                      config.structured_outputs)
-        return ModelRunner(model, backend, config.cache.block_size, config.model.seed, self._eos_token_ids,
-                           self.device, grammars, lora, speculator,
-                           watermark=None if config.watermark is None else GumbelWatermark(config.watermark))
+        runner = ModelRunner if get_pp_stage() is None else StageRunner  # a pipeline stage: its own step
+        return runner(model, backend, config.cache.block_size, config.model.seed, self._eos_token_ids,
+                      self.device, grammars, lora, speculator,
+                      watermark=None if config.watermark is None else GumbelWatermark(config.watermark))
 
     def _load_speculator(self, backend: AttentionBackend) -> Speculator | None:
         """speculative_config's speculator; a draft model's weights loaded and kept as the target's are (a GGUF
