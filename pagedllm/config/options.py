@@ -57,6 +57,11 @@ class EngineOptions:
     """"recompute" or "swap" (preempted requests' blocks go to host memory and come back)."""
     swap_space: float = 4.0
     """GiB of host memory for swapped-out blocks (used with preemption_mode="swap")."""
+    worker_memory_limit: int | str | None = None
+    """Bytes (or e.g. "16GiB") one worker (rank) may hold: its weights, KV pool and swap space (not the
+    interpreter's and torch's own few hundred MB). A layout with a rank over it is refused before any weight is
+    read, naming the figures and the fewest pipeline stages that fit; the default KV pool stays within it.
+    None: no limit but the machine's memory."""
     seed: int = 0
     """Seed of the engine's random generator."""
     enable_lora: bool = False

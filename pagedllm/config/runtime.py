@@ -22,6 +22,8 @@ class CacheConfig:
     """Reuse the K/V of full blocks whose token prefix was seen before."""
     swap_space: float = 4.0
     """GiB of host memory for blocks of requests preempted by swapping."""
+    worker_memory_limit: int | None = None
+    """Bytes one rank may hold (weights, KV pool, swap space); None: the machine's memory bounds it."""
     gpu_memory_utilization: float = 0.9
     """On a GPU: the share of its memory the engine may use (weights, activations, KV pool)."""
     sliding_window: int | None = None

@@ -188,6 +188,8 @@ def cache_config(args: EngineOptions, arch: ArchConfig, pooling: Pooling) -> Cac
                        # pooled inputs want every token's hidden state: a cached prefix would skip some
                        enable_prefix_caching=args.enable_prefix_caching and pooling.runner != "pooling",
                        swap_space=args.swap_space, gpu_memory_utilization=args.gpu_memory_utilization,
+                       worker_memory_limit=None if args.worker_memory_limit is None else
+                       parse_memory(args.worker_memory_limit, "worker_memory_limit"),
                        sliding_window=arch.sliding_window if arch.every_layer_slides else None,
                        cache_dtype=args.kv_cache_dtype)
 

@@ -50,6 +50,11 @@ class RayWorker:
         import ray
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
+    def free_memory(self) -> int:
+        """What this actor's node can still give (config.py ``available_memory_bytes``)."""
+        from pagedllm.config import available_memory_bytes
+        return available_memory_bytes()
+
     def free_port(self) -> int:
         """A free TCP port on this actor's node (rank 0 hosts the gloo store there)."""
         import ray
@@ -79,6 +84,7 @@ class RayDistributedExecutor(Executor):
     """N Ray actors, one per rank, in one placement group."""
 
     def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
+        from pagedllm.worker.memory_fit import check_nodes  # (each node's ranks against its memory, before loading)
         from pagedllm.worker.worker import RankInfo
         world, tp = config.parallel.world_size, config.parallel.tensor_parallel_size
         self._answering = config.parallel.answering_rank
@@ -113,6 +119,8 @@ class RayDistributedExecutor(Executor):
             logger.info("Ray actors: %s", ", ".join(f"rank {r} on {ip} (pid {pid})"
                                                     for r, (_, ip, pid) in enumerate(nodes)))
             self.node_ids = [n for n, _, _ in nodes]
+            free = ray.get([a.free_memory.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
+            check_nodes(config, arch, [(f"{ip} ({node[:8]})", f) for (node, ip, _), f in zip(nodes, free)])
             self._wait([a.init_worker.remote(config, arch, eos_token_ids, info)
                         for a, info in zip(self.actors, infos)], STARTUP_TIMEOUT_S, "start")
         except BaseException:

@@ -15,46 +15,25 @@ import torch
 from torch import nn
 
 from pagedllm import platform
-from pagedllm.attention import kv_quant
-from pagedllm.config import DEFAULT_KV_CAP, CacheConfig, EngineConfig, available_memory_bytes, cgroup_available_bytes
-from pagedllm.distributed.parallel_state import shard_heads
+from pagedllm.config import DEFAULT_KV_CAP, EngineConfig, available_memory_bytes, cgroup_available_bytes
 from pagedllm.errors import ValidationError
 from pagedllm.layers import cpu_ops
 from pagedllm.layers.quant import GGML_TYPES, wants_dense
 from pagedllm.models.config import ArchConfig
-from pagedllm.models.registry import get_model_class
+from pagedllm.models.registry import get_model_class, supported_models
+from pagedllm.worker.memory_plan import RankBytes, WeightBytes, check_ranks, machine_need, rank_bytes
 
 GIB = 1024**3
 
 
-def kv_block_bytes(arch: ArchConfig, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype,
-                   draft: ArchConfig | None = None, num_layers: int | None = None) -> int:
-    """Bytes of one KV block of one rank holding ``num_kv_heads`` of the model's KV heads (K and V of every
-    layer, or of ``num_layers``: a pipeline stage's; an int8 cache's scales included), a draft model's layers
-    included (its K/V sit in the same blocks, all its heads on every rank)."""
-    layers = arch.num_layers if num_layers is None else num_layers
-    total = 2 * layers * num_kv_heads * kv_quant.head_block_bytes(block_size, arch.head_dim, kv_dtype)
-    if draft is not None:
-        total += 2 * draft.num_layers * draft.num_kv_heads * kv_quant.head_block_bytes(block_size, draft.head_dim,
-                                                                                      kv_dtype)
-    return total
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightBytes:
-    """A model's weights in host memory, all ranks together."""
-
-    loading: int
-    """The most they take while loading (quantization="int8": the float weights, before they become rows)."""
-    final: int
-    """What they take once processed (packed copies included)."""
-
-
-def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> WeightBytes:
-    """The weights of the model at ``path`` as ``config`` loads them, from its shapes alone (no tensor is read)."""
+def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig,
+                          model: nn.Module | None = None) -> WeightBytes:
+    """The weights of the model at ``path`` as ``config`` loads them, from its shapes alone (no tensor is read;
+    ``model``: it built on the meta device already)."""
     dtype = getattr(torch, config.model.dtype)
-    with torch.device("meta"):  # shapes and dtypes only: nothing is allocated
-        model = get_model_class(arch)(arch, dtype, config.model.max_model_len)
+    if model is None:
+        with torch.device("meta"):  # shapes and dtypes only: nothing is allocated
+            model = get_model_class(arch)(arch, dtype, config.model.max_model_len)
     quantization = config.model.quantization
     kept_elements, kept_bytes, embedding_kept = 0, 0, False
     kernels = cpu_ops.kernels_for(config.device.device)  # what the layers will bind (None: not the CPU, or off)
@@ -76,12 +55,13 @@ def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig) -> 
             if isinstance(weight, nn.Parameter) and _becomes_int8(weight):  # its float copy becomes Q8_0 rows
                 rows, cols = weight.shape
                 final += kernels.qpacked_bytes(GGML_TYPES["Q8_0"], rows, cols) - weight.numel() * weight.element_size()
+    head_copy = 0
     for module in model.modules():
         if getattr(module, "tied", False) and platform.is_cpu(config.device.device) and not embedding_kept \
                 and not (quantization == "int8" and kernels is not None):  # (else the head shares the table's rows)
             if not (dtype == torch.bfloat16 and _plain_on_amx(module.weight)):  # AMX reads it plain
-                final += module.weight.numel() * module.weight.element_size()  # the LM head's packed copy
-    return WeightBytes(loading, final)
+                head_copy += module.weight.numel() * module.weight.element_size()  # the LM head's packed copy
+    return WeightBytes(loading, final + head_copy, head_copy)
 
 
 def _unique_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -104,67 +84,119 @@ def dense_copy_room(config: EngineConfig, ranks: int) -> int:
     return max(0, (available_memory_bytes() - kv * ranks) // max(1, ranks))
 
 
-def _pool_bytes(cache: CacheConfig, blocks: list[int], tp: int) -> tuple[int, str]:
-    """The device KV pools' bytes over the ranks (``blocks``: each rank's bytes per block), and how they were asked."""
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks * sum(blocks), f"num_kv_blocks={cache.num_kv_blocks}"
-    if cache.kv_cache_memory is not None:
-        # each rank's blocks of its budget (worker.determine_num_kv_blocks)
-        kv = sum(cache.kv_cache_memory // b * b for b in blocks)
-        return kv, f"kv_cache_memory={cache.kv_cache_memory / GIB:.2f} GiB" + (f" x {tp} ranks" if tp > 1 else "")
-    return 2 * sum(blocks), "at least 2 blocks; by default a share of what the weights leave"
-
-
 def requested_kv_bytes(config: EngineConfig, arch: ArchConfig, draft: ArchConfig | None) -> tuple[int, str]:
     """Bytes of KV cache (and host swap space) every rank together asks for, and how it was asked: num_kv_blocks,
     kv_cache_memory, or by default the least the worker accepts (2 blocks: its default pool is a share of what
     is free once the weights are in, so it always fits; config.py ``default_kv_budget``)."""
-    cache, tp = config.cache, config.parallel.tensor_parallel_size
+    return sum(r.kv for r in rank_bytes(config, arch, meta_model(config, arch), WeightBytes(0, 0), draft)), \
+        _how_kv(config)
+
+
+def _how_kv(config: EngineConfig) -> str:
+    """How the KV pools were asked for, in words."""
+    cache, ranks = config.cache, config.parallel.world_size
     if config.model.encoder_only:  # bidirectional attention over whole inputs: nothing is cached
-        return 0, "no KV cache"
-    kv_dtype = kv_quant.kv_cache_torch_dtype(cache.cache_dtype, getattr(torch, config.model.dtype))
-    blocks = [kv_block_bytes(arch, shard_heads(arch.num_heads, arch.num_kv_heads, tp, rank).num_kv_heads,
-                             cache.block_size, kv_dtype, draft) for rank in range(tp)]
-    kv, how = _pool_bytes(cache, blocks, tp)
+        return "no KV cache"
+    each = f" x {ranks} ranks" if ranks > 1 else ""
+    how = (f"num_kv_blocks={cache.num_kv_blocks}" if cache.num_kv_blocks is not None else
+           f"kv_cache_memory={cache.kv_cache_memory / GIB:.2f} GiB{each}" if cache.kv_cache_memory is not None else
+           "at least 2 blocks; by default a share of what the weights leave")
     if config.scheduler.preemption_mode == "swap":
-        kv += sum(int(cache.swap_space * GIB) // b * b for b in blocks)
-        how += f", swap_space={cache.swap_space} GiB" + (f" x {tp} ranks" if tp > 1 else "")
-    return kv, how
+        how += f", swap_space={cache.swap_space} GiB{each}"
+    return how
 
 
-def check_fits(config: EngineConfig, arch: ArchConfig) -> None:
-    """Refuse, before anything is allocated, weights + KV cache that cannot fit the memory available here.
+def meta_model(config: EngineConfig, arch: ArchConfig) -> nn.Module:
+    """The model built on the meta device (every tensor at its shape and dtype, no memory), whole (tp=1, pp=1)."""
+    with torch.device("meta"):
+        return get_model_class(arch)(arch, getattr(torch, config.model.dtype), config.model.max_model_len)
 
-    Checked on a CPU whose ranks all run on this machine (one process, or one per rank): a GPU holds both in its
-    own memory (sized there by a profiling step), and Ray may place ranks on other machines."""
-    if not platform.is_cpu(config.device.device) or config.parallel.distributed_executor_backend not in ("uni", "mp"):
-        return
-    spec = config.speculative
-    draft = None
-    weights = estimate_weight_bytes(config.model.model, arch, config)
+
+def plan_ranks(config: EngineConfig, arch: ArchConfig, model: nn.Module | None = None) -> list[RankBytes]:
+    """Every rank's weights and KV pool (memory_plan.py), from the config and the checkpoint's shapes alone
+    (``model``: ``meta_model``'s, made already)."""
+    model = meta_model(config, arch) if model is None else model
+    weights = estimate_weight_bytes(config.model.model, arch, config, model)
+    spec, draft, extra = config.speculative, None, None
     if spec is not None and spec.uses_draft_model:
         from pagedllm.models.loader import load_arch_config
 
         draft = load_arch_config(spec.model)
         extra = estimate_weight_bytes(spec.model, draft, config)
-        weights = WeightBytes(weights.loading + extra.loading, weights.final + extra.final)
-    kv, how = requested_kv_bytes(config, arch, draft)
-    available = available_memory_bytes()
-    need = max(weights.loading, weights.final + kv)
+    return rank_bytes(config, arch, model, weights, draft, extra)
+
+
+def check_fits(config: EngineConfig, arch: ArchConfig) -> None:
+    """Refuse, before anything is allocated, a rank whose weights + KV cache are over worker_memory_limit, or
+    ranks on this machine that together cannot fit the memory available here.
+
+    On a CPU: a GPU holds both in its own memory (sized there by a profiling step); the machine's check is for
+    ranks that all run here (one process, or one per rank): the Ray executor checks each node's once its actors
+    are placed (``check_machine``)."""
+    if not platform.is_cpu(config.device.device):
+        return
+    model = meta_model(config, arch)
+    ranks = plan_ranks(config, arch, model)
+    limit = config.cache.worker_memory_limit
+    if limit is not None and max(r.need for r in ranks) > limit:
+        check_ranks(config, ranks, limit, _fewest_stages(config, arch, model))
+    if config.parallel.distributed_executor_backend in ("uni", "mp"):
+        check_machine(config, ranks, available_memory_bytes(), "")
+
+
+def _fewest_stages(config: EngineConfig, arch: ArchConfig, model: nn.Module) -> int | None:
+    """The fewest pipeline stages whose ranks all fit worker_memory_limit (0: none do), for a model that runs
+    in stages; None where stages are not the answer (it does not run in them, or they are asked already)."""
+    parallel, limit = config.parallel, config.cache.worker_memory_limit
+    entry = supported_models().get(arch.architecture)
+    if not getattr(entry, "pipeline_parallel", False) or config.speculative is not None or \
+            config.model.pooler is not None or parallel.pipeline_parallel_size > 1 or limit is None:
+        return None
+    for pp in range(2, arch.num_layers + 1):
+        backend = "mp" if parallel.distributed_executor_backend == "uni" else parallel.distributed_executor_backend
+        staged = dataclasses.replace(config, parallel=dataclasses.replace(
+            parallel, pipeline_parallel_size=pp, distributed_executor_backend=backend))
+        if max(r.need for r in plan_ranks(staged, arch, model)) <= limit:
+            return pp
+    return 0
+
+
+def check_machine(config: EngineConfig, ranks: list[RankBytes], available: int, where: str) -> None:
+    """Refuse ``ranks`` (those on one machine: ``where`` names it, "" this one) that cannot fit ``available``
+    bytes together, naming the figures."""
+    loading, weights, kv, need = machine_need(ranks)
     if need <= available:
         return
-    cgroup = cgroup_available_bytes()
-    where = "MemAvailable" if cgroup is None or cgroup > available else "the memory cgroup's limit"
-    loading = f" ({weights.loading / GIB:.2f} GiB while loading)" if weights.loading > weights.final else ""
+    if where:
+        place = where
+    else:
+        cgroup = cgroup_available_bytes()
+        place = "MemAvailable" if cgroup is None or cgroup > available else "the memory cgroup's limit"
+    while_loading = f" ({loading / GIB:.2f} GiB while loading)" if loading > weights else ""
     param, value = (("num_kv_blocks", config.cache.num_kv_blocks) if config.cache.num_kv_blocks is not None else
                     ("kv_cache_memory", config.cache.kv_cache_memory) if config.cache.kv_cache_memory is not None
                     else ("model", config.model.model))
+    ranks_here = f" ({len(ranks)} ranks)" if len(ranks) > 1 else ""
     raise ValidationError(
-        f"the model does not fit in memory: {weights.final / GIB:.2f} GiB for the weights{loading} "
+        f"the model does not fit in memory: {weights / GIB:.2f} GiB for the weights{while_loading}{ranks_here} "
         f"({config.model.dtype}{', ' + config.model.quantization if config.model.quantization else ''}) + "
-        f"{kv / GIB:.2f} GiB for the KV cache ({how}) = {need / GIB:.2f} GiB needed, "
-        f"{available / GIB:.2f} GiB available ({where}). Ask for a smaller KV cache (kv_cache_memory, "
-        "num_kv_blocks), or load a smaller model, dtype or quantized GGUF file", param=param, value=value)
+        f"{kv / GIB:.2f} GiB for the KV cache ({_how_kv(config)}) = {need / GIB:.2f} GiB needed, "
+        f"{available / GIB:.2f} GiB available ({place}). Ask for a smaller KV cache (kv_cache_memory, "
+        "num_kv_blocks), split the model over machines (pipeline_parallel_size with the ray executor), or load a "
+        "smaller model, dtype or quantized GGUF file", param=param, value=value)
+
+
+def check_nodes(config: EngineConfig, arch: ArchConfig, nodes: list[tuple[str, int]]) -> None:
+    """Refuse ranks placed on machines (``nodes``: each rank's node's name and the memory it has available,
+    in rank order) where those on one node cannot fit it together, before any of them loads (the Ray executor's
+    check; check_fits makes the uni and mp executors')."""
+    if not platform.is_cpu(config.device.device):
+        return
+    ranks = plan_ranks(config, arch)
+    for name in dict.fromkeys(node for node, _ in nodes):
+        here = [r for r, (node, _) in zip(ranks, nodes) if node == name]
+        available = min(free for node, free in nodes if node == name)
+        check_machine(config, here, available, f"MemAvailable of node {name}")
 
 
 def _plain_on_amx(weight: torch.Tensor) -> bool:

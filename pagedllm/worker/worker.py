@@ -39,7 +39,8 @@ from pagedllm.platform import heap
 from pagedllm.platform.cpu import rank_cores
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.speculator import Speculator, make_speculator
-from pagedllm.worker.memory_fit import LoadMeter, dense_copy_room, kv_block_bytes, weight_bytes
+from pagedllm.worker.memory_fit import LoadMeter, dense_copy_room, weight_bytes
+from pagedllm.worker.memory_plan import kv_block_bytes
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.pooling_runner import runner_for
 from pagedllm.worker.sleep import sleep_worker, wake_worker
@@ -217,8 +218,12 @@ class Worker:
         budget = self._kv_budget()
         num_blocks = budget // self.kv_block_bytes()
         if num_blocks < 2:
-            raise ValidationError.bad_value("kv_cache_memory", budget,
-                                            f"at least 2 KV blocks ({2 * self.kv_block_bytes()} bytes)")
+            capped = cache.kv_cache_memory is None and cache.worker_memory_limit is not None  # what the weights left
+            raise ValidationError.bad_value("worker_memory_limit" if capped else "kv_cache_memory",
+                                            cache.worker_memory_limit if capped else budget,
+                                            f"room for at least 2 KV blocks ({2 * self.kv_block_bytes()} bytes) "
+                                            f"beside this rank's {self.load_report.weights_bytes} bytes of weights"
+                                            if capped else f"at least 2 KV blocks ({2 * self.kv_block_bytes()} bytes)")
         return num_blocks
 
     def _kv_budget(self) -> int:
@@ -229,8 +234,14 @@ class Worker:
             return cache.kv_cache_memory
         if platform.is_cuda(self.device):
             return self._gpu_kv_budget()
-        return default_kv_budget(self.kv_block_bytes(), cache.block_size, sched.max_num_seqs, sched.max_model_len,
-                                 self.rank_info.local_world_size)
+        budget = default_kv_budget(self.kv_block_bytes(), cache.block_size, sched.max_num_seqs, sched.max_model_len,
+                                   self.rank_info.local_world_size)
+        if cache.worker_memory_limit is None:
+            return budget
+        left = cache.worker_memory_limit - self.load_report.weights_bytes  # the limit holds the weights, then KV
+        if self.config.scheduler.preemption_mode == "swap":
+            left -= int(cache.swap_space * 1024**3) // self.kv_block_bytes() * self.kv_block_bytes()
+        return max(0, min(budget, left))  # (under 2 blocks: refused below, naming kv_cache_memory's figure)
 
     def _gpu_kv_budget(self) -> int:
         """gpu_memory_utilization of the GPU, less the weights, the peak activations of a forward pass

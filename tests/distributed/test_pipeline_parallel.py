@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, EngineArgs, SamplingParams
 from pagedllm.errors import ValidationError
+from pagedllm.worker import memory_fit
 from tests.distributed.test_tensor_parallel import (
     GREEDY,
     PROMPTS,
@@ -67,18 +68,21 @@ def test_stages_of_two_tensor_parallel_ranks(tp_llm: Callable[..., LLM], tiny_ll
                                              reference: dict) -> None:
     """pipeline_parallel_size 2 x tensor_parallel_size 2: four workers, each stage a tensor-parallel group (its own
     collectives: shared memory within the group), each rank half of its stage's KV heads."""
-    llm = tp_llm(tiny_llm_dir, pipeline_parallel_size=2, tensor_parallel_size=2, max_num_batched_tokens=32,
-                 **SMALL_POOL)
+    options = dict(pipeline_parallel_size=2, tensor_parallel_size=2, max_num_batched_tokens=32, **SMALL_POOL)
+    llm = tp_llm(tiny_llm_dir, **options)
     got = _run(llm)
     for key in ("greedy", "shared", "sampled", "beams"):
         assert got[key] == reference[key], key
     assert llm.collective_rpc("kv_cache_shapes") == [[(2, 20, 1, 16, 16)]] * 4  # 1 layer, 1 of 2 KV heads each
+    usage = llm.collective_rpc("memory_usage")
+    planned = memory_fit.plan_ranks(*EngineArgs(model=str(tiny_llm_dir), dtype="float32", **options)
+                                    .create_engine_config())  # from the shapes, before loading
+    assert [(r.weights, r.kv) for r in planned] == [(u["weights_bytes"], u["kv_cache_bytes"]) for u in usage]
     tokens = llm.collective_rpc("request_token_ids")
     assert all(rank == tokens[0] for rank in tokens)
 
 
-@pytest.mark.parametrize(("pp", "partition", "layers"),
-                         [(2, None, [3, 2]), (2, "1,4", [1, 4]), (3, "2,2,1", [2, 2, 1])])
+@pytest.mark.parametrize(("pp", "partition", "layers"), [(2, "1,4", [1, 4]), (3, "2,2,1", [2, 2, 1])])
 def test_stages_hold_their_layers(tp_llm: Callable[..., LLM], deep_model: Path, pp: int, partition: str | None,
                                   layers: list[int]) -> None:
     """An even split (the first stage one longer) or pp_layer_partition's; a tied head on the last stage."""
@@ -90,6 +94,33 @@ def test_stages_hold_their_layers(tp_llm: Callable[..., LLM], deep_model: Path, 
     weights = [rank["weights_bytes"] for rank in llm.collective_rpc("memory_usage")]
     table = 512 * 64 * 4  # (the tiny model's vocabulary x width, float32): on the first stage and, as the head, last
     assert weights[0] > table and weights[-1] > table, weights
+
+
+def test_a_model_over_one_workers_limit_serves_in_two_stages(tp_llm: Callable[..., LLM], deep_model: Path) -> None:
+    """worker_memory_limit: a model whose weights alone are over what one worker may hold is refused at pp=1 before
+    any worker starts (its figures, and the fewest stages that fit), and serves at pp=2 (an even split, 3 + 2
+    layers, the tied head on the last stage): one worker's tokens, each stage's weights and default KV pool within
+    the limit, the planned bytes of each stage the loaded ones."""
+    limit = 1_000_000
+    prompts = [{"prompt_token_ids": [5 + i, 60 + 3 * i, 7, 100 + i] * (2 + i)} for i in range(5)]
+    one = tp_llm(deep_model)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    whole = one.collective_rpc("memory_usage")[0]["weights_bytes"]
+    assert whole > limit
+    before = {p.pid for p in descendants()}
+    with pytest.raises(ValidationError) as refused:
+        LLM(str(deep_model), dtype="float32", worker_memory_limit=limit)
+    assert refused.value.param == "worker_memory_limit" and not [p for p in descendants() if p.pid not in before]
+    assert f"needs {whole / 2**20:.2f} MiB for its weights" in str(refused.value)
+    assert "pipeline_parallel_size=2 splits the layers" in str(refused.value)
+    llm = tp_llm(deep_model, pipeline_parallel_size=2, worker_memory_limit=limit)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert _layers(llm) == [3, 2]
+    usage = llm.collective_rpc("memory_usage")
+    assert all(0 < u["kv_cache_bytes"] <= limit - u["weights_bytes"] for u in usage), usage
+    planned = memory_fit.plan_ranks(*EngineArgs(model=str(deep_model), dtype="float32", pipeline_parallel_size=2)
+                                    .create_engine_config())
+    assert [r.weights for r in planned] == [u["weights_bytes"] for u in usage]
 
 
 def test_structured_outputs_and_prompt_logprobs_at_pp2(tp_llm: Callable[..., LLM], tiny_llm_dir: Path) -> None:

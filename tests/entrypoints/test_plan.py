@@ -121,3 +121,36 @@ def test_plan_models_one_rank_and_says_which_option_is_not(tiny_llm_dir: Path) -
             kv_blocks(EngineArgs(model=str(tiny_llm_dir), num_kv_blocks=16, **{option: 2}))
         assert err.value.param == option
     assert kv_blocks(EngineArgs(model=str(tiny_llm_dir), num_kv_blocks=16))[0] == 16
+
+
+def test_a_model_over_machines_on_paper(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """`pagedllm plan --machines`: every tensor x pipeline layout of one rank per machine, each rank's weights the
+    engine's own plan of it; a slow link costs tensor parallelism its two all-reduces a layer where pipeline
+    stages pay one message a stage; micro-batches in flight keep the stages busy; a machine whose memory a rank's
+    weights fill has no batch; a reserve over the memory is refused naming the flag."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.worker import memory_fit
+    from tests.utils import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", "llama-mha-tied", num_hidden_layers=4)  # layers outweigh the table
+    out = tmp_path / "cluster.json"
+    flags = ["plan", str(model), "--dtype", "float32", "--link-gbps", "0.1", "100", "--batch-sizes", "1", "8",
+             "--context-len", "64", "--machine-read-gbs", "0.05", "--output-json", str(out)]
+    assert main([*flags, "--machines", "2"]) == 0
+    capsys.readouterr()
+    rows = {(r["tp"], r["pp"], r["link_gbps"]): r for r in json.loads(out.read_text())["layouts"]}
+    assert set(rows) == {(1, 2, 0.1), (1, 2, 100), (2, 1, 0.1), (2, 1, 100)}
+    for tp, pp in ((1, 2), (2, 1)):
+        config = EngineArgs(model=str(model), dtype="float32", tensor_parallel_size=tp,
+                            pipeline_parallel_size=pp).create_engine_config()
+        assert rows[tp, pp, 100]["rank_weights_gib"] == max(r.weights for r in memory_fit.plan_ranks(*config)) / 2**30
+    slow = {k: rows[k + (0.1,)]["batches"]["8"]["step_ms"] - rows[k + (100,)]["batches"]["8"]["step_ms"]
+            for k in ((1, 2), (2, 1))}
+    assert slow[2, 1] > 4 * slow[1, 2] > 0, slow  # 5 all-reduces against one message of the same activations
+    assert rows[2, 1, 100]["tp_link_bytes_per_token"] > 2 * rows[1, 2, 100]["pp_link_bytes_per_token"] > 0
+    staged = rows[1, 2, 100]["batches"]["8"]
+    assert staged["in_flight_tokens_per_s"] > 1.2 * staged["tokens_per_s"]  # both stages at work, not one
+    assert main([*flags, "--machines", "1", "--machine-memory", "1.5MiB", "--machine-reserve", "1MiB"]) == 0
+    assert "does not fit" in capsys.readouterr().out and json.loads(out.read_text())["layouts"][0]["max_batch"] == 0
+    assert main([*flags, "--machines", "2", "--machine-reserve", "64GiB"]) == 2
+    assert "machine_reserve" in capsys.readouterr().err

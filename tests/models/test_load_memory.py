@@ -241,3 +241,17 @@ def test_int8_rows_a_slice_at_a_time_are_the_whole_weights_rows(monkeypatch: pyt
     monkeypatch.setattr(quant, "_INT8_SLICE_BYTES", 4 * 96 * 5)  # 5 rows a slice
     sliced = quant.int8_rows(weight)
     assert torch.equal(sliced.data, whole.data) and sliced.shape == whole.shape == (37, 96)
+
+
+def test_ranks_on_one_node_are_checked_against_its_memory(tiny_llm_dir: Path) -> None:
+    """The Ray executor's check once its actors are placed, before any loads: the ranks on one node together
+    against that node's available memory (one stage per node fits where both stages on one do not)."""
+    config, arch = EngineArgs(model=str(tiny_llm_dir), dtype="float32", pipeline_parallel_size=2,
+                              distributed_executor_backend="ray", kv_cache_memory="8MiB").create_engine_config()
+    ranks = memory_fit.plan_ranks(config, arch)
+    each = max(r.need for r in ranks)
+    memory_fit.check_nodes(config, arch, [("a", each), ("b", each)])
+    with pytest.raises(ValidationError) as refused:
+        memory_fit.check_nodes(config, arch, [("a", each + 1), ("a", each + 1)])
+    assert refused.value.param == "kv_cache_memory" and "(2 ranks)" in str(refused.value)
+    assert "MemAvailable of node a" in str(refused.value)

@@ -26,6 +26,7 @@ from pagedllm import platform
 from pagedllm.config import CacheConfig, SchedulerConfig, default_kv_budget
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.bench.cluster import add_cluster_args, run_cluster
 from pagedllm.entrypoints.bench.datasets import (
     BenchRequest,
     add_dataset_args,
@@ -243,7 +244,8 @@ def kv_blocks(args: EngineArgs) -> tuple[int, int]:
     if parallel.world_size != 1 or not platform.is_cpu(config.device.device):
         param = "pipeline_parallel_size" if parallel.pipeline_parallel_size != 1 else "tensor_parallel_size"
         raise ValidationError("pagedllm plan models one CPU rank: tensor_parallel_size and pipeline_parallel_size 1 "
-                              "on the CPU", param=param, value=getattr(parallel, param))
+                              "on the CPU (--machines plans a model over several machines, on paper)", param=param,
+                              value=getattr(parallel, param))
     if config.scheduler.preemption_mode != "recompute":
         raise ValidationError("pagedllm plan models preemption by recompute only", param="preemption_mode",
                               value=config.scheduler.preemption_mode)
@@ -282,6 +284,7 @@ def add_parser(sub: SubParsers) -> None:
     p.add_argument("--max-num-seqs-options", type=int, nargs="+", default=[16, 32, 64, 128, 256],
                    help="max_num_seqs values the recommendation compares")
     p.add_argument("--output-json", default=None)
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -343,6 +346,8 @@ def run(ns: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import get_tokenizer
 
     args = engine_args_from(ns)
+    if ns.machines:  # the on-paper plan of a model over machines (entrypoints/bench/cluster.py)
+        return run_cluster(ns, args)
     cost = _cost_model(ns, args)
     num_blocks, max_model_len = kv_blocks(args)
     recorded = None
