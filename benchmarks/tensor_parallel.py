@@ -3,12 +3,13 @@ in one run; with --latency, batch-1 latency too.
 
 Runs `pagedllm bench throughput` (and `bench latency`) once per configuration per round, alternating (machines are
 noisy: compare within a run), and prints a table of total tokens/s, the batch-1 request's seconds and each rank's
-weights, KV pool and RSS. "tp=2 mp gloo" keeps the collectives on gloo (PAGEDLLM_CPU_SHM_ALLREDUCE=0). --shape
+weights, KV pool and RSS. "tp=2 mp gloo" keeps the collectives on gloo (PAGEDLLM_CPU_SHM_ALLREDUCE=0); "pp=2 mp
+1-in-flight" runs one batch at a time through the stages (PAGEDLLM_PP_BATCHES_IN_FLIGHT=1). --shape
 runs a shape of benchmarks/big_models.py (smollm2-1.7b, llama-8b) with load_format="dummy": its config.json and the
 default model's tokenizer are written once under ~/.cache/pagedllm-bench/<shape>/config-only.
 
     .venv/bin/python benchmarks/tensor_parallel.py --num-prompts 64 --rounds 2 [--dtype auto]
-        [--configs tp=1 "tp=2 mp" "tp=2 ray" "tp=2 mp gloo" "pp=2 mp" "pp=2 tp=2 mp"]
+        [--configs tp=1 "tp=2 mp" "tp=2 ray" "tp=2 mp gloo" "pp=2 mp" "pp=2 mp 1-in-flight" "pp=2 tp=2 mp"]
     .venv/bin/python benchmarks/tensor_parallel.py --shape smollm2-1.7b --num-prompts 16 --latency \
         --configs tp=1 "tp=2 mp" "pp=2 mp"
 """
@@ -28,6 +29,7 @@ TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend"]
 CONFIGS = {"tp=1": ([], {}), "tp=2 mp": ([*TP2, "mp"], {}), "tp=2 ray": ([*TP2, "ray"], {}),
            "tp=2 mp gloo": ([*TP2, "mp"], {"PAGEDLLM_CPU_SHM_ALLREDUCE": "0"}),  # collectives over gloo's TCP
            "pp=2 mp": (["--pipeline-parallel-size", "2"], {}),
+           "pp=2 mp 1-in-flight": (["--pipeline-parallel-size", "2"], {"PAGEDLLM_PP_BATCHES_IN_FLIGHT": "1"}),
            "pp=2 tp=2 mp": (["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"], {})}
 
 

@@ -140,6 +140,10 @@ RAY_PLACEMENT_STRATEGY: EnvVar[str] = EnvVar(
     name="PAGEDLLM_RAY_PLACEMENT_STRATEGY", default="PACK",
     parse=_choice("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD", lower=False),
     doc="The Ray placement group's strategy for the ranks' bundles (SPREAD or STRICT_SPREAD: across machines).")
+PP_BATCHES_IN_FLIGHT: EnvVar[int | None] = EnvVar(
+    name="PAGEDLLM_PP_BATCHES_IN_FLIGHT", default="", parse=_optional_positive_int,
+    doc="Batches of different requests in flight through pipeline stages at once (unset: pipeline_parallel_size, "
+        "every stage at work; 1: one at a time, each stage on every core).")
 TRITON_DECODE_SPLITS: EnvVar[int | None] = EnvVar(
     name="PAGEDLLM_TRITON_DECODE_SPLITS", default="", parse=_optional_positive_int,
     doc="Force this many splits per sequence in the Triton decode kernel (unset: chosen to fill the GPU).")
@@ -186,7 +190,8 @@ OPENAI_API_KEY: EnvVar[str] = EnvVar(
 
 VARIABLES: tuple[EnvVar[Any], ...] = (
     ISA, CACHE_DIR, FUSED_OPS, GEMM, DENSE_COPY, CPU_STACK, CPU_OMP_THREADS_BIND, CPU_SHM_ALLREDUCE,
-    EXECUTE_MODEL_TIMEOUT_SECONDS, RAY_PLACEMENT_STRATEGY, TRITON_DECODE_SPLITS, ENABLE_MULTIPROCESSING, API_KEY,
+    EXECUTE_MODEL_TIMEOUT_SECONDS, RAY_PLACEMENT_STRATEGY, PP_BATCHES_IN_FLIGHT, TRITON_DECODE_SPLITS,
+    ENABLE_MULTIPROCESSING, API_KEY,
     ALLOW_RUNTIME_LORA_UPDATING, SAGEMAKER_STATEFUL_SESSIONS, SERVER_DEV_MODE, VLLM_SERVER_DEV_MODE, RAY_ADDRESS,
     XDG_CACHE_HOME, CXX, TRITON_INTERPRET, OPENAI_API_KEY)
 """Every variable, in the README table's order."""

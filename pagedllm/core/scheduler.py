@@ -46,6 +46,7 @@ from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_pool import KVCacheBlock
+from pagedllm.core.in_flight import InFlight
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler_output import CachedRequestData, ForkedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.step_time import StepTimeModel, attended_positions
@@ -66,6 +67,8 @@ class SchedulerStats:
     num_chunked_prefills: int = 0
     """Times a prompt was scheduled only in part because of the token budget."""
     max_num_running: int = 0
+    max_batches_in_flight: int = 0
+    """The most batches in flight at once, counted with pipeline stages (engine/batch_queue.py; 0 otherwise)."""
     num_prompt_tokens_computed: int = 0
     num_generated_tokens: int = 0
     num_running: int = 0
@@ -136,6 +139,8 @@ class _StepPlan:
     """A chunk was held at a block past the step-time or attention budget (the step's first)."""
     allowed_s: float = 0.0
     """Seconds the step-time rule allows this step (with prefill_budget)."""
+    seq_budget: int = 1 << 62
+    """Requests the batch may still take (with batches in flight: its share of them, so the stages get several)."""
     forking_leaders: list[Request] = field(default_factory=list)
     """Leaders whose prompt completes this step: their pending samples fork off after scheduling."""
 
@@ -145,11 +150,13 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int,
                  num_host_blocks: int = 0, num_lookahead_tokens: int = 0,
-                 step_cost_weights: tuple[float, float] = (1.0, 1.0)) -> None:
+                 step_cost_weights: tuple[float, float] = (1.0, 1.0), batches_in_flight: int | None = None) -> None:
         """``num_lookahead_tokens``: slots kept past a decoding request's scheduled tokens (a draft model
         writes the K/V of its drafts there before they are verified). ``step_cost_weights``: prefill units per
         prompt token and per attended query x key pair (core/step_time.py; the engine core derives them from
-        the model's shape)."""
+        the model's shape). ``batches_in_flight``: pipeline stages, with up to this many batches in flight: each
+        carries the tokens sampled since the previous one and at most its share of the requests (core/in_flight.py;
+        None: no stages, one batch at a time)."""
         self.config = scheduler_config
         self.num_lookahead_tokens = num_lookahead_tokens
         self.block_size = cache_config.block_size
@@ -177,6 +184,9 @@ class Scheduler:
         """Estimates a step's seconds (for step_time_target), learning from record_step_time()."""
         self._last_step: tuple[int, int, bool] = (0, 0, False)
         """The last scheduled step's prompt tokens, their attended pairs, and whether it decoded."""
+        self.in_flight = InFlight(batches_in_flight is not None)
+        """Batches scheduled and not yet updated from (several at once only with pipeline stages)."""
+        self.batches_in_flight = batches_in_flight or 1
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request, samples: list[Request] | None = None) -> None:
@@ -247,6 +257,11 @@ class Scheduler:
             self._free_request(request)
         self._refresh_gauges()
 
+    def hold(self, request_id: str) -> None:
+        """Keep a running request out of the batches and safe from preemption until it finishes (a beam that
+        reported, waiting for its search's other beams: core/in_flight.py)."""
+        self.in_flight.hold(request_id)
+
     def has_unfinished_requests(self) -> bool:
         """Requests waiting, running or about to fork: another step has work."""
         return bool(self.requests)
@@ -291,6 +306,9 @@ class Scheduler:
         if target is not None and any(self._decodes(r) for r in self.running):  # only a decoding stream waits
             plan.prefill_budget = self.step_time.prefill_budget(target)
             plan.allowed_s = max(target, 2 * (self.step_time.decode_s or 0.0))
+        if self.batches_in_flight > 1:  # each batch in flight its share of the requests: every stage gets one
+            wanting = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+            plan.seq_budget = max(1, -(-wanting // self.batches_in_flight))
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -299,13 +317,23 @@ class Scheduler:
         plan.output.finished_req_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
         self._update_after_schedule(plan)
+        self.in_flight.scheduled(plan.output)
         return plan.output
+
+    def retract(self, out: SchedulerOutput) -> None:
+        """The batch just scheduled, which schedules nothing, is not run after all (pipeline stages with batches
+        in flight): what it carried goes with the next one."""
+        assert out.is_empty, "only an empty batch is taken back"
+        self.in_flight.retract(out)
+        self._finished_since_last_step |= out.finished_req_ids
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
-        while index < len(self.running) and plan.token_budget > 0:
+        while index < len(self.running) and plan.token_budget > 0 and plan.seq_budget > 0:
             request = self.running[index]
-            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
+            # in a batch still in flight (pipeline stages): its next token is not known yet
+            num_new = 0 if request.request_id in self.in_flight else \
+                self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
             if num_new == 0:  # a prompt chunk over the attention budget: it goes on next step
                 index += 1
                 continue
@@ -387,7 +415,9 @@ class Scheduler:
                                                               num_lookahead_tokens=self._lookahead(request, num_new))
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running.pop()
+            # the newest request not in a batch in flight (whose blocks are being written): ``request`` at worst
+            victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
+            self.running.remove(victim)
             self._preempt(victim, plan)
             if victim is request:
                 return None
@@ -401,7 +431,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []  # their adapter would exceed max_loras: they keep their place
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
-        while self.waiting and plan.token_budget > 0:
+        while self.waiting and plan.token_budget > 0 and plan.seq_budget > 0:
             request = self.waiting[0]
             lora = request.lora_request
             # an adapter that would exceed max_loras waits; once one waits, no other adapter's request passes it
@@ -525,6 +555,7 @@ class Scheduler:
             out.scheduled_cached_reqs.append(self._cached_request_data(request, new_blocks))
         out.num_scheduled_tokens[req_id] = num_new
         plan.token_budget -= num_new
+        plan.seq_budget -= 1
         plan.attention_budget -= attended_positions(request.num_computed_tokens, num_new, self.sliding_window)
         if request.num_tokens - request.num_computed_tokens > 1:  # a prompt chunk (or a preempted one's recompute)
             plan.has_prompt_chunk = True
@@ -607,6 +638,7 @@ class Scheduler:
         results += self._update_pooled(runner_output.pooler_output)
         self._update_prompt_logprobs(runner_output.prompt_logprobs)
         self._update_prompt_id_scores(runner_output.prompt_id_scores)
+        self.in_flight.answered({r: t for r, t in zip(runner_output.req_ids, runner_output.sampled_token_ids) if t})
         for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                runner_output.logprobs):
             request = self.requests.get(req_id)
@@ -712,6 +744,7 @@ class Scheduler:
             del self._leader_of[orphan.request_id]
             self.waiting.appendleft(orphan)
         del self.requests[request.request_id]
+        self.in_flight.finished([request.request_id])
         if request.request_id in self._seen_by_workers:
             self._seen_by_workers.discard(request.request_id)
             self._finished_since_last_step.add(request.request_id)

@@ -78,6 +78,9 @@ class SchedulerOutput:
     """(device, host) blocks to copy out first (preempted by swapping)."""
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host, device) blocks to copy back in before the forward."""
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Request -> the tokens the last pipeline stage sampled for it since the previous batch was scheduled (only
+    with pipeline stages): the stages before it take them into their request states, as if sampled there."""
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Request -> the draft tokens verified this step: its last ``len(drafts)`` scheduled tokens (vLLM's name)."""
 

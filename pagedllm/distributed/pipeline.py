@@ -1,18 +1,16 @@
 """What pipeline stages pass each other during a step (distributed/parallel_state.py ``get_pp_stage``).
 
 A stage runs its layers over the step's tokens and sends the hidden states and the residual to the next stage's
-rank of the same tensor-parallel index; the last stage samples and shares the sampled tokens with every rank, whose
-request states (the next step's input ids, the prompt and output so far) must stay the same everywhere. Every
-stage has the step's SchedulerOutput, so the sizes are known on both ends: nothing but the tensors is sent.
+rank of the same tensor-parallel index; the last stage samples (the scheduler sends the sampled tokens to every stage
+with its next batch: worker/stage_runner.py). Every stage has the step's SchedulerOutput, so the sizes are known on
+both ends: nothing but the tensors is sent.
 """
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pagedllm.distributed.parallel_state import get_pp_stage, get_tp_world_size
+from pagedllm.distributed.parallel_state import get_tp_world_size
 
 
 def send_to_next_stage(hidden: torch.Tensor, residual: torch.Tensor) -> None:
@@ -26,13 +24,3 @@ def recv_from_previous_stage(num_tokens: int, width: int, dtype: torch.dtype) ->
     both = torch.empty(2, num_tokens, width, dtype=dtype)  # (2, tokens, width)
     dist.recv(both, src=dist.get_rank() - get_tp_world_size())
     return both[0], both[1]
-
-
-def share_from_last_stage(value: Any) -> Any:
-    """``value`` as the last stage's first rank gave it (it passes its own; the others pass None): the step's
-    sampled tokens, for every rank's request states."""
-    stage = get_pp_stage()
-    assert stage is not None, "a pipeline stage shares what its last stage sampled"
-    holder = [value]
-    dist.broadcast_object_list(holder, src=(stage.size - 1) * get_tp_world_size())
-    return holder[0]

@@ -106,6 +106,8 @@ class BeamSearchManager:
             group.reported[out.request_id] = out.new_logprobs[0]
             if len(group.reported) == len(group.running):
                 ready.append(group)
+            else:  # not decoded again (nor preempted) while its search waits for the other beams
+                self.scheduler.hold(out.request_id)
         for group in ready:
             if group.request_id not in self.groups:  # failed by another of its beams
                 continue

@@ -20,6 +20,7 @@ from pagedllm.core.kv_map import kv_map
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.step_time import cost_weights
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.engine.beam_search import BeamSearchManager
 from pagedllm.engine.lifecycle import Lifecycle, check_mode
 from pagedllm.engine.messages import (
@@ -96,7 +97,8 @@ def _scheduler(config: EngineConfig, arch: ArchConfig, num_kv_blocks: int, num_h
     weights = cost_weights(arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads,
                            arch.num_kv_heads, arch.head_dim)
     return Scheduler(config.scheduler, config.cache, num_kv_blocks, num_host_blocks, num_lookahead_tokens=lookahead,
-                     step_cost_weights=weights)
+                     step_cost_weights=weights, batches_in_flight=config.parallel.batches_in_flight
+                     if config.parallel.pipeline_parallel_size > 1 else None)
 
 
 class EngineCore:
@@ -124,6 +126,9 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.scheduler = _scheduler(config, arch, self.num_kv_blocks, self.num_host_blocks)
+        self.batch_queue = None if config.parallel.pipeline_parallel_size == 1 else \
+            BatchQueue(self.scheduler, self.executor, config.parallel.batches_in_flight)
+        """Pipeline stages: batches in flight (engine/batch_queue.py); None: a step is one batch run to its end."""
         self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
         self._beam_seq_ids = itertools.count()
         self.loras: dict[int, LoRARequest] = {}
@@ -273,12 +278,15 @@ class EngineCore:
 
         The batch also tells the workers which requests finished since the last step (an idle engine runs no
         step of its own for that: they learn it with the next real one)."""
-        scheduler_output = self.scheduler.schedule()
-        self.last_step_features = self.scheduler.step_features(scheduler_output)
-        start = time.perf_counter()
-        runner_output = self.executor.execute_model(scheduler_output)
-        core_outputs = self.scheduler.update_from_output(runner_output)
-        self.scheduler.record_step_time(time.perf_counter() - start)  # teaches the step-time target's estimate
+        if self.batch_queue is not None:  # pipeline stages: several batches in flight
+            core_outputs = self.batch_queue.step()
+        else:
+            scheduler_output = self.scheduler.schedule()
+            self.last_step_features = self.scheduler.step_features(scheduler_output)
+            start = time.perf_counter()
+            runner_output = self.executor.execute_model(scheduler_output)
+            core_outputs = self.scheduler.update_from_output(runner_output)
+            self.scheduler.record_step_time(time.perf_counter() - start)  # teaches the step-time target's estimate
         beams = [o for o in core_outputs if self.beam_search.owns(o.request_id)]
         stored, evicted = self.scheduler.kv_cache_manager.block_pool.take_cache_changes()
         return StepOutputs(outputs=[o for o in core_outputs if not self.beam_search.owns(o.request_id)],
@@ -303,7 +311,7 @@ class EngineCore:
         known = self.loras.get(lora_request.lora_int_id)
         if known == lora_request:
             return False
-        self.executor.collective_rpc("add_lora", (lora_request,))  # refuses an id taken by another adapter
+        self.call_workers("add_lora", (lora_request,))  # refuses an id taken by another adapter
         self.loras[lora_request.lora_int_id] = lora_request
         return True
 
@@ -316,18 +324,24 @@ class EngineCore:
                                   param="lora_int_id", value=lora_int_id)
         if self.loras.pop(lora_int_id, None) is None:
             return False
-        self.executor.collective_rpc("remove_lora", (lora_int_id,))
+        self.call_workers("remove_lora", (lora_int_id,))
         return True
 
     def list_loras(self) -> set[int]:
         """The ids of the adapters added."""
         return set(self.loras)
 
+    def call_workers(self, method: str, args: tuple = ()) -> list[Any]:
+        """``Worker.<method>(*args)`` on every rank, in rank order, once no batch is in flight."""
+        if self.batch_queue is not None:
+            self.batch_queue.drain()
+        return self.executor.collective_rpc(method, args)
+
     # ----------------------------------------------------------------------- state
     def rank_memory_usage(self) -> list[dict[str, float]]:
         """Per tensor-parallel rank, in rank order: bytes of weights, of KV pools, and its process's RSS; its load's
         seconds and peak RSS (load_seconds, load_peak_rss_bytes)."""
-        return self.executor.collective_rpc("memory_usage")
+        return self.call_workers("memory_usage")
 
     def kv_map(self, cells: bool = True) -> dict[str, Any]:
         """The KV pool now (between steps): each block's holder and the slots' accounting (core/kv_map.py)."""

@@ -133,7 +133,7 @@ class Lifecycle:
         core = self.core
         if level >= 1:
             core.scheduler.drop_kv()  # nothing may point into the pool the workers release
-            core.executor.collective_rpc("sleep", (level,))
+            core.call_workers("sleep", (level,))
             self.asleep |= {"kv_cache"} if self.kv_only and level == 1 else set(SLEEP_TAGS)
             self.level = max(level, self.level)
             self.frozen = True
@@ -176,11 +176,11 @@ class Lifecycle:
         wake = set(self.asleep) if wanted is None else wanted & self.asleep
         if wake:
             core = self.core
-            core.executor.collective_rpc("wake_up", (sorted(wake),))
+            core.call_workers("wake_up", (sorted(wake),))
             self.asleep -= wake
             if "weights" in wake and self.level == 2:  # the rebuilt workers learn the adapters again
                 for lora in core.loras.values():
-                    core.executor.collective_rpc("add_lora", (lora,))
+                    core.call_workers("add_lora", (lora,))
         if self.asleep:
             return False
         self.level = 0
@@ -195,7 +195,7 @@ class Lifecycle:
             raise ValidationError.bad_value("args", args, "a list")
         if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
             raise ValidationError.bad_value("kwargs", kwargs, "an object (keyword -> value)")
-        results = self.core.executor.collective_rpc("user_rpc", (method, tuple(args), dict(kwargs or {})))
+        results = self.core.call_workers("user_rpc", (method, tuple(args), dict(kwargs or {})))
         for ok, value in results:
             if not ok:
                 name, message, param = value

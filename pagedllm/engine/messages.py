@@ -25,8 +25,9 @@ PROTOCOL_VERSION = 1
 """The message set's version: a front and a core process of different versions refuse each other at the start."""
 
 
-_PER_REPLICA_MAXIMA = ("max_step_attended_positions", "step_time_decode_s", "step_time_token_s", "step_time_pair_s",
-                       "last_step_estimated_s", "max_step_estimated_s", "max_step_estimated_fraction")
+_PER_REPLICA_MAXIMA = ("max_step_attended_positions", "max_batches_in_flight", "step_time_decode_s",
+                       "step_time_token_s", "step_time_pair_s", "last_step_estimated_s", "max_step_estimated_s",
+                       "max_step_estimated_fraction")
 """Statistics of one replica's steps: several replicas' are their maximum, not their sum."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -57,6 +58,8 @@ class Executor(ABC):
         """Set once a worker failed; every later call raises it."""
         self._failure_callbacks: list[Callable[[WorkerError], None]] = []
         self._failure_lock = threading.Lock()
+        self._answers: deque[Any] = deque()
+        """Steps submitted and not collected: their answers (here), or what waits for them (Ray's refs)."""
 
     def register_failure_callback(self, callback: Callable[[WorkerError], None]) -> None:
         """Call ``callback`` (from any thread) as soon as a worker fails, even between steps."""
@@ -83,6 +86,15 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; returns rank 0's sampled tokens."""
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for it (pipeline stages: several batches in flight); ``collect_model``
+        returns the answers in the order the steps were submitted. Here: run it now, keep its answer."""
+        self._answers.append(self.execute_model(scheduler_output))
+
+    def collect_model(self) -> ModelRunnerOutput:
+        """The answer of the oldest step submitted and not yet collected (waiting for it)."""
+        return self._answers.popleft()
 
     def determine_num_kv_blocks(self) -> int:
         """KV blocks that fit on every worker (the smallest rank's answer)."""

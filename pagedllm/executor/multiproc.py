@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.executor.base import EXECUTE_TIMEOUT_ENV, Executor, WorkerError, execute_timeout, process_stopped
 from pagedllm.models.config import ArchConfig
@@ -59,13 +59,22 @@ class _WorkerHandle:
     results: Connection  # worker -> engine
 
 
+def _core_share(parallel: ParallelConfig, rank: int) -> tuple[int, int]:
+    """(index, of how many) among the ranks splitting this machine's cores: a stage's tensor-parallel ranks, where
+    one batch at a time goes through the stages (they share the cores); every rank, where several batches are in
+    flight (every stage computes at once)."""
+    if parallel.batches_in_flight > 1:
+        return rank, parallel.world_size
+    return rank % parallel.tensor_parallel_size, parallel.tensor_parallel_size
+
+
 class MultiprocExecutor(Executor):
     """N local worker processes, one per rank; the engine's process only schedules."""
 
     def __init__(self, config: EngineConfig, arch: ArchConfig, eos_token_ids: tuple[int, ...]) -> None:
         from pagedllm.worker.worker import RankInfo  # the engine process itself loads no model code
         self._timeout = execute_timeout()  # read once: a step's deadline
-        world, tp = config.parallel.world_size, config.parallel.tensor_parallel_size
+        world = config.parallel.world_size
         self._answering = config.parallel.answering_rank  # the rank that samples: the last pipeline stage's first
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -77,7 +86,7 @@ class MultiprocExecutor(Executor):
             cmd_read, cmd_write = ctx.Pipe(duplex=False)
             res_read, res_write = ctx.Pipe(duplex=False)
             info = RankInfo(rank=rank, local_rank=rank, local_world_size=world, distributed_init_method=init_method,
-                            core_share=(rank % tp, tp))  # (a stage's ranks split the cores; stages share them)
+                            core_share=_core_share(config.parallel, rank))
             proc = ctx.Process(target=_worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
                                args=(config, arch, eos_token_ids, info, cmd_read, res_write, level))
             proc.start()
@@ -101,6 +110,13 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast("execute_model", (scheduler_output,), reply=False)
+        return self._collect((self._answering,), self._timeout, "execute_model")[self._answering]
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> None:
+        # every worker reads its pipe in order; only the answering rank writes, one answer per step, in order
+        self._broadcast("execute_model", (scheduler_output,), reply=False)
+
+    def collect_model(self) -> ModelRunnerOutput:
         return self._collect((self._answering,), self._timeout, "execute_model")[self._answering]
 
     def shutdown(self) -> None:

@@ -112,7 +112,8 @@ class RayDistributedExecutor(Executor):
             infos = []
             for rank, (node_id, _, _) in enumerate(nodes):
                 same = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
-                at_once = [r for r in same if r // tp == rank // tp]  # its stage's ranks here split the cores
+                # its stage's ranks here split the cores (every rank here, with several batches in flight)
+                at_once = [r for r in same if r // tp == rank // tp or config.parallel.batches_in_flight > 1]
                 infos.append(RankInfo(rank=rank, local_rank=same.index(rank), local_world_size=len(same),
                                       distributed_init_method=init_method,
                                       core_share=(at_once.index(rank), len(at_once))))
@@ -137,6 +138,12 @@ class RayDistributedExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", (scheduler_output,), reply=False)[self._answering]
 
+    def submit_model(self, scheduler_output: SchedulerOutput) -> None:
+        self._answers.append(self._send("execute_model", (scheduler_output,), reply=False))  # each actor in order
+
+    def collect_model(self) -> ModelRunnerOutput:
+        return self._wait(self._answers.popleft(), self._timeout, "execute_model")[self._answering]
+
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group; if this engine called ray.init, disconnect (which
         stops a local cluster it started; a cluster it joined keeps running)."""
@@ -148,12 +155,15 @@ class RayDistributedExecutor(Executor):
 
     # --------------------------------------------------------------- plumbing
     def _call(self, method: str, args: tuple, reply: bool) -> list[Any]:
+        return self._wait(self._send(method, args, reply), self._timeout, method)
+
+    def _send(self, method: str, args: tuple, reply: bool) -> list[Any]:
+        """Start ``method`` on every actor; the refs of their answers, in rank order."""
         if self.failure is not None:
             raise self.failure
         # pickled once; every actor gets the same bytes (cheaper than ray.put for a step's few KB: measured)
         data = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
-        refs = [a.execute_method.remote(method, reply, data) for a in self.actors]
-        return self._wait(refs, self._timeout, method)
+        return [a.execute_method.remote(method, reply, data) for a in self.actors]
 
     def _wait(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         """Every rank's result, in rank order; any rank's error or death fails the engine at once."""

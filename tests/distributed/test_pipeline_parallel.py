@@ -62,12 +62,15 @@ def test_pp2_matches_pp1(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, referen
         assert got[key] == reference[key], key
     assert _layers(llm) == [1, 1]  # the model's 2 layers, one per stage, for the same block ids
     assert [shape[1] for rank in llm.collective_rpc("kv_cache_shapes") for shape in rank] == [20, 20]
+    assert llm.get_stats().max_batches_in_flight == 2  # (by default: one batch per stage at once)
 
 
-def test_stages_of_two_tensor_parallel_ranks(tp_llm: Callable[..., LLM], tiny_llm_dir: Path,
-                                             reference: dict) -> None:
+def test_stages_of_two_tensor_parallel_ranks(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, reference: dict,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """pipeline_parallel_size 2 x tensor_parallel_size 2: four workers, each stage a tensor-parallel group (its own
-    collectives: shared memory within the group), each rank half of its stage's KV heads."""
+    collectives: shared memory within the group), each rank half of its stage's KV heads; one batch at a time
+    through the stages (PAGEDLLM_PP_BATCHES_IN_FLIGHT=1)."""
+    monkeypatch.setenv("PAGEDLLM_PP_BATCHES_IN_FLIGHT", "1")
     options = dict(pipeline_parallel_size=2, tensor_parallel_size=2, max_num_batched_tokens=32, **SMALL_POOL)
     llm = tp_llm(tiny_llm_dir, **options)
     got = _run(llm)
@@ -78,8 +81,10 @@ def test_stages_of_two_tensor_parallel_ranks(tp_llm: Callable[..., LLM], tiny_ll
     planned = memory_fit.plan_ranks(*EngineArgs(model=str(tiny_llm_dir), dtype="float32", **options)
                                     .create_engine_config())  # from the shapes, before loading
     assert [(r.weights, r.kv) for r in planned] == [(u["weights_bytes"], u["kv_cache_bytes"]) for u in usage]
-    tokens = llm.collective_rpc("request_token_ids")
-    assert all(rank == tokens[0] for rank in tokens)
+    tokens = llm.collective_rpc("request_token_ids")  # a stage's ranks agree; the first stage learns the last
+    assert tokens[0] == tokens[1] and tokens[2] == tokens[3]  # stage's tokens with the next batch: a prefix of them
+    assert all(tokens[2][r][:len(t)] == t for r, t in tokens[0].items()), (tokens[0], tokens[2])
+    assert llm.get_stats().max_batches_in_flight == 1
 
 
 @pytest.mark.parametrize(("pp", "partition", "layers"), [(2, "1,4", [1, 4]), (3, "2,2,1", [2, 2, 1])])

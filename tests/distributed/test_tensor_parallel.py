@@ -98,7 +98,8 @@ def test_shutdown_leaves_no_process(tp_llm: Callable[..., LLM], tiny_llm_dir: Pa
 
 @pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
 def test_aborted_requests_leave_every_rank(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, option: str) -> None:
-    """Two ranks, or two pipeline stages (the first takes the tokens the last sampled: every rank's the same)."""
+    """Two ranks, or two pipeline stages (the first takes the tokens the last sampled with the next batch: a prefix
+    of the last stage's)."""
     llm = tp_llm(tiny_llm_dir, **{option: 2})
     engine = llm.llm_engine
     for i in range(3):
@@ -106,7 +107,8 @@ def test_aborted_requests_leave_every_rank(tp_llm: Callable[..., LLM], tiny_llm_
     engine.step()
     engine.step()
     first, second = llm.collective_rpc("request_token_ids")
-    assert len(first) == 3 and first == second
+    assert len(first) == len(second) == 3 and all(second[r][:len(t)] == t for r, t in first.items())
+    assert first == second or option == "pipeline_parallel_size"
     engine.abort_request([f"drop{i}" for i in range(3)])
     assert engine.get_stats().kv_cache_usage == 0.0  # the one pool every rank's blocks mirror
     engine.add_request("next", PROMPTS[4], SamplingParams(max_tokens=2))
