@@ -142,8 +142,8 @@ RAY_PLACEMENT_STRATEGY: EnvVar[str] = EnvVar(
     doc="The Ray placement group's strategy for the ranks' bundles (SPREAD or STRICT_SPREAD: across machines).")
 PP_BATCHES_IN_FLIGHT: EnvVar[int | None] = EnvVar(
     name="PAGEDLLM_PP_BATCHES_IN_FLIGHT", default="", parse=_optional_positive_int,
-    doc="Batches of different requests in flight through pipeline stages at once (unset: pipeline_parallel_size, "
-        "every stage at work; 1: one at a time, each stage on every core).")
+    doc="Batches of different requests in flight through pipeline stages at once (unset: pipeline_parallel_size "
+        "where each stage has nodes of its own (Ray), else 1: stages on one machine take turns on its cores).")
 TRITON_DECODE_SPLITS: EnvVar[int | None] = EnvVar(
     name="PAGEDLLM_TRITON_DECODE_SPLITS", default="", parse=_optional_positive_int,
     doc="Force this many splits per sequence in the Triton decode kernel (unset: chosen to fill the GPU).")

@@ -100,10 +100,10 @@ class ParallelConfig:
     weights and KV cache; hidden states pass from stage to stage."""
     pp_layer_partition: str | None = None
     """Layers per stage, comma separated ("14,16"; vLLM's VLLM_PP_LAYER_PARTITION); None: an even split."""
-    batches_in_flight: int = 1
-    """Batches of different requests going through the pipeline stages at once (PAGEDLLM_PP_BATCHES_IN_FLIGHT;
-    by default pipeline_parallel_size: every stage at work, each on its share of a machine's cores; 1: one batch
-    at a time, a stage on every core)."""
+    batches_in_flight: int | None = None
+    """Batches of different requests going through the pipeline stages at once (PAGEDLLM_PP_BATCHES_IN_FLIGHT);
+    None: the executor decides (pipeline_parallel_size where every stage has machines of its own, every one at
+    work; else 1, the stages one at a time on the cores they share)."""
     distributed_executor_backend: str | None = None
     """"uni" (one worker in the engine's process), "mp" (a worker process per rank on this machine)
     or "ray" (a Ray actor per rank, any number of machines); None: "uni" for one rank, else "mp"."""
@@ -136,9 +136,9 @@ class ParallelConfig:
             raise ValidationError.bad_value("pp_layer_partition", self.pp_layer_partition,
                                             "layer counts per stage, with pipeline_parallel_size > 1")
         depth = self.batches_in_flight
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1 or (depth > 1 and pp == 1):
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1 or pp == 1):
             raise ValidationError.bad_value("batches_in_flight", depth,
-                                            "a positive integer (above 1 with pipeline_parallel_size > 1)")
+                                            "None, or a positive integer with pipeline_parallel_size > 1")
         dp = self.data_parallel_size
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
             raise ValidationError.bad_value("data_parallel_size", dp, "a positive integer")

@@ -116,8 +116,7 @@ def parallel_layout(args: EngineOptions) -> ParallelConfig:
     return ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend=args.distributed_executor_backend,
         pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
-        batches_in_flight=1 if args.pipeline_parallel_size == 1 else
-        envs.PP_BATCHES_IN_FLIGHT.read() or args.pipeline_parallel_size,
+        batches_in_flight=None if args.pipeline_parallel_size == 1 else envs.PP_BATCHES_IN_FLIGHT.read(),
         data_parallel_size=args.data_parallel_size, data_parallel_backend=args.data_parallel_backend,
         data_parallel_routing=args.data_parallel_routing, data_parallel_restart=args.data_parallel_restart,
         worker_extension_cls=args.worker_extension_cls)

@@ -6,10 +6,14 @@ engine/arg_resolve.py (or a config's own check in pagedllm/config/).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
 from pagedllm.config.options import EngineOptions
 from pagedllm.models.config import ArchConfig
+
+if TYPE_CHECKING:
+    from pagedllm.worker.memory_plan import RankBytes
 
 
 @dataclass(kw_only=True)
@@ -23,3 +27,11 @@ class EngineArgs(EngineOptions):
         from pagedllm.engine.arg_resolve import engine_config
 
         return engine_config(self)
+
+    def rank_memory_plan(self) -> list[RankBytes]:
+        """What each rank of the engine these options make would hold, in rank order: its stage's layers' weights
+        (its tensor-parallel share) and its KV pool as asked (worker/memory_plan.py), from the config and the
+        checkpoint's shapes alone: nothing is loaded."""
+        from pagedllm.worker.memory_fit import plan_ranks
+
+        return plan_ranks(*self.create_engine_config())

@@ -89,16 +89,17 @@ def _request_factory(config: EngineConfig, arch: ArchConfig, tokenizer: Any, eos
                           embeds_hidden_size=arch.embeds_width if config.model.enable_prompt_embeds else None)
 
 
-def _scheduler(config: EngineConfig, arch: ArchConfig, num_kv_blocks: int, num_host_blocks: int) -> Scheduler:
-    """The scheduler over the KV pool the workers allocated, with the step-time weights of this model's shape."""
+def _scheduler(config: EngineConfig, arch: ArchConfig, num_kv_blocks: int, num_host_blocks: int,
+               batches_in_flight: int | None) -> Scheduler:
+    """The scheduler over the KV pool the workers allocated, with the step-time weights of this model's shape
+    (``batches_in_flight``: pipeline stages', as their executor placed them)."""
     spec = config.speculative
     # a draft model writes its drafts' K/V before they are scheduled: slots past the scheduled tokens
     lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
     weights = cost_weights(arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads,
                            arch.num_kv_heads, arch.head_dim)
     return Scheduler(config.scheduler, config.cache, num_kv_blocks, num_host_blocks, num_lookahead_tokens=lookahead,
-                     step_cost_weights=weights, batches_in_flight=config.parallel.batches_in_flight
-                     if config.parallel.pipeline_parallel_size > 1 else None)
+                     step_cost_weights=weights, batches_in_flight=batches_in_flight)
 
 
 class EngineCore:
@@ -125,9 +126,11 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = _scheduler(config, arch, self.num_kv_blocks, self.num_host_blocks)
+        self.scheduler = _scheduler(config, arch, self.num_kv_blocks, self.num_host_blocks,
+                                    None if config.parallel.pipeline_parallel_size == 1 else
+                                    self.executor.batches_in_flight)
         self.batch_queue = None if config.parallel.pipeline_parallel_size == 1 else \
-            BatchQueue(self.scheduler, self.executor, config.parallel.batches_in_flight)
+            BatchQueue(self.scheduler, self.executor, self.executor.batches_in_flight)
         """Pipeline stages: batches in flight (engine/batch_queue.py); None: a step is one batch run to its end."""
         self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
         self._beam_seq_ids = itertools.count()

@@ -58,6 +58,9 @@ class Executor(ABC):
         """Set once a worker failed; every later call raises it."""
         self._failure_callbacks: list[Callable[[WorkerError], None]] = []
         self._failure_lock = threading.Lock()
+        self.batches_in_flight = 1
+        """Batches the engine core may keep in flight (pipeline stages: set by the executor once its ranks are
+        placed, from ParallelConfig.batches_in_flight or where the stages run)."""
         self._answers: deque[Any] = deque()
         """Steps submitted and not collected: their answers (here), or what waits for them (Ray's refs)."""
 

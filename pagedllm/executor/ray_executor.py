@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from pagedllm import envs
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.distributed.ray_cluster import RayCluster, forwarded_env
 from pagedllm.executor.base import EXECUTE_TIMEOUT_ENV, Executor, WorkerError, execute_timeout, process_stopped
@@ -80,6 +80,18 @@ class RayWorker:
         threading.Event().wait()
 
 
+def _batches_in_flight(parallel: ParallelConfig, nodes: list[str]) -> int:
+    """ParallelConfig.batches_in_flight, else pipeline_parallel_size where no two stages share a node (each
+    computes on its own machines), else 1 (stages on one machine take turns on its cores)."""
+    if parallel.batches_in_flight is not None:
+        return parallel.batches_in_flight
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    stages_of = {}
+    for rank, node in enumerate(nodes):
+        stages_of.setdefault(node, set()).add(rank // tp)
+    return pp if all(len(stages) == 1 for stages in stages_of.values()) else 1
+
+
 class RayDistributedExecutor(Executor):
     """N Ray actors, one per rank, in one placement group."""
 
@@ -109,11 +121,12 @@ class RayDistributedExecutor(Executor):
             self.pids = [pid for _, _, pid in nodes]
             port = ray.get(self.actors[0].free_port.remote())
             init_method = f"tcp://{nodes[0][1]}:{port}"  # rank 0's node: the other machines reach it there
+            self.batches_in_flight = _batches_in_flight(config.parallel, [n for n, _, _ in nodes])
             infos = []
             for rank, (node_id, _, _) in enumerate(nodes):
                 same = [r for r, (n, _, _) in enumerate(nodes) if n == node_id]
                 # its stage's ranks here split the cores (every rank here, with several batches in flight)
-                at_once = [r for r in same if r // tp == rank // tp or config.parallel.batches_in_flight > 1]
+                at_once = [r for r in same if r // tp == rank // tp or self.batches_in_flight > 1]
                 infos.append(RankInfo(rank=rank, local_rank=same.index(rank), local_world_size=len(same),
                                       distributed_init_method=init_method,
                                       core_share=(at_once.index(rank), len(at_once))))

@@ -299,3 +299,39 @@ def test_sliding_window_with_swap_and_prefix_caching() -> None:
             kv.block_pool.cached_blocks.values()
     assert s.stats.num_swapped_out > 0 and swapped_in > 0
     assert kv.block_pool.num_free_blocks == 8 and len(kv.host_free) == 12
+
+
+def test_batches_in_flight_through_pipeline_stages() -> None:
+    """batches_in_flight 2 (pipeline stages): a second batch goes out before the first is answered and takes the
+    other half of the requests; a request in flight, or held (a beam waiting for its search), is not scheduled
+    again; each batch carries the tokens the last stage sampled since the one before (for the earlier stages),
+    and an empty batch taken back keeps them for the next."""
+    s = make_scheduler(batches_in_flight=2)
+    for name in "abcd":
+        add(s, name, 3)
+    first = s.schedule()
+    first_run = fake_runner_output(s, first)
+    second = s.schedule()
+    second_run = fake_runner_output(s, second)
+    assert list(first.num_scheduled_tokens) == ["a", "b"] and list(second.num_scheduled_tokens) == ["c", "d"]
+    empty = s.schedule()  # every request is in flight
+    assert empty.is_empty and not empty.sampled_token_ids
+    s.retract(empty)
+    s.update_from_output(first_run)
+    s.hold("b")
+    third = s.schedule()
+    assert third.num_scheduled_tokens == {"a": 1} and third.sampled_token_ids == {"a": [TOKEN], "b": [TOKEN]}
+    s.update_from_output(second_run)
+    fourth = s.schedule()
+    assert fourth.num_scheduled_tokens == {"c": 1, "d": 1} and fourth.sampled_token_ids == {"c": [TOKEN], "d": [TOKEN]}
+    fourth_run = fake_runner_output(s, fourth)
+    s.update_from_output(fake_runner_output(s, third))
+    s.hold("a")
+    fifth = s.schedule()  # a and b held, c and d in flight: nothing to run, a's token to carry
+    assert fifth.is_empty and fifth.sampled_token_ids == {"a": [TOKEN]}
+    s.retract(fifth)
+    s.update_from_output(fourth_run)
+    sixth = s.schedule()
+    assert sixth.num_scheduled_tokens == {"c": 1, "d": 1} and set(sixth.sampled_token_ids) == {"a", "c", "d"}
+    s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert "a" not in s.in_flight and "b" not in s.in_flight and "c" in s.in_flight

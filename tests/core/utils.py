@@ -24,14 +24,17 @@ def make_scheduler(num_kv_blocks: int = 32, block_size: int = 4, max_num_seqs: i
                    enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
                    num_host_blocks: int = 0, max_num_batched_attention: int | None = None,
                    step_time_target: float | None = None,
-                   step_cost_weights: tuple[float, float] = (1.0, 1.0)) -> Scheduler:
-    """A scheduler over a small pool (prefix caching off unless asked for)."""
+                   step_cost_weights: tuple[float, float] = (1.0, 1.0),
+                   batches_in_flight: int | None = None) -> Scheduler:
+    """A scheduler over a small pool (prefix caching off unless asked for; ``batches_in_flight``: pipeline
+    stages')."""
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      max_model_len=max_model_len, preemption_mode=preemption_mode,
                                      max_num_batched_attention=max_num_batched_attention,
                                      step_time_target=step_time_target),
                      CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-                     num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks, step_cost_weights=step_cost_weights)
+                     num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks, step_cost_weights=step_cost_weights,
+                     batches_in_flight=batches_in_flight)
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 16, **params: object) -> Request:

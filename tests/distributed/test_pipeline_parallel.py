@@ -52,8 +52,12 @@ def _layers(llm: LLM) -> list[int]:
     return [len(shapes) for shapes in llm.collective_rpc("kv_cache_shapes")]
 
 
-def test_pp2_matches_pp1(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, reference: dict) -> None:
-    """Two stages of one layer each: every comparison of the tensor-parallel test, through 32-token chunks."""
+def test_pp2_matches_pp1(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, reference: dict,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stages of one layer each: every comparison of the tensor-parallel test, through 32-token chunks, with
+    two batches in flight (PAGEDLLM_PP_BATCHES_IN_FLIGHT=2: each stage on its own core, the second batch taking the
+    other half of the requests while the first is in the last stage)."""
+    monkeypatch.setenv("PAGEDLLM_PP_BATCHES_IN_FLIGHT", "2")
     llm = tp_llm(tiny_llm_dir, pipeline_parallel_size=2, max_num_batched_tokens=32, **SMALL_POOL)
     got = _run(llm)
     assert reference["preemptions"] > 0 and got["preemptions"] > 0  # the pool was small enough to matter
@@ -62,15 +66,14 @@ def test_pp2_matches_pp1(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, referen
         assert got[key] == reference[key], key
     assert _layers(llm) == [1, 1]  # the model's 2 layers, one per stage, for the same block ids
     assert [shape[1] for rank in llm.collective_rpc("kv_cache_shapes") for shape in rank] == [20, 20]
-    assert llm.get_stats().max_batches_in_flight == 2  # (by default: one batch per stage at once)
+    assert llm.get_stats().max_batches_in_flight == 2
 
 
-def test_stages_of_two_tensor_parallel_ranks(tp_llm: Callable[..., LLM], tiny_llm_dir: Path, reference: dict,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stages_of_two_tensor_parallel_ranks(tp_llm: Callable[..., LLM], tiny_llm_dir: Path,
+                                             reference: dict) -> None:
     """pipeline_parallel_size 2 x tensor_parallel_size 2: four workers, each stage a tensor-parallel group (its own
     collectives: shared memory within the group), each rank half of its stage's KV heads; one batch at a time
-    through the stages (PAGEDLLM_PP_BATCHES_IN_FLIGHT=1)."""
-    monkeypatch.setenv("PAGEDLLM_PP_BATCHES_IN_FLIGHT", "1")
+    through the stages (the default on one machine: they take turns on its cores)."""
     options = dict(pipeline_parallel_size=2, tensor_parallel_size=2, max_num_batched_tokens=32, **SMALL_POOL)
     llm = tp_llm(tiny_llm_dir, **options)
     got = _run(llm)

@@ -53,7 +53,8 @@ def two_node_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 @pytest.mark.parametrize("layout", ["tensor", "pipeline"])
 def test_ranks_on_two_nodes(two_node_cluster: str, tiny_llm_dir: Path, layout: str) -> None:
     """Two ranks, or two pipeline stages, on a cluster of two nodes (`ray start --head` + `ray start --address`):
-    one per node, their all-reduces (or the hidden states between the stages) over gloo's TCP; one worker's tokens."""
+    one per node, their all-reduces (or the hidden states between the stages) over gloo's TCP; one worker's tokens;
+    stages on nodes of their own keep two batches in flight."""
     prompts = [f"Two nodes, prompt {i}" for i in range(8)]
     params = SamplingParams(max_tokens=16, temperature=0)
     ref = LLM(str(tiny_llm_dir), dtype="float32")
@@ -66,6 +67,8 @@ def test_ranks_on_two_nodes(two_node_cluster: str, tiny_llm_dir: Path, layout: s
         assert got == want
         layers = [len(shapes) for shapes in llm.collective_rpc("kv_cache_shapes")]
         assert layers == ([1, 1] if layout == "pipeline" else [2, 2])  # a stage holds its layer; a rank every one
+        # stages on nodes of their own: a batch in each at once (8 prompts, 4 a batch)
+        assert llm.get_stats().max_batches_in_flight == (2 if layout == "pipeline" else 0)
     finally:
         llm.shutdown()
     import ray

@@ -22,8 +22,6 @@ from typing import Any
 from pagedllm.config import parse_memory
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.errors import ValidationError
-from pagedllm.worker.memory_fit import meta_model, plan_ranks
-from pagedllm.worker.memory_plan import RankBytes, size
 
 GIB = 1024**3
 
@@ -48,7 +46,8 @@ class Machines:
 class Shape:
     """What the step model needs of the model and of one layout."""
 
-    ranks: list[RankBytes]
+    ranks: list[Any]
+    """Each rank's bytes (EngineArgs.rank_memory_plan: weights, kv, layers)."""
     kv_token: list[int]
     """Bytes of KV one token takes on each rank."""
     hidden: int
@@ -62,11 +61,11 @@ class Shape:
 
 
 def layout_shape(args: EngineArgs, tp: int, pp: int) -> Shape:
-    """The engine's per-rank plan of ``args`` split tp x pp (one KV block each: the batch is the planner's)."""
+    """The engine's per-rank plan of ``args`` split tp x pp (two KV blocks each: the batch is the planner's)."""
     staged = dataclasses.replace(args, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_kv_blocks=2,
                                  distributed_executor_backend="ray" if tp * pp > 1 else "uni")
     config, arch = staged.create_engine_config()
-    ranks = plan_ranks(config, arch, meta_model(config, arch))
+    ranks = staged.rank_memory_plan()
     kv_token = [r.kv // 2 // config.cache.block_size for r in ranks]  # (2 blocks asked: num_kv_blocks above)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
     table = 0 if arch.tie_word_embeddings and pp == 1 else -(-arch.vocab_size // tp) * arch.hidden_size * itemsize
@@ -178,7 +177,7 @@ def _row(shape: Shape, m: Machines, ns: argparse.Namespace) -> dict[str, Any]:
 
 def _line(machines: int, row: dict[str, Any], ns: argparse.Namespace) -> str:
     cells = [f"{machines:>3} x {row['link_gbps']:>5g} Gb/s  tp {row['tp']:>2} x pp {row['pp']:>2}  "
-             f"{size(int(row['rank_weights_gib'] * GIB)):>10}/rank  batch <= {row['max_batch']:>5}"]
+             f"{row['rank_weights_gib']:8.2f} GiB/rank  batch <= {row['max_batch']:>5}"]
     for b in ns.batch_sizes:
         got = row["batches"].get(b)
         cells.append(f"b={b}: " + ("does not fit" if got is None else f"{got['step_ms']:7.1f} ms "
