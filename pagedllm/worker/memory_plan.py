@@ -153,7 +153,7 @@ def check_ranks(config: EngineConfig, ranks: list[RankBytes], limit: int, sugges
         f"a worker would hold more than worker_memory_limit={size(limit)}: "
         f"{worst.describe(parallel.pipeline_parallel_size, parallel.tensor_parallel_size)} needs "
         f"{size(worst.weights)} for its weights{loading} + {size(worst.kv)} for its KV cache = "
-        f"{size(worst.need)}{hint}; or ask for a smaller KV cache (kv_cache_memory, num_kv_blocks)",
+        f"{size(worst.need)}{hint}; a smaller KV cache (kv_cache_memory, num_kv_blocks) needs less",
         param="worker_memory_limit", value=limit)
 
 
