@@ -126,11 +126,9 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = _scheduler(config, arch, self.num_kv_blocks, self.num_host_blocks,
-                                    None if config.parallel.pipeline_parallel_size == 1 else
-                                    self.executor.batches_in_flight)
-        self.batch_queue = None if config.parallel.pipeline_parallel_size == 1 else \
-            BatchQueue(self.scheduler, self.executor, self.executor.batches_in_flight)
+        depth = None if config.parallel.pipeline_parallel_size == 1 else self.executor.batches_in_flight
+        self.scheduler = _scheduler(config, arch, self.num_kv_blocks, self.num_host_blocks, depth)
+        self.batch_queue = None if depth is None else BatchQueue(self.scheduler, self.executor, depth)
         """Pipeline stages: batches in flight (engine/batch_queue.py); None: a step is one batch run to its end."""
         self.beam_search = BeamSearchManager(self.scheduler, eos, tokenizer)
         self._beam_seq_ids = itertools.count()

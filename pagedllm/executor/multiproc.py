@@ -59,11 +59,11 @@ class _WorkerHandle:
     results: Connection  # worker -> engine
 
 
-def _core_share(parallel: ParallelConfig, rank: int) -> tuple[int, int]:
+def _core_share(parallel: ParallelConfig, rank: int, batches_in_flight: int) -> tuple[int, int]:
     """(index, of how many) among the ranks splitting this machine's cores: a stage's tensor-parallel ranks, where
     one batch at a time goes through the stages (they share the cores); every rank, where several batches are in
     flight (every stage computes at once)."""
-    if (parallel.batches_in_flight or 1) > 1:
+    if batches_in_flight > 1:
         return rank, parallel.world_size
     return rank % parallel.tensor_parallel_size, parallel.tensor_parallel_size
 
@@ -89,7 +89,7 @@ class MultiprocExecutor(Executor):
             cmd_read, cmd_write = ctx.Pipe(duplex=False)
             res_read, res_write = ctx.Pipe(duplex=False)
             info = RankInfo(rank=rank, local_rank=rank, local_world_size=world, distributed_init_method=init_method,
-                            core_share=_core_share(config.parallel, rank))
+                            core_share=_core_share(config.parallel, rank, self.batches_in_flight))
             proc = ctx.Process(target=_worker_main, name=f"pagedllm-worker-{rank}", daemon=True,
                                args=(config, arch, eos_token_ids, info, cmd_read, res_write, level))
             proc.start()
@@ -112,8 +112,8 @@ class MultiprocExecutor(Executor):
         return [results[rank] for rank in range(len(self.workers))]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._broadcast("execute_model", (scheduler_output,), reply=False)
-        return self._collect((self._answering,), self._timeout, "execute_model")[self._answering]
+        self.submit_model(scheduler_output)
+        return self.collect_model()
 
     def submit_model(self, scheduler_output: SchedulerOutput) -> None:
         # every worker reads its pipe in order; only the answering rank writes, one answer per step, in order

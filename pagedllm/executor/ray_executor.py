@@ -149,7 +149,8 @@ class RayDistributedExecutor(Executor):
         return self._call(method, args, reply=True)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", (scheduler_output,), reply=False)[self._answering]
+        self.submit_model(scheduler_output)
+        return self.collect_model()
 
     def submit_model(self, scheduler_output: SchedulerOutput) -> None:
         self._answers.append(self._send("execute_model", (scheduler_output,), reply=False))  # each actor in order

@@ -31,9 +31,7 @@ def estimate_weight_bytes(path: str, arch: ArchConfig, config: EngineConfig,
     """The weights of the model at ``path`` as ``config`` loads them, from its shapes alone (no tensor is read;
     ``model``: it built on the meta device already)."""
     dtype = getattr(torch, config.model.dtype)
-    if model is None:
-        with torch.device("meta"):  # shapes and dtypes only: nothing is allocated
-            model = get_model_class(arch)(arch, dtype, config.model.max_model_len)
+    model = meta_model(config, arch) if model is None else model
     quantization = config.model.quantization
     kept_elements, kept_bytes, embedding_kept = 0, 0, False
     kernels = cpu_ops.kernels_for(config.device.device)  # what the layers will bind (None: not the CPU, or off)
@@ -108,7 +106,7 @@ def _how_kv(config: EngineConfig) -> str:
 
 def meta_model(config: EngineConfig, arch: ArchConfig) -> nn.Module:
     """The model built on the meta device (every tensor at its shape and dtype, no memory), whole (tp=1, pp=1)."""
-    with torch.device("meta"):
+    with torch.device("meta"):  # shapes and dtypes only: nothing is allocated
         return get_model_class(arch)(arch, getattr(torch, config.model.dtype), config.model.max_model_len)
 
 
@@ -155,11 +153,12 @@ def _fewest_stages(config: EngineConfig, arch: ArchConfig, model: nn.Module) -> 
             config.model.pooler is not None or parallel.pipeline_parallel_size > 1 or limit is None or \
             config.model.quantization == "gguf":
         return None
+    weights = estimate_weight_bytes(config.model.model, arch, config, model)  # (the same at every split)
+    backend = "mp" if parallel.distributed_executor_backend == "uni" else parallel.distributed_executor_backend
     for pp in range(2, arch.num_layers + 1):
-        backend = "mp" if parallel.distributed_executor_backend == "uni" else parallel.distributed_executor_backend
         staged = dataclasses.replace(config, parallel=dataclasses.replace(
             parallel, pipeline_parallel_size=pp, distributed_executor_backend=backend))
-        if max(r.need for r in plan_ranks(staged, arch, model)) <= limit:
+        if max(r.need for r in rank_bytes(staged, arch, model, weights)) <= limit:
             return pp
     return 0
 

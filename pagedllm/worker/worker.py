@@ -238,10 +238,10 @@ class Worker:
                                    self.rank_info.local_world_size)
         if cache.worker_memory_limit is None:
             return budget
-        left = cache.worker_memory_limit - self.load_report.weights_bytes  # the limit holds the weights, then KV
-        if self.config.scheduler.preemption_mode == "swap":
-            left -= int(cache.swap_space * 1024**3) // self.kv_block_bytes() * self.kv_block_bytes()
-        return max(0, min(budget, left))  # (under 2 blocks: refused below, naming kv_cache_memory's figure)
+        # the limit holds the weights and the host swap blocks, then the KV pool
+        left = cache.worker_memory_limit - self.load_report.weights_bytes - \
+            self.determine_num_host_blocks() * self.kv_block_bytes()
+        return max(0, min(budget, left))  # (under 2 blocks: refused by the caller, naming worker_memory_limit)
 
     def _gpu_kv_budget(self) -> int:
         """gpu_memory_utilization of the GPU, less the weights, the peak activations of a forward pass
